@@ -1,0 +1,105 @@
+"""baton's Python API; the CLI is a thin shell over it.
+
+Order matters: everything that can be checked without Ray (the spec, the data's shape, the
+checkpoint folder) is checked first, so bad input is refused before Ray starts and before any
+file, checkpoint or MLflow run is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional
+
+from baton.checkpoint import CheckpointStore
+from baton.coordinator import Coordinator, RunResult
+from baton.data import corpus
+from baton.data.source import needs_prepare, preflight
+from baton.errors import CheckpointError, SpecError
+from baton.spec import JobSpec, check_fits, load_spec
+from baton.tracking import make_tracker
+
+
+def validate(path: str, overrides: list[str] = ()) -> JobSpec:
+    """Load and check a job file without starting anything (data is checked if present)."""
+    spec = load_spec(path, overrides)
+    if not needs_prepare(spec):
+        preflight(spec, str(path))
+    return spec
+
+
+def plan_resume(spec: JobSpec, source: str, resume: Optional[bool]) -> Optional[dict]:
+    """The metadata of the checkpoint to resume from, or None for a fresh start.
+
+    resume=None resumes automatically when the job's checkpoint folder holds a committed
+    checkpoint of this job; resume=True requires one."""
+    store = CheckpointStore(spec.checkpoint_dir)
+    step = store.latest()
+    if step is None:
+        if resume:
+            raise CheckpointError(f"{source}: --resume given but {spec.checkpoint_dir} holds no "
+                                  "committed checkpoint")
+        return None
+    meta = store.read_meta(step)
+    if meta.get("job") != spec.name or meta.get("fingerprint") != spec.fingerprint():
+        raise CheckpointError(
+            f"{source}: {spec.checkpoint_dir} holds a checkpoint (step {step}) of a different job "
+            f"or recipe (model, data or train settings changed); set checkpoint.path to a new "
+            "folder or remove the old checkpoints")
+    if meta["step"] >= spec.train.steps:
+        raise CheckpointError(
+            f"{source}: job {spec.name!r} already finished: its checkpoint is at step "
+            f"{meta['step']} and train.steps is {spec.train.steps}; raise train.steps to train on")
+    return meta
+
+
+def prepare_stdlib_data(spec: JobSpec, log: Callable[[str], None]) -> None:
+    log(f"preparing the built-in corpus (Python standard library, seq_len "
+        f"{spec.model.seq_len}) into {spec.data.path} ...")
+    info = corpus.prepare_stdlib(spec.data.path, spec.model.seq_len)
+    log(f"  {info['files']} files, {info['tokens']:,} tokens, {info['samples']:,} samples")
+
+
+def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
+        resume: Optional[bool] = None, record_samples: bool = False, show_progress: bool = True,
+        log: Callable[[str], None] = print) -> RunResult:
+    """Train `spec` to its last step. Starts an embedded local Ray unless Ray is already
+    connected or `address` names a cluster."""
+    import ray
+
+    resume_meta = plan_resume(spec, source, resume)
+    if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
+        check_fits(spec, os.cpu_count() or 1, _local_gpus(), source, "this machine")
+    if needs_prepare(spec):
+        prepare_stdlib_data(spec, log)
+    preflight(spec, source)
+
+    started_ray = False
+    if not ray.is_initialized():
+        ray.init(address=address or "local", include_dashboard=False,
+                 logging_level=logging.WARNING, configure_logging=True,
+                 **({"num_cpus": os.cpu_count()} if address is None else {}))
+        started_ray = True
+        ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        if address is not None:
+            res = ray.cluster_resources()
+            check_fits(spec, res.get("CPU", 0), res.get("GPU", 0), source, f"the cluster at {address}")
+        if resume_meta:
+            log(f"resuming {spec.name} from step {resume_meta['step']} "
+                f"(checkpoint in {spec.checkpoint_dir})")
+        coordinator = Coordinator(spec, make_tracker(spec.tracking), resume_meta=resume_meta,
+                                  record_samples=record_samples, show_progress=show_progress)
+        return coordinator.run()
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+__all__ = ["run", "validate", "plan_resume", "SpecError"]

@@ -1,0 +1,3 @@
+from baton.checkpoint.store import CheckpointStore
+
+__all__ = ["CheckpointStore"]

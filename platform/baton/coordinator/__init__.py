@@ -1,0 +1,3 @@
+from baton.coordinator.coordinator import Coordinator, RunResult, State
+
+__all__ = ["Coordinator", "RunResult", "State"]

@@ -1,0 +1,4 @@
+from baton.data.order import Cursor, EpochOrder
+from baton.data.source import TokenTable
+
+__all__ = ["Cursor", "EpochOrder", "TokenTable"]

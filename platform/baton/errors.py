@@ -1,0 +1,25 @@
+"""One shallow, picklable hierarchy for every error baton raises on purpose.
+
+Each error carries a one-line message meant for a user; the CLI prints it and exits non-zero.
+They pickle cleanly (only a message string) so they survive crossing Ray actor boundaries.
+"""
+
+
+class BatonError(Exception):
+    """Base class: a failure with a message a user can act on."""
+
+
+class SpecError(BatonError):
+    """The job file is wrong. The message names the file, the key, the value and the fix."""
+
+
+class DataError(BatonError):
+    """The input data is missing or not shaped as the job says."""
+
+
+class CheckpointError(BatonError):
+    """A checkpoint cannot be written, found or loaded."""
+
+
+class WorkerError(BatonError):
+    """A worker failed while training; the message names the rank and the step."""

@@ -1,0 +1,65 @@
+"""The model registry: a name ("gpt", "mlp") or "package.module:function" gives a builder.
+
+A model takes tokens (B, T) and returns logits (B, T, vocab). A user builder is called with the
+job's `ModelSpec` and returns an `nn.Module`; an `nn.Sequential` can later be cut into stages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.models.gpt import build_gpt
+from baton.models.mlp import build_mlp
+
+
+def _gpt(spec) -> nn.Module:
+    return build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads,
+                     seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout,
+                     **spec.options)
+
+
+def _mlp(spec) -> nn.Module:
+    return build_mlp(layers=spec.layers, width=spec.width, context=spec.context,
+                     vocab_size=spec.vocab_size, **spec.options)
+
+
+MODELS: dict[str, Callable] = {"gpt": _gpt, "mlp": _mlp}
+_USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def check_model_name(name: str) -> Optional[str]:
+    """None when `name` names a builder, else what would be valid."""
+    if name in MODELS:
+        return None
+    if not _USER_BUILDER.fullmatch(name):
+        return f"use one of {', '.join(MODELS)} or 'package.module:function'"
+    try:
+        _user_builder(name)
+    except (ImportError, AttributeError) as e:
+        return f"cannot load the builder ({e}); check the module is importable"
+    return None
+
+
+def _user_builder(name: str) -> Callable:
+    module, _, func = name.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def build_model(spec, seed: int) -> nn.Module:
+    """Build the model with parameters drawn from `seed`, identically in every process."""
+    builder = MODELS.get(spec.name) or _user_builder(spec.name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builder(spec)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy; callers divide by the global token count, so a batch
+    split unevenly across replicas still averages exactly like one process would."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")

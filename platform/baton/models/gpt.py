@@ -1,0 +1,72 @@
+"""A decoder-only GPT, written as a flat sequence of layers (embedding, blocks, head) so a
+pipeline partitioner can cut it anywhere between layers. No weight tying, for the same reason."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, width: int, seq_len: int, dropout: float):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(seq_len, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.tok(tokens) + self.pos(positions))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class Head(nn.Module):
+    def __init__(self, width: int, vocab_size: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.lm = nn.Linear(width, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, V)
+        return self.lm(self.ln(x))
+
+
+def build_gpt(*, layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
+              dropout: float = 0.0) -> nn.Sequential:
+    model = nn.Sequential(
+        Embedding(vocab_size, width, seq_len, dropout),
+        *[Block(width, heads, dropout) for _ in range(layers)],
+        Head(width, vocab_size),
+    )
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            # GPT-2: residual projections scaled down by depth so the stream's variance stays put
+            std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+    return model

@@ -1,0 +1,3 @@
+from baton.parallel.mesh import ParallelDims
+
+__all__ = ["ParallelDims"]

@@ -1,0 +1,323 @@
+"""The job spec: one typed tree, loaded strictly from YAML.
+
+Every default lives here. A mistake (unknown key, wrong type, impossible value or combination)
+raises one `SpecError` whose message names the file, the key path, the value and what would be
+valid, before any Ray work starts and before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from baton.errors import SpecError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str = "gpt"  # a registered model (gpt, mlp) or "package.module:function"
+    layers: int = 4  # transformer blocks (gpt) or hidden layers (mlp)
+    width: int = 128  # embedding width (gpt) or hidden width (mlp)
+    heads: int = 4  # attention heads (gpt only)
+    seq_len: int = 128  # tokens of context the model sees per sample
+    vocab_size: int = 256
+    context: int = 8  # previous tokens an MLP position sees (mlp only)
+    dropout: float = 0.0
+    options: dict = field(default_factory=dict)  # passed to a user builder as keyword arguments
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    source: Literal["stdlib", "parquet"] = "stdlib"
+    path: str = "data/stdlib"  # local folder or a pyarrow filesystem URI (s3://, gs://)
+    token_column: str = "tokens"
+    id_column: Optional[str] = "sample_id"  # null: the row's position in the dataset is its id
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    steps: int = 100
+    global_batch: int = 32  # samples per optimizer step, across all replicas
+    micro_batch: int = 8  # samples per forward/backward on one replica
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0  # 0 turns clipping off
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    dp: int = 1
+    pp: int = 1
+    timeout_s: float = 120.0  # collective timeout: a dead peer surfaces after at most this
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    placement: Literal["pack", "spread"] = "pack"
+    threads_per_worker: int = 1  # torch intra-op threads in each worker
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    path: str = "checkpoints"  # local folder or a pyarrow filesystem URI; the job name is appended
+    every_steps: int = 50
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class TrackingSpec:
+    enabled: bool = True
+    uri: Optional[str] = None  # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
+    experiment: str = "baton"
+    flush_every_s: float = 30.0  # metrics are also flushed at every checkpoint commit
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """The spec as dotted keys, e.g. {"train.lr": 0.003}: MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.to_dict())
+        return out
+
+    def fingerprint(self) -> str:
+        """Hash of what makes a checkpoint belong to this job: model, data and the optimisation
+        recipe. Steps, layout, resources, checkpointing and tracking may change on resume."""
+        d = self.to_dict()
+        train = {k: v for k, v in d["train"].items() if k != "steps"}
+        key = {"name": d["name"], "model": d["model"], "data": d["data"], "train": train}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return join_path(self.checkpoint.path, self.name)
+
+
+def join_path(base: str, *parts: str) -> str:
+    """Join path parts for local paths and URIs alike (URIs always use '/')."""
+    return "/".join([base.rstrip("/"), *parts]) if "://" in base else str(Path(base, *parts))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
+    """Load and validate a job file; `overrides` are "key.path=value" strings (YAML values)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SpecError(f"{source}: cannot read the job file ({e.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise SpecError(f"{source}: not valid YAML{where}: {problem}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: the top level must be a mapping of sections, got {_kind(raw)}")
+    for item in overrides:
+        _apply_override(raw, item, source)
+    return spec_from_dict(raw, source)
+
+
+def spec_from_dict(raw: dict, source: str = "<spec>") -> JobSpec:
+    spec = _build(JobSpec, raw, "", source)
+    _check_values(spec, source)
+    return spec
+
+
+def _apply_override(raw: dict, item: str, source: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise SpecError(f"{source}: override {item!r} must look like key.path=value")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SpecError(f"{source}: override {item!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: {where}: expected a mapping, got {_kind(raw)} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        import difflib
+
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), fields, n=1)
+        fix = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(fields)}"
+        raise SpecError(f"{source}: {prefix}{key}: unknown key; {fix}")
+    values = {}
+    for name, f in fields.items():
+        if name in raw:
+            values[name] = _coerce(hints[name], raw[name], f"{prefix}{name}", source)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SpecError(f"{source}: {prefix}{name}: required key is missing")
+    return cls(**values)
+
+
+def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".", source)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, key, source)
+    if origin is Literal:
+        if value not in args:
+            choices = " | ".join(map(str, args))
+            raise SpecError(f"{source}: {key}: {value!r} is not one of {choices}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise SpecError(f"{source}: {key}: expected a list, got {_kind(value)} {value!r}")
+        return [_coerce(args[0], v, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise SpecError(f"{source}: {key}: expected a mapping, got {_kind(value)} {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string; accept it as the number it means
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise SpecError(f"{source}: {key}: expected {_kind(tp())}, got {_kind(value)} {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Values and combinations
+
+
+def _check_values(spec: JobSpec, source: str) -> None:
+    def need(ok: bool, key: str, value: Any, fix: str) -> None:
+        if not ok:
+            raise SpecError(f"{source}: {key}: {value!r} is invalid; {fix}")
+
+    m, d, t, p, r, c, tr = (spec.model, spec.data, spec.train, spec.parallel, spec.resources,
+                           spec.checkpoint, spec.tracking)
+    import re
+
+    need(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", spec.name)), "name", spec.name,
+         "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    from baton.models import check_model_name
+
+    problem = check_model_name(m.name)
+    need(problem is None, "model.name", m.name, problem or "")
+    for key in ("layers", "width", "heads", "seq_len", "vocab_size", "context"):
+        need(getattr(m, key) >= 1, f"model.{key}", getattr(m, key), "must be at least 1")
+    need(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)")
+    if m.name == "gpt":
+        need(m.width % m.heads == 0, "model.heads", m.heads,
+             f"must divide model.width ({m.width}); try {_divisor_near(m.width, m.heads)}")
+    need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
+    need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
+
+    for key in ("steps", "global_batch", "micro_batch"):
+        need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")
+    need(t.lr > 0, "train.lr", t.lr, "must be > 0 (e.g. 3e-4)")
+    need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be in [0, train.lr = {t.lr}]")
+    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
+    need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", t.betas,
+         "give two numbers in [0, 1), e.g. [0.9, 0.95]")
+    need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 turns clipping off)")
+
+    need(p.dp >= 1, "parallel.dp", p.dp, "must be at least 1")
+    need(p.pp >= 1, "parallel.pp", p.pp, "must be at least 1")
+    need(p.pp == 1, "parallel.pp", p.pp, "pipeline parallelism is not yet supported; use pp: 1")
+    need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
+    per_step = p.dp * t.micro_batch
+    need(t.global_batch % per_step == 0, "train.global_batch", t.global_batch,
+         f"must be a multiple of parallel.dp x train.micro_batch = {p.dp} x {t.micro_batch} "
+         f"= {per_step}; try {max(per_step, round(t.global_batch / per_step) * per_step)}")
+
+    need(r.cpus_per_worker > 0, "resources.cpus_per_worker", r.cpus_per_worker, "must be > 0")
+    need(r.gpus_per_worker >= 0, "resources.gpus_per_worker", r.gpus_per_worker, "must be >= 0")
+    need(r.threads_per_worker >= 1, "resources.threads_per_worker", r.threads_per_worker,
+         "must be at least 1")
+
+    need(bool(c.path), "checkpoint.path", c.path, "give a folder or URI")
+    need(c.every_steps >= 1, "checkpoint.every_steps", c.every_steps, "must be at least 1")
+    need(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
+    need(tr.flush_every_s > 0, "tracking.flush_every_s", tr.flush_every_s, "must be > 0")
+    need(bool(tr.experiment), "tracking.experiment", tr.experiment, "name an MLflow experiment")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+
+
+def check_fits(spec: JobSpec, cpus: float, gpus: float, source: str, where: str) -> None:
+    """Refuse a layout the cluster cannot place (checked against its total resources)."""
+    r, p = spec.resources, spec.parallel
+    workers = p.dp * p.pp
+    if workers * r.cpus_per_worker > cpus + 1e-9:
+        fit = int(cpus // r.cpus_per_worker)
+        raise SpecError(
+            f"{source}: parallel.dp: {p.dp} is invalid; {workers} workers x "
+            f"resources.cpus_per_worker {r.cpus_per_worker} need {workers * r.cpus_per_worker:g} "
+            f"CPUs but {where} has {cpus:g}; use dp <= {fit // p.pp} or lower cpus_per_worker")
+    if r.gpus_per_worker and workers * r.gpus_per_worker > gpus + 1e-9:
+        raise SpecError(
+            f"{source}: parallel.dp: {p.dp} is invalid; {workers} workers x "
+            f"resources.gpus_per_worker {r.gpus_per_worker} need {workers * r.gpus_per_worker:g} "
+            f"GPUs but {where} has {gpus:g}")

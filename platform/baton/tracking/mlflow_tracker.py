@@ -1,0 +1,110 @@
+"""MLflow: one run per job, written only by the coordinator.
+
+Metrics are buffered and sent in batches (one batch call instead of one call per value:
+MLflow's own advice, and 35x faster on sqlite). The buffer is flushed at every checkpoint
+commit, at the end, and at most every `tracking.flush_every_s` seconds, so a run killed
+between checkpoints leaves few or no metrics for the steps a resume will replay.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+from baton.spec import TrackingSpec
+
+MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+
+def default_uri() -> str:
+    """$MLFLOW_TRACKING_URI, else a sqlite store in the working directory (MLflow 3's default
+    backend; an absolute sqlite path takes four slashes)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+
+
+class MLflowTracker:
+    def __init__(self, spec: TrackingSpec):
+        from mlflow.tracking import MlflowClient
+
+        self.uri = spec.uri or default_uri()
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.experiment = spec.experiment
+        self.flush_every_s = spec.flush_every_s
+        self.run_id: Optional[str] = None
+        self._buffer: list = []
+        self._last_flush = time.monotonic()
+
+    def start(self, run_name: str, params: dict[str, Any], run_id: Optional[str] = None) -> str:
+        """Open a new run, or continue `run_id` (a resumed job keeps its run)."""
+        if run_id:
+            run = self.client.get_run(run_id)
+            self.client.update_run(run_id, status="RUNNING")
+            known = run.data.params
+        else:
+            exp = self.client.get_experiment_by_name(self.experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+            run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+            known = {}
+        self.run_id = run_id
+        self._log_params(params, known)
+        return run_id
+
+    def _log_params(self, params: dict[str, Any], known: dict[str, str]) -> None:
+        from mlflow.entities import Param, RunTag
+
+        new, changed = [], []
+        for k, v in params.items():
+            text = str(v)[:6000]
+            if k not in known:
+                new.append(Param(k, text))
+            elif known[k] != text:  # params are immutable in MLflow: record the change as a tag
+                changed.append(RunTag(f"resumed_with.{k}", text))
+        for i in range(0, len(new), 100):
+            self.client.log_batch(self.run_id, params=new[i:i + 100])
+        if changed:
+            self.client.log_batch(self.run_id, tags=changed)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        for i in range(0, len(self._buffer), MAX_BATCH):
+            self.client.log_batch(self.run_id, metrics=self._buffer[i:i + MAX_BATCH])
+        self._buffer = []
+        self._last_flush = time.monotonic()
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def finish(self, status: str) -> None:
+        """status: FINISHED, FAILED or KILLED."""
+        if self.run_id:
+            self.flush()
+            self.client.set_terminated(self.run_id, status=status)
+
+
+class NullTracker:
+    """Stands in when tracking is off, so the training loop has no `if tracker:` branches."""
+
+    uri = None
+    run_id = None
+
+    def start(self, run_name: str, params: dict, run_id: Optional[str] = None) -> Optional[str]:
+        return None
+
+    def log_metrics(self, step: int, metrics: dict) -> None: ...
+    def flush(self) -> None: ...
+    def set_tags(self, tags: dict) -> None: ...
+    def finish(self, status: str) -> None: ...
+
+
+def make_tracker(spec: TrackingSpec):
+    return MLflowTracker(spec) if spec.enabled else NullTracker()

@@ -1,0 +1,53 @@
+"""The optimisation recipe, as plain functions: the workers use them, and so does any
+single-process reference that wants to compute exactly what baton computes."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from baton.spec import TrainSpec
+
+
+def make_optimizer(model: nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on biases, norms' gains or positions' rows)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": train.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), foreach=False)
+
+
+def lr_at(step: int, train: TrainSpec) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to
+    min_lr at the last step (or constant)."""
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    if train.schedule == "constant":
+        return train.lr
+    span = max(1, train.steps - train.warmup_steps - 1)
+    progress = min(1.0, (step - train.warmup_steps) / span)
+    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_and_norm(model: nn.Module, grad_clip: float) -> float:
+    """Clip gradients to `grad_clip` (0: no clipping) and return their norm before clipping."""
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    return float(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+
+def param_digest(model: nn.Module) -> str:
+    """A hash of every parameter's bytes, in name order: equal digests, identical replicas."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

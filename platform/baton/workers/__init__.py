@@ -1,0 +1,3 @@
+from baton.workers.group import WorkerGroup
+
+__all__ = ["WorkerGroup"]
