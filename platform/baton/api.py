@@ -81,6 +81,8 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                  **({"num_cpus": os.cpu_count()} if address is None else {}))
         started_ray = True
         ray.data.DataContext.get_current().enable_progress_bars = False
+        for name in ("ray.data", "mlflow"):  # their INFO lines drown the progress line
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         if address is not None:
             res = ray.cluster_resources()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Optional, TextIO
 
 
 def _clock(seconds: float) -> str:
@@ -15,11 +15,11 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total: int, start: int = 0, stream: TextIO = sys.stderr,
+    def __init__(self, total: int, start: int = 0, stream: Optional[TextIO] = None,
                  enabled: bool = True, every_s: float = 10.0):
         self.total, self.start_step = total, start
-        self.stream, self.enabled, self.every_s = stream, enabled, every_s
-        self.tty = enabled and stream.isatty()
+        self.stream, self.enabled, self.every_s = stream or sys.stderr, enabled, every_s
+        self.tty = enabled and self.stream.isatty()
         self.t0 = time.monotonic()
         self._last = 0.0
 

@@ -64,7 +64,7 @@ def prepare_stdlib(out_dir: str | os.PathLike, seq_len: int, shard_rows: int = S
         info = {"source": "python-stdlib", "python": sys.version.split()[0], "files": num_files,
                 "tokens": int(len(stream)), "seq_len": seq_len, "samples": int(len(rows)),
                 "vocab_size": 256}
-        (tmp / "corpus.json").write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / "_corpus.json").write_text(json.dumps(info, indent=2) + "\n")
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -43,7 +43,7 @@ def preflight(spec: JobSpec, source: str) -> int:
                if d.source == "parquet" else "it is prepared on first run")
         raise SpecError(f"{source}: data.path: {d.path!r} does not exist; {fix}")
     try:
-        ds = pads.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=True)
+        ds = pads.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=False)
         schema = ds.schema
     except (pa.ArrowInvalid, OSError) as e:
         raise SpecError(f"{source}: data.path: {d.path!r} is not a Parquet dataset ({e})") from None
@@ -82,7 +82,7 @@ def load_table(spec: JobSpec) -> TokenTable:
     columns = [d.token_column] + ([d.id_column] if d.id_column else [])
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # row positions are ids when there is no id column
-    ds = ray.data.read_parquet(path, filesystem=fs, columns=columns)
+    ds = ray.data.read_parquet(path, filesystem=fs).select_columns(columns)
     table = pa.concat_tables(ray.get(ds.to_arrow_refs()))
     tokens = _to_numpy(table.column(d.token_column), spec.model.seq_len + 1)
     if d.id_column:

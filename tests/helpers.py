@@ -1,0 +1,58 @@
+"""Small real-text datasets and specs for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from baton.data.corpus import stdlib_stream, windows
+
+_STREAM = None
+
+
+def write_dataset(folder: Path, num_samples: int, seq_len: int, shards: int = 2,
+                  id_offset: int = 1000) -> Path:
+    """`num_samples` rows of stdlib text, seq_len + 1 tokens each, ids id_offset.. in shuffled
+    shard order (so nothing may rely on file order)."""
+    global _STREAM
+    if _STREAM is None:
+        _STREAM = stdlib_stream()[0]
+    rows = windows(_STREAM[: num_samples * seq_len + 1], seq_len)[:num_samples]
+    assert len(rows) == num_samples
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = np.arange(id_offset, id_offset + num_samples)
+    for k, part in enumerate(np.array_split(np.arange(num_samples), shards)[::-1]):
+        tokens = pa.FixedSizeListArray.from_arrays(pa.array(rows[part].reshape(-1)), seq_len + 1)
+        pq.write_table(pa.table({"sample_id": ids[part], "tokens": tokens}),
+                       folder / f"part-{k}.parquet")
+    return folder
+
+
+def tiny_spec(tmp: Path, data: Path, **sections) -> dict:
+    """A small job as a dict; `sections` override whole keys of each section."""
+    spec = {
+        "name": "tiny",
+        "model": {"name": "gpt", "layers": 2, "width": 32, "heads": 2, "seq_len": 32},
+        "data": {"source": "parquet", "path": str(data)},
+        "train": {"steps": 3, "global_batch": 8, "micro_batch": 2, "lr": 1e-2, "min_lr": 1e-3,
+                  "warmup_steps": 1, "seed": 7},
+        "parallel": {"dp": 2, "timeout_s": 60},
+        "resources": {"cpus_per_worker": 0.5},
+        "checkpoint": {"path": str(tmp / "ckpt"), "every_steps": 1, "keep": 2},
+        "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests"},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            spec[section] = {**spec.get(section, {}), **values}
+        else:
+            spec[section] = values
+    return spec
+
+
+def write_spec(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path

@@ -1,0 +1,112 @@
+"""Resume is invisible: 10 steps straight equal 5 steps, a SIGKILL, and 5 resumed steps, bitwise,
+in one MLflow run. Runs the real `baton run` command in its own process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from mlflow.tracking import MlflowClient
+
+from baton.checkpoint import CheckpointStore
+from helpers import tiny_spec, write_dataset, write_spec
+
+# A user model (the `module:function` path): the GPT, slowed down so that a kill lands
+# between the step-5 checkpoint and the end of the run, whatever the machine's speed.
+SLOW_MODEL = '''
+import time
+import torch
+from baton.models.gpt import build_gpt
+
+class Slow(torch.nn.Module):
+    def forward(self, x):
+        time.sleep(0.4)
+        return x
+
+def build(spec):
+    model = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads,
+                      seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout)
+    return torch.nn.Sequential(Slow(), *model)
+'''
+
+
+def baton(args: list[str], cwd: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "baton.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: Ray's too
+
+
+def test_killed_and_resumed_equals_straight(tmp_path):
+    (tmp_path / "slowgpt.py").write_text(SLOW_MODEL)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    data = write_dataset(tmp_path / "data", num_samples=200, seq_len=32)
+    specs = {}
+    for name in ("straight", "killed"):
+        spec = tiny_spec(tmp_path, data, name=name,
+                         model={"name": "slowgpt:build", "dropout": 0.1},  # RNG state matters
+                         train={"steps": 10, "global_batch": 8, "micro_batch": 4},
+                         checkpoint={"every_steps": 5, "keep": 3},
+                         tracking={"flush_every_s": 3600})  # flush only at commits and the end
+        specs[name] = write_spec(tmp_path / f"{name}.yaml", spec)
+
+    straight = baton(["run", str(specs["straight"]), "--quiet"], tmp_path, env)
+    out, _ = straight.communicate(timeout=300)
+    assert straight.returncode == 0, out
+
+    killed = baton(["run", str(specs["killed"]), "--quiet"], tmp_path, env)
+    marker = tmp_path / "ckpt" / "killed" / "step_00000005" / "COMMITTED"
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert killed.poll() is None, killed.stdout.read()
+        assert time.monotonic() < deadline, "no checkpoint at step 5"
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=30)
+    assert killed.returncode == -signal.SIGKILL
+    store = CheckpointStore(str(tmp_path / "ckpt" / "killed"))
+    assert store.latest() == 5  # killed before it could finish
+
+    resumed = baton(["run", str(specs["killed"]), "--quiet"], tmp_path, env)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert "resuming killed from step 5" in out
+
+    want = CheckpointStore(str(tmp_path / "ckpt" / "straight"))
+    for part in ("model.pt", "optim.pt"):
+        a, b = want.read_tensors(10, part), store.read_tensors(10, part)
+        flat_a, flat_b = _tensors(a), _tensors(b)
+        assert flat_a.keys() == flat_b.keys() and flat_a
+        for key in flat_a:
+            assert torch.equal(flat_a[key], flat_b[key]), f"{part}: {key} differs"
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tests")
+    runs = client.search_runs([exp.experiment_id], "attributes.run_name = 'killed'")
+    assert len(runs) == 1  # the resumed job continued its run
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["resumed_from_step"] == "5"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(steps) == list(range(1, 11))  # ten steps, each once
+    ref = {m.step: m.value for m in client.get_metric_history(
+        client.search_runs([exp.experiment_id], "attributes.run_name = 'straight'")[0].info.run_id, "loss")}
+    got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert got == ref
+
+
+def _tensors(tree, prefix="") -> dict[str, torch.Tensor]:
+    out = {}
+    if isinstance(tree, torch.Tensor):
+        out[prefix] = tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    return out

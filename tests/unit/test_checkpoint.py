@@ -1,0 +1,63 @@
+"""Checkpoints: committed last, torn ones never loaded, retention, no unrestricted pickle."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+
+from baton.checkpoint import CheckpointStore
+from baton.errors import CheckpointError
+
+
+def _save(store, step, keep=2, value=0.0):
+    store.begin(step)
+    store.write_tensors(step, "model.pt", {"w": torch.full((3,), value)})
+    return store.commit(step, {"step": step}, keep=keep)
+
+
+def test_commit_then_load(tmp_path):
+    store = CheckpointStore(str(tmp_path / "job"))
+    assert store.latest() is None
+    path = _save(store, 5, value=1.5)
+    assert path.endswith("step_00000005") and store.latest() == 5
+    assert store.read_meta(5) == {"step": 5}
+    assert torch.equal(store.read_tensors(5, "model.pt")["w"], torch.full((3,), 1.5))
+
+
+def test_torn_checkpoint_is_never_loaded(tmp_path):
+    store = CheckpointStore(str(tmp_path / "job"))
+    _save(store, 5)
+    store.begin(10)  # a crash after writing part of step 10, before the marker
+    store.write_tensors(10, "model.pt", {"w": torch.zeros(3)})
+    assert store.latest() == 5
+    with pytest.raises(CheckpointError, match="not committed"):
+        store.read_tensors(10, "model.pt")
+    _save(store, 10, value=2.0)  # a retry at the same step replaces the torn folder
+    assert store.latest() == 10
+
+
+def test_retention_keeps_the_newest_and_drops_older_torn(tmp_path):
+    store = CheckpointStore(str(tmp_path / "job"))
+    store.begin(1)  # torn, older than what follows
+    for step in (2, 4, 6, 8):
+        _save(store, step, keep=2)
+    assert store.committed_steps() == [6, 8]
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["step_00000006", "step_00000008"]
+
+
+def test_loading_refuses_arbitrary_pickles(tmp_path):
+    store = CheckpointStore(str(tmp_path / "job"))
+    _save(store, 1)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    buf = io.BytesIO()
+    torch.save({"w": Evil()}, buf, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    (tmp_path / "job" / "step_00000001" / "model.pt").write_bytes(buf.getvalue())
+    with pytest.raises(pickle.UnpicklingError):
+        store.read_tensors(1, "model.pt")

@@ -1,0 +1,47 @@
+"""Models: shapes, causality, the registry, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.models import build_model, check_model_name
+from baton.spec import ModelSpec, TrainSpec
+from baton.training import lr_at
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_causal_language_model(name):
+    spec = ModelSpec(name=name, layers=2, width=32, heads=2, seq_len=16, context=4)
+    model = build_model(spec, seed=0).eval()
+    x = torch.randint(0, 256, (2, 16))
+    y = model(x)
+    assert y.shape == (2, 16, 256)
+    x2 = x.clone()
+    x2[:, 10:] = (x2[:, 10:] + 1) % 256  # change the future ...
+    assert torch.allclose(model(x2)[:, :10], y[:, :10], atol=1e-6)  # ... the past is unchanged
+    assert not torch.allclose(model(x2)[:, 10:], y[:, 10:])
+
+
+def test_same_seed_same_parameters():
+    spec = ModelSpec(layers=1, width=16, heads=2, seq_len=8)
+    a, b, c = build_model(spec, 3), build_model(spec, 3), build_model(spec, 4)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_registry_names():
+    assert check_model_name("gpt") is None and check_model_name("mlp") is None
+    assert check_model_name("baton.models.gpt:build_gpt") is None
+    assert "use one of" in check_model_name("resnet")
+    assert "cannot load" in check_model_name("baton.models.gpt:nope")
+
+
+def test_lr_schedule_warms_up_then_decays_to_min():
+    t = TrainSpec(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10)
+    lrs = [lr_at(s, t) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0) and lrs[99] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    const = TrainSpec(steps=100, lr=0.5, warmup_steps=0, schedule="constant")
+    assert {lr_at(s, const) for s in range(100)} == {0.5}
