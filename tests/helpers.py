@@ -5,11 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow.dataset as pads
+import torch
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from baton.data import Cursor, EpochOrder
 from baton.data.corpus import stdlib_stream, windows
+from baton.models import build_model, loss_sum
+from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
 
 _STREAM = None
 
@@ -56,3 +61,25 @@ def tiny_spec(tmp: Path, data: Path, **sections) -> dict:
 def write_spec(path: Path, spec: dict) -> Path:
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], list, list]:
+    """Plain PyTorch in this process: the whole global batch at once, no Ray, no accumulation.
+    Returns the final parameters and each step's loss and gradient norm (before clipping)."""
+    table = pads.dataset(str(data_dir)).to_table().sort_by("sample_id")
+    tokens = table.column("tokens").combine_chunks().flatten().to_numpy()
+    tokens = tokens.reshape(table.num_rows, spec.model.seq_len + 1)
+    model = build_model(spec.model, spec.train.seed)
+    optimizer = make_optimizer(model, spec.train)
+    order, cursor = EpochOrder(len(tokens), spec.train.seed), Cursor()
+    losses, norms = [], []
+    for step in range(steps):
+        batch = torch.from_numpy(tokens[order.next_batch(cursor, spec.train.global_batch)]).long()
+        loss = loss_sum(model(batch[:, :-1]), batch[:, 1:]) / batch[:, 1:].numel()
+        loss.backward()
+        set_lr(optimizer, lr_at(step, spec.train))
+        norms.append(clip_and_norm(model, spec.train.grad_clip))
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict(), losses, norms

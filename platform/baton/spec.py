@@ -56,6 +56,7 @@ class TrainSpec:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # 0 turns clipping off
     seed: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast matmuls; weights stay fp32
 
 
 @dataclass(frozen=True)

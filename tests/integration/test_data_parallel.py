@@ -5,42 +5,17 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import pyarrow.dataset as pads
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from baton import api
 from baton.checkpoint import CheckpointStore
-from baton.data import Cursor, EpochOrder
-from baton.models import build_model, loss_sum
+from baton.models import build_model
 from baton.spec import spec_from_dict
-from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
-from helpers import tiny_spec, write_dataset
+from helpers import reference_run, tiny_spec, write_dataset
 
 pytestmark = pytest.mark.usefixtures("local_ray")
-
-
-def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], list, list]:
-    """Plain PyTorch in this process: the whole global batch at once, no Ray, no accumulation.
-    Returns the final parameters and each step's loss and gradient norm (before clipping)."""
-    table = pads.dataset(str(data_dir)).to_table().sort_by("sample_id")
-    tokens = table.column("tokens").combine_chunks().flatten().to_numpy()
-    tokens = tokens.reshape(table.num_rows, spec.model.seq_len + 1)
-    model = build_model(spec.model, spec.train.seed)
-    optimizer = make_optimizer(model, spec.train)
-    order, cursor = EpochOrder(len(tokens), spec.train.seed), Cursor()
-    losses, norms = [], []
-    for step in range(steps):
-        batch = torch.from_numpy(tokens[order.next_batch(cursor, spec.train.global_batch)]).long()
-        loss = loss_sum(model(batch[:, :-1]), batch[:, 1:]) / batch[:, 1:].numel()
-        loss.backward()
-        set_lr(optimizer, lr_at(step, spec.train))
-        norms.append(clip_and_norm(model, spec.train.grad_clip))
-        losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.state_dict(), losses, norms
 
 
 MODELS = {

@@ -48,7 +48,9 @@ class RunResult:
     run_id: Optional[str]
     checkpoint: Optional[str]
     resumed_from: Optional[int]
-    tokens_per_s: float
+    tokens_per_s: float  # median over the second half of the steps (past warm-up)
+    step_times_s: list[float] = field(default_factory=list)  # this process's steps only
+    workers: list[dict] = field(default_factory=list)  # rank, device, pid, node of each worker
     replica_digests: list[str] = field(default_factory=list)
     ledger: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (step, rank, ids)
 
@@ -70,6 +72,8 @@ class Coordinator:
         self.last_loss = float("nan")
         self.last_checkpoint: Optional[str] = None
         self.tokens_per_s: list[float] = []
+        self.step_times_s: list[float] = []
+        self.workers: list[dict] = []
         self.ledger: list = []
 
     def run(self) -> RunResult:
@@ -112,7 +116,7 @@ class Coordinator:
 
     def _schedule(self) -> State:
         self.group = WorkerGroup(self.spec, self.dims)
-        self.group.start(self.table_ref, self.record_samples)
+        self.workers = self.group.start(self.table_ref, self.record_samples)
         if self.resume_meta:
             same_layout = self.resume_meta["layout"] == self._layout()
             self.group.call("load", self.store.root, self.step, same_layout, what="loading the checkpoint")
@@ -136,6 +140,7 @@ class Coordinator:
         self.step += 1
         tps = tokens / step_time_s
         self.tokens_per_s.append(tps)
+        self.step_times_s.append(step_time_s)
         self.tracker.log_metrics(self.step, {
             "loss": self.last_loss, "lr": lr, "grad_norm": results[0]["grad_norm"],
             "tokens_per_s": tps, "samples_per_s": len(batch) / step_time_s,
@@ -179,4 +184,5 @@ class Coordinator:
                          loss=self.last_loss, run_id=self.run_id, checkpoint=self.last_checkpoint,
                          resumed_from=self.resume_meta["step"] if self.resume_meta else None,
                          tokens_per_s=float(np.median(recent)) if recent else 0.0,
+                         step_times_s=self.step_times_s, workers=self.workers,
                          replica_digests=getattr(self, "replica_digests", []), ledger=self.ledger)

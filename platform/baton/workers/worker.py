@@ -31,6 +31,7 @@ class Worker:
         self.dp_rank, self.pp_rank = dims.coords(rank)
         self.use_cuda = spec.resources.gpus_per_worker > 0
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
+        self.bf16 = spec.train.precision == "bf16"
         torch.set_num_threads(spec.resources.threads_per_worker)
         self.ledger: Optional[list] = None
 
@@ -57,7 +58,8 @@ class Worker:
         self.optimizer = make_optimizer(self.model, spec.train)
         torch.manual_seed(spec.train.seed * 100_003 + self.rank)  # dropout differs per replica
         self.ledger = [] if record_samples else None
-        return {"rank": self.rank, "device": str(self.device), "pid": os.getpid(),
+        return {"rank": self.rank, "device": str(self.device), "backend": dist.get_backend(),
+                "pid": os.getpid(),
                 "node": ray.get_runtime_context().get_node_id()}
 
     def train_step(self, step: int, batch: np.ndarray, lr: float) -> dict:
@@ -81,7 +83,9 @@ class Worker:
                 rows = mine[:1] if len(mine) else batch[:1]
             data = torch.from_numpy(self.tokens[rows]).to(self.device, torch.long)
             with contextlib.nullcontext() if sync else self.model.no_sync():
-                ls = loss_sum(self.model(data[:, :-1]), data[:, 1:]) * weight
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+                    logits = self.model(data[:, :-1])
+                ls = loss_sum(logits, data[:, 1:]) * weight
                 (ls * scale).backward()
             total += ls.detach()
             if weight and self.ledger is not None:

@@ -1,0 +1,251 @@
+"""Data-parallel throughput: baton against plain DDP and Ray Train, side by side in one run.
+
+The same GPT, data (the stdlib corpus), global batch, micro-batching, optimizer and world size,
+trained for a fixed number of steps by
+  (a) baton (`baton.api.run`, Ray actors, DDP inside),
+  (b) a plain torch.distributed DDP script (torch.multiprocessing, no Ray),
+  (c) Ray Train's TorchTrainer.
+(b) and (c) run one plain loop, `plain_steps`, so they differ only in who launches it. Throughput
+is tokens per second over the steps after `--warmup`, timed on rank 0 (every step ends in an
+all-reduce, so rank 0's clock is the group's). Rounds alternate a, b, c; the median round counts.
+
+    python benchmarks/dp_throughput.py                       # CPU, gloo, 2 workers
+    python benchmarks/dp_throughput.py --device cuda --layers 12 --width 768 --heads 12 \\
+        --seq-len 1024 --global-batch 32 --micro-batch 8     # GPU, NCCL, bf16, MFU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as pads
+import torch
+import torch.distributed as dist
+
+from baton import api
+from baton.data import Cursor, EpochOrder
+from baton.data.corpus import prepare_stdlib
+from baton.models import build_model, loss_sum
+from baton.models.flops import gpt_flops_per_token, peak_flops
+from baton.parallel import ParallelDims
+from baton.parallel.mesh import split_micro
+from baton.spec import spec_from_dict
+from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
+
+
+def job(args, data: str, tmp: str) -> dict:
+    cuda = args.device == "cuda"
+    return {
+        "name": "bench-dp",
+        "model": {"name": "gpt", "layers": args.layers, "width": args.width, "heads": args.heads,
+                  "seq_len": args.seq_len},
+        "data": {"source": "parquet", "path": data},
+        "train": {"steps": args.steps, "global_batch": args.global_batch,
+                  "micro_batch": args.micro_batch, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 5,
+                  "precision": "bf16" if cuda else "fp32"},
+        "parallel": {"dp": args.workers},
+        "resources": {"cpus_per_worker": 1 if not cuda else 2, "gpus_per_worker": 1 if cuda else 0,
+                      "threads_per_worker": args.threads},
+        "checkpoint": {"path": f"{tmp}/ckpt", "every_steps": 10**9},
+        "tracking": {"enabled": False},
+    }
+
+
+def load_tokens(data: str, seq_len: int) -> np.ndarray:
+    table = pads.dataset(data).to_table().sort_by("sample_id")
+    return table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, seq_len + 1)
+
+
+def plain_steps(model, spec, tokens: np.ndarray, rank: int, world: int, device) -> list[float]:
+    """A plain DDP training loop, as a user would write it: same batches, micro-batches and
+    recipe as baton. `model` is already DDP-wrapped. Returns per-step seconds."""
+    t = spec.train
+    optimizer = make_optimizer(model, t)
+    order, cursor, dims = EpochOrder(len(tokens), t.seed), Cursor(), ParallelDims(world)
+    num_micro = t.global_batch // (world * t.micro_batch)
+    bf16 = t.precision == "bf16"
+    times = []
+    for step in range(t.steps):
+        t0 = time.perf_counter()
+        batch = order.next_batch(cursor, t.global_batch)
+        micro = split_micro(dims.replica_part(batch, rank), num_micro)
+        scale = world / (len(batch) * spec.model.seq_len)
+        for i, rows in enumerate(micro):
+            data = torch.from_numpy(tokens[rows]).to(device, torch.long)
+            with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
+                with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+                    logits = model(data[:, :-1])
+                (loss_sum(logits, data[:, 1:]) * scale).backward()
+        set_lr(optimizer, lr_at(step, t))
+        clip_and_norm(model, t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# -- (b) plain DDP ------------------------------------------------------------------------------
+
+def _ddp_worker(rank: int, world: int, port: int, spec_dict: dict, data: str, threads: int,
+                out: str) -> None:
+    torch.set_num_threads(threads)
+    spec = spec_from_dict(spec_dict)
+    cuda = spec.resources.gpus_per_worker > 0
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    model = build_model(spec.model, spec.train.seed).to(device)
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+    times = plain_steps(model, spec, load_tokens(data, spec.model.seq_len), rank, world, device)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def run_ddp(spec_dict: dict, data: str, args, tmp: str) -> list[float]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = f"{tmp}/ddp_times.json"
+    mp.spawn(_ddp_worker, args=(args.workers, port, spec_dict, data, args.threads, out),
+             nprocs=args.workers, join=True)
+    return json.loads(Path(out).read_text())
+
+
+# -- (c) Ray Train ------------------------------------------------------------------------------
+
+def _ray_train_loop(config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(config["threads"])
+    spec = spec_from_dict(config["spec"])
+    ctx = ray.train.get_context()
+    model = ray.train.torch.prepare_model(build_model(spec.model, spec.train.seed))
+    device = ray.train.torch.get_device()
+    tokens = load_tokens(config["data"], spec.model.seq_len)
+    times = plain_steps(model, spec, tokens, ctx.get_world_rank(), ctx.get_world_size(), device)
+    ray.train.report({"step_times": json.dumps(times)})
+
+
+def run_ray_train(spec_dict: dict, data: str, args, tmp: str) -> list[float]:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cuda = args.device == "cuda"
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"spec": spec_dict, "data": data, "threads": args.threads},
+        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=cuda,
+                                     resources_per_worker={"CPU": 1 if not cuda else 2}),
+        run_config=RunConfig(storage_path=f"{tmp}/ray_train", name=f"bench-{time.time_ns()}"))
+    result = trainer.fit()
+    return json.loads(result.metrics["step_times"])
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+def tokens_per_s(times: list[float], warmup: int, tokens_per_step: int) -> float:
+    steady = times[warmup:]
+    return len(steady) * tokens_per_step / sum(steady)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--skip", default="", help="comma-separated: baton,ddp,ray_train")
+    p.add_argument("--out", default="benchmarks/results/dp_throughput_{device}.json")
+    args = p.parse_args()
+
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="baton-bench-")
+    data = f"{tmp}/data"
+    prepare_stdlib(data, args.seq_len)
+    spec_dict = job(args, data, tmp)
+    spec = spec_from_dict(spec_dict)
+    tokens_per_step = args.global_batch * args.seq_len
+
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING",
+             num_cpus=os.cpu_count())
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+    def baton_run() -> list[float]:
+        ckpt = Path(tmp, "ckpt")
+        if ckpt.exists():
+            import shutil
+
+            shutil.rmtree(ckpt)
+        return api.run(spec, show_progress=False, log=lambda _: None).step_times_s
+
+    contenders = {"baton": baton_run,
+                  "ddp": lambda: run_ddp(spec_dict, data, args, tmp),
+                  "ray_train": lambda: run_ray_train(spec_dict, data, args, tmp)}
+    skip = set(filter(None, args.skip.split(",")))
+    rates: dict[str, list[float]] = {k: [] for k in contenders if k not in skip}
+    for r in range(args.rounds):
+        for name in rates:
+            t0 = time.perf_counter()
+            times = contenders[name]()
+            rates[name].append(tokens_per_s(times, args.warmup, tokens_per_step))
+            print(f"round {r + 1}: {name:9s} {rates[name][-1]:>12,.0f} tokens/s "
+                  f"({time.perf_counter() - t0:.1f} s end to end)", flush=True)
+    ray.shutdown()
+
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    flops = gpt_flops_per_token(args.layers, args.width, args.seq_len, 256)
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    peak = peak_flops(device_name, spec.train.precision) if args.device == "cuda" else None
+    print(f"\n{'system':10s} {'tokens/s':>12s} {'vs DDP':>8s} {'vs Ray Train':>13s}"
+          + (f" {'MFU':>7s}" if peak else ""))
+    for name, rate in median.items():
+        vs_ddp = f"{rate / median['ddp']:.3f}" if "ddp" in median else "-"
+        vs_rt = f"{rate / median['ray_train']:.3f}" if "ray_train" in median else "-"
+        mfu = f" {rate * flops / (peak * args.workers):7.1%}" if peak else ""
+        print(f"{name:10s} {rate:>12,.0f} {vs_ddp:>8s} {vs_rt:>13s}{mfu}")
+
+    result = {"config": vars(args), "device": device_name, "torch": torch.__version__,
+              "ray": ray.__version__, "flops_per_token": flops, "peak_flops": peak,
+              "tokens_per_step": tokens_per_step, "rounds_tokens_per_s": rates,
+              "median_tokens_per_s": median,
+              "ratios": {"baton_vs_ddp": median.get("baton", 0) / median["ddp"] if "ddp" in median else None,
+                         "baton_vs_ray_train": median.get("baton", 0) / median["ray_train"]
+                         if "ray_train" in median else None},
+              "mfu": {k: v * flops / (peak * args.workers) for k, v in median.items()} if peak else None}
+    out = Path(args.out.format(device=args.device))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
