@@ -11,6 +11,7 @@ the only writer to MLflow. Recovering and rescaling states arrive with the elast
 
 from __future__ import annotations
 
+import collections
 import enum
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,24 @@ from baton.progress import Progress
 from baton.spec import JobSpec
 from baton.training import lr_at
 from baton.workers import WorkerGroup
+
+
+PIPELINE_DEPTH = 2  # steps queued on the workers at once
+
+
+@dataclass
+class _Pending:
+    """A step handed to the workers, and what was queued behind it."""
+
+    step: int
+    samples: int
+    lr: float
+    submitted_at: float
+    refs: list
+    cursor: dict  # the data cursor after this step
+    ledger_refs: Optional[list] = None
+    save_refs: Optional[list] = None
+    digest_refs: Optional[list] = None
 
 
 class State(enum.Enum):
@@ -72,6 +91,10 @@ class Coordinator:
         self.last_loss = float("nan")
         self.last_checkpoint: Optional[str] = None
         self.tokens_per_s: list[float] = []
+        self.inflight: collections.deque[_Pending] = collections.deque()
+        self.submitted = 0  # steps handed to the workers
+        self.last_done_at = 0.0
+        self.replica_digests: list[str] = []
         self.step_times_s: list[float] = []
         self.workers: list[dict] = []
         self.ledger: list = []
@@ -104,7 +127,7 @@ class Coordinator:
         self.num_samples = len(table)
         meta = self.resume_meta
         if meta:
-            self.step = meta["step"]
+            self.step = self.submitted = meta["step"]
             self.cursor.load_state_dict(meta["cursor"])
         run_id = self.tracker.start(self.spec.name, self.spec.flat(),
                                     run_id=meta.get("mlflow_run_id") if meta else None)
@@ -124,32 +147,16 @@ class Coordinator:
         return State.RUNNING
 
     def _run_step(self) -> State:
-        t = self.spec.train
-        if self.step >= t.steps:
-            if self.last_checkpoint is None or not self.last_checkpoint.endswith(f"{self.step:08d}"):
-                self._checkpoint()
+        # Keep the next step queued on the workers while this one runs, so that no worker
+        # idles waiting for the coordinator between steps (measured: 3.5 ms a step on CPU,
+        # a larger share of a short GPU step). Actors run calls in order, so a checkpoint
+        # queued behind step k sees exactly the state after step k.
+        while self.submitted < self.spec.train.steps and len(self.inflight) < PIPELINE_DEPTH:
+            self.inflight.append(self._submit(self.submitted))
+        if not self.inflight:
             self.tracker.finish("FINISHED")
             return State.FINISHED
-        batch = self.order.next_batch(self.cursor, t.global_batch)
-        lr = lr_at(self.step, t)
-        t0 = time.perf_counter()
-        results = self.group.call("train_step", self.step, batch, lr, what=f"training step {self.step}")
-        step_time_s = time.perf_counter() - t0
-        tokens = sum(r["tokens"] for r in results)
-        self.last_loss = sum(r["loss_sum"] for r in results) / tokens
-        self.step += 1
-        tps = tokens / step_time_s
-        self.tokens_per_s.append(tps)
-        self.step_times_s.append(step_time_s)
-        self.tracker.log_metrics(self.step, {
-            "loss": self.last_loss, "lr": lr, "grad_norm": results[0]["grad_norm"],
-            "tokens_per_s": tps, "samples_per_s": len(batch) / step_time_s,
-            "step_time_s": step_time_s, "epoch": self.cursor.epoch, "world_size": self.dims.world_size})
-        self.progress.update(self.step, self.last_loss, tps)
-        if self.record_samples:
-            self._collect_ledger()
-        if self.step % self.spec.checkpoint.every_steps == 0 and self.step < t.steps:
-            self._checkpoint()
+        self._complete(self.inflight.popleft())
         return State.RUNNING
 
     # -- helpers ------------------------------------------------------------------------------
@@ -157,14 +164,52 @@ class Coordinator:
     def _layout(self) -> dict:
         return {"dp": self.dims.dp, "pp": self.dims.pp}
 
-    def _checkpoint(self) -> None:
-        self.store.begin(self.step)
-        self.group.call("save", self.store.root, self.step, what=f"saving checkpoint {self.step}")
-        digests = self.group.call("digest")
+    def _submit(self, step: int) -> "_Pending":
+        t = self.spec.train
+        batch = self.order.next_batch(self.cursor, t.global_batch)
+        lr = lr_at(step, t)
+        pending = _Pending(step=step, samples=len(batch), lr=lr, submitted_at=time.perf_counter(),
+                           refs=self.group.submit("train_step", step, batch, lr),
+                           cursor=self.cursor.state_dict())
+        if self.record_samples:
+            pending.ledger_refs = self.group.submit("take_ledger")
+        done = step + 1
+        if done % self.spec.checkpoint.every_steps == 0 or done == t.steps:
+            self.store.begin(done)
+            pending.save_refs = self.group.submit("save", self.store.root, done)
+            pending.digest_refs = self.group.submit("digest")
+        self.submitted += 1
+        return pending
+
+    def _complete(self, p: "_Pending") -> None:
+        results = self.group.wait(p.refs, f"training step {p.step}")
+        now = time.perf_counter()
+        step_time_s = now - max(p.submitted_at, self.last_done_at)  # queued steps start when the previous ends
+        self.last_done_at = now
+        tokens = sum(r["tokens"] for r in results)
+        self.last_loss = sum(r["loss_sum"] for r in results) / tokens
+        self.step = p.step + 1
+        tps = tokens / step_time_s
+        self.tokens_per_s.append(tps)
+        self.step_times_s.append(step_time_s)
+        self.tracker.log_metrics(self.step, {
+            "loss": self.last_loss, "lr": p.lr, "grad_norm": results[0]["grad_norm"],
+            "tokens_per_s": tps, "samples_per_s": p.samples / step_time_s,
+            "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size})
+        self.progress.update(self.step, self.last_loss, tps)
+        if p.ledger_refs:
+            for rank, entries in enumerate(self.group.wait(p.ledger_refs, "reading the ledger")):
+                self.ledger += [(step, rank, ids) for step, ids in entries]
+        if p.save_refs:
+            self._commit(p)
+
+    def _commit(self, p: "_Pending") -> None:
+        self.group.wait(p.save_refs, f"saving checkpoint {self.step}")
+        digests = self.group.wait(p.digest_refs, "hashing parameters")
         if len(set(digests)) != 1:  # an invariant of data parallelism: worth the milliseconds
             raise WorkerError(f"replicas diverged at step {self.step}: parameter digests {digests}")
         self.replica_digests = digests
-        meta = {"job": self.spec.name, "step": self.step, "cursor": self.cursor.state_dict(),
+        meta = {"job": self.spec.name, "step": self.step, "cursor": p.cursor,
                 "fingerprint": self.spec.fingerprint(), "layout": self._layout(),
                 "mlflow_run_id": self.run_id, "tracking_uri": self.tracker.uri,
                 "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
@@ -174,10 +219,6 @@ class Coordinator:
         self.tracker.set_tags({"checkpoint.latest": self.last_checkpoint})
         self.tracker.flush()
 
-    def _collect_ledger(self) -> None:
-        for rank, entries in enumerate(self.group.call("take_ledger")):
-            self.ledger += [(step, rank, ids) for step, ids in entries]
-
     def _result(self) -> RunResult:
         recent = self.tokens_per_s[len(self.tokens_per_s) // 2:]  # past the warm-up steps
         return RunResult(job=self.spec.name, state=self.state.value, step=self.step,
@@ -185,4 +226,4 @@ class Coordinator:
                          resumed_from=self.resume_meta["step"] if self.resume_meta else None,
                          tokens_per_s=float(np.median(recent)) if recent else 0.0,
                          step_times_s=self.step_times_s, workers=self.workers,
-                         replica_digests=getattr(self, "replica_digests", []), ledger=self.ledger)
+                         replica_digests=self.replica_digests, ledger=self.ledger)

@@ -4,7 +4,7 @@ surfaces as a `WorkerError` rather than a hang."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -47,18 +47,17 @@ class WorkerGroup:
         return self.call("setup", master, table_ref, record_samples, what="joining the group")
 
     def call_one(self, rank: int, method: str, *args: Any) -> Any:
-        return self._wait([getattr(self.actors[rank], method).remote(*args)], method)[0]
+        return self.wait([getattr(self.actors[rank], method).remote(*args)], method)[0]
+
+    def submit(self, method: str, *args: Any) -> list:
+        """Queue `method(*args)` on every rank without waiting; actors run calls in order."""
+        return [getattr(a, method).remote(*args) for a in self.actors]
 
     def call(self, method: str, *args: Any, what: str = "") -> list:
         """Call `method(*args)` on every rank; results in rank order."""
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return self._wait(refs, what or method)
+        return self.wait(self.submit(method, *args), what or method)
 
-    def call_each(self, method: str, args_per_rank: Sequence[tuple], what: str = "") -> list:
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, args_per_rank)]
-        return self._wait(refs, what or method)
-
-    def _wait(self, refs: list, what: str) -> list:
+    def wait(self, refs: list, what: str) -> list:
         try:
             # the collective timeout plus a margin: a stuck peer fails inside the group first
             return ray.get(refs, timeout=self.timeout_s + 30)

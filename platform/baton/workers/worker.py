@@ -126,7 +126,10 @@ class Worker:
         return param_digest(self.model.module)
 
     def take_ledger(self) -> list:
-        out, self.ledger = self.ledger or [], [] if self.ledger is not None else None
+        """The (step, sample ids) trained on since the last call; empties the ledger."""
+        out = self.ledger or []
+        if self.ledger is not None:
+            self.ledger = []
         return out
 
     def shutdown(self) -> None:
