@@ -7,7 +7,9 @@ trained for a fixed number of steps by
   (c) Ray Train's TorchTrainer.
 (b) and (c) run one plain loop, `plain_steps`, so they differ only in who launches it. Throughput
 is tokens per second over the steps after `--warmup`, timed on rank 0 (every step ends in an
-all-reduce, so rank 0's clock is the group's). Rounds alternate a, b, c; the median round counts.
+all-reduce, so rank 0's clock is the group's). This machine is shared and noisy, so each round
+runs all three back to back, in an order that rotates from round to round, and a ratio is the
+median over rounds of that round's ratio (paired), not a ratio of separate medians.
 
     python benchmarks/dp_throughput.py                       # CPU, gloo, 2 workers
     python benchmarks/dp_throughput.py --device cuda --layers 12 --width 768 --heads 12 \\
@@ -131,7 +133,7 @@ def run_ddp(spec_dict: dict, data: str, args, tmp: str) -> list[float]:
 
 # -- (c) Ray Train ------------------------------------------------------------------------------
 
-def _ray_train_loop(config: dict) -> None:
+def _ray_train_loop(config: dict) -> list[float]:
     import ray.train
     import ray.train.torch
 
@@ -141,8 +143,8 @@ def _ray_train_loop(config: dict) -> None:
     model = ray.train.torch.prepare_model(build_model(spec.model, spec.train.seed))
     device = ray.train.torch.get_device()
     tokens = load_tokens(config["data"], spec.model.seq_len)
-    times = plain_steps(model, spec, tokens, ctx.get_world_rank(), ctx.get_world_size(), device)
-    ray.train.report({"step_times": json.dumps(times)})
+    # Ray Train v2 keeps no free-floating reported metrics; rank 0's return value comes back
+    return plain_steps(model, spec, tokens, ctx.get_world_rank(), ctx.get_world_size(), device)
 
 
 def run_ray_train(spec_dict: dict, data: str, args, tmp: str) -> list[float]:
@@ -157,7 +159,7 @@ def run_ray_train(spec_dict: dict, data: str, args, tmp: str) -> list[float]:
                                      resources_per_worker={"CPU": 1 if not cuda else 2}),
         run_config=RunConfig(storage_path=f"{tmp}/ray_train", name=f"bench-{time.time_ns()}"))
     result = trainer.fit()
-    return json.loads(result.metrics["step_times"])
+    return result.return_value
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -210,9 +212,10 @@ def main() -> int:
                   "ddp": lambda: run_ddp(spec_dict, data, args, tmp),
                   "ray_train": lambda: run_ray_train(spec_dict, data, args, tmp)}
     skip = set(filter(None, args.skip.split(",")))
-    rates: dict[str, list[float]] = {k: [] for k in contenders if k not in skip}
+    names = [k for k in contenders if k not in skip]
+    rates: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds):
-        for name in rates:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.perf_counter()
             times = contenders[name]()
             rates[name].append(tokens_per_s(times, args.warmup, tokens_per_step))
@@ -221,24 +224,31 @@ def main() -> int:
     ray.shutdown()
 
     median = {k: statistics.median(v) for k, v in rates.items()}
+
+    def paired(a: str, b: str):
+        if a not in rates or b not in rates:
+            return None
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+    ratios = {"baton_vs_ddp": paired("baton", "ddp"), "baton_vs_ray_train": paired("baton", "ray_train"),
+              "ray_train_vs_ddp": paired("ray_train", "ddp")}
     flops = gpt_flops_per_token(args.layers, args.width, args.seq_len, 256)
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     peak = peak_flops(device_name, spec.train.precision) if args.device == "cuda" else None
-    print(f"\n{'system':10s} {'tokens/s':>12s} {'vs DDP':>8s} {'vs Ray Train':>13s}"
+    print(f"\n{'system':10s} {'tokens/s (median)':>18s} {'vs DDP':>8s} {'vs Ray Train':>13s}"
           + (f" {'MFU':>7s}" if peak else ""))
     for name, rate in median.items():
-        vs_ddp = f"{rate / median['ddp']:.3f}" if "ddp" in median else "-"
-        vs_rt = f"{rate / median['ray_train']:.3f}" if "ray_train" in median else "-"
+        vs = [paired(name, "ddp"), paired(name, "ray_train")]
+        vs_txt = [f"{v:.3f}" if v is not None else "-" for v in vs]
         mfu = f" {rate * flops / (peak * args.workers):7.1%}" if peak else ""
-        print(f"{name:10s} {rate:>12,.0f} {vs_ddp:>8s} {vs_rt:>13s}{mfu}")
+        print(f"{name:10s} {rate:>18,.0f} {vs_txt[0]:>8s} {vs_txt[1]:>13s}{mfu}")
+    print("(ratios: median over rounds of each round's paired ratio)")
 
     result = {"config": vars(args), "device": device_name, "torch": torch.__version__,
               "ray": ray.__version__, "flops_per_token": flops, "peak_flops": peak,
               "tokens_per_step": tokens_per_step, "rounds_tokens_per_s": rates,
               "median_tokens_per_s": median,
-              "ratios": {"baton_vs_ddp": median.get("baton", 0) / median["ddp"] if "ddp" in median else None,
-                         "baton_vs_ray_train": median.get("baton", 0) / median["ray_train"]
-                         if "ray_train" in median else None},
+              "paired_ratios_median": ratios,
               "mfu": {k: v * flops / (peak * args.workers) for k, v in median.items()} if peak else None}
     out = Path(args.out.format(device=args.device))
     out.parent.mkdir(parents=True, exist_ok=True)

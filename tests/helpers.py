@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +86,12 @@ def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], 
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict(), losses, norms
+
+
+def start_baton(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """The installed `baton` command, as a user runs it, in its own process group (so that a
+    test can kill it and the embedded Ray it started together)."""
+    exe = shutil.which("baton")
+    assert exe, "the baton console script is installed"
+    return subprocess.Popen([exe, *args], cwd=cwd, env=env or os.environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)

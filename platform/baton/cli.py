@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    # A `module:function` model builder in the working directory imports here as it does on
+    # Ray's local workers, which get the driver's working directory on their path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     from baton.errors import BatonError
 
     try:

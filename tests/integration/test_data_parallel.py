@@ -70,3 +70,4 @@ def test_every_sample_exactly_once_per_epoch(tmp_path):
     assert sum(by_epoch[1].values()) == 24 and set(by_epoch[1].values()) == {1}
     assert set(ranks) == {0, 1} and abs(ranks[0] - ranks[1]) <= 9  # both replicas trained
     assert np.isfinite(result.loss)
+

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from baton.checkpoint import CheckpointStore
-from helpers import tiny_spec, write_dataset, write_spec
+from helpers import start_baton, tiny_spec, write_dataset, write_spec
 
 # A user model (the `module:function` path): the GPT, slowed down so that a kill lands
 # between the step-5 checkpoint and the end of the run, whatever the machine's speed.
@@ -35,15 +33,8 @@ def build(spec):
 '''
 
 
-def baton(args: list[str], cwd: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "baton.cli", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group: Ray's too
-
-
 def test_killed_and_resumed_equals_straight(tmp_path):
-    (tmp_path / "slowgpt.py").write_text(SLOW_MODEL)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    (tmp_path / "slowgpt.py").write_text(SLOW_MODEL)  # in the working directory, as a user would
     data = write_dataset(tmp_path / "data", num_samples=200, seq_len=32)
     specs = {}
     for name in ("straight", "killed"):
@@ -54,11 +45,11 @@ def test_killed_and_resumed_equals_straight(tmp_path):
                          tracking={"flush_every_s": 3600})  # flush only at commits and the end
         specs[name] = write_spec(tmp_path / f"{name}.yaml", spec)
 
-    straight = baton(["run", str(specs["straight"]), "--quiet"], tmp_path, env)
+    straight = start_baton(["run", str(specs["straight"]), "--quiet"], tmp_path)
     out, _ = straight.communicate(timeout=300)
     assert straight.returncode == 0, out
 
-    killed = baton(["run", str(specs["killed"]), "--quiet"], tmp_path, env)
+    killed = start_baton(["run", str(specs["killed"]), "--quiet"], tmp_path)
     marker = tmp_path / "ckpt" / "killed" / "step_00000005" / "COMMITTED"
     deadline = time.monotonic() + 240
     while not marker.exists():
@@ -71,7 +62,7 @@ def test_killed_and_resumed_equals_straight(tmp_path):
     store = CheckpointStore(str(tmp_path / "ckpt" / "killed"))
     assert store.latest() == 5  # killed before it could finish
 
-    resumed = baton(["run", str(specs["killed"]), "--quiet"], tmp_path, env)
+    resumed = start_baton(["run", str(specs["killed"]), "--quiet"], tmp_path)
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out
     assert "resuming killed from step 5" in out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -105,7 +106,7 @@ class Coordinator:
                 self.tick()
         except BaseException as e:
             self.state = State.FAILED
-            self.tracker.set_tags({"error": f"{type(e).__name__}: {e}"[:5000], "failed_at_step": self.step})
+            self.tracker.set_tags({"error": f"{type(e).__name__}: {e}"[:5000], "failed_at_step": self.step + 1})
             self.tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         finally:
@@ -182,12 +183,15 @@ class Coordinator:
         return pending
 
     def _complete(self, p: "_Pending") -> None:
-        results = self.group.wait(p.refs, f"training step {p.step}")
+        results = self.group.wait(p.refs, f"training step {p.step + 1}")  # steps count from 1
         now = time.perf_counter()
         step_time_s = now - max(p.submitted_at, self.last_done_at)  # queued steps start when the previous ends
         self.last_done_at = now
         tokens = sum(r["tokens"] for r in results)
         self.last_loss = sum(r["loss_sum"] for r in results) / tokens
+        if not math.isfinite(self.last_loss):
+            raise WorkerError(f"the loss is {self.last_loss} at step {p.step + 1}; lower train.lr "
+                              "or set train.grad_clip (the last checkpoint is kept)")
         self.step = p.step + 1
         tps = tokens / step_time_s
         self.tokens_per_s.append(tps)

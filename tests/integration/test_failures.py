@@ -1,0 +1,71 @@
+"""Failures a user meets without any infrastructure fault: their own code raising, a loss that
+blows up. The run stops with one line naming where, the MLflow run says FAILED, and the last
+checkpoint stays loadable. Runs the `baton` command with the user's module in the cwd."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from baton.checkpoint import CheckpointStore
+from helpers import start_baton, tiny_spec, write_dataset, write_spec
+
+USER_MODEL = '''
+import torch
+from baton.models.gpt import build_gpt
+
+class Trap(torch.nn.Module):
+    """Raises, or poisons the activations, on the n-th forward pass of this process."""
+    calls = 0
+    def __init__(self, at, mode):
+        super().__init__()
+        self.at, self.mode = at, mode
+    def forward(self, x):
+        Trap.calls += 1
+        if Trap.calls == self.at and self.mode == "raise":
+            raise ValueError("bad batch in user code")
+        return x
+
+class NanAfter(torch.nn.Module):
+    calls = 0
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+    def forward(self, h):
+        NanAfter.calls += 1
+        return h * float("nan") if NanAfter.calls >= self.at else h
+
+def raising(spec):
+    gpt = build_gpt(layers=1, width=16, heads=2, seq_len=spec.seq_len, vocab_size=256)
+    return torch.nn.Sequential(Trap(4, "raise"), *gpt)
+
+def exploding(spec):
+    gpt = build_gpt(layers=1, width=16, heads=2, seq_len=spec.seq_len, vocab_size=256)
+    return torch.nn.Sequential(gpt[0], NanAfter(4), *gpt[1:])
+'''
+
+
+@pytest.mark.parametrize("builder,message", [
+    ("raising", "baton: error: worker rank 0 failed while training step 4: "
+                "ValueError: bad batch in user code"),
+    ("exploding", "baton: error: the loss is nan at step 4; lower train.lr or set train.grad_clip"),
+])
+def test_run_stops_with_one_line_and_keeps_its_checkpoint(tmp_path, builder, message):
+    (tmp_path / "usermodel.py").write_text(USER_MODEL)
+    data = write_dataset(tmp_path / "data", 64, 32)
+    spec = tiny_spec(tmp_path, data, name=builder, model={"name": f"usermodel:{builder}"},
+                     parallel={"dp": 1}, train={"steps": 6, "global_batch": 4, "micro_batch": 4},
+                     checkpoint={"every_steps": 2})
+    job = write_spec(tmp_path / "job.yaml", spec)
+
+    proc = start_baton(["run", str(job), "--quiet"], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+
+    assert proc.returncode == 2, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(message), last
+    store = CheckpointStore(str(tmp_path / "ckpt" / builder))
+    assert store.latest() == 2 and store.read_tensors(2, "model.pt")  # loadable
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["failed_at_step"] == "4"
