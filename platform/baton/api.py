@@ -42,15 +42,29 @@ def plan_resume(spec: JobSpec, source: str, resume: Optional[bool]) -> Optional[
         return None
     meta = store.read_meta(step)
     if meta.get("job") != spec.name or meta.get("fingerprint") != spec.fingerprint():
+        changed = _changed_keys(meta.get("recipe", {}), spec.recipe())
         raise CheckpointError(
-            f"{source}: {spec.checkpoint_dir} holds a checkpoint (step {step}) of a different job "
-            f"or recipe (model, data or train settings changed); set checkpoint.path to a new "
-            "folder or remove the old checkpoints")
+            f"{source}: {spec.checkpoint_dir} holds a checkpoint (step {step}) of another recipe "
+            f"({changed or 'a different job'}); set checkpoint.path to a new folder, or restore "
+            "the old values to resume")
     if meta["step"] >= spec.train.steps:
         raise CheckpointError(
             f"{source}: job {spec.name!r} already finished: its checkpoint is at step "
             f"{meta['step']} and train.steps is {spec.train.steps}; raise train.steps to train on")
     return meta
+
+
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> str:
+    """'model.width 128 -> 64, train.lr ...' for the keys whose values differ."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            nested = _changed_keys(a, b, f"{prefix}{key}.")
+            out += [nested] if nested else []
+        elif a != b:
+            out.append(f"{prefix}{key} {a!r} -> {b!r}")
+    return ", ".join(out)
 
 
 def prepare_stdlib_data(spec: JobSpec, log: Callable[[str], None]) -> None:
@@ -81,8 +95,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                  **({"num_cpus": os.cpu_count()} if address is None else {}))
         started_ray = True
         ray.data.DataContext.get_current().enable_progress_bars = False
-        for name in ("ray.data", "mlflow"):  # their INFO lines drown the progress line
-            logging.getLogger(name).setLevel(logging.WARNING)
+        _quiet_library_logs()
     try:
         if address is not None:
             res = ray.cluster_resources()
@@ -96,6 +109,15 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _quiet_library_logs() -> None:
+    """Keep the console to baton's progress line: Ray Data's per-read INFO lines, its warning
+    that we turned its progress bars off, and MLflow's schema-migration notes. Levels are set
+    on the named child loggers, which MLflow's own logging set-up on import leaves alone."""
+    for name, level in (("ray.data", logging.WARNING), ("ray.data._internal.progress", logging.ERROR),
+                        ("mlflow.store.db.utils", logging.WARNING)):
+        logging.getLogger(name).setLevel(level)
 
 
 def _local_gpus() -> int:

@@ -117,13 +117,15 @@ class JobSpec:
         walk("", self.to_dict())
         return out
 
-    def fingerprint(self) -> str:
-        """Hash of what makes a checkpoint belong to this job: model, data and the optimisation
+    def recipe(self) -> dict:
+        """What makes a checkpoint belong to this job: its name, model, data and optimisation
         recipe. Steps, layout, resources, checkpointing and tracking may change on resume."""
         d = self.to_dict()
         train = {k: v for k, v in d["train"].items() if k != "steps"}
-        key = {"name": d["name"], "model": d["model"], "data": d["data"], "train": train}
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return {"name": d["name"], "model": d["model"], "data": d["data"], "train": train}
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.recipe(), sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def checkpoint_dir(self) -> str:

@@ -61,3 +61,29 @@ def test_loading_refuses_arbitrary_pickles(tmp_path):
     (tmp_path / "job" / "step_00000001" / "model.pt").write_bytes(buf.getvalue())
     with pytest.raises(pickle.UnpicklingError):
         store.read_tensors(1, "model.pt")
+
+
+def test_resume_refuses_another_recipe_and_names_what_changed(tmp_path):
+    from baton.api import plan_resume
+    from baton.spec import spec_from_dict
+    from helpers import tiny_spec
+
+    spec = spec_from_dict(tiny_spec(tmp_path, tmp_path, train={"steps": 10}))
+    store = CheckpointStore(spec.checkpoint_dir)
+    store.begin(4)
+    store.commit(4, {"job": "tiny", "step": 4, "fingerprint": spec.fingerprint(),
+                     "recipe": spec.recipe()}, keep=2)
+    assert plan_resume(spec, "job.yaml", None)["step"] == 4
+    longer = spec_from_dict(tiny_spec(tmp_path, tmp_path, train={"steps": 20}, parallel={"dp": 1}))
+    assert plan_resume(longer, "job.yaml", None)["step"] == 4  # steps and layout may change
+    other = spec_from_dict(tiny_spec(tmp_path, tmp_path, model={"width": 64},
+                                     train={"steps": 10, "lr": 0.02}))
+    with pytest.raises(CheckpointError) as e:
+        plan_resume(other, "job.yaml", None)
+    assert "(model.width 32 -> 64, train.lr 0.01 -> 0.02)" in str(e.value)
+    done = spec_from_dict(tiny_spec(tmp_path, tmp_path, train={"steps": 4}))
+    with pytest.raises(CheckpointError, match="already finished"):
+        plan_resume(done, "job.yaml", None)
+    fresh = spec_from_dict(tiny_spec(tmp_path / "other", tmp_path))
+    with pytest.raises(CheckpointError, match="--resume given but"):
+        plan_resume(fresh, "job.yaml", True)

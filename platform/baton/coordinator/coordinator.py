@@ -214,7 +214,8 @@ class Coordinator:
             raise WorkerError(f"replicas diverged at step {self.step}: parameter digests {digests}")
         self.replica_digests = digests
         meta = {"job": self.spec.name, "step": self.step, "cursor": p.cursor,
-                "fingerprint": self.spec.fingerprint(), "layout": self._layout(),
+                "fingerprint": self.spec.fingerprint(), "recipe": self.spec.recipe(),
+                "layout": self._layout(),
                 "mlflow_run_id": self.run_id, "tracking_uri": self.tracker.uri,
                 "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
                 "rng": [f"rng-rank{r:04d}.pt" for r in range(self.dims.world_size)],

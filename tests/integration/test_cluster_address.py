@@ -1,0 +1,43 @@
+"""`baton run --address` joins a running Ray cluster (a simulated one, started and stopped by
+this test) instead of starting its own, and checks the layout against that cluster."""
+
+from __future__ import annotations
+
+import pytest
+from ray.cluster_utils import Cluster
+
+from helpers import start_baton, tiny_spec, write_dataset, write_spec
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)  # a second node: the two workers may land apart
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+def test_run_joins_the_cluster(tmp_path, cluster):
+    data = write_dataset(tmp_path / "data", 64, 32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="joined"))
+    proc = start_baton(["run", str(job), "--address", cluster.address, "--quiet"], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "joined: finished at step 3" in out
+
+
+def test_a_layout_the_cluster_cannot_place_is_refused(tmp_path, cluster):
+    data = write_dataset(tmp_path / "data", 64, 32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="toobig"))
+    proc = start_baton(["run", str(job), "--address", cluster.address,
+                        "--set", "parallel.dp=8", "--set", "train.global_batch=16",
+                        "--set", "resources.cpus_per_worker=1"], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    assert out.strip().splitlines()[-1] == (
+        f"baton: error: {job}: parallel.dp: 8 is invalid; 8 workers x resources.cpus_per_worker "
+        f"1.0 need 8 CPUs but the cluster at {cluster.address} has 2; use dp <= 2 or lower "
+        "cpus_per_worker")
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "mlflow.db").exists()
