@@ -69,3 +69,21 @@ def test_run_stops_with_one_line_and_keeps_its_checkpoint(tmp_path, builder, mes
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["failed_at_step"] == "4"
+
+
+def test_data_that_does_not_fit_the_model_is_refused_before_mlflow_or_checkpoints(tmp_path):
+    # found by reading the code: a failure before the MLflow run existed used to raise a
+    # second, unrelated MLflow error from the failure handler and hide the first
+    data = write_dataset(tmp_path / "data", 64, 32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="vocab",
+                                                      model={"vocab_size": 100}))
+    proc = start_baton(["run", str(job)], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"baton: error: data.path: token ids in '{data}' lie in [")
+    import pyarrow.dataset as pads
+
+    top = max(max(row) for row in pads.dataset(data).to_table().column("tokens").to_pylist())
+    assert last.endswith(f"but model.vocab_size is 100; set model.vocab_size: {top + 1} or more")
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "ckpt").exists()

@@ -94,6 +94,7 @@ def load_table(spec: JobSpec) -> TokenTable:
     else:
         ids = np.arange(len(tokens), dtype=np.int64)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= spec.model.vocab_size):
-        raise DataError(f"token ids lie in [{tokens.min()}, {tokens.max()}] but model.vocab_size "
-                        f"is {spec.model.vocab_size}")
+        raise DataError(f"data.path: token ids in {d.path!r} lie in [{tokens.min()}, {tokens.max()}] "
+                        f"but model.vocab_size is {spec.model.vocab_size}; set model.vocab_size: "
+                        f"{int(tokens.max()) + 1} or more")
     return TokenTable(ids=ids, tokens=np.ascontiguousarray(tokens))

@@ -24,11 +24,12 @@ def default_uri() -> str:
 
 
 class MLflowTracker:
-    def __init__(self, spec: TrackingSpec):
-        from mlflow.tracking import MlflowClient
+    """Nothing touches the store before `start`; after a failure earlier than that, every
+    other method is a no-op, so the error that stopped the run is the one the user sees."""
 
+    def __init__(self, spec: TrackingSpec):
         self.uri = spec.uri or default_uri()
-        self.client = MlflowClient(tracking_uri=self.uri)
+        self.client = None
         self.experiment = spec.experiment
         self.flush_every_s = spec.flush_every_s
         self.run_id: Optional[str] = None
@@ -37,6 +38,9 @@ class MLflowTracker:
 
     def start(self, run_name: str, params: dict[str, Any], run_id: Optional[str] = None) -> str:
         """Open a new run, or continue `run_id` (a resumed job keeps its run)."""
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.uri)
         if run_id:
             run = self.client.get_run(run_id)
             self.client.update_run(run_id, status="RUNNING")
@@ -74,6 +78,8 @@ class MLflowTracker:
             self.flush()
 
     def flush(self) -> None:
+        if not self.run_id:
+            return
         for i in range(0, len(self._buffer), MAX_BATCH):
             self.client.log_batch(self.run_id, metrics=self._buffer[i:i + MAX_BATCH])
         self._buffer = []
@@ -82,6 +88,8 @@ class MLflowTracker:
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
+        if not self.run_id:
+            return
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def finish(self, status: str) -> None:
