@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import Callable, Optional
 
 from baton.checkpoint import CheckpointStore
 from baton.coordinator import Coordinator, RunResult
 from baton.data import corpus
 from baton.data.source import needs_prepare, preflight
-from baton.errors import CheckpointError, SpecError
+from baton.errors import CheckpointError
 from baton.spec import JobSpec, check_fits, load_spec
 from baton.tracking import make_tracker
 
@@ -96,6 +98,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         started_ray = True
         ray.data.DataContext.get_current().enable_progress_bars = False
         _quiet_library_logs()
+        previous_sigterm = _sigterm_as_interrupt()
     try:
         if address is not None:
             res = ray.cluster_resources()
@@ -109,6 +112,21 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
     finally:
         if started_ray:
             ray.shutdown()
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers are shut
+    down, the MLflow run is marked KILLED, the last checkpoint stays for a resume. Installed
+    after ray.init, which replaces SIGTERM's handler with one that only dumps a stack."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame) -> None:
+        raise KeyboardInterrupt(signum)
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _quiet_library_logs() -> None:
@@ -126,4 +144,4 @@ def _local_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-__all__ = ["run", "validate", "plan_resume", "SpecError"]
+__all__ = ["run", "validate", "plan_resume"]

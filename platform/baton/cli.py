@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Optional
 
@@ -51,9 +52,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("baton: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT  # api.run raises SIGTERM this way
+        print(f"baton: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
 
 
 def _dispatch(args: argparse.Namespace) -> int:

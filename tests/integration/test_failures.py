@@ -4,6 +4,10 @@ checkpoint stays loadable. Runs the `baton` command with the user's module in th
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -87,3 +91,24 @@ def test_data_that_does_not_fit_the_model_is_refused_before_mlflow_or_checkpoint
     top = max(max(row) for row in pads.dataset(data).to_table().column("tokens").to_pylist())
     assert last.endswith(f"but model.vocab_size is 100; set model.vocab_size: {top + 1} or more")
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_run_is_marked_killed_and_keeps_its_checkpoint(tmp_path, signum):
+    data = write_dataset(tmp_path / "data", 256, 32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="stopped", train={"steps": 100_000}, checkpoint={"every_steps": 5}))
+    proc = start_baton(["run", str(job), "--quiet"], tmp_path)
+    marker = tmp_path / "ckpt" / "stopped" / "step_00000005" / "COMMITTED"
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(proc.pid, signum)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, out
+    assert out.strip().splitlines()[-1] == f"baton: interrupted by {signal.Signals(signum).name}"
+    assert CheckpointStore(str(tmp_path / "ckpt" / "stopped")).latest() >= 5
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.info.status == "KILLED"
