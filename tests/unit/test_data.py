@@ -88,3 +88,15 @@ def test_parallel_dims_rank_arithmetic():
     assert dims.dp_group(1) == [3, 4, 5] and dims.pp_group(2) == [2, 5]
     with pytest.raises(ValueError):
         ParallelDims(dp=0)
+
+
+def test_data_prepare_command(tmp_path, capsys):
+    from baton import cli
+
+    out = tmp_path / "corpus"
+    assert cli.main(["data", "prepare", "stdlib", "--out", str(out), "--seq-len", "512"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("wrote ") and "samples of 513 tokens" in printed and str(out) in printed
+    assert (out / "_corpus.json").exists() and list(out.glob("part-*.parquet"))
+    assert cli.main(["data", "prepare", "stdlib", "--out", str(out)]) == 2  # never overwrites
+    assert capsys.readouterr().err == f"baton: error: {out} already exists; choose a new --out\n"
