@@ -220,9 +220,11 @@ class Coordinator:
                 "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
                 "rng": [f"rng-rank{r:04d}.pt" for r in range(self.dims.world_size)],
                 "loss": self.last_loss, "baton_version": __version__, "time": time.time()}
+        # Metrics first, then the marker: a crash between the two replays steps whose metrics
+        # are already logged, and the tracker skips those; the other order could lose them.
+        self.tracker.flush()
         self.last_checkpoint = self.store.commit(self.step, meta, self.spec.checkpoint.keep)
         self.tracker.set_tags({"checkpoint.latest": self.last_checkpoint})
-        self.tracker.flush()
 
     def _result(self) -> RunResult:
         recent = self.tokens_per_s[len(self.tokens_per_s) // 2:]  # past the warm-up steps

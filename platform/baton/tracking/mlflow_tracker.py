@@ -1,9 +1,9 @@
 """MLflow: one run per job, written only by the coordinator.
 
 Metrics are buffered and sent in batches (one batch call instead of one call per value:
-MLflow's own advice, and 35x faster on sqlite). The buffer is flushed at every checkpoint
-commit, at the end, and at most every `tracking.flush_every_s` seconds, so a run killed
-between checkpoints leaves few or no metrics for the steps a resume will replay.
+MLflow's own advice, and 35x faster on sqlite). The buffer is flushed before every checkpoint
+commit, at the end, and at most every `tracking.flush_every_s` seconds. A resumed run replays
+the steps after its checkpoint; those already logged are skipped, so every step is logged once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Optional
 from baton.spec import TrackingSpec
 
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+STEP_METRIC = "loss"  # logged at every step: its last step says how far a run's record goes
 
 
 def default_uri() -> str:
@@ -35,6 +36,7 @@ class MLflowTracker:
         self.run_id: Optional[str] = None
         self._buffer: list = []
         self._last_flush = time.monotonic()
+        self._logged_through = 0  # steps up to this one are already in the run
 
     def start(self, run_name: str, params: dict[str, Any], run_id: Optional[str] = None) -> str:
         """Open a new run, or continue `run_id` (a resumed job keeps its run)."""
@@ -45,6 +47,8 @@ class MLflowTracker:
             run = self.client.get_run(run_id)
             self.client.update_run(run_id, status="RUNNING")
             known = run.data.params
+            logged = self.client.get_metric_history(run_id, STEP_METRIC)
+            self._logged_through = max((m.step for m in logged), default=0)
         else:
             exp = self.client.get_experiment_by_name(self.experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
@@ -72,6 +76,8 @@ class MLflowTracker:
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
+        if step <= self._logged_through:  # replayed after a resume: already in the run
+            return
         now = int(time.time() * 1000)
         self._buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
         if time.monotonic() - self._last_flush >= self.flush_every_s:
