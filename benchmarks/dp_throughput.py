@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from baton import api
+from results_io import write_result
 from baton.data import Cursor, EpochOrder
 from baton.data.corpus import prepare_stdlib
 from baton.models import build_model, loss_sum
@@ -250,10 +251,7 @@ def main() -> int:
               "median_tokens_per_s": median,
               "paired_ratios_median": ratios,
               "mfu": {k: v * flops / (peak * args.workers) for k, v in median.items()} if peak else None}
-    out = Path(args.out.format(device=args.device))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_result(args.out.format(device=args.device), result)
     return 0
 
 

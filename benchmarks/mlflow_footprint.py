@@ -10,12 +10,11 @@ mlflow beside the skinny set), then
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
 import os
 import sys
-from pathlib import Path
 
 from packaging.requirements import Requirement
+from results_io import write_result
 
 DISTS = {d.metadata["Name"].lower().replace("_", "-"): d for d in md.distributions()}
 
@@ -56,10 +55,7 @@ def main() -> int:
         mb = sum(size_bytes(n) for n in names) / 1e6
         result[label] = {"packages": len(names), "mb": round(mb, 1), "names": sorted(names)}
         print(f"{label:34s} {len(names):>9d} {mb:>7.0f}")
-    out = Path("benchmarks/results/mlflow_footprint.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result("benchmarks/results/mlflow_footprint.json", result)
     return 0
 
 
