@@ -73,10 +73,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.seq_len < 1:
             print("baton: error: --seq-len must be at least 1", file=sys.stderr)
             return 2
-        if os.path.exists(args.out):
+        try:
+            info = prepare_stdlib(args.out, args.seq_len)
+        except FileExistsError:
             print(f"baton: error: {args.out} already exists; choose a new --out", file=sys.stderr)
             return 2
-        info = prepare_stdlib(args.out, args.seq_len)
         print(f"wrote {info['samples']:,} samples of {args.seq_len + 1} tokens from "
               f"{info['files']} files ({info['tokens']:,} bytes, Python {info['python']}) to {args.out}")
         return 0

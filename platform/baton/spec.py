@@ -8,9 +8,11 @@ valid, before any Ray work starts and before anything is written.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -196,8 +198,6 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        import difflib
-
         key = unknown[0]
         close = difflib.get_close_matches(str(key), fields, n=1)
         fix = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(fields)}"
@@ -257,8 +257,6 @@ def _check_values(spec: JobSpec, source: str) -> None:
 
     m, d, t, p, r, c, tr = (spec.model, spec.data, spec.train, spec.parallel, spec.resources,
                            spec.checkpoint, spec.tracking)
-    import re
-
     need(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", spec.name)), "name", spec.name,
          "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
     from baton.models import check_model_name
