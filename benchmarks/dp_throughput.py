@@ -76,7 +76,7 @@ def plain_steps(model, spec, tokens: np.ndarray, rank: int, world: int, device) 
     t = spec.train
     optimizer = make_optimizer(model, t)
     order, cursor, dims = EpochOrder(len(tokens), t.seed), Cursor(), ParallelDims(world)
-    num_micro = t.global_batch // (world * t.micro_batch)
+    num_micro = t.global_batch // (world * spec.micro_batch)
     bf16 = t.precision == "bf16"
     times = []
     for step in range(t.steps):

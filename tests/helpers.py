@@ -95,3 +95,19 @@ def start_baton(args: list[str], cwd: Path, env: dict | None = None) -> subproce
     assert exe, "the baton console script is installed"
     return subprocess.Popen([exe, *args], cwd=cwd, env=env or os.environ, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def read_table(data_dir) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, tokens) sorted by id, as the coordinator hands them to the workers."""
+    table = pads.dataset(str(data_dir)).to_table().sort_by("sample_id")
+    tokens = table.column("tokens").combine_chunks().flatten().to_numpy()
+    return table.column("sample_id").to_numpy(), tokens.reshape(table.num_rows, -1)
+
+
+def reference_grads(spec, tokens: np.ndarray, batch: np.ndarray) -> tuple[dict, float]:
+    """One process, the whole batch: each parameter's gradient of the mean loss, and the loss."""
+    model = build_model(spec.model, spec.train.seed)
+    data = torch.from_numpy(tokens[batch]).long()
+    loss = loss_sum(model(data[:, :-1]), data[:, 1:]) / data[:, 1:].numel()
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}, loss.item()

@@ -30,6 +30,15 @@ def validate(path: str, overrides: list[str] = ()) -> JobSpec:
     return spec
 
 
+def stage_plan(spec: JobSpec) -> str:
+    """Layers per pipeline stage as `baton run` will cut them (time: measured at start)."""
+    from baton.parallel.partition import plan_stages
+
+    if spec.parallel.partition == "time":
+        return "balanced by time measured at start"
+    return str(plan_stages(spec, lambda: []))
+
+
 def plan_resume(spec: JobSpec, source: str, resume: Optional[bool]) -> Optional[dict]:
     """The metadata of the checkpoint to resume from, or None for a fresh start.
 

@@ -66,6 +66,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         d = spec.parallel
         print(f"{args.job}: ok ({spec.name}: {spec.model.name}, dp={d.dp} pp={d.pp}, "
               f"{spec.train.steps} steps of {spec.train.global_batch} samples)")
+        if d.pp > 1:
+            print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
+                  f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
+                  f"stage {api.stage_plan(spec)}")
         return 0
     if args.command == "data":
         from baton.data.corpus import prepare_stdlib

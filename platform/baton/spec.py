@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -49,7 +49,9 @@ class DataSpec:
 class TrainSpec:
     steps: int = 100
     global_batch: int = 32  # samples per optimizer step, across all replicas
-    micro_batch: int = 8  # samples per forward/backward on one replica
+    # samples per forward/backward on one replica; null: from parallel.microbatches, else the
+    # largest divisor of global_batch / dp up to 8 (see JobSpec.micro_batch)
+    micro_batch: Optional[int] = None
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 10
@@ -64,7 +66,11 @@ class TrainSpec:
 @dataclass(frozen=True)
 class ParallelSpec:
     dp: int = 1
-    pp: int = 1
+    pp: int = 1  # pipeline stages: the model's layers are cut into pp contiguous runs
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    microbatches: Optional[int] = None  # per replica per step; null: from train.micro_batch
+    chunks: Optional[int] = None  # model chunks per pipeline rank (interleaved-1f1b: default 2)
+    partition: Union[Literal["params", "time"], list[int]] = "params"  # or layers per stage
     timeout_s: float = 120.0  # collective timeout: a dead peer surfaces after at most this
 
 
@@ -89,6 +95,7 @@ class TrackingSpec:
     uri: Optional[str] = None  # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
     experiment: str = "baton"
     flush_every_s: float = 30.0  # metrics are also flushed at every checkpoint commit
+    trace_step: Optional[int] = None  # step whose pipeline timeline is saved; null: min(10, steps)
 
 
 @dataclass(frozen=True)
@@ -119,11 +126,34 @@ class JobSpec:
         walk("", self.to_dict())
         return out
 
+    @property
+    def micro_batch(self) -> int:
+        """Samples per forward/backward on one replica (one micro-batch)."""
+        t, p = self.train, self.parallel
+        per_replica = t.global_batch // p.dp
+        if t.micro_batch:
+            return t.micro_batch
+        if p.microbatches:
+            return per_replica // p.microbatches
+        return max(d for d in range(1, min(8, per_replica) + 1) if per_replica % d == 0)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per replica per step (the pipeline's m)."""
+        return self.train.global_batch // (self.parallel.dp * self.micro_batch)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank (the interleaved schedule's v)."""
+        p = self.parallel
+        return p.chunks or (2 if p.schedule == "interleaved-1f1b" else 1)
+
     def recipe(self) -> dict:
         """What makes a checkpoint belong to this job: its name, model, data and optimisation
-        recipe. Steps, layout, resources, checkpointing and tracking may change on resume."""
+        recipe. Steps, layout (including micro-batching), resources, checkpointing and tracking
+        may change on resume."""
         d = self.to_dict()
-        train = {k: v for k, v in d["train"].items() if k != "steps"}
+        train = {k: v for k, v in d["train"].items() if k not in ("steps", "micro_batch")}
         return {"name": d["name"], "model": d["model"], "data": d["data"], "train": train}
 
     def fingerprint(self) -> str:
@@ -219,8 +249,14 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(inner, value, key, source)
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _coerce(options[0], value, key, source)
+        # several shapes (e.g. a name or a list): the one whose container type matches
+        for option in options:
+            if isinstance(value, list) == (typing.get_origin(option) is list):
+                return _coerce(option, value, key, source)
+        raise SpecError(f"{source}: {key}: unexpected {_kind(value)} {value!r}")
     if origin is Literal:
         if value not in args:
             choices = " | ".join(map(str, args))
@@ -272,8 +308,10 @@ def _check_values(spec: JobSpec, source: str) -> None:
     need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
 
-    for key in ("steps", "global_batch", "micro_batch"):
+    for key in ("steps", "global_batch"):
         need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")
+    need(t.micro_batch is None or t.micro_batch >= 1, "train.micro_batch", t.micro_batch,
+         "must be at least 1")
     need(t.lr > 0, "train.lr", t.lr, "must be > 0 (e.g. 3e-4)")
     need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be in [0, train.lr = {t.lr}]")
     need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
@@ -284,12 +322,10 @@ def _check_values(spec: JobSpec, source: str) -> None:
 
     need(p.dp >= 1, "parallel.dp", p.dp, "must be at least 1")
     need(p.pp >= 1, "parallel.pp", p.pp, "must be at least 1")
-    need(p.pp == 1, "parallel.pp", p.pp, "pipeline parallelism is not yet supported; use pp: 1")
     need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
-    per_step = p.dp * t.micro_batch
-    need(t.global_batch % per_step == 0, "train.global_batch", t.global_batch,
-         f"must be a multiple of parallel.dp x train.micro_batch = {p.dp} x {t.micro_batch} "
-         f"= {per_step}; try {max(per_step, round(t.global_batch / per_step) * per_step)}")
+    _check_batching(spec, need)
+    if p.pp > 1 or p.schedule == "interleaved-1f1b" or p.chunks or p.partition != "params":
+        _check_pipeline(spec, source, need)
 
     need(r.cpus_per_worker > 0, "resources.cpus_per_worker", r.cpus_per_worker, "must be > 0")
     need(r.gpus_per_worker >= 0, "resources.gpus_per_worker", r.gpus_per_worker, "must be >= 0")
@@ -301,6 +337,62 @@ def _check_values(spec: JobSpec, source: str) -> None:
     need(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
     need(tr.flush_every_s > 0, "tracking.flush_every_s", tr.flush_every_s, "must be > 0")
     need(bool(tr.experiment), "tracking.experiment", tr.experiment, "name an MLflow experiment")
+
+
+def _check_batching(spec: JobSpec, need) -> None:
+    t, p = spec.train, spec.parallel
+    need(p.microbatches is None or p.microbatches >= 1, "parallel.microbatches", p.microbatches,
+         "must be at least 1")
+    need(t.global_batch % p.dp == 0, "train.global_batch", t.global_batch,
+         f"must be a multiple of parallel.dp = {p.dp}")
+    if t.micro_batch and p.microbatches:
+        need(t.micro_batch * p.microbatches * p.dp == t.global_batch, "parallel.microbatches",
+             p.microbatches, f"dp x microbatches x train.micro_batch must equal train.global_batch "
+             f"({p.dp} x {p.microbatches} x {t.micro_batch} != {t.global_batch}); set only one "
+             "of microbatches and micro_batch")
+    elif p.microbatches:
+        per_replica = t.global_batch // p.dp
+        need(per_replica % p.microbatches == 0, "parallel.microbatches", p.microbatches,
+             f"must divide the {per_replica} samples each replica gets per step "
+             f"(train.global_batch / parallel.dp)")
+    per_step = p.dp * spec.micro_batch
+    need(t.global_batch % per_step == 0, "train.global_batch", t.global_batch,
+         f"must be a multiple of parallel.dp x train.micro_batch = {p.dp} x {spec.micro_batch} "
+         f"= {per_step}; try {max(per_step, round(t.global_batch / per_step) * per_step)}")
+
+
+def _check_pipeline(spec: JobSpec, source: str, need) -> None:
+    from baton.models import layer_count
+    from baton.parallel import schedule as sched
+
+    p = spec.parallel
+    interleaved = p.schedule == "interleaved-1f1b"
+    need(not interleaved or p.pp >= 2, "parallel.schedule", p.schedule,
+         "interleaving needs parallel.pp >= 2")
+    need(p.chunks is None or p.chunks >= 1, "parallel.chunks", p.chunks, "must be at least 1")
+    need(interleaved or spec.chunks == 1, "parallel.chunks", p.chunks,
+         f"only interleaved-1f1b runs several chunks per rank; {p.schedule} runs 1")
+    stages = p.pp * spec.chunks
+    layers = layer_count(spec.model)
+    what = f"{p.pp} stages x {spec.chunks} chunks" if spec.chunks > 1 else f"{p.pp} stages"
+    need(layers >= stages, "parallel.pp", p.pp,
+         f"the model has {layers} layers (model.layers plus embedding and head), fewer than "
+         f"{what}; use pp <= {layers // spec.chunks}")
+    if isinstance(p.partition, list):
+        need(len(p.partition) == stages and all(n >= 1 for n in p.partition)
+             and sum(p.partition) == layers, "parallel.partition", p.partition,
+             f"give {stages} layer counts, each >= 1, summing to the model's {layers} layers "
+             f"(e.g. {_even_split(layers, stages)}), or 'params' or 'time'")
+    if spec.resources.gpus_per_worker > 0:
+        problem = sched.order_problem(sched.build(p.schedule, p.pp, spec.microbatches,
+                                                  spec.chunks), p.pp, spec.chunks)
+        need(problem is None, "parallel.microbatches", spec.microbatches,
+             f"NCCL matches messages by order and this schedule breaks it ({problem}); "
+             f"use a multiple of parallel.pp = {p.pp}")
+
+
+def _even_split(n: int, parts: int) -> list[int]:
+    return [n // parts + (i < n % parts) for i in range(parts)]
 
 
 def _divisor_near(n: int, k: int) -> int:

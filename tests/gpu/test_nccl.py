@@ -30,7 +30,7 @@ def test_nccl_on_cuda_matches_the_cpu_reference(tmp_path):
     assert {w["backend"] for w in result.workers} == {"nccl"}
     assert all(w["device"].startswith("cuda") for w in result.workers)
     assert len(set(result.replica_digests)) == 1
-    got = CheckpointStore(spec.checkpoint_dir).read_tensors(3, "model.pt")
+    got = CheckpointStore(spec.checkpoint_dir).read_model(3)
     want, _, _ = reference_run(spec, data, steps=3)
     for name, ref in want.items():  # CUDA kernels sum in another order than the CPU's
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=1e-4, msg=name)

@@ -34,7 +34,7 @@ def test_dp2_matches_single_process(tmp_path, model):
     assert result.state == "finished" and result.step == 3
     # a checkpoint after every step checks that both replicas hold identical parameters
     assert len(result.replica_digests) == 2 and len(set(result.replica_digests)) == 1
-    got = CheckpointStore(spec.checkpoint_dir).read_tensors(3, "model.pt")
+    got = CheckpointStore(spec.checkpoint_dir).read_model(3)
     want, losses, norms = reference_run(spec, data, steps=3)
     assert got.keys() == want.keys()
     moved = 0
@@ -78,7 +78,7 @@ def test_bf16_autocast_tracks_the_fp32_reference(tmp_path):
     data = write_dataset(tmp_path / "data", 64, 32)
     spec = spec_from_dict(tiny_spec(tmp_path, data, name="bf16", train={"precision": "bf16"}))
     api.run(spec, show_progress=False)
-    got = CheckpointStore(spec.checkpoint_dir).read_tensors(3, "model.pt")
+    got = CheckpointStore(spec.checkpoint_dir).read_model(3)
     want, _, _ = reference_run(spec, data, steps=3)  # fp32
     diffs = [(got[k] - want[k]).abs().max().item() for k in want]
     assert max(diffs) < 0.05  # bf16 keeps about 3 significant digits

@@ -69,7 +69,7 @@ def test_run_stops_with_one_line_and_keeps_its_checkpoint(tmp_path, builder, mes
     last = out.strip().splitlines()[-1]
     assert last.startswith(message), last
     store = CheckpointStore(str(tmp_path / "ckpt" / builder))
-    assert store.latest() == 2 and store.read_tensors(2, "model.pt")  # loadable
+    assert store.latest() == 2 and store.read_model(2)  # loadable
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["failed_at_step"] == "4"

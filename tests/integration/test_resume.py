@@ -68,7 +68,7 @@ def test_killed_and_resumed_equals_straight(tmp_path):
     assert "resuming killed from step 5" in out
 
     want = CheckpointStore(str(tmp_path / "ckpt" / "straight"))
-    for part in ("model.pt", "optim.pt"):
+    for part in ("model-0000.pt", "optim-0000.pt"):
         a, b = want.read_tensors(10, part), store.read_tensors(10, part)
         flat_a, flat_b = _tensors(a), _tensors(b)
         assert flat_a.keys() == flat_b.keys() and flat_a

@@ -38,6 +38,30 @@ def test_overrides_and_flat_params(tmp_path):
     assert flat["train.steps"] == 42 and flat["model.name"] == "gpt"
 
 
+def test_micro_batching_resolves_from_either_key(tmp_path):
+    base = tiny_spec(tmp_path, tmp_path)
+    def spec(train, parallel):
+        return spec_from_dict({**base, "train": {**base["train"], **train},
+                               "parallel": {**base["parallel"], **parallel}})
+    a = spec({"global_batch": 32, "micro_batch": None}, {"dp": 2, "microbatches": 8})
+    b = spec({"global_batch": 32, "micro_batch": 2}, {"dp": 2})
+    c = spec({"global_batch": 36, "micro_batch": None}, {"dp": 2})  # 18 per replica: 6 x 3
+    assert (a.micro_batch, a.microbatches) == (b.micro_batch, b.microbatches) == (2, 8)
+    assert (c.micro_batch, c.microbatches) == (6, 3)
+    assert spec({}, {"pp": 2, "schedule": "interleaved-1f1b", "dp": 1}).chunks == 2
+
+
+def test_gpu_pipelines_refuse_schedules_nccl_cannot_order(tmp_path):
+    base = tiny_spec(tmp_path, tmp_path, model={"name": "gpt", "layers": 2, "width": 32,
+                                                "heads": 2, "seq_len": 32})
+    raw = {**base, "train": {**base["train"], "global_batch": 5, "micro_batch": None},
+           "parallel": {"dp": 1, "pp": 2, "schedule": "interleaved-1f1b", "microbatches": 5}}
+    assert spec_from_dict(raw).chunks == 2  # gloo matches by tag: fine on CPU
+    gpu = {**raw, "resources": {"gpus_per_worker": 1}}
+    with pytest.raises(SpecError, match="NCCL matches messages by order"):
+        spec_from_dict(gpu)
+
+
 def test_fingerprint_ignores_steps_and_layout_but_not_the_model(tmp_path):
     base = tiny_spec(tmp_path, tmp_path)
     a = spec_from_dict(base)
@@ -58,7 +82,15 @@ BROKEN = [
     ({"data": {"path": "no/such/folder"}}, "data.path: 'no/such/folder' does not exist"),
     ({"model": {"name": "transformer"}}, "model.name: 'transformer' is invalid; use one of gpt, mlp"),
     ({"model": {"width": 31}}, "model.heads: 2 is invalid; must divide model.width (31); try 1"),
-    ({"parallel": {"pp": 2}}, "parallel.pp: 2 is invalid; pipeline parallelism is not yet supported"),
+    ({"parallel": {"pp": 5}}, "parallel.pp: 5 is invalid; the model has 4 layers (model.layers plus embedding and head), fewer than 5 stages; use pp <= 4"),
+    ({"parallel": {"dp": 1, "pp": 3, "schedule": "interleaved-1f1b"}}, "parallel.pp: 3 is invalid; the model has 4 layers (model.layers plus embedding and head), fewer than 3 stages x 2 chunks; use pp <= 2"),
+    ({"parallel": {"pp": 2, "microbatches": 0}}, "parallel.microbatches: 0 is invalid; must be at least 1"),
+    ({"parallel": {"pp": 2, "schedule": "zigzag"}}, "parallel.schedule: 'zigzag' is not one of gpipe | 1f1b | interleaved-1f1b"),
+    ({"parallel": {"dp": 1, "pp": 3, "partition": [1, 1, 1]}}, "parallel.partition: [1, 1, 1] is invalid; give 3 layer counts, each >= 1, summing to the model's 4 layers (e.g. [2, 1, 1])"),
+    ({"parallel": {"pp": 2, "partition": "flops"}}, "parallel.partition: 'flops' is not one of params | time"),
+    ({"parallel": {"dp": 1, "pp": 2, "microbatches": 3}, "train": {"micro_batch": None}}, "parallel.microbatches: 3 is invalid; must divide the 8 samples each replica gets per step"),
+    ({"parallel": {"dp": 1, "pp": 2, "schedule": "1f1b", "chunks": 2}}, "parallel.chunks: 2 is invalid; only interleaved-1f1b runs several chunks per rank"),
+    ({"parallel": {"dp": 1, "pp": 2, "microbatches": 2}}, "parallel.microbatches: 2 is invalid; dp x microbatches x train.micro_batch must equal train.global_batch (1 x 2 x 2 != 8)"),
     ({"train": {"schedule": "linear"}}, "train.schedule: 'linear' is not one of cosine | constant"),
     ({"model": {"seq_len": 64}}, "model.seq_len: 64 does not fit the data; rows of"),
     ({"name": "has space"}, "name: 'has space' is invalid"),

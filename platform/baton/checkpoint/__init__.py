@@ -1,3 +1,3 @@
-from baton.checkpoint.store import CheckpointStore
+from baton.checkpoint.store import CheckpointStore, filter_optim_state, merge_optim_states
 
-__all__ = ["CheckpointStore"]
+__all__ = ["CheckpointStore", "filter_optim_state", "merge_optim_states"]

@@ -3,8 +3,10 @@
 Layout of one checkpoint:
 
     {job checkpoint dir}/step_00000050/
-        model.pt          parameters keyed by name (written by one replica of each stage)
-        optim.pt          optimizer state keyed by parameter name
+        model-0000.pt     parameters keyed by name, one file per pipeline rank (written by
+                          one replica of each; names are the whole model's, so any layout
+                          can read any other's: read_model merges them)
+        optim-0000.pt     optimizer state keyed by parameter name, likewise
         rng-rank0000.pt   each worker's RNG state
         meta.json         step, data cursor, MLflow run id, spec fingerprint, layout (coordinator)
         COMMITTED         written last, by the coordinator, once every part is in place
@@ -95,3 +97,33 @@ class CheckpointStore:
     def read_tensors(self, step: int, name: str) -> Any:
         data = storage.read_bytes(self.fs, f"{self._committed_dir(step)}/{name}")
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+    def read_model(self, step: int, shards: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """The whole model's parameters, merged from its per-stage files."""
+        if shards is None:
+            shards = self.read_meta(step)["layout"]["pp"]
+        out: dict[str, torch.Tensor] = {}
+        for i in range(shards):
+            out.update(self.read_tensors(step, f"model-{i:04d}.pt"))
+        return out
+
+
+def merge_optim_states(parts: list[dict]) -> dict:
+    """One optimizer state (keyed by parameter name) from the stages' states. Every stage
+    builds the same parameter groups in the same order, so groups merge by position."""
+    state: dict = {}
+    groups: list[dict] = []
+    for part in parts:
+        state.update(part["state"])
+        for i, g in enumerate(part["param_groups"]):
+            if i == len(groups):
+                groups.append({**g, "params": []})
+            groups[i]["params"] += g["params"]
+    return {"state": state, "param_groups": groups}
+
+
+def filter_optim_state(optim: dict, names: set[str]) -> dict:
+    """The part of an optimizer state that belongs to the parameters in `names`."""
+    return {"state": {k: v for k, v in optim["state"].items() if k in names},
+            "param_groups": [{**g, "params": [n for n in g["params"] if n in names]}
+                             for g in optim["param_groups"]]}

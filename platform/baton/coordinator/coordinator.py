@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -27,8 +28,10 @@ from baton.data import Cursor, EpochOrder
 from baton.data.source import load_table
 from baton.errors import WorkerError
 from baton.parallel import ParallelDims
+from baton.parallel.partition import plan_stages
 from baton.progress import Progress
 from baton.spec import JobSpec
+from baton.tracking import timeline
 from baton.training import lr_at
 from baton.workers import WorkerGroup
 
@@ -49,6 +52,7 @@ class _Pending:
     ledger_refs: Optional[list] = None
     save_refs: Optional[list] = None
     digest_refs: Optional[list] = None
+    traced: bool = False
 
 
 class State(enum.Enum):
@@ -73,6 +77,10 @@ class RunResult:
     workers: list[dict] = field(default_factory=list)  # rank, device, pid, node of each worker
     replica_digests: list[str] = field(default_factory=list)
     ledger: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (step, rank, ids)
+    stage_layers: Optional[list[int]] = None  # layers per pipeline stage
+    bubbles: list[float] = field(default_factory=list)  # measured idle fraction per step
+    trace: Optional[dict] = None  # the traced step's timeline: {"step", "lanes"}
+    pipeline_peaks: list[dict] = field(default_factory=list)  # per rank: activation_bytes, live
 
 
 class Coordinator:
@@ -99,6 +107,12 @@ class Coordinator:
         self.step_times_s: list[float] = []
         self.workers: list[dict] = []
         self.ledger: list = []
+        self.stage_layers: Optional[list[int]] = None
+        self.bubbles: list[float] = []
+        self.pipeline_peaks: list[dict] = []
+        self.trace: Optional[dict] = None
+        t = spec.train
+        self.trace_step = spec.tracking.trace_step or min(10, t.steps)
 
     def run(self) -> RunResult:
         try:
@@ -140,10 +154,17 @@ class Coordinator:
 
     def _schedule(self) -> State:
         self.group = WorkerGroup(self.spec, self.dims)
-        self.workers = self.group.start(self.table_ref, self.record_samples)
+        self.group.place()
+        self.stage_layers = plan_stages(self.spec, lambda: self.group.call_one(0, "profile_layers"))
+        self.workers = self.group.setup(self.table_ref, self.record_samples, self.stage_layers)
+        if self.dims.pp > 1:
+            self.tracker.set_tags({"pipeline.layers_per_stage": self.stage_layers,
+                                   "pipeline.schedule": self.spec.parallel.schedule})
         if self.resume_meta:
-            same_layout = self.resume_meta["layout"] == self._layout()
-            self.group.call("load", self.store.root, self.step, same_layout, what="loading the checkpoint")
+            old = self.resume_meta["layout"]
+            same_layout = old == self._layout()
+            self.group.call("load", self.store.root, self.step, old["pp"], same_layout,
+                            what="loading the checkpoint")
         self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress)
         return State.RUNNING
 
@@ -163,15 +184,17 @@ class Coordinator:
     # -- helpers ------------------------------------------------------------------------------
 
     def _layout(self) -> dict:
-        return {"dp": self.dims.dp, "pp": self.dims.pp}
+        return {"dp": self.dims.dp, "pp": self.dims.pp,
+                **({"stage_layers": self.stage_layers} if self.dims.pp > 1 else {})}
 
     def _submit(self, step: int) -> "_Pending":
         t = self.spec.train
         batch = self.order.next_batch(self.cursor, t.global_batch)
         lr = lr_at(step, t)
+        traced = self.dims.pp > 1 and step + 1 == self.trace_step
         pending = _Pending(step=step, samples=len(batch), lr=lr, submitted_at=time.perf_counter(),
-                           refs=self.group.submit("train_step", step, batch, lr),
-                           cursor=self.cursor.state_dict())
+                           refs=self.group.submit("train_step", step, batch, lr, traced),
+                           cursor=self.cursor.state_dict(), traced=traced)
         if self.record_samples:
             pending.ledger_refs = self.group.submit("take_ledger")
         done = step + 1
@@ -196,10 +219,15 @@ class Coordinator:
         tps = tokens / step_time_s
         self.tokens_per_s.append(tps)
         self.step_times_s.append(step_time_s)
-        self.tracker.log_metrics(self.step, {
+        metrics = {
             "loss": self.last_loss, "lr": p.lr, "grad_norm": results[0]["grad_norm"],
             "tokens_per_s": tps, "samples_per_s": p.samples / step_time_s,
-            "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size})
+            "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size}
+        if self.dims.pp > 1:
+            metrics.update(self._pipeline_metrics(results))
+            if p.traced:
+                self._save_trace(results)
+        self.tracker.log_metrics(self.step, metrics)
         self.progress.update(self.step, self.last_loss, tps)
         if p.ledger_refs:
             for rank, entries in enumerate(self.group.wait(p.ledger_refs, "reading the ledger")):
@@ -207,11 +235,38 @@ class Coordinator:
         if p.save_refs:
             self._commit(p)
 
+    def _pipeline_metrics(self, results: list[dict]) -> dict:
+        pipes = [[results[r]["pipe"] for r in self.dims.pp_group(d)] for d in range(self.dims.dp)]
+        self.bubbles.append(timeline.bubble(pipes))
+        if not self.pipeline_peaks:
+            self.pipeline_peaks = [{"activation_bytes": 0, "live": 0} for _ in results]
+        for peak, r in zip(self.pipeline_peaks, results):
+            for key in peak:
+                peak[key] = max(peak[key], r["pipe"][key])
+        most = max(r["pipe"]["activation_bytes"] for r in results)
+        return {"pipeline_bubble": self.bubbles[-1], "activation_peak_mb": most / 2**20}
+
+    def _save_trace(self, results: list[dict]) -> None:
+        """The traced step's timeline, as MLflow artifacts: a Chrome trace and a swimlane."""
+        lanes = [(*self.dims.coords(rank), r["events"]) for rank, r in enumerate(results)]
+        self.trace = {"step": self.step, "lanes": lanes}
+        p = self.spec.parallel
+        title = (f"{self.spec.name} step {self.step}: {p.schedule}, pp={self.dims.pp}, "
+                 f"dp={self.dims.dp}, {self.spec.microbatches} micro-batches, "
+                 f"bubble {self.bubbles[-1]:.1%}")
+        with tempfile.TemporaryDirectory() as tmp:
+            timeline.write_json(timeline.chrome_trace(lanes, self.step), f"{tmp}/trace.json")
+            timeline.swimlane_png(lanes, f"{tmp}/swimlane.png", title)
+            self.tracker.log_artifacts(tmp, f"pipeline/step_{self.step:06d}")
+
     def _commit(self, p: "_Pending") -> None:
         self.group.wait(p.save_refs, f"saving checkpoint {self.step}")
         digests = self.group.wait(p.digest_refs, "hashing parameters")
-        if len(set(digests)) != 1:  # an invariant of data parallelism: worth the milliseconds
-            raise WorkerError(f"replicas diverged at step {self.step}: parameter digests {digests}")
+        for s in range(self.dims.pp):  # an invariant of data parallelism: worth the milliseconds
+            replicas = [digests[r] for r in self.dims.dp_group(s)]
+            if len(set(replicas)) != 1:
+                raise WorkerError(f"replicas of stage {s} diverged at step {self.step}: "
+                                  f"parameter digests {replicas}")
         self.replica_digests = digests
         meta = {"job": self.spec.name, "step": self.step, "cursor": p.cursor,
                 "fingerprint": self.spec.fingerprint(), "recipe": self.spec.recipe(),
@@ -233,4 +288,6 @@ class Coordinator:
                          resumed_from=self.resume_meta["step"] if self.resume_meta else None,
                          tokens_per_s=float(np.median(recent)) if recent else 0.0,
                          step_times_s=self.step_times_s, workers=self.workers,
-                         replica_digests=self.replica_digests, ledger=self.ledger)
+                         replica_digests=self.replica_digests, ledger=self.ledger,
+                         stage_layers=self.stage_layers, bubbles=self.bubbles, trace=self.trace,
+                         pipeline_peaks=self.pipeline_peaks)

@@ -59,7 +59,38 @@ def build_model(spec, seed: int) -> nn.Module:
         return builder(spec)
 
 
+def _on_meta(spec) -> nn.Module:
+    """The model built on the meta device: shapes only, no memory, no time."""
+    builder = MODELS.get(spec.name) or _user_builder(spec.name)
+    with torch.device("meta"):
+        return builder(spec)
+
+
+def layer_count(spec) -> int:
+    """How many layers a pipeline can cut the model into; a model that is not an
+    nn.Sequential counts as one."""
+    model = _on_meta(spec)
+    return len(model) if isinstance(model, nn.Sequential) else 1
+
+
+def layer_params(spec) -> list[int]:
+    """Parameters per layer: what parallel.partition = params balances."""
+    model = sequential(_on_meta(spec), spec.name)
+    return [sum(p.numel() for p in layer.parameters()) for layer in model]
+
+
+def sequential(model: nn.Module, name: str) -> nn.Sequential:
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"model {name!r} is a {type(model).__name__}; pipeline stages cut an "
+                        "nn.Sequential, so return one from the builder (or use parallel.pp: 1)")
+    return model
+
+
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross entropy; callers divide by the global token count, so a batch
     split unevenly across replicas still averages exactly like one process would."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE)
+
+
+IGNORE = -100  # target of a padding position: no loss, no gradient

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from baton.spec import TrackingSpec
@@ -22,6 +23,15 @@ def default_uri() -> str:
     """$MLFLOW_TRACKING_URI, else a sqlite store in the working directory (MLflow 3's default
     backend; an absolute sqlite path takes four slashes)."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+
+
+def _artifact_root(uri: str, experiment: str) -> Optional[str]:
+    """Beside a sqlite store, artifacts go to mlartifacts/ next to the database file (not to
+    whatever the working directory is); other stores keep their server's default."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri[len("sqlite:///"):]).resolve()
+    return (db.parent / "mlartifacts" / experiment).as_uri()
 
 
 class MLflowTracker:
@@ -51,7 +61,8 @@ class MLflowTracker:
             self._logged_through = max((m.step for m in logged), default=0)
         else:
             exp = self.client.get_experiment_by_name(self.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                self.experiment, artifact_location=_artifact_root(self.uri, self.experiment))
             run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
             known = {}
         self.run_id = run_id
@@ -98,6 +109,10 @@ class MLflowTracker:
             return
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        if self.run_id:
+            self.client.log_artifacts(self.run_id, local_dir, artifact_path)
+
     def finish(self, status: str) -> None:
         """status: FINISHED, FAILED or KILLED."""
         if self.run_id:
@@ -117,6 +132,7 @@ class NullTracker:
     def log_metrics(self, step: int, metrics: dict) -> None: ...
     def flush(self) -> None: ...
     def set_tags(self, tags: dict) -> None: ...
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
     def finish(self, status: str) -> None: ...
 
 

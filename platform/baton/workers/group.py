@@ -25,7 +25,8 @@ class WorkerGroup:
         self.actors: list = []
         self.pg = None
 
-    def start(self, table_ref: Any, record_samples: bool) -> list[dict]:
+    def place(self) -> None:
+        """Reserve the workers' resources and start the actors (no process group yet)."""
         r = self.spec.resources
         bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
         self.pg = placement_group([bundle] * self.dims.world_size, strategy=r.placement.upper())
@@ -43,8 +44,12 @@ class WorkerGroup:
                     placement_group=self.pg, placement_group_bundle_index=rank),
             ).remote(self.spec, self.dims, rank)
             for rank in range(self.dims.world_size)]
+
+    def setup(self, table_ref: Any, record_samples: bool, stage_layers) -> list[dict]:
+        """Form the process group and build each worker's part of the model."""
         master = self.call_one(0, "rendezvous_address")
-        return self.call("setup", master, table_ref, record_samples, what="joining the group")
+        return self.call("setup", master, table_ref, record_samples, stage_layers,
+                         what="joining the group")
 
     def call_one(self, rank: int, method: str, *args: Any) -> Any:
         return self.wait([getattr(self.actors[rank], method).remote(*args)], method)[0]

@@ -1,10 +1,9 @@
-"""The worker: a Ray actor that holds one model replica (one pipeline stage, once pipelines
-land), its optimizer, and its place in the torch.distributed group. It executes; the
+"""The worker: a Ray actor that holds one model replica (pp = 1) or one pipeline rank's stages
+(pp > 1), its optimizer, and its place in the torch.distributed groups. It executes; the
 coordinator decides what."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 from datetime import timedelta
@@ -14,15 +13,14 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from baton.checkpoint import CheckpointStore
-from baton.models import build_model, loss_sum
+from baton.checkpoint import CheckpointStore, merge_optim_states
+from baton.models import IGNORE, build_model
 from baton.parallel import ParallelDims
 from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
-from baton.training import clip_and_norm, make_optimizer, param_digest, set_lr
+from baton.training import param_digest
+from baton.workers.engines import DataParallelEngine, PipelineEngine
 
 
 class Worker:
@@ -31,9 +29,9 @@ class Worker:
         self.dp_rank, self.pp_rank = dims.coords(rank)
         self.use_cuda = spec.resources.gpus_per_worker > 0
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
-        self.bf16 = spec.train.precision == "bf16"
         torch.set_num_threads(spec.resources.threads_per_worker)
         self.ledger: Optional[list] = None
+        self.engine = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the group's store."""
@@ -42,88 +40,104 @@ class Worker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master: tuple[str, int], table: dict, record_samples: bool) -> dict:
-        """Join the process group, build the replica and its optimizer. `table` arrives as
-        numpy arrays mapped from the object store (shared, read-only, no copy)."""
+    def profile_layers(self, repeats: int = 3) -> list[float]:
+        """Seconds of forward + backward of each layer on one micro-batch (median of
+        `repeats`): what parallel.partition = time balances."""
+        from baton.models import sequential
+        from baton.parallel.profile import layer_times
+
+        model = sequential(build_model(self.spec.model, self.spec.train.seed), self.spec.model.name)
+        example = torch.zeros(self.spec.micro_batch, self.spec.model.seq_len, dtype=torch.long)
+        return layer_times(model.to(self.device), example.to(self.device), repeats)
+
+    def setup(self, master: tuple[str, int], table: dict, record_samples: bool,
+              stage_layers: Optional[list[int]] = None) -> dict:
+        """Join the process group, build this rank's part of the model and its optimizer.
+        `table` arrives as numpy arrays mapped from the object store (shared, read-only)."""
         spec = self.spec
         dist.init_process_group(
             "nccl" if self.use_cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
             rank=self.rank, world_size=self.dims.world_size,
             timeout=timedelta(seconds=spec.parallel.timeout_s))
         self.ids, self.tokens = table["ids"], table["tokens"]
-        model = build_model(spec.model, spec.train.seed).to(self.device)
-        # DDP overlaps the gradient all-reduce with the backward pass (bucketed), and its
-        # constructor broadcasts rank 0's parameters, so replicas start identical.
-        self.model = DDP(model, device_ids=[0] if self.use_cuda else None)
-        self.optimizer = make_optimizer(self.model, spec.train)
+        if self.dims.pp == 1:
+            self.engine = DataParallelEngine(spec, self.device)
+        else:
+            self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers)
         torch.manual_seed(spec.train.seed * 100_003 + self.rank)  # dropout differs per replica
         self.ledger = [] if record_samples else None
         return {"rank": self.rank, "device": str(self.device), "backend": dist.get_backend(),
-                "pid": os.getpid(),
-                "node": ray.get_runtime_context().get_node_id()}
+                "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "layers": self.engine.layer_names()}
 
-    def train_step(self, step: int, batch: np.ndarray, lr: float) -> dict:
-        """One optimizer step on this replica's part of the global batch `batch` (row positions).
-
-        The loss is summed per replica and divided by the global token count, so the averaged
+    def train_step(self, step: int, batch: np.ndarray, lr: float, trace: bool = False) -> dict:
+        """One optimizer step on this replica's part of the global batch `batch` (row
+        positions). The loss is summed and divided by the global token count, so the summed
         gradient equals one process's gradient of the mean loss over the whole batch, even
         when the last batch of an epoch splits unevenly."""
-        spec = self.spec
-        mine = self.dims.replica_part(batch, self.dp_rank)
-        num_micro = spec.train.global_batch // (self.dims.dp * spec.train.micro_batch)
-        seq_len = spec.model.seq_len
-        # DDP divides the summed gradients by dp; multiplying by dp leaves the plain sum.
-        scale = self.dims.dp / (len(batch) * seq_len)
-        total = torch.zeros((), device=self.device)
-        micro = split_micro(mine, num_micro)
-        for i, rows in enumerate(micro):
-            sync = i == len(micro) - 1
-            weight = 1.0 if len(rows) else 0.0
-            if not len(rows):  # every replica must join every all-reduce: run a zero-weight pass
-                rows = mine[:1] if len(mine) else batch[:1]
-            data = torch.from_numpy(self.tokens[rows]).to(self.device, torch.long)
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
-                    logits = self.model(data[:, :-1])
-                ls = loss_sum(logits, data[:, 1:]) * weight
-                (ls * scale).backward()
-            total += ls.detach()
-            if weight and self.ledger is not None:
-                self.ledger.append((step, self.ids[rows].tolist()))
-        set_lr(self.optimizer, lr)
-        grad_norm = clip_and_norm(self.model, spec.train.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss_sum": float(total), "tokens": len(mine) * seq_len, "grad_norm": grad_norm}
+        micro = self._micro_batches(batch)
+        out = self.engine.forward_backward(micro, self._tokens, self._scale(batch), trace)
+        out["grad_norm"] = self.engine.apply(lr)
+        if self.ledger is not None and self.pp_rank == 0:
+            self.ledger += [(step, self.ids[rows].tolist()) for rows in micro if len(rows)]
+        return out
 
-    # -- checkpoints --------------------------------------------------------------------------
+    def gradients(self, batch: np.ndarray) -> dict:
+        """This worker's gradients for `batch`, by parameter name, without stepping: what
+        the equivalence tests compare with one process's."""
+        out = self.engine.forward_backward(self._micro_batches(batch), self._tokens,
+                                           self._scale(batch), False)
+        grads = {n: q.grad.detach().cpu().clone() for n, q in self.engine.module.named_parameters()}
+        self.engine.optimizer.zero_grad(set_to_none=True)
+        return {"grads": grads, "loss_sum": out["loss_sum"], "tokens": out["tokens"]}
+
+    def _micro_batches(self, batch: np.ndarray) -> list[np.ndarray]:
+        return split_micro(self.dims.replica_part(batch, self.dp_rank), self.spec.microbatches)
+
+    def _scale(self, batch: np.ndarray) -> float:
+        return 1.0 / (len(batch) * self.spec.model.seq_len)
+
+    def _tokens(self, rows: np.ndarray, pad_to: Optional[int] = None) -> tuple:
+        """(inputs, targets) of these rows; padded rows (to `pad_to`) have targets IGNORE."""
+        data = torch.from_numpy(self.tokens[rows]).to(torch.long)
+        if pad_to is not None and len(rows) < pad_to:
+            pad = torch.zeros(pad_to - len(rows), data.shape[1], dtype=torch.long)
+            targets = torch.cat([data[:, 1:], pad[:, 1:] + IGNORE])
+            data = torch.cat([data, pad])
+            return data[:, :-1], targets
+        return data[:, :-1], data[:, 1:]
+
+    # -- checkpoints: one file per pipeline rank, keyed by parameter name -----------------------
 
     def save(self, root: str, step: int) -> None:
         store = CheckpointStore(root)
         if self.dp_rank == 0:  # replicas are identical: one copy of each stage is enough
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
-            store.write_tensors(step, "model.pt", model_state)
-            store.write_tensors(step, "optim.pt", optim_state)
+            model_state, optim_state = self.engine.state_dicts()
+            store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state)
+            store.write_tensors(step, f"optim-{self.pp_rank:04d}.pt", optim_state)
         rng = {"cpu": torch.get_rng_state()}
         if self.use_cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
         store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)
 
-    def load(self, root: str, step: int, restore_rng: bool) -> None:
+    def load(self, root: str, step: int, shards: int, restore_rng: bool) -> None:
+        """Load parameters and optimizer state by name from however many shards the
+        checkpoint was written in: a checkpoint taken at one (dp, pp) loads at another."""
         store = CheckpointStore(root)
-        set_state_dict(self.model, self.optimizer,
-                       model_state_dict=store.read_tensors(step, "model.pt"),
-                       optim_state_dict=store.read_tensors(step, "optim.pt"))
+        model_state = store.read_model(step, shards)
+        optim_state = merge_optim_states(
+            [store.read_tensors(step, f"optim-{i:04d}.pt") for i in range(shards)])
+        self.engine.load_state_dicts(model_state, optim_state)
         if restore_rng:  # same layout: continue each worker's random stream exactly
             rng = store.read_tensors(step, f"rng-rank{self.rank:04d}.pt")
             torch.set_rng_state(rng["cpu"])
             if self.use_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"])
 
-    # -- inspection ---------------------------------------------------------------------------
+    # -- inspection -----------------------------------------------------------------------------
 
     def digest(self) -> str:
-        return param_digest(self.model.module)
+        return param_digest(self.engine.module)
 
     def take_ledger(self) -> list:
         """The (step, sample ids) trained on since the last call; empties the ledger."""

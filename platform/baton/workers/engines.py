@@ -1,0 +1,160 @@
+"""How a worker trains its part of the model: a whole replica under DDP (pp = 1), or one
+pipeline rank's stages run by a schedule (pp > 1). Both take the same micro-batches and give
+the same numbers as one process training the whole model on the whole batch."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from baton.checkpoint import filter_optim_state
+from baton.models import build_model, loss_sum, sequential
+from baton.parallel import ParallelDims
+from baton.parallel import schedule as sched
+from baton.parallel.partition import bounds
+from baton.parallel.pipeline import PipelineRuntime
+from baton.spec import JobSpec
+from baton.training import clip_and_norm, make_optimizer, set_lr
+
+TokensFn = Callable[..., tuple]  # (rows, pad_to=None) -> (inputs, targets)
+
+
+class _Engine:
+    module: nn.Module  # this worker's parameters, named as in the whole model
+    optimizer: torch.optim.Optimizer
+    wrapped: nn.Module  # what get/set_state_dict see
+
+    def layer_names(self) -> list[str]:
+        return list(self.module._modules)
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        return get_state_dict(self.wrapped, self.optimizer)
+
+    def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
+        mine = list(self.module.state_dict())
+        missing = [k for k in mine if k not in model_state]
+        if missing:
+            raise KeyError(f"the checkpoint lacks {len(missing)} of this stage's tensors, "
+                           f"e.g. {missing[:3]}: it was written for another model")
+        set_state_dict(self.wrapped, self.optimizer,
+                       model_state_dict={k: model_state[k] for k in mine},
+                       optim_state_dict=filter_optim_state(optim_state, set(mine)))
+
+
+class DataParallelEngine(_Engine):
+    def __init__(self, spec: JobSpec, device: torch.device):
+        self.spec, self.device = spec, device
+        self.bf16 = spec.train.precision == "bf16"
+        self.dp = spec.parallel.dp
+        self.module = build_model(spec.model, spec.train.seed).to(device)
+        # DDP overlaps the gradient all-reduce with the backward pass (bucketed), and its
+        # constructor broadcasts rank 0's parameters, so replicas start identical.
+        self.wrapped = DDP(self.module, device_ids=[0] if device.type == "cuda" else None)
+        self.optimizer = make_optimizer(self.wrapped, spec.train)
+
+    def forward_backward(self, micro: list[np.ndarray], tokens: TokensFn, scale: float,
+                         trace: bool) -> dict:
+        """Gradients of this replica's micro-batches, summed over the replicas."""
+        total = torch.zeros((), device=self.device)
+        for i, rows in enumerate(micro):
+            # every replica joins every all-reduce: an empty micro-batch runs one padded row,
+            # whose targets are ignored (zero loss, zero gradient)
+            inputs, targets = tokens(rows, pad_to=None if len(rows) else 1)
+            sync = i == len(micro) - 1
+            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+                    logits = self.wrapped(inputs.to(self.device))
+                ls = loss_sum(logits, targets.to(self.device))
+                (ls * scale * self.dp).backward()  # DDP averages over dp; this undoes it
+            total += ls.detach()
+        seq_len = self.spec.model.seq_len
+        return {"loss_sum": float(total), "tokens": sum(map(len, micro)) * seq_len}
+
+    def apply(self, lr: float) -> float:
+        """Clip, step, clear; returns the gradient norm before clipping."""
+        set_lr(self.optimizer, lr)
+        grad_norm = clip_and_norm(self.module, self.spec.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+
+class PipelineEngine(_Engine):
+    def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
+                 stage_layers: list[int]):
+        self.spec, self.dims, self.device = spec, dims, device
+        self.dp_rank, self.pp_rank = dims.coords(rank)
+        p, v = dims.pp, spec.chunks
+        full = sequential(build_model(spec.model, spec.train.seed), spec.model.name)
+        # Every rank builds the whole model from the seed and keeps its slices, so stages
+        # start exactly as the single-process model does (the rest is freed at once).
+        spans = bounds(stage_layers)
+        chunks = [full[slice(*spans[sched.stage_of(self.pp_rank, c, p)])] for c in range(v)]
+        self.module = nn.Sequential(OrderedDict(
+            (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
+        self.module.to(device)
+        self.wrapped = self.module
+        del full
+        # every rank creates every group, in the same order (torch.distributed requires it)
+        dp_groups = [dist.new_group(dims.dp_group(s)) for s in range(p)]
+        pp_groups = [dist.new_group(dims.pp_group(d)) for d in range(dims.dp)]
+        self.dp_group, self.pp_group = dp_groups[self.pp_rank], pp_groups[self.dp_rank]
+        self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank), v,
+                                       device, spec.train.precision == "bf16", self.pp_group)
+        example = torch.zeros(spec.micro_batch, spec.model.seq_len, dtype=torch.long)
+        self.runtime.agree_shapes(example)
+        self.optimizer = make_optimizer(self.module, spec.train)
+        self.actions = sched.build(spec.parallel.schedule, p, spec.microbatches, v)[self.pp_rank]
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == p - 1
+
+    def forward_backward(self, micro: list[np.ndarray], tokens: TokensFn, scale: float,
+                         trace: bool) -> dict:
+        """Run the schedule; gradients end summed over this stage's replicas."""
+        # fixed-size micro-batches (short ones padded, padding ignored by the loss), so every
+        # message between stages keeps the shape agreed at set-up
+        batches = ([tokens(rows, pad_to=self.spec.micro_batch) for rows in micro]
+                   if self.first or self.last else None)
+        st = self.runtime.run(self.actions, batches and [b[0] for b in batches],
+                              batches and [b[1] for b in batches], loss_sum, scale)
+        params = [q for q in self.module.parameters() if q.grad is not None]
+        if self.dims.dp > 1:  # each stage's replicas sum their gradients
+            grads = [q.grad for q in params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        seq_len = self.spec.model.seq_len
+        return {"loss_sum": st.loss_sum, "tokens": sum(map(len, micro)) * seq_len if self.last else 0,
+                "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
+                         "activation_bytes": st.peak_activation_bytes, "live": st.peak_live},
+                "events": st.events if trace else None}
+
+    def apply(self, lr: float) -> float:
+        grad_norm = self._clip([q for q in self.module.parameters() if q.grad is not None])
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _clip(self, params: list) -> float:
+        """Clip by the norm of the whole model's gradient, summed over the pipeline's stages."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for q in params:
+            sq += torch.linalg.vector_norm(q.grad) ** 2
+        dist.all_reduce(sq, group=self.pp_group)
+        norm = math.sqrt(float(sq))
+        max_norm = self.spec.train.grad_clip
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            for q in params:
+                q.grad.mul_(coef)
+        return norm

@@ -1,0 +1,154 @@
+"""Pipeline parallelism on a local Ray with gloo: gradients, training and checkpoints match one
+process, for every schedule, uneven stages and micro-batch counts, and dp x pp meshes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import ray
+import torch
+from mlflow.tracking import MlflowClient
+
+from baton import api
+from baton.checkpoint import CheckpointStore
+from baton.data import Cursor, EpochOrder
+from baton.parallel import ParallelDims
+from baton.parallel.partition import plan_stages
+from baton.spec import spec_from_dict
+from baton.workers import WorkerGroup
+from helpers import read_table, reference_grads, reference_run, tiny_spec, write_dataset
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+GPT = {"name": "gpt", "layers": 2, "width": 32, "heads": 2, "seq_len": 32}  # 4 layers
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("pp") / "data", num_samples=64, seq_len=32)
+
+
+# (schedule, dp, pp, microbatches per replica, global batch, model, chunks)
+CASES = [
+    ("gpipe", 1, 2, 4, 8, GPT, None),
+    ("1f1b", 1, 2, 3, 6, GPT, None),  # m not a multiple of p
+    ("1f1b", 1, 3, 4, 8, {**GPT, "layers": 5}, None),  # 7 layers on 3 stages: 2, 2, 3
+    ("gpipe", 1, 4, 5, 10, GPT, None),
+    ("1f1b", 1, 4, 6, 6, GPT, None),
+    ("interleaved-1f1b", 1, 2, 4, 8, GPT, 2),
+    ("interleaved-1f1b", 1, 2, 3, 6, {**GPT, "layers": 4}, 2),  # m odd, 6 layers on 4 chunks
+    ("interleaved-1f1b", 1, 3, 4, 8, {**GPT, "layers": 4}, 2),
+    ("1f1b", 2, 2, 2, 8, GPT, None),  # dp x pp = 2 x 2
+    ("interleaved-1f1b", 2, 2, 2, 8, GPT, 2),
+    ("1f1b", 1, 2, 4, 8, {"name": "mlp", "layers": 3, "width": 64, "context": 4, "seq_len": 32}, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-dp{c[1]}-pp{c[2]}-m{c[3]}-{c[5]['name']}{c[5]['layers']}")
+def test_gradients_match_single_process(tmp_path, data, case):
+    schedule, dp, pp, m, global_batch, model, chunks = case
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="grads", model=model,
+        train={"global_batch": global_batch, "micro_batch": None},
+        parallel={"dp": dp, "pp": pp, "schedule": schedule, "microbatches": m,
+                  "chunks": chunks, "timeout_s": 60},
+        resources={"cpus_per_worker": 0.25}))
+    ids, tokens = read_table(data)
+    batch = EpochOrder(len(ids), 5).next_batch(Cursor(), global_batch)
+    group = WorkerGroup(spec, ParallelDims(dp, pp))
+    try:
+        group.place()
+        stage_layers = plan_stages(spec, lambda: group.call_one(0, "profile_layers"))
+        group.setup(ray.put({"ids": ids, "tokens": tokens}), False, stage_layers)
+        results = group.call("gradients", batch)
+    finally:
+        group.shutdown()
+    want, want_loss = reference_grads(spec, tokens, batch)
+    dims = ParallelDims(dp, pp)
+    for d in range(dp):  # every replica of every stage holds the whole batch's gradient
+        got = {}
+        for rank in dims.pp_group(d):
+            assert not set(got) & set(results[rank]["grads"])  # stages do not overlap
+            got.update(results[rank]["grads"])
+        assert got.keys() == want.keys()
+        for name, ref in want.items():
+            torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
+    loss = sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert sum(ref.abs().sum().item() > 0 for ref in want.values()) == len(want)  # all nonzero
+
+
+def test_pp2_trains_like_one_process_and_records_its_timeline(tmp_path, data):
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="pp2", train={"steps": 3, "global_batch": 8, "micro_batch": None},
+        parallel={"dp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 4},
+        tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "tests",
+                  "trace_step": 2}))
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished" and result.stage_layers == [2, 2]
+    got = CheckpointStore(spec.checkpoint_dir).read_model(3)
+    want, losses, norms = reference_run(spec, data, steps=3)
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
+    client = MlflowClient(spec.tracking.uri)
+    for key, ref in (("loss", losses), ("grad_norm", norms)):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(result.run_id, key))
+        np.testing.assert_allclose([v for _, v in history], ref, rtol=1e-5, err_msg=key)
+    bubbles = [m.value for m in client.get_metric_history(result.run_id, "pipeline_bubble")]
+    assert len(bubbles) == 3 and all(0 < b < 1 for b in bubbles)
+    # the traced step: every forward and backward of every micro-batch on both stages
+    assert result.trace["step"] == 2
+    for dp_rank, pp_rank, events in result.trace["lanes"]:
+        compute = sorted((k, mb) for k, mb, *_ in events if k in "FB")
+        assert compute == sorted((k, mb) for k in "FB" for mb in range(4))
+        assert all(t1 >= t0 for k, _, _, t0, t1 in events if t1 is not None)
+    arts = {a.path for a in client.list_artifacts(result.run_id, "pipeline/step_000002")}
+    assert arts == {"pipeline/step_000002/trace.json", "pipeline/step_000002/swimlane.png"}
+    png = client.download_artifacts(result.run_id, "pipeline/step_000002/swimlane.png", str(tmp_path))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checkpoint_moves_between_layouts(tmp_path, data):
+    """Written at (dp 1, pp 2), loaded at (dp 2, pp 1), then at (dp 1, pp 4): the same
+    parameters as four uninterrupted steps of one process. (Four, not more: the attention
+    key bias has an exactly zero gradient, so AdamW turns rounding noise into lr-sized
+    steps there, and even two single-process runs that sum in another order drift past the
+    tolerance by step 6.)"""
+    base = tiny_spec(tmp_path, data, name="relayout",  # constant lr: steps may grow per phase
+                     train={"steps": 2, "global_batch": 8, "micro_batch": None,
+                            "schedule": "constant"},
+                     parallel={"dp": 1, "pp": 2, "microbatches": 4},
+                     checkpoint={"path": str(tmp_path / "ckpt"), "every_steps": 1, "keep": 3})
+    layouts = [({"dp": 1, "pp": 2, "microbatches": 4}, 2),
+               ({"dp": 2, "pp": 1, "microbatches": 2}, 3),
+               ({"dp": 1, "pp": 4, "microbatches": 4, "schedule": "gpipe"}, 4)]
+    resumed = [None, 2, 3]
+    for (parallel, steps), resumed_from in zip(layouts, resumed):
+        spec = spec_from_dict({**base, "parallel": {**parallel, "timeout_s": 60},
+                               "train": {**base["train"], "steps": steps}})
+        result = api.run(spec, show_progress=False)
+        assert result.step == steps and result.resumed_from == resumed_from
+    store = CheckpointStore(spec.checkpoint_dir)
+    assert [store.read_meta(s)["layout"]["pp"] for s in (2, 3, 4)] == [2, 1, 4]
+    got = store.read_model(4)
+    want, _, _ = reference_run(spec, data, steps=4)
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
+
+
+def test_every_sample_once_through_a_pipeline(tmp_path):
+    # 37 samples, batches of 8: the last batch of the epoch has 5, split 3 + 2 across the
+    # replicas and padded inside fixed-size micro-batches
+    data = write_dataset(tmp_path / "data", num_samples=37, seq_len=32)
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="pp-ledger", train={"steps": 6, "global_batch": 8, "micro_batch": None},
+        parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe"},
+        resources={"cpus_per_worker": 0.25}, checkpoint={"every_steps": 100}))
+    result = api.run(spec, record_samples=True, show_progress=False)
+    epoch0 = Counter(i for step, _, ids in result.ledger if step < 5 for i in ids)
+    assert sorted(epoch0) == list(range(1000, 1037)) and set(epoch0.values()) == {1}
+    assert {rank for _, rank, _ in result.ledger} == {0, 1}  # the first stage of each replica
+    assert np.isfinite(result.loss)
