@@ -47,8 +47,8 @@ def chrome_trace(lanes: list[Lane], step: int) -> dict:
 
 
 def swimlane_png(lanes: list[Lane], path: str, title: str) -> None:
-    """One row per worker; forward and backward boxes labelled with their micro-batch,
-    receive waits in grey: the white space is the bubble."""
+    """One row per worker; forward and backward boxes labelled with their micro-batch (and
+    stage, where a rank holds several), receive waits in grey: the white space is the bubble."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,6 +58,7 @@ def swimlane_png(lanes: list[Lane], path: str, title: str) -> None:
     origin = min((e[3] for _, _, events in lanes for e in events), default=0.0)
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.4), dpi=110)
     for row, (dp, pp, events) in enumerate(lanes):
+        several = len({e[2] for e in events if e[0] in ("F", "B")}) > 1  # interleaved chunks
         for kind, mb, stage, t0, t1 in events:
             if kind == "send" or t1 is None:
                 continue
@@ -66,15 +67,16 @@ def swimlane_png(lanes: list[Lane], path: str, title: str) -> None:
             ax.broken_barh([(x0, width)], (row - height / 2, height), color=COLOURS[kind],
                            edgecolor="white" if kind in ("F", "B") else None, linewidth=0.5)
             if kind in ("F", "B") and width > 0:
-                ax.text(x0 + width / 2, row, f"{kind}{mb}", ha="center", va="center",
+                label = f"{kind}{mb}" + (f" s{stage}" if several else "")
+                ax.text(x0 + width / 2, row, label, ha="center", va="center",
                         fontsize=6, color="white", clip_on=True)
     ax.set_yticks(range(len(lanes)), [f"dp{dp} pp{pp}" for dp, pp, _ in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first operation")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=10, loc="left")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in ("F", "B", "recv")]
-    ax.legend(handles, ["forward", "backward", "waiting for a peer"], loc="upper right",
-              fontsize=7, ncols=3)
+    ax.legend(handles, ["forward", "backward", "waiting for a peer"], loc="lower right",
+              bbox_to_anchor=(1.0, 1.0), fontsize=7, ncols=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
