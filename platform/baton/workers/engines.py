@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import torch
