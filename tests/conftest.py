@@ -33,3 +33,11 @@ def local_ray():
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_runs():
+    yield
+    from helpers import kill_leftovers
+
+    kill_leftovers()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -89,12 +90,34 @@ def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], 
 
 
 def start_baton(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    """The installed `baton` command, as a user runs it, in its own process group (so that a
-    test can kill it and the embedded Ray it started together)."""
+    """The installed `baton` command, as a user runs it from a terminal, in its own process
+    group (so that a test can kill it and the embedded Ray it started together). SIGINT is set
+    back to its default: a suite started as a background job (`cmd &`) inherits SIGINT
+    ignored, Python then installs no KeyboardInterrupt handler, and a Ctrl-C test would
+    wait forever on a run that never sees it."""
     exe = shutil.which("baton")
     assert exe, "the baton console script is installed"
-    return subprocess.Popen([exe, *args], cwd=cwd, env=env or os.environ, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([exe, *args], cwd=cwd, env=env or os.environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    STARTED.append(proc)
+    return proc
+
+
+STARTED: list[subprocess.Popen] = []  # killed after each test (conftest), if still running
+
+
+def kill_leftovers() -> None:
+    """A test that failed half-way must not leave a run (and its Ray) eating the CPU of every
+    test after it."""
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
 
 
 def read_table(data_dir) -> tuple[np.ndarray, np.ndarray]:

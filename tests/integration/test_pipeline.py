@@ -30,11 +30,12 @@ def data(tmp_path_factory):
     return write_dataset(tmp_path_factory.mktemp("pp") / "data", num_samples=64, seq_len=32)
 
 
-# (schedule, dp, pp, microbatches per replica, global batch, model, chunks)
+# (schedule, dp, pp, microbatches per replica, global batch, model, chunks[, partition])
 CASES = [
     ("gpipe", 1, 2, 4, 8, GPT, None),
     ("1f1b", 1, 2, 3, 6, GPT, None),  # m not a multiple of p
     ("1f1b", 1, 3, 4, 8, {**GPT, "layers": 5}, None),  # 7 layers on 3 stages: 2, 2, 3
+    ("1f1b", 1, 3, 4, 8, {**GPT, "layers": 5}, None, [3, 1, 3]),  # an explicit cut
     ("gpipe", 1, 4, 5, 10, GPT, None),
     ("1f1b", 1, 4, 6, 6, GPT, None),
     ("interleaved-1f1b", 1, 2, 4, 8, GPT, 2),
@@ -46,14 +47,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-dp{c[1]}-pp{c[2]}-m{c[3]}-{c[5]['name']}{c[5]['layers']}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-dp{c[1]}-pp{c[2]}-m{c[3]}-{c[5]['name']}{c[5]['layers']}" + (f"-{c[7]}" if len(c) > 7 else ""))
 def test_gradients_match_single_process(tmp_path, data, case):
-    schedule, dp, pp, m, global_batch, model, chunks = case
+    schedule, dp, pp, m, global_batch, model, chunks, *partition = case
     spec = spec_from_dict(tiny_spec(
         tmp_path, data, name="grads", model=model,
         train={"global_batch": global_batch, "micro_batch": None},
         parallel={"dp": dp, "pp": pp, "schedule": schedule, "microbatches": m,
-                  "chunks": chunks, "timeout_s": 60},
+                  "chunks": chunks, "timeout_s": 60, "partition": (partition or ["params"])[0]},
         resources={"cpus_per_worker": 0.25}))
     ids, tokens = read_table(data)
     batch = EpochOrder(len(ids), 5).next_batch(Cursor(), global_batch)
@@ -145,9 +146,11 @@ def test_every_sample_once_through_a_pipeline(tmp_path):
     data = write_dataset(tmp_path / "data", num_samples=37, seq_len=32)
     spec = spec_from_dict(tiny_spec(
         tmp_path, data, name="pp-ledger", train={"steps": 6, "global_batch": 8, "micro_batch": None},
-        parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe"},
+        parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe", "partition": "time"},
         resources={"cpus_per_worker": 0.25}, checkpoint={"every_steps": 100}))
     result = api.run(spec, record_samples=True, show_progress=False)
+    # cut by measured time: each stage gets a block and one of the cheap ends
+    assert result.stage_layers == [2, 2]
     epoch0 = Counter(i for step, _, ids in result.ledger if step < 5 for i in ids)
     assert sorted(epoch0) == list(range(1000, 1037)) and set(epoch0.values()) == {1}
     assert {rank for _, rank, _ in result.ledger} == {0, 1}  # the first stage of each replica
