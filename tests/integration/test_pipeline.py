@@ -149,8 +149,9 @@ def test_every_sample_once_through_a_pipeline(tmp_path):
         parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe", "partition": "time"},
         resources={"cpus_per_worker": 0.25}, checkpoint={"every_steps": 100}))
     result = api.run(spec, record_samples=True, show_progress=False)
-    # cut by measured time: each stage gets a block and one of the cheap ends
-    assert result.stage_layers == [2, 2]
+    # cut by measured time (at this size, microseconds: the cut itself is noise, its shape not)
+    assert len(result.stage_layers) == 2 and sum(result.stage_layers) == 4
+    assert min(result.stage_layers) >= 1
     epoch0 = Counter(i for step, _, ids in result.ledger if step < 5 for i in ids)
     assert sorted(epoch0) == list(range(1000, 1037)) and set(epoch0.values()) == {1}
     assert {rank for _, rank, _ in result.ledger} == {0, 1}  # the first stage of each replica
