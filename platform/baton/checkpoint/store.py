@@ -107,6 +107,11 @@ class CheckpointStore:
             out.update(self.read_tensors(step, f"model-{i:04d}.pt"))
         return out
 
+    def read_optim(self, step: int, shards: int) -> dict:
+        """The whole optimizer state, keyed by parameter name, merged from per-stage files."""
+        return merge_optim_states([self.read_tensors(step, f"optim-{i:04d}.pt")
+                                   for i in range(shards)])
+
 
 def merge_optim_states(parts: list[dict]) -> dict:
     """One optimizer state (keyed by parameter name) from the stages' states. Every stage

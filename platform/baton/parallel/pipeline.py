@@ -102,7 +102,7 @@ class PipelineRuntime:
         stash: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output or loss)
         act_bytes: dict[tuple[int, int], int] = {}
         sends: list = []  # (work, event index) not yet seen complete
-        recv = self._post(actions[0], stash, []) if actions else None
+        recv = self._post(actions[0], stash, [], sends, trace) if actions else None
         for i, a in enumerate(actions):
             s = stage_of(self.rank, a.chunk, self.p)
             got = self._wait(recv, trace, a, s)
@@ -117,7 +117,7 @@ class PipelineRuntime:
                     trace.loss_sum += float(part.detach())
                     y = part * scale
                 else:
-                    out.append((y.detach(), self._peer(s + 1), _tag("F", a.mb, s)))
+                    out.append((y.detach(), self._peer(s + 1), _tag("F", a.mb, s), a.mb, s))
                 stash[(a.mb, a.chunk)] = (x, y)
                 trace.peak_live = max(trace.peak_live, len(stash))
                 trace.peak_activation_bytes = max(trace.peak_activation_bytes,
@@ -127,14 +127,14 @@ class PipelineRuntime:
                 torch.autograd.backward(y, None if s == self.last else got)
                 act_bytes.pop((a.mb, a.chunk), None)
                 if s > 0:
-                    out.append((x.grad, self._peer(s - 1), _tag("B", a.mb, s)))
+                    out.append((x.grad, self._peer(s - 1), _tag("B", a.mb, s), a.mb, s))
             t1 = time.time()
             trace.events.append((a.kind, a.mb, s, t0, t1))
             trace.busy_s += t1 - t0
             trace.first_start = trace.first_start or t0
             trace.last_end = t1
             nxt = actions[i + 1] if i + 1 < len(actions) else None
-            recv = self._post(nxt, stash, out, sends, trace, s)
+            recv = self._post(nxt, stash, out, sends, trace)
             self._reap(sends, trace)
         for work, idx in sends:
             work.wait()
@@ -143,42 +143,39 @@ class PipelineRuntime:
 
     # -- messages -------------------------------------------------------------------------------
 
-    def _post(self, action: Optional[Action], stash: dict, out: list, sends: Optional[list] = None,
-              trace: Optional[StepTrace] = None, from_stage: int = 0):
-        """Post this action's sends and the next action's receive as one batch (NCCL runs a
-        batch's operations together: a send and a receive crossing between two ranks cannot
-        block each other)."""
-        ops, pending = [], None
-        for tensor, peer, tag in out:
+    def _post(self, action: Optional[Action], stash: dict, out: list, sends: list,
+              trace: StepTrace):
+        """Post this action's sends (`out`: tensor, peer, tag, micro-batch, stage) and the next
+        action's receive as one batch (NCCL runs a batch's operations together: a send and a
+        receive crossing between two ranks cannot block each other)."""
+        ops, buf = [], None
+        for tensor, peer, tag, _, _ in out:
             ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group, tag))
         if action is not None:
             s = stage_of(self.rank, action.chunk, self.p)
             if action.kind == "F" and s > 0:
                 shape, dtype = self.in_shape[s]
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
-                pending = (buf, ("F", s - 1), time.time())
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(s - 1), self.group,
                                       _tag("F", action.mb, s - 1)))
             elif action.kind == "B" and s < self.last:
                 _, y = stash[(action.mb, action.chunk)]
                 buf = torch.empty_like(y)
-                pending = (buf, ("B", s + 1), time.time())
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(s + 1), self.group,
                                       _tag("B", action.mb, s + 1)))
         if not ops:
             return None
         now = time.time()
         works = dist.batch_isend_irecv(ops)
-        n_send = len(out)
-        for (tensor, peer, tag), work in zip(out, works[:n_send]):
-            trace.events.append(("send", _mb_of(tag), from_stage, now, None))
+        for (_, _, _, mb, stage), work in zip(out, works):
+            trace.events.append(("send", mb, stage, now, None))
             sends.append((work, len(trace.events) - 1))
-        return (pending, works[n_send:]) if pending else None
+        return (buf, now, works[len(out):]) if buf is not None else None
 
     def _wait(self, recv, trace: StepTrace, action: Action, stage: int) -> Optional[torch.Tensor]:
         if recv is None:
             return None
-        (buf, _, posted), works = recv
+        buf, posted, works = recv
         t0 = time.time()
         for w in works:
             w.wait()
@@ -227,6 +224,3 @@ def _tag(kind: str, mb: int, stage: int) -> int:
     tag; NCCL ignores tags and relies on the order the schedule guarantees)."""
     return (mb * 4096 + stage) * 2 + (kind == "B")
 
-
-def _mb_of(tag: int) -> int:
-    return tag // 2 // 4096

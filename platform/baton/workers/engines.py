@@ -33,6 +33,14 @@ class _Engine:
     optimizer: torch.optim.Optimizer
     wrapped: nn.Module  # what get/set_state_dict see
 
+    def apply(self, lr: float) -> float:
+        """Clip, step, clear; returns the gradient norm before clipping."""
+        grad_norm = self.clip()
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
     def layer_names(self) -> list[str]:
         return list(self.module._modules)
 
@@ -79,13 +87,8 @@ class DataParallelEngine(_Engine):
         seq_len = self.spec.model.seq_len
         return {"loss_sum": float(total), "tokens": sum(map(len, micro)) * seq_len}
 
-    def apply(self, lr: float) -> float:
-        """Clip, step, clear; returns the gradient norm before clipping."""
-        set_lr(self.optimizer, lr)
-        grad_norm = clip_and_norm(self.module, self.spec.train.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+    def clip(self) -> float:
+        return clip_and_norm(self.module, self.spec.train.grad_clip)
 
 
 class PipelineEngine(_Engine):
@@ -138,15 +141,9 @@ class PipelineEngine(_Engine):
                          "activation_bytes": st.peak_activation_bytes, "live": st.peak_live},
                 "events": st.events if trace else None}
 
-    def apply(self, lr: float) -> float:
-        grad_norm = self._clip([q for q in self.module.parameters() if q.grad is not None])
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
-    def _clip(self, params: list) -> float:
+    def clip(self) -> float:
         """Clip by the norm of the whole model's gradient, summed over the pipeline's stages."""
+        params = [q for q in self.module.parameters() if q.grad is not None]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for q in params:
             sq += torch.linalg.vector_norm(q.grad) ** 2

@@ -14,7 +14,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from baton.checkpoint import CheckpointStore, merge_optim_states
+from baton.checkpoint import CheckpointStore
 from baton.models import IGNORE, build_model
 from baton.parallel import ParallelDims
 from baton.parallel.mesh import split_micro
@@ -124,10 +124,7 @@ class Worker:
         """Load parameters and optimizer state by name from however many shards the
         checkpoint was written in: a checkpoint taken at one (dp, pp) loads at another."""
         store = CheckpointStore(root)
-        model_state = store.read_model(step, shards)
-        optim_state = merge_optim_states(
-            [store.read_tensors(step, f"optim-{i:04d}.pt") for i in range(shards)])
-        self.engine.load_state_dicts(model_state, optim_state)
+        self.engine.load_state_dicts(store.read_model(step, shards), store.read_optim(step, shards))
         if restore_rng:  # same layout: continue each worker's random stream exactly
             rng = store.read_tensors(step, f"rng-rank{self.rank:04d}.pt")
             torch.set_rng_state(rng["cpu"])
