@@ -84,9 +84,11 @@ def plain_steps(model, spec, tokens: np.ndarray, rank: int, world: int, device) 
         batch = order.next_batch(cursor, t.global_batch)
         micro = split_micro(dims.replica_part(batch, rank), num_micro)
         scale = world / (len(batch) * spec.model.seq_len)
+        # Ray Train's prepare_model leaves a world of one unwrapped: no DDP, no no_sync
+        no_sync = getattr(model, "no_sync", contextlib.nullcontext)
         for i, rows in enumerate(micro):
             data = torch.from_numpy(tokens[rows]).to(device, torch.long)
-            with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
+            with contextlib.nullcontext() if i == len(micro) - 1 else no_sync():
                 with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                     logits = model(data[:, :-1])
                 (loss_sum(logits, data[:, 1:]) * scale).backward()
