@@ -134,3 +134,25 @@ def reference_grads(spec, tokens: np.ndarray, batch: np.ndarray) -> tuple[dict, 
     loss = loss_sum(model(data[:, :-1]), data[:, 1:]) / data[:, 1:].numel()
     loss.backward()
     return {n: p.grad for n, p in model.named_parameters()}, loss.item()
+
+
+class _FailOn(torch.nn.Module):
+    """Raises on one input: the batch whose token ids sum to `total`."""
+
+    def __init__(self, total: int):
+        super().__init__()
+        self.total = total
+
+    def forward(self, x):
+        if int(x.sum()) == self.total:
+            raise ValueError(f"bad batch (token sum {self.total})")
+        return x
+
+
+def failing_gpt(spec):
+    """A user model (`helpers:failing_gpt`) that fails on one batch, every time it sees it."""
+    from baton.models.gpt import build_gpt
+
+    gpt = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
+                    vocab_size=spec.vocab_size)
+    return torch.nn.Sequential(_FailOn(spec.options["fail_on_sum"]), *gpt)

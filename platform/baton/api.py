@@ -87,9 +87,11 @@ def prepare_stdlib_data(spec: JobSpec, log: Callable[[str], None]) -> None:
 
 def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         resume: Optional[bool] = None, record_samples: bool = False, show_progress: bool = True,
-        log: Callable[[str], None] = print) -> RunResult:
+        log: Callable[[str], None] = print,
+        on_step: Optional[Callable[[Coordinator], None]] = None) -> RunResult:
     """Train `spec` to its last step. Starts an embedded local Ray unless Ray is already
-    connected or `address` names a cluster."""
+    connected or `address` names a cluster. `on_step(coordinator)` is called after every
+    completed step (to observe a run, or to inject faults in tests)."""
     import ray
 
     resume_meta = plan_resume(spec, source, resume)
@@ -116,7 +118,8 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             log(f"resuming {spec.name} from step {resume_meta['step']} "
                 f"(checkpoint in {spec.checkpoint_dir})")
         coordinator = Coordinator(spec, make_tracker(spec.tracking), resume_meta=resume_meta,
-                                  record_samples=record_samples, show_progress=show_progress)
+                                  record_samples=record_samples, show_progress=show_progress,
+                                  on_step=on_step)
         return coordinator.run()
     finally:
         if started_ray:

@@ -23,3 +23,15 @@ class CheckpointError(BatonError):
 
 class WorkerError(BatonError):
     """A worker failed while training; the message names the rank and the step."""
+
+
+class WorkerLost(WorkerError):
+    """Workers died, froze or failed: the coordinator may recover. `cause` is one of
+    baton.coordinator.policy.CAUSES; `ranks` the ranks found dead or silent, where known."""
+
+    def __init__(self, message: str, cause: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.cause, self.ranks = cause, tuple(ranks)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.cause, self.ranks))

@@ -41,3 +41,9 @@ class Progress:
             self.stream.write(line + "\n")
             self.stream.flush()
             self._last = now
+
+    def note(self, text: str) -> None:
+        """A line about an event (a failure, a recovery, a resize), between progress lines."""
+        if self.enabled:
+            self.stream.write(("\n" if self.tty else "") + text + "\n")
+            self.stream.flush()

@@ -99,6 +99,18 @@ class TrackingSpec:
 
 
 @dataclass(frozen=True)
+class ElasticSpec:
+    """How the run lives through failures and a changing cluster. Without this section the
+    world is fixed at parallel.dp and the first failure ends the run."""
+
+    min_dp: Optional[int] = None  # fewest data-parallel replicas to go on with; null: parallel.dp
+    max_dp: Optional[int] = None  # most replicas to grow to when resources appear; null: parallel.dp
+    max_failures: int = 0  # failures recovered from before the run gives up
+    rescale_check_s: float = 10.0  # how often a running job looks for room to grow
+    hang_timeout_s: float = 60.0  # a worker that answers no heartbeat this long is declared dead
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -108,6 +120,11 @@ class JobSpec:
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    elastic: ElasticSpec = field(default_factory=ElasticSpec)
+    # when dp changes: keep_global keeps train.global_batch (each replica takes a larger or
+    # smaller share, so the loss curve is unchanged); scale_lr keeps each replica's share and
+    # scales global_batch and lr with dp
+    batch_policy: Literal["keep_global", "scale_lr"] = "keep_global"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,6 +179,38 @@ class JobSpec:
     @property
     def checkpoint_dir(self) -> str:
         return join_path(self.checkpoint.path, self.name)
+
+    @property
+    def dp_range(self) -> tuple[int, int]:
+        e, dp = self.elastic, self.parallel.dp
+        return (e.min_dp or dp, e.max_dp or dp)
+
+    def at_dp(self, dp: int) -> "JobSpec":
+        """This job at `dp` replicas, under batch_policy. Raises SpecError if the batch cannot
+        be split that way (e.g. global_batch not divisible by dp under keep_global)."""
+        if dp == self.parallel.dp:
+            return self
+        raw = self.to_dict()
+        raw["parallel"]["dp"] = dp
+        raw["elastic"].update(min_dp=None, max_dp=None)  # one world of the elastic job
+        if self.batch_policy == "scale_lr":
+            per_replica = self.train.global_batch // self.parallel.dp
+            raw["train"]["global_batch"] = per_replica * dp
+            for key in ("lr", "min_lr"):
+                raw["train"][key] = getattr(self.train, key) * dp / self.parallel.dp
+        return spec_from_dict(raw, f"{self.name} at dp={dp}")
+
+    def valid_dps(self) -> list[int]:
+        """The replica counts in [min_dp, max_dp] that this job's batch can be split into."""
+        lo, hi = self.dp_range
+        out = []
+        for dp in range(lo, hi + 1):
+            try:
+                self.at_dp(dp)
+                out.append(dp)
+            except SpecError:
+                pass
+        return out
 
 
 def join_path(base: str, *parts: str) -> str:
@@ -337,6 +386,24 @@ def _check_values(spec: JobSpec, source: str) -> None:
     need(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
     need(tr.flush_every_s > 0, "tracking.flush_every_s", tr.flush_every_s, "must be > 0")
     need(bool(tr.experiment), "tracking.experiment", tr.experiment, "name an MLflow experiment")
+    _check_elastic(spec, need)
+
+
+def _check_elastic(spec: JobSpec, need) -> None:
+    e, dp = spec.elastic, spec.parallel.dp
+    lo, hi = spec.dp_range
+    need(lo >= 1, "elastic.min_dp", e.min_dp, "must be at least 1")
+    need(lo <= dp, "elastic.min_dp", e.min_dp, f"must be <= parallel.dp = {dp}")
+    need(hi >= dp, "elastic.max_dp", e.max_dp, f"must be >= parallel.dp = {dp}")
+    need(e.max_failures >= 0, "elastic.max_failures", e.max_failures, "must be >= 0")
+    need(e.rescale_check_s > 0, "elastic.rescale_check_s", e.rescale_check_s, "must be > 0 seconds")
+    need(e.hang_timeout_s > 0, "elastic.hang_timeout_s", e.hang_timeout_s, "must be > 0 seconds")
+    if lo < hi:
+        valid = spec.valid_dps()
+        for key, value in (("elastic.min_dp", lo), ("elastic.max_dp", hi)):
+            need(value in valid, key, value,
+                 f"train.global_batch {spec.train.global_batch} cannot be split over {value} "
+                 f"replicas under batch_policy {spec.batch_policy}; dp values that work: {valid}")
 
 
 def _check_batching(spec: JobSpec, need) -> None:
@@ -402,15 +469,17 @@ def _divisor_near(n: int, k: int) -> int:
 def check_fits(spec: JobSpec, cpus: float, gpus: float, source: str, where: str) -> None:
     """Refuse a layout the cluster cannot place (checked against its total resources)."""
     r, p = spec.resources, spec.parallel
-    workers = p.dp * p.pp
+    dp = spec.dp_range[0]  # an elastic job starts with what fits, at least min_dp
+    key = "parallel.dp" if dp == p.dp else "elastic.min_dp"
+    workers = dp * p.pp
     if workers * r.cpus_per_worker > cpus + 1e-9:
         fit = int(cpus // r.cpus_per_worker)
         raise SpecError(
-            f"{source}: parallel.dp: {p.dp} is invalid; {workers} workers x "
+            f"{source}: {key}: {dp} is invalid; {workers} workers x "
             f"resources.cpus_per_worker {r.cpus_per_worker} need {workers * r.cpus_per_worker:g} "
             f"CPUs but {where} has {cpus:g}; use dp <= {fit // p.pp} or lower cpus_per_worker")
     if r.gpus_per_worker and workers * r.gpus_per_worker > gpus + 1e-9:
         raise SpecError(
-            f"{source}: parallel.dp: {p.dp} is invalid; {workers} workers x "
+            f"{source}: {key}: {dp} is invalid; {workers} workers x "
             f"resources.gpus_per_worker {r.gpus_per_worker} need {workers * r.gpus_per_worker:g} "
             f"GPUs but {where} has {gpus:g}")

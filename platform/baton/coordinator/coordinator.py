@@ -3,10 +3,17 @@
     pending --(data in the object store, MLflow run open)--> scheduling
     scheduling --(workers placed, group formed, checkpoint loaded)--> running
     running --(one optimizer step; a checkpoint when due)--> running | finished
-    any --(an error)--> failed
+    running --(room for more replicas, seen every elastic.rescale_check_s)--> rescaling
+    rescaling --(checkpoint here, world re-formed larger, checkpoint loaded)--> running
+    any --(a worker lost: dead, frozen, failed)--> recovering
+    recovering --(survivors kept, workers topped up, world re-formed, latest checkpoint
+                  loaded, data cursor rewound with it)--> running
+    recovering --(the failure policy gives up)--> failed
+    any --(any other error)--> failed
 
-It decides (which samples, which learning rate, when to checkpoint); the workers execute. It is
-the only writer to MLflow. Recovering and rescaling states arrive with the elastic work.
+It decides (which samples, which learning rate, when to checkpoint, what world size); the
+workers execute. The decisions about failures and world sizes come from the pure policies in
+`policy.py`. It is the only writer to MLflow.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import math
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import ray
@@ -26,7 +33,8 @@ from baton import __version__
 from baton.checkpoint import CheckpointStore
 from baton.data import Cursor, EpochOrder
 from baton.data.source import load_table
-from baton.errors import WorkerError
+from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
+from baton.errors import WorkerError, WorkerLost
 from baton.parallel import ParallelDims
 from baton.parallel.partition import plan_stages
 from baton.progress import Progress
@@ -37,6 +45,9 @@ from baton.workers import WorkerGroup
 
 
 PIPELINE_DEPTH = 2  # steps queued on the workers at once
+LEAVE_GRACE_S = 10.0  # a survivor still stuck in the broken collective after this is replaced
+START_WAIT_S = 60.0  # how long workers the cluster has room for may take to start
+TOP_UP_GRACE_S = 5.0  # how long to wait for workers beyond those (room being freed)
 
 
 @dataclass
@@ -54,11 +65,16 @@ class _Pending:
     digest_refs: Optional[list] = None
     traced: bool = False
 
+    def all_refs(self) -> list:
+        return [*self.refs, *(self.ledger_refs or []), *(self.save_refs or []), *(self.digest_refs or [])]
+
 
 class State(enum.Enum):
     PENDING = "pending"
     SCHEDULING = "scheduling"
     RUNNING = "running"
+    RECOVERING = "recovering"
+    RESCALING = "rescaling"
     FINISHED = "finished"
     FAILED = "failed"
 
@@ -81,14 +97,28 @@ class RunResult:
     bubbles: list[float] = field(default_factory=list)  # measured idle fraction per step
     trace: Optional[dict] = None  # the traced step's timeline: {"step", "lanes"}
     pipeline_peaks: list[dict] = field(default_factory=list)  # per rank: activation_bytes, live
+    events: list[dict] = field(default_factory=list)  # failures, recoveries, rescales
+    dp_history: list[tuple[int, int]] = field(default_factory=list)  # (from step, dp)
 
 
 class Coordinator:
     def __init__(self, spec: JobSpec, tracker, *, resume_meta: Optional[dict] = None,
-                 record_samples: bool = False, show_progress: bool = True):
-        self.spec = spec
+                 record_samples: bool = False, show_progress: bool = True,
+                 on_step: Optional[Callable[["Coordinator"], None]] = None):
+        self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
+        self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
         self.dims = ParallelDims(spec.parallel.dp, spec.parallel.pp)
+        self.pp = spec.parallel.pp
+        self.scale = ScalePolicy(tuple(spec.valid_dps()), self.pp)
+        self.failures = FailurePolicy(spec.elastic.max_failures)
+        self.on_step = on_step  # called after every completed step (observers, fault tests)
+        self.events: list[dict] = []
+        self.dp_history: list[tuple[int, int]] = []
+        self.failure: Optional[Failure] = None
+        self.failure_at = 0.0
+        self.resumed: Optional[dict] = None  # the recovery or rescale awaiting its first step
+        self.next_rescale_check = 0.0
         self.store = CheckpointStore(spec.checkpoint_dir)
         self.resume_meta = resume_meta
         self.record_samples = record_samples
@@ -121,6 +151,8 @@ class Coordinator:
         except BaseException as e:
             self.state = State.FAILED
             self.tracker.set_tags({"error": f"{type(e).__name__}: {e}"[:5000], "failed_at_step": self.step + 1})
+            if self.events:
+                self.tracker.log_dict(self.events, "events.json")
             self.tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         finally:
@@ -130,8 +162,16 @@ class Coordinator:
 
     def tick(self) -> None:
         handler = {State.PENDING: self._prepare, State.SCHEDULING: self._schedule,
-                   State.RUNNING: self._run_step}[self.state]
-        self.state = handler()
+                   State.RUNNING: self._run_step, State.RECOVERING: self._recover,
+                   State.RESCALING: self._rescale}[self.state]
+        try:
+            self.state = handler()
+        except WorkerLost as e:
+            if self.state is State.PENDING:
+                raise
+            self.failure = Failure(self.step + 1, e.cause, str(e), e.ranks)
+            self.failure_at = time.time()
+            self.state = State.RECOVERING
 
     # -- transitions --------------------------------------------------------------------------
 
@@ -150,25 +190,27 @@ class Coordinator:
                                "data.samples": self.num_samples, "checkpoint.dir": self.spec.checkpoint_dir,
                                **({"resumed_from_step": self.step} if meta else {})})
         self.run_id = run_id
+        self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress)
         return State.SCHEDULING
 
     def _schedule(self) -> State:
-        self.group = WorkerGroup(self.spec, self.dims)
-        self.group.place()
-        self.stage_layers = plan_stages(self.spec, lambda: self.group.call_one(0, "profile_layers"))
-        self.workers = self.group.setup(self.table_ref, self.record_samples, self.stage_layers)
-        if self.dims.pp > 1:
-            self.tracker.set_tags({"pipeline.layers_per_stage": self.stage_layers,
-                                   "pipeline.schedule": self.spec.parallel.schedule})
+        self.group = WorkerGroup(self.base, self.dims)
+        # as many workers as the cluster has room for, up to max_dp replicas; at least min_dp
+        # (waiting up to parallel.timeout_s for room, as an autoscaler would make)
+        most = self.base.dp_range[1] * self.pp
+        n = max(self.scale.min_workers, min(most, self.group.free_workers()))
+        members = self.group.start(n, self.base.parallel.timeout_s, need=self.scale.min_workers,
+                                   grace_s=TOP_UP_GRACE_S)
+        if self.scale.target(len(members)) is None:
+            self._no_room(members, n)
+        self._form(members)
         if self.resume_meta:
-            old = self.resume_meta["layout"]
-            same_layout = old == self._layout()
-            self.group.call("load", self.store.root, self.step, old["pp"], same_layout,
-                            what="loading the checkpoint")
-        self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress)
+            self._load(self.resume_meta)
         return State.RUNNING
 
     def _run_step(self) -> State:
+        if self._rescale_due():
+            return State.RESCALING
         # Keep the next step queued on the workers while this one runs, so that no worker
         # idles waiting for the coordinator between steps (measured: 3.5 ms a step on CPU,
         # a larger share of a short GPU step). Actors run calls in order, so a checkpoint
@@ -179,7 +221,179 @@ class Coordinator:
             self.tracker.finish("FINISHED")
             return State.FINISHED
         self._complete(self.inflight.popleft())
+        if self.on_step is not None:
+            self.on_step(self)
         return State.RUNNING
+
+    def _recover(self) -> State:
+        """Keep the workers that are still there, replace the rest where the cluster has room,
+        re-form the world (fewer replicas if need be, at least min_dp) and go on from the
+        latest committed checkpoint."""
+        f, t0 = self.failure, time.monotonic()
+        decision = self.failures.decide(f)
+        self._record({"kind": "failure", "step": f.step, "cause": f.cause, "ranks": list(f.ranks),
+                      "message": f.message, "at": self.failure_at, "recover": decision.recover,
+                      "since_last_step_s": round(time.perf_counter() - self.last_done_at, 3)})
+        self.progress.note(f"step {f.step}: {f.cause}: {f.message}")
+        if not decision.recover:
+            raise WorkerError(decision.reason)
+        # 1. stop the old world: drop queued calls, keep whoever still answers and gets out
+        for p in self.inflight:
+            for ref in p.all_refs():
+                ray.cancel(ref)
+        self.inflight.clear()
+        state = self.group.probe(2.0)
+        alive = [r for r, s in state.items() if s == "ok" and r not in f.ranks]
+        self.group.kill([r for r in state if r not in alive])  # first: that frees their peers
+        left = self.group.leave(alive, LEAVE_GRACE_S)
+        self.group.kill([r for r in alive if r not in left])
+        survivors = self.group.members(left)
+        t_stop = time.monotonic()
+        # 2. top up to max_dp where there is room
+        members = survivors + self._top_up(len(survivors))
+        t_placed = time.monotonic()
+        self._form(members)
+        t_formed = time.monotonic()
+        self._load_latest()
+        self.resumed = {"kind": "recovery", "after_failure_at_step": f.step, "cause": f.cause,
+                        "resumed_from_step": self.step, "dp": self.dims.dp,
+                        "workers_reused": len(survivors), "workers_new": len(members) - len(survivors),
+                        "t0": t0, "phases_s": {"stop": t_stop - t0, "reschedule": t_placed - t_stop,
+                                               "group_init": t_formed - t_placed,
+                                               "checkpoint_load": time.monotonic() - t_formed}}
+        return State.RUNNING
+
+    def _rescale(self) -> State:
+        """Grow at a step boundary: finish the queued steps, checkpoint here, start the new
+        workers, re-form the world with them and load the checkpoint just written."""
+        t0 = time.monotonic()
+        while self.inflight:
+            self._complete(self.inflight.popleft())
+        grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
+        if grow_to is None or self.step >= self.spec.train.steps:
+            return State.RUNNING
+        if self.store.latest() != self.step:
+            self._checkpoint_now()
+        t_saved = time.monotonic()
+        old_dp = self.dims.dp
+        new = self.group.start((grow_to - old_dp) * self.pp, START_WAIT_S)
+        members = self.group.members() + new
+        if self.scale.target(len(members)) == old_dp:  # the room went elsewhere meanwhile
+            for actor, _ in new:
+                ray.kill(actor)
+            return State.RUNNING
+        left = self.group.leave(list(range(len(self.group.actors))), LEAVE_GRACE_S)
+        if len(left) < len(self.group.actors):
+            raise WorkerLost("a worker did not leave its group for a resize", "timeout",
+                             tuple(r for r in range(len(self.group.actors)) if r not in left))
+        t_placed = time.monotonic()
+        self._form(members)
+        t_formed = time.monotonic()
+        self._load(self.store.read_meta(self.step))
+        self.resumed = {"kind": "rescale", "from_dp": old_dp, "dp": self.dims.dp,
+                        "resumed_from_step": self.step, "workers_new": len(new), "t0": t0,
+                        "phases_s": {"checkpoint": t_saved - t0, "reschedule": t_placed - t_saved,
+                                     "group_init": t_formed - t_placed,
+                                     "checkpoint_load": time.monotonic() - t_formed}}
+        return State.RUNNING
+
+    # -- worlds ---------------------------------------------------------------------------------
+
+    def _top_up(self, have: int) -> list:
+        """New workers to join `have` survivors, up to max_dp replicas: as many as the cluster
+        has room for now, a short grace for room being freed, and a wait of up to
+        parallel.timeout_s while fewer than min_dp replicas fit."""
+        most = self.base.dp_range[1] * self.pp
+        deadline = time.monotonic() + self.base.parallel.timeout_s
+        new: list = []
+        while True:
+            want = most - have - len(new)
+            new += self.group.start(want, START_WAIT_S, need=self.group.free_workers(),
+                                    grace_s=TOP_UP_GRACE_S)
+            if self.scale.target(have + len(new)) is not None:
+                return new
+            if time.monotonic() > deadline:
+                self._no_room(new, most)
+            time.sleep(1.0)
+
+    def _no_room(self, started: list, wanted: int) -> None:
+        for actor, _ in started:
+            ray.kill(actor)
+        r = self.base.resources
+        raise WorkerError(
+            f"could place only {len(started)} of the {self.scale.min_workers} workers needed "
+            f"(elastic.min_dp x parallel.pp; wanted up to {wanted}) of {r.cpus_per_worker:g} CPU"
+            + (f" and {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "")
+            + f" each within {self.base.parallel.timeout_s:g} s (parallel.timeout_s); the cluster "
+            f"has {ray.available_resources()} free")
+
+    def _form(self, members: list) -> None:
+        """Make `members` the world: as many replicas as they hold (the rest are let go),
+        ranked in order, joined in a new process group, models built from the seed."""
+        dp = self.scale.target(len(members))
+        for actor, _ in members[dp * self.pp:]:
+            ray.kill(actor)
+        self.spec = self.base.at_dp(dp)
+        self.dims = ParallelDims(dp, self.pp)
+        self.group.form(members[:dp * self.pp], self.spec, self.dims)
+        if self.stage_layers is None:
+            self.stage_layers = plan_stages(self.spec, lambda: self.group.call_one(0, "profile_layers"))
+            if self.pp > 1:
+                self.tracker.set_tags({"pipeline.layers_per_stage": self.stage_layers,
+                                       "pipeline.schedule": self.spec.parallel.schedule})
+        self.workers = self.group.setup(self.table_ref, self.record_samples, self.stage_layers)
+        if not self.dp_history or self.dp_history[-1][1] != dp:
+            self.dp_history.append((self.step, dp))
+
+    def _load(self, meta: dict) -> None:
+        """Load a committed checkpoint into the current world and rewind the run to it."""
+        old = meta["layout"]
+        self.group.call("load", self.store.root, meta["step"], old["pp"], old == self._layout(),
+                        what="loading the checkpoint")
+        self.step = self.submitted = meta["step"]
+        self.cursor.load_state_dict(meta["cursor"])
+        self.ledger = [entry for entry in self.ledger if entry[0] < self.step]
+
+    def _load_latest(self) -> None:
+        latest = self.store.latest()
+        if latest is not None:
+            self._load(self.store.read_meta(latest))
+        else:  # no checkpoint yet: start over (setup built the models from the seed)
+            self.step = self.submitted = 0
+            self.cursor = Cursor()
+            self.ledger = []
+
+    def _rescale_due(self) -> bool:
+        if self.dims.dp >= self.base.dp_range[1]:
+            return False
+        now = time.monotonic()
+        if now < self.next_rescale_check:
+            return False
+        self.next_rescale_check = now + self.base.elastic.rescale_check_s
+        return self.scale.grow_to(self.dims.dp, self.group.free_workers()) is not None
+
+    def _record(self, event: dict) -> None:
+        """An event for the run record: RunResult.events and MLflow's events.json."""
+        self.events.append({"wall_time": round(time.time(), 3), **event})
+        self.tracker.log_dict(self.events, "events.json")
+        self.tracker.set_tags({"elastic.failures": len(self.failures.seen),
+                               "elastic.dp": self.dims.dp})
+
+    def _finish_resume(self) -> None:
+        """The first step after a recovery or a rescale is done: log how long each part took."""
+        event, self.resumed = self.resumed, None
+        phases = {**event.pop("phases_s"), "first_step": 0.0}
+        done = time.monotonic()
+        phases["first_step"] = done - event.pop("t0") - sum(phases.values())
+        event["phases_s"] = {k: round(v, 3) for k, v in phases.items()}
+        event["total_s"] = round(sum(phases.values()), 3)
+        self._record(event)
+        kind = event["kind"]
+        self.tracker.log_metrics(self.step, {f"{kind}_{k}_s": v for k, v in phases.items()}
+                                 | {f"{kind}_total_s": event["total_s"],
+                                    "failures": len(self.failures.seen)}, replayed_ok=True)
+        self.progress.note(f"{kind}: training again at step {self.step} with dp={self.dims.dp} "
+                           f"after {event['total_s']:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in event['phases_s'].items())})")
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -222,7 +436,8 @@ class Coordinator:
         metrics = {
             "loss": self.last_loss, "lr": p.lr, "grad_norm": results[0]["grad_norm"],
             "tokens_per_s": tps, "samples_per_s": p.samples / step_time_s,
-            "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size}
+            "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size,
+            "dp": self.dims.dp}
         if self.dims.pp > 1:
             metrics.update(self._pipeline_metrics(results))
             if p.traced:
@@ -233,7 +448,9 @@ class Coordinator:
             for rank, entries in enumerate(self.group.wait(p.ledger_refs, "reading the ledger")):
                 self.ledger += [(step, rank, ids) for step, ids in entries]
         if p.save_refs:
-            self._commit(p)
+            self._commit(p.cursor, p.save_refs, p.digest_refs)
+        if self.resumed is not None:
+            self._finish_resume()
 
     def _pipeline_metrics(self, results: list[dict]) -> dict:
         pipes = [[results[r]["pipe"] for r in self.dims.pp_group(d)] for d in range(self.dims.dp)]
@@ -259,17 +476,23 @@ class Coordinator:
             timeline.swimlane_png(lanes, f"{tmp}/swimlane.png", title)
             self.tracker.log_artifacts(tmp, f"pipeline/step_{self.step:06d}")
 
-    def _commit(self, p: "_Pending") -> None:
-        self.group.wait(p.save_refs, f"saving checkpoint {self.step}")
-        digests = self.group.wait(p.digest_refs, "hashing parameters")
+    def _checkpoint_now(self) -> None:
+        """A checkpoint of the current step, between steps (before a resize)."""
+        self.store.begin(self.step)
+        self._commit(self.cursor.state_dict(), self.group.submit("save", self.store.root, self.step),
+                     self.group.submit("digest"))
+
+    def _commit(self, cursor: dict, save_refs: list, digest_refs: list) -> None:
+        self.group.wait(save_refs, f"saving checkpoint {self.step}")
+        digests = self.group.wait(digest_refs, "hashing parameters")
         for s in range(self.dims.pp):  # an invariant of data parallelism: worth the milliseconds
             replicas = [digests[r] for r in self.dims.dp_group(s)]
             if len(set(replicas)) != 1:
                 raise WorkerError(f"replicas of stage {s} diverged at step {self.step}: "
                                   f"parameter digests {replicas}")
         self.replica_digests = digests
-        meta = {"job": self.spec.name, "step": self.step, "cursor": p.cursor,
-                "fingerprint": self.spec.fingerprint(), "recipe": self.spec.recipe(),
+        meta = {"job": self.spec.name, "step": self.step, "cursor": cursor,
+                "fingerprint": self.base.fingerprint(), "recipe": self.base.recipe(),
                 "layout": self._layout(),
                 "mlflow_run_id": self.run_id, "tracking_uri": self.tracker.uri,
                 "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
@@ -290,4 +513,5 @@ class Coordinator:
                          step_times_s=self.step_times_s, workers=self.workers,
                          replica_digests=self.replica_digests, ledger=self.ledger,
                          stage_layers=self.stage_layers, bubbles=self.bubbles, trace=self.trace,
-                         pipeline_peaks=self.pipeline_peaks)
+                         pipeline_peaks=self.pipeline_peaks, events=self.events,
+                         dp_history=self.dp_history)

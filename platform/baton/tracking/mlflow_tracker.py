@@ -84,11 +84,14 @@ class MLflowTracker:
         if changed:
             self.client.log_batch(self.run_id, tags=changed)
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float], *, replayed_ok: bool = False) -> None:
+        """Per-step metrics, once per step: a step replayed after a resume or a recovery keeps
+        the values of its first run. `replayed_ok` logs anyway (events at a replayed step)."""
         from mlflow.entities import Metric
 
-        if step <= self._logged_through:  # replayed after a resume: already in the run
+        if step <= self._logged_through and not replayed_ok:
             return
+        self._logged_through = max(self._logged_through, step)
         now = int(time.time() * 1000)
         self._buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
         if time.monotonic() - self._last_flush >= self.flush_every_s:
@@ -113,6 +116,10 @@ class MLflowTracker:
         if self.run_id:
             self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
+    def log_dict(self, obj: Any, artifact_file: str) -> None:
+        if self.run_id:
+            self.client.log_dict(self.run_id, obj, artifact_file)
+
     def finish(self, status: str) -> None:
         """status: FINISHED, FAILED or KILLED."""
         if self.run_id:
@@ -129,10 +136,11 @@ class NullTracker:
     def start(self, run_name: str, params: dict, run_id: Optional[str] = None) -> Optional[str]:
         return None
 
-    def log_metrics(self, step: int, metrics: dict) -> None: ...
+    def log_metrics(self, step: int, metrics: dict, *, replayed_ok: bool = False) -> None: ...
     def flush(self) -> None: ...
     def set_tags(self, tags: dict) -> None: ...
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
+    def log_dict(self, obj, artifact_file: str) -> None: ...
     def finish(self, status: str) -> None: ...
 
 

@@ -1,58 +1,118 @@
-"""The worker group: dp x pp Ray actors in one placement group, joined in one torch.distributed
-group. Every call fans out to all ranks and waits with a timeout, so a lost or stuck worker
-surfaces as a `WorkerError` rather than a hang."""
+"""The worker group: the Ray actors of one world (dp x pp), joined in one torch.distributed
+group, and the health checks that notice when one of them is gone.
+
+Every wait watches the workers as well as the results: a worker's heartbeat (answered on its
+own thread) must come back within elastic.hang_timeout_s, a dead actor fails the wait at once,
+and the whole call has the collective timeout plus a margin. Whatever goes wrong surfaces as a
+`WorkerLost` naming the cause and the ranks, never as a hang.
+
+A world can be re-formed without new processes: `leave` on the survivors, `form` with new
+ranks, `setup` on a fresh port.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Optional
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from baton.errors import WorkerError
+from baton.errors import WorkerError, WorkerLost
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
 from baton.workers.worker import Worker
 
-RemoteWorker = ray.remote(Worker)
+RemoteWorker = ray.remote(concurrency_groups={"health": 1})(Worker)
+
+BEAT_S = 0.5  # how often a waiting coordinator sends each worker a heartbeat
 
 
 class WorkerGroup:
     def __init__(self, spec: JobSpec, dims: ParallelDims):
         self.spec, self.dims = spec, dims
         self.timeout_s = spec.parallel.timeout_s
-        self.actors: list = []
-        self.pg = None
+        self.hang_timeout_s = spec.elastic.hang_timeout_s
+        self.actors: list = []  # by rank
+        self.infos: list[dict] = []  # pid and node of each, by rank
+        self._beats: dict[int, Any] = {}  # rank -> the heartbeat in flight
+        self._seen: dict[int, float] = {}  # rank -> when it last answered
+
+    # -- placement ----------------------------------------------------------------------------
+
+    def start(self, n: int, timeout_s: float, need: Optional[int] = None,
+              grace_s: float = 0.0) -> list[tuple[Any, dict]]:
+        """Start up to `n` new workers: wait up to `timeout_s` for `need` of them (default all),
+        then `grace_s` more for the rest; those not running by then (no room for them) are
+        killed. Returns (actor, info) of the ones that started."""
+        if n <= 0:
+            return []
+        need = n if need is None else min(need, n)
+        r = self.spec.resources
+        options = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_restarts": 0,
+                   "scheduling_strategy": "SPREAD" if r.placement == "spread" else "DEFAULT"}
+        actors = [RemoteWorker.options(**options).remote(self.spec, ParallelDims(1), 0)
+                  for _ in range(n)]
+        refs = [a.ready.remote() for a in actors]
+        ready, _ = ray.wait(refs, num_returns=need, timeout=timeout_s) if need else ([], refs)
+        if len(ready) < n and grace_s > 0:
+            ready, _ = ray.wait(refs, num_returns=n, timeout=grace_s)
+        started = []
+        for actor, ref in zip(actors, refs):
+            try:
+                if ref in ready:
+                    started.append((actor, ray.get(ref)))
+                    continue
+            except ray.exceptions.RayError:
+                pass
+            ray.kill(actor)
+        return started
+
+    def free_workers(self) -> int:
+        """How many more workers the cluster has room for right now."""
+        free, r = ray.available_resources(), self.spec.resources
+        n = int((free.get("CPU", 0) + 1e-9) // r.cpus_per_worker)
+        if r.gpus_per_worker:
+            n = min(n, int((free.get("GPU", 0) + 1e-9) // r.gpus_per_worker))
+        return n
 
     def place(self) -> None:
-        """Reserve the workers' resources and start the actors (no process group yet)."""
-        r = self.spec.resources
-        bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
-        self.pg = placement_group([bundle] * self.dims.world_size, strategy=r.placement.upper())
-        try:
-            ray.get(self.pg.ready(), timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        """Start this group's dp x pp workers (no process group yet)."""
+        started = self.start(self.dims.world_size, self.timeout_s)
+        if len(started) < self.dims.world_size:
+            for actor, _ in started:
+                ray.kill(actor)
+            r = self.spec.resources
+            bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
             raise WorkerError(
                 f"could not place {self.dims.world_size} workers of {bundle} within "
                 f"{self.timeout_s:g} s (parallel.timeout_s); the cluster has "
-                f"{ray.available_resources()} free") from None
-        self.actors = [
-            RemoteWorker.options(
-                num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank),
-            ).remote(self.spec, self.dims, rank)
-            for rank in range(self.dims.world_size)]
+                f"{ray.available_resources()} free")
+        self.form(started, self.spec, self.dims)
+
+    def form(self, members: list[tuple[Any, dict]], spec: JobSpec, dims: ParallelDims) -> None:
+        """Make `members` (actor, info) this group's workers, rank by rank, in a world of `dims`."""
+        assert len(members) == dims.world_size
+        self.spec, self.dims = spec, dims
+        self.actors = [a for a, _ in members]
+        self.infos = [info for _, info in members]
+        for rank, actor in enumerate(self.actors):
+            actor.assign.remote(spec, dims, rank)  # queued ahead of everything sent after it
+        self._beats, self._seen = {}, {}
+
+    def members(self, ranks: Optional[list[int]] = None) -> list[tuple[Any, dict]]:
+        ranks = range(len(self.actors)) if ranks is None else ranks
+        return [(self.actors[r], self.infos[r]) for r in ranks]
 
     def setup(self, table_ref: Any, record_samples: bool, stage_layers) -> list[dict]:
-        """Form the process group and build each worker's part of the model."""
+        """Form the process group (on a fresh port) and build each worker's part of the model."""
         master = self.call_one(0, "rendezvous_address")
         return self.call("setup", master, table_ref, record_samples, stage_layers,
                          what="joining the group")
 
+    # -- calls --------------------------------------------------------------------------------
+
     def call_one(self, rank: int, method: str, *args: Any) -> Any:
-        return self.wait([getattr(self.actors[rank], method).remote(*args)], method)[0]
+        return self.wait([getattr(self.actors[rank], method).remote(*args)], method, [rank])[0]
 
     def submit(self, method: str, *args: Any) -> list:
         """Queue `method(*args)` on every rank without waiting; actors run calls in order."""
@@ -62,36 +122,108 @@ class WorkerGroup:
         """Call `method(*args)` on every rank; results in rank order."""
         return self.wait(self.submit(method, *args), what or method)
 
-    def wait(self, refs: list, what: str) -> list:
-        try:
-            # the collective timeout plus a margin: a stuck peer fails inside the group first
-            return ray.get(refs, timeout=self.timeout_s + 30)
-        except ray.exceptions.RayTaskError as e:
-            rank = next((i for i, r in enumerate(refs) if _failed(r)), "?")
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise WorkerError(f"worker rank {rank} failed while {what}: "
-                              f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]}") from e
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerError(f"workers did not finish {what} within {self.timeout_s + 30:g} s "
-                              "(parallel.timeout_s + 30)") from None
-        except ray.exceptions.RayActorError as e:
-            raise WorkerError(f"a worker died while {what}: {str(e).splitlines()[0][:300]}") from e
+    def wait(self, refs: list, what: str, ranks: Optional[list[int]] = None) -> list:
+        """The results of `refs` (one per rank, or of `ranks`), watching the workers meanwhile.
+        The first failure ends the wait: no waiting out a collective whose peer is gone."""
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        remaining = dict(zip(refs, ranks))
+        deadline = time.monotonic() + self.timeout_s + 30  # a stuck collective fails first
+        while remaining:
+            ready, _ = ray.wait(list(remaining), num_returns=len(remaining), timeout=BEAT_S)
+            for ref in ready:
+                rank = remaining.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    raise self._diagnose(rank, e, what) from e
+                except ray.exceptions.RayActorError as e:
+                    raise _lost(rank, e, what) from e
+            if remaining:
+                self.check_health(what)
+                if time.monotonic() > deadline:
+                    raise WorkerLost(f"workers did not finish {what} within {self.timeout_s + 30:g} s "
+                                     "(parallel.timeout_s + 30)", "timeout")
+        return ray.get(refs)
+
+    # -- health -------------------------------------------------------------------------------
+
+    def check_health(self, what: str) -> None:
+        """Send each worker a heartbeat (one in flight at a time); raise `WorkerLost` for one
+        that is dead or has answered none for elastic.hang_timeout_s."""
+        now = time.monotonic()
+        for rank, actor in enumerate(self.actors):
+            ref = self._beats.get(rank)
+            if ref is None:
+                self._beats[rank] = actor.heartbeat.remote()
+                self._seen.setdefault(rank, now)
+                continue
+            done, _ = ray.wait([ref], timeout=0)
+            if done:
+                del self._beats[rank]
+                try:
+                    ray.get(ref)
+                    self._seen[rank] = now
+                except ray.exceptions.RayError as e:
+                    raise _lost(rank, e, what) from e
+            elif now - self._seen[rank] > self.hang_timeout_s:
+                raise WorkerLost(f"worker rank {rank} answered no heartbeat for "
+                                 f"{self.hang_timeout_s:g} s (elastic.hang_timeout_s) while {what}: "
+                                 "frozen or cut off", "hang", (rank,))
+
+    def probe(self, timeout_s: float) -> dict[int, str]:
+        """Each rank's state now: 'ok', 'dead' or 'silent' (no answer within `timeout_s`)."""
+        refs = {actor.heartbeat.remote(): rank for rank, actor in enumerate(self.actors)}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        state = {rank: "silent" for rank in refs.values()}
+        for ref in ready:
+            try:
+                ray.get(ref)
+                state[refs[ref]] = "ok"
+            except ray.exceptions.RayError:
+                state[refs[ref]] = "dead"
+        return state
+
+    def _diagnose(self, rank: int, error: Exception, what: str) -> WorkerLost:
+        """A worker raised. If a peer is gone, that is the cause (the raise is its echo: a
+        collective that lost its peer); otherwise the job's own code failed."""
+        gone = tuple(r for r, s in self.probe(2.0).items() if s != "ok")
+        cause = error.cause if getattr(error, "cause", None) is not None else error
+        line = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
+        if gone:
+            return WorkerLost(f"worker rank(s) {list(gone)} lost while {what} (rank {rank}: {line})",
+                              "actor_died", gone)
+        return WorkerLost(f"worker rank {rank} failed while {what}: {line}", "exception", (rank,))
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def leave(self, ranks: list[int], timeout_s: float) -> list[int]:
+        """Ask `ranks` to drop their process group; returns those that did within `timeout_s`
+        (the others are stuck in a collective or gone)."""
+        refs = {self.actors[r].leave.remote(): r for r in ranks}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        left = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+                left.append(refs[ref])
+            except ray.exceptions.RayError:
+                pass
+        return sorted(left)
+
+    def kill(self, ranks: list[int]) -> None:
+        for r in ranks:
+            ray.kill(self.actors[r])
 
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
-        self.actors = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        self.actors, self.infos = [], []
 
 
-def _failed(ref) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    if not ready:
-        return False
-    try:
-        ray.get(ref)
-        return False
-    except Exception:
-        return True
+def _lost(rank: int, error: Exception, what: str) -> WorkerLost:
+    text = (str(error).strip().splitlines() or [""])[0][:300]
+    lowered = str(error).lower()
+    on_node = (isinstance(error, ray.exceptions.ActorUnavailableError)
+               or "node has died" in lowered or "node died" in lowered)
+    return WorkerLost(f"worker rank {rank} died while {what}: {text}",
+                      "node_died" if on_node else "actor_died", (rank,))

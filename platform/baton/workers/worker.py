@@ -1,6 +1,12 @@
 """The worker: a Ray actor that holds one model replica (pp = 1) or one pipeline rank's stages
 (pp > 1), its optimizer, and its place in the torch.distributed groups. It executes; the
-coordinator decides what."""
+coordinator decides what.
+
+Calls run one at a time, in order, on the actor's default thread. `heartbeat` runs on a thread
+of its own (the "health" concurrency group), so a worker busy in a long step or stuck in a
+collective still answers, and one that does not answer is dead or frozen. A worker outlives
+its process group: after a failure the coordinator calls `leave`, then `assign` gives it a new
+rank in a new world and `setup` joins it (on a fresh port), without a new process."""
 
 from __future__ import annotations
 
@@ -25,13 +31,33 @@ from baton.workers.engines import DataParallelEngine, PipelineEngine
 
 class Worker:
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int):
-        self.spec, self.dims, self.rank = spec, dims, rank
-        self.dp_rank, self.pp_rank = dims.coords(rank)
         self.use_cuda = spec.resources.gpus_per_worker > 0
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
         torch.set_num_threads(spec.resources.threads_per_worker)
         self.ledger: Optional[list] = None
         self.engine = None
+        self.last_step = 0
+        self.assign(spec, dims, rank)
+
+    def assign(self, spec: JobSpec, dims: ParallelDims, rank: int) -> None:
+        """Take `rank` in a world of `dims` (before `setup`)."""
+        self.spec, self.dims, self.rank = spec, dims, rank
+        self.dp_rank, self.pp_rank = dims.coords(rank)
+
+    def ready(self) -> dict:
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+    @ray.method(concurrency_group="health")
+    def heartbeat(self) -> int:
+        """Answered on its own thread: the worker's process is alive and not frozen."""
+        return self.last_step
+
+    def leave(self) -> None:
+        """Drop the process group and the model (after a failure or before a resize). Runs
+        after every call queued before it, so nothing of the old world is still executing."""
+        self.engine = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the group's store."""
@@ -78,6 +104,7 @@ class Worker:
         micro = self._micro_batches(batch)
         out = self.engine.forward_backward(micro, self._tokens, self._scale(batch), trace)
         out["grad_norm"] = self.engine.apply(lr)
+        self.last_step = step + 1
         if self.ledger is not None and self.pp_rank == 0:
             self.ledger += [(step, self.ids[rows].tolist()) for rows in micro if len(rows)]
         return out
@@ -144,5 +171,4 @@ class Worker:
         return out
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.leave()

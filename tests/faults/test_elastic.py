@@ -1,0 +1,327 @@
+"""Faults on a simulated cluster (`ray.cluster_utils.Cluster`): a head with no CPUs for training
+and three worker nodes of one CPU each, so each worker has a node to itself and one node is
+spare. Faults are real: worker processes killed with SIGKILL or frozen with SIGSTOP, nodes
+removed and added, all from the run's `on_step` hook at a chosen step.
+
+Every run must finish, train on every sample exactly once per epoch (the ledger of sample ids
+counts only the steps that led to the final model), and record its events in MLflow. Where the
+world ends as it started, the final parameters equal the uninterrupted run's bit for bit; where
+dp changed (keep_global), they match one process at 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import ray
+import torch
+from mlflow.tracking import MlflowClient
+from ray.cluster_utils import Cluster
+
+from baton import api
+from baton.checkpoint import CheckpointStore
+from baton.data import Cursor, EpochOrder
+from baton.errors import WorkerError
+from baton.spec import spec_from_dict
+from helpers import read_table, reference_run, tiny_spec, write_dataset
+
+pytestmark = pytest.mark.faults
+
+NUM_SAMPLES, STEPS = 40, 8  # batches of 8: epoch 0 is steps 1-5, epoch 1 steps 6-8
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(3):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture
+def nodes(cluster):
+    """Three live worker nodes before each test, whatever the last one removed or added."""
+    workers = [n for n in cluster.list_all_nodes() if not n.head]
+    while len(workers) > 3:
+        cluster.remove_node(workers.pop())
+    while len(workers) < 3:
+        workers.append(cluster.add_node(num_cpus=1))
+    cluster.wait_for_nodes()
+    _wait_free_cpus(3)
+    return cluster
+
+
+def _wait_free_cpus(n: float, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < n - 1e-9:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("data"), NUM_SAMPLES, 32)
+
+
+def _spec(tmp_path, data, name, elastic=None, **sections):
+    raw = tiny_spec(tmp_path, data, name=name,
+                    train={"steps": STEPS, "global_batch": 8, "micro_batch": None},
+                    parallel={"dp": 2, "timeout_s": 30},
+                    resources={"cpus_per_worker": 1},
+                    checkpoint={"every_steps": 2, "keep": 10},
+                    elastic={"max_failures": 3, "hang_timeout_s": 4, "rescale_check_s": 1,
+                             **(elastic or {})})
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return spec_from_dict(raw)
+
+
+def _at_step(step, action):
+    """An on_step hook that runs `action(coordinator)` once, after `step` completes."""
+    fired = []
+
+    def hook(coordinator):
+        if coordinator.step == step and not fired:
+            fired.append(time.time())
+            action(coordinator)
+    hook.fired = fired
+    return hook
+
+
+def _final_params(spec):
+    return CheckpointStore(spec.checkpoint_dir).read_model(STEPS)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data, cluster):
+    """The same job, never interrupted, at dp=2 and at dp=1 x pp=2: the bitwise references."""
+    out = {}
+    for name, parallel in (("ref-dp", {}), ("ref-pp", {"dp": 1, "pp": 2, "microbatches": 2})):
+        _wait_free_cpus(3)
+        spec = _spec(tmp_path_factory.mktemp(name), data, name, parallel=parallel)
+        result = api.run(spec, record_samples=True, show_progress=False)
+        assert not result.events
+        out[name] = _final_params(spec)
+    return out
+
+
+def _assert_exactly_once(result):
+    """The ledger of the steps that made the final model: each step once, each sample of
+    epoch 0 once, and epoch 1's samples each at most once."""
+    steps = Counter()
+    by_epoch = {0: Counter(), 1: Counter()}
+    for step, rank, ids in result.ledger:
+        steps[(step, rank)] += 1
+        by_epoch[0 if step < NUM_SAMPLES // 8 else 1].update(ids)
+    assert set(steps.values()) == {1}, "a step was recorded twice"
+    assert sorted({s for s, _ in steps}) == list(range(STEPS))
+    assert sorted(by_epoch[0]) == list(range(1000, 1000 + NUM_SAMPLES))
+    assert set(by_epoch[0].values()) == {1}
+    assert sum(by_epoch[1].values()) == (STEPS - NUM_SAMPLES // 8) * 8
+    assert set(by_epoch[1].values()) == {1}
+
+
+def _assert_bitwise(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def _mlflow_events(spec, result):
+    client = MlflowClient(spec.tracking.uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    with open(client.download_artifacts(result.run_id, "events.json")) as f:
+        events = json.load(f)
+    metrics = {k: client.get_metric_history(result.run_id, k) for k in run.data.metrics}
+    return events, metrics
+
+
+def _kinds(events):
+    return [e["kind"] for e in events]
+
+
+def test_a_killed_worker_is_replaced_and_the_survivor_reused(tmp_path, data, nodes, uninterrupted):
+    spec = _spec(tmp_path, data, "kill")
+    before = {}
+
+    def kill(c):
+        before.update(pids=[w["pid"] for w in c.workers])
+        os.kill(c.workers[1]["pid"], signal.SIGKILL)
+    result = api.run(spec, record_samples=True, show_progress=False, on_step=_at_step(3, kill))
+
+    assert result.state == "finished" and result.step == STEPS
+    assert _kinds(result.events) == ["failure", "recovery"]
+    failure, recovery = result.events
+    assert failure["cause"] == "actor_died" and failure["step"] == 4
+    assert recovery["resumed_from_step"] == 2 and recovery["dp"] == 2
+    assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 1
+    assert result.workers[0]["pid"] == before["pids"][0]  # the survivor is the same process
+    assert result.workers[1]["pid"] != before["pids"][1]
+    _assert_exactly_once(result)
+    _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+    events, metrics = _mlflow_events(spec, result)
+    assert _kinds(events) == ["failure", "recovery"]
+    assert set(recovery["phases_s"]) == {"stop", "reschedule", "group_init", "checkpoint_load",
+                                         "first_step"}
+    assert [m.step for m in metrics["recovery_total_s"]] == [3]
+    assert metrics["recovery_total_s"][0].value == pytest.approx(recovery["total_s"])
+
+
+def test_a_removed_node_is_replaced_by_the_spare(tmp_path, data, nodes, uninterrupted):
+    spec = _spec(tmp_path, data, "node-lost")
+
+    def remove(c):
+        node_id = c.workers[0]["node"]
+        (node,) = [n for n in nodes.list_all_nodes() if n.node_id == node_id]
+        nodes.remove_node(node)
+    result = api.run(spec, record_samples=True, show_progress=False, on_step=_at_step(3, remove))
+
+    assert result.state == "finished"
+    assert _kinds(result.events) == ["failure", "recovery"]
+    assert result.events[0]["cause"] in ("node_died", "actor_died")
+    assert result.events[1]["dp"] == 2 and result.events[1]["workers_reused"] == 1
+    _assert_exactly_once(result)
+    _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+
+
+def test_a_worker_killed_while_a_checkpoint_is_written_leaves_it_torn(tmp_path, data, nodes,
+                                                                       uninterrupted):
+    """The hook runs on the coordinator's thread between step 3 and the commit of step 4:
+    once rank 0 has written its first part of checkpoint 4, it is killed; checkpoint 4 has
+    no commit marker and the run goes back to 2."""
+    spec = _spec(tmp_path, data, "kill-saving")
+    part = CheckpointStore(spec.checkpoint_dir).step_dir(4) + "/model-0000.pt"
+
+    def kill_when_writing(c):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(part):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert not os.path.exists(os.path.dirname(part) + "/COMMITTED")
+        os.kill(c.workers[0]["pid"], signal.SIGKILL)
+    result = api.run(spec, record_samples=True, show_progress=False,
+                     on_step=_at_step(3, kill_when_writing))
+
+    assert _kinds(result.events) == ["failure", "recovery"]
+    assert result.events[1]["resumed_from_step"] == 2
+    _assert_exactly_once(result)
+    _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+
+
+def test_a_frozen_worker_is_declared_dead_within_the_hang_timeout(tmp_path, data, nodes,
+                                                                  uninterrupted):
+    spec = _spec(tmp_path, data, "frozen")
+    result = api.run(spec, record_samples=True, show_progress=False,
+                     on_step=_at_step(3, lambda c: os.kill(c.workers[1]["pid"], signal.SIGSTOP)))
+    failure = result.events[0]
+    assert failure["cause"] == "hang" and failure["ranks"] == [1]
+    assert "answered no heartbeat for 4 s" in failure["message"]
+    assert _kinds(result.events) == ["failure", "recovery"]
+    _assert_exactly_once(result)
+    _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+
+
+def test_a_lost_pipeline_stage_reforms_the_pipeline(tmp_path, data, nodes, uninterrupted):
+    spec = _spec(tmp_path, data, "pp-kill", parallel={"dp": 1, "pp": 2, "microbatches": 2})
+    result = api.run(spec, record_samples=True, show_progress=False,
+                     on_step=_at_step(3, lambda c: os.kill(c.workers[1]["pid"], signal.SIGKILL)))
+    assert _kinds(result.events) == ["failure", "recovery"]
+    assert result.events[1]["workers_reused"] == 1
+    _assert_exactly_once(result)
+    _assert_bitwise(_final_params(spec), uninterrupted["ref-pp"])
+
+
+def test_with_no_spare_the_run_goes_on_with_fewer_replicas_then_grows_back(tmp_path, data,
+                                                                           nodes):
+    """A node is lost while no other has room: dp 2 -> 1 at once (min_dp 1), with the same
+    global batch; a node joins: back to dp 2 at the next check. The model matches one process
+    at 1e-5 (the same maths, summed in another order)."""
+    spec = _spec(tmp_path, data, "shrink-grow", elastic={"min_dp": 1})
+    blocker = ray.remote(num_cpus=1)(_Idle).remote()  # takes the spare node's CPU
+    ray.get(blocker.ready.remote())
+    removed = []
+
+    def remove_then_add(c):
+        if c.step == 3 and not removed:
+            node_id = c.workers[1]["node"]
+            (node,) = [n for n in nodes.list_all_nodes() if n.node_id == node_id]
+            nodes.remove_node(node)
+            removed.append(time.time())
+        elif c.step == 4 and c.dims.dp == 1 and len(removed) == 1:
+            nodes.add_node(num_cpus=1)
+            nodes.wait_for_nodes()
+            _wait_free_cpus(1)
+            removed.append(time.time())
+            time.sleep(spec.elastic.rescale_check_s)  # steps are faster than the check
+    try:
+        result = api.run(spec, record_samples=True, show_progress=False, on_step=remove_then_add)
+    finally:
+        ray.kill(blocker)
+    assert _kinds(result.events) == ["failure", "recovery", "rescale"]
+    assert result.events[1]["dp"] == 1 and result.events[1]["workers_new"] == 0
+    assert result.events[2]["from_dp"] == 1 and result.events[2]["dp"] == 2
+    assert [dp for _, dp in result.dp_history] == [2, 1, 2]
+    _assert_exactly_once(result)
+    want, losses, _ = reference_run(spec, data, steps=STEPS)
+    got = _final_params(spec)
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _Idle:
+    def ready(self):
+        return True
+
+
+def test_the_failure_budget_ends_the_run_with_its_checkpoint_loadable(tmp_path, data, nodes):
+    spec = _spec(tmp_path, data, "budget", elastic={"max_failures": 1})
+    kills = []
+
+    def kill_twice(c):
+        if c.step in (2, 4) and c.step not in kills:
+            kills.append(c.step)
+            os.kill(c.workers[1]["pid"], signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"giving up after 2 failures, more than "
+                                          r"elastic.max_failures = 1; the last at step [45]"):
+        api.run(spec, show_progress=False, on_step=kill_twice)
+    store = CheckpointStore(spec.checkpoint_dir)
+    assert store.latest() == 4 and store.read_model(4)
+    client = MlflowClient(spec.tracking.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                                "attributes.run_name = 'budget'")
+    assert run.info.status == "FAILED" and run.data.tags["elastic.failures"] == "2"
+
+
+def test_an_error_that_repeats_at_the_same_step_is_not_retried_forever(tmp_path, data, nodes):
+    """User code that fails on one batch fails on it again after the recovery: the run stops
+    there, naming the error and the step, instead of spending its failure budget."""
+    ids, tokens = read_table(data)
+    order, cursor = EpochOrder(len(ids), 7), Cursor()
+    batches = [order.next_batch(cursor, 8) for _ in range(3)]
+    bad = int(tokens[batches[2][:4], :-1].sum())  # rank 0's input at step 3
+    assert all(int(tokens[b[:4], :-1].sum()) != bad and int(tokens[b[4:], :-1].sum()) != bad
+               for b in batches[:2])
+    spec = _spec(tmp_path, data, "repeats", model={"name": "helpers:failing_gpt",
+                                                    "options": {"fail_on_sum": bad}})
+    with pytest.raises(WorkerError, match=r"giving up: the same error came back at step 3 after "
+                                          r"a recovery: worker rank 0 failed while training step "
+                                          r"3: ValueError: bad batch"):
+        api.run(spec, show_progress=False)
+    client = MlflowClient(spec.tracking.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                                "attributes.run_name = 'repeats'")
+    assert run.data.tags["elastic.failures"] == "2" and run.data.tags["failed_at_step"] == "3"
+    assert np.isfinite(float(run.data.metrics["loss"]))
