@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -141,6 +142,7 @@ class Worker:
         if self.dp_rank == 0:  # replicas are identical: one copy of each stage is enough
             model_state, optim_state = self.engine.state_dicts()
             store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state)
+            time.sleep(float(os.environ.get("BATON_FAULT_SAVE_PAUSE_S", 0)))  # fault tests' window
             store.write_tensors(step, f"optim-{self.pp_rank:04d}.pt", optim_state)
         rng = {"cpu": torch.get_rng_state()}
         if self.use_cuda:
