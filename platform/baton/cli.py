@@ -70,6 +70,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
                   f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
                   f"stage {api.stage_plan(spec)}")
+        lo, hi = spec.dp_range
+        e = spec.elastic
+        if lo < hi or e.max_failures:
+            print(f"  elastic: dp {spec.valid_dps()} ({spec.batch_policy}), recovers from up to "
+                  f"{e.max_failures} failures, looks for room every {e.rescale_check_s:g} s, a "
+                  f"worker silent for {e.hang_timeout_s:g} s is dead")
         return 0
     if args.command == "data":
         from baton.data.corpus import prepare_stdlib

@@ -104,7 +104,8 @@ class RunResult:
 class Coordinator:
     def __init__(self, spec: JobSpec, tracker, *, resume_meta: Optional[dict] = None,
                  record_samples: bool = False, show_progress: bool = True,
-                 on_step: Optional[Callable[["Coordinator"], None]] = None):
+                 on_step: Optional[Callable[["Coordinator"], None]] = None,
+                 group_factory: Callable[..., WorkerGroup] = WorkerGroup):
         self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
         self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
@@ -113,6 +114,7 @@ class Coordinator:
         self.scale = ScalePolicy(tuple(spec.valid_dps()), self.pp)
         self.failures = FailurePolicy(spec.elastic.max_failures)
         self.on_step = on_step  # called after every completed step (observers, fault tests)
+        self.group_factory = group_factory  # the unit tests' fake group stands in for Ray
         self.events: list[dict] = []
         self.dp_history: list[tuple[int, int]] = []
         self.failure: Optional[Failure] = None
@@ -194,7 +196,7 @@ class Coordinator:
         return State.SCHEDULING
 
     def _schedule(self) -> State:
-        self.group = WorkerGroup(self.base, self.dims)
+        self.group = self.group_factory(self.base, self.dims)
         # as many workers as the cluster has room for, up to max_dp replicas; at least min_dp
         # (waiting up to parallel.timeout_s for room, as an autoscaler would make)
         most = self.base.dp_range[1] * self.pp
@@ -202,7 +204,7 @@ class Coordinator:
         members = self.group.start(n, self.base.parallel.timeout_s, need=self.scale.min_workers,
                                    grace_s=TOP_UP_GRACE_S)
         if self.scale.target(len(members)) is None:
-            self._no_room(members, n)
+            self._no_room(len(members), members, n)
         self._form(members)
         if self.resume_meta:
             self._load(self.resume_meta)
@@ -238,9 +240,7 @@ class Coordinator:
         if not decision.recover:
             raise WorkerError(decision.reason)
         # 1. stop the old world: drop queued calls, keep whoever still answers and gets out
-        for p in self.inflight:
-            for ref in p.all_refs():
-                ray.cancel(ref)
+        self.group.cancel([ref for p in self.inflight for ref in p.all_refs()])
         self.inflight.clear()
         state = self.group.probe(2.0)
         alive = [r for r, s in state.items() if s == "ok" and r not in f.ranks]
@@ -279,8 +279,7 @@ class Coordinator:
         new = self.group.start((grow_to - old_dp) * self.pp, START_WAIT_S)
         members = self.group.members() + new
         if self.scale.target(len(members)) == old_dp:  # the room went elsewhere meanwhile
-            for actor, _ in new:
-                ray.kill(actor)
+            self.group.release(new)
             return State.RUNNING
         left = self.group.leave(list(range(len(self.group.actors))), LEAVE_GRACE_S)
         if len(left) < len(self.group.actors):
@@ -313,26 +312,24 @@ class Coordinator:
             if self.scale.target(have + len(new)) is not None:
                 return new
             if time.monotonic() > deadline:
-                self._no_room(new, most)
+                self._no_room(have + len(new), new, most)
             time.sleep(1.0)
 
-    def _no_room(self, started: list, wanted: int) -> None:
-        for actor, _ in started:
-            ray.kill(actor)
+    def _no_room(self, placed: int, started: list, wanted: int) -> None:
+        self.group.release(started)
         r = self.base.resources
         raise WorkerError(
-            f"could place only {len(started)} of the {self.scale.min_workers} workers needed "
+            f"could place only {placed} of the {self.scale.min_workers} workers needed "
             f"(elastic.min_dp x parallel.pp; wanted up to {wanted}) of {r.cpus_per_worker:g} CPU"
             + (f" and {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "")
             + f" each within {self.base.parallel.timeout_s:g} s (parallel.timeout_s); the cluster "
-            f"has {ray.available_resources()} free")
+            f"has {self.group.describe_free()} free")
 
     def _form(self, members: list) -> None:
         """Make `members` the world: as many replicas as they hold (the rest are let go),
         ranked in order, joined in a new process group, models built from the seed."""
         dp = self.scale.target(len(members))
-        for actor, _ in members[dp * self.pp:]:
-            ray.kill(actor)
+        self.group.release(members[dp * self.pp:])
         self.spec = self.base.at_dp(dp)
         self.dims = ParallelDims(dp, self.pp)
         self.group.form(members[:dp * self.pp], self.spec, self.dims)

@@ -75,12 +75,14 @@ class WorkerGroup:
             n = min(n, int((free.get("GPU", 0) + 1e-9) // r.gpus_per_worker))
         return n
 
+    def describe_free(self) -> dict:
+        return ray.available_resources()
+
     def place(self) -> None:
         """Start this group's dp x pp workers (no process group yet)."""
         started = self.start(self.dims.world_size, self.timeout_s)
         if len(started) < self.dims.world_size:
-            for actor, _ in started:
-                ray.kill(actor)
+            self.release(started)
             r = self.spec.resources
             bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
             raise WorkerError(
@@ -213,6 +215,16 @@ class WorkerGroup:
     def kill(self, ranks: list[int]) -> None:
         for r in ranks:
             ray.kill(self.actors[r])
+
+    def release(self, members: list[tuple[Any, dict]]) -> None:
+        """Let go of workers that are not (or no longer) part of the world."""
+        for actor, _ in members:
+            ray.kill(actor)
+
+    def cancel(self, refs: list) -> None:
+        """Drop calls not yet started (a call already running finishes or fails on its own)."""
+        for ref in refs:
+            ray.cancel(ref)
 
     def shutdown(self) -> None:
         for actor in self.actors:

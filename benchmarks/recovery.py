@@ -1,0 +1,299 @@
+"""Recovery from a failure: baton against Ray Train's TorchTrainer, on one simulated cluster.
+
+The cluster is `ray.cluster_utils.Cluster` on this machine: a head with no CPUs for training and
+three worker nodes of one CPU each. Both systems train the same 2-worker data-parallel GPT on
+the stdlib corpus, with the same batches, optimizer and a checkpoint every 5 steps. After step
+12 a fault is injected from outside the training code:
+
+  kill  SIGKILL to the process of worker rank 1
+  node  the node holding worker rank 1 is removed from the cluster
+
+Measured, per run: recovery time, from the fault to the first training step completed after
+it; work lost, in steps (steps that had completed and were trained again); for baton, the
+phases of its recovery (detect = from the fault to the coordinator declaring it). Ray Train
+uses FailureConfig(max_failures=3): it restarts the whole worker group from the last reported
+checkpoint. Systems alternate within each round; the machine is shared and noisy, so the ratio
+is the median of each round's paired ratio.
+
+Also measured for baton: scale-up latency, from a node joining a running dp=1 job (elastic
+max_dp 2, rescale_check_s at its default of 10 s) to the first step completed at dp=2.
+
+    python benchmarks/recovery.py                 # 2 rounds, about 6 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from baton import api  # noqa: E402
+from baton.data import Cursor, EpochOrder  # noqa: E402
+from baton.data.corpus import prepare_stdlib  # noqa: E402
+from baton.models import build_model, loss_sum  # noqa: E402
+from baton.parallel import ParallelDims  # noqa: E402
+from baton.spec import spec_from_dict  # noqa: E402
+from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr  # noqa: E402
+from results_io import write_result  # noqa: E402
+
+FAULT_AFTER_STEP, EVERY = 12, 5
+
+
+def job(args, tmp: str, name: str, **extra) -> dict:
+    return {
+        "name": name,
+        "model": {"name": "gpt", "layers": 2, "width": 64, "heads": 4, "seq_len": args.seq_len},
+        "data": {"source": "parquet", "path": f"{tmp}/data"},
+        "train": {"steps": args.steps, "global_batch": 16, "lr": 1e-3, "warmup_steps": 2, "seed": 0},
+        "parallel": {"dp": 2, "timeout_s": 60},
+        "resources": {"cpus_per_worker": 1},
+        "checkpoint": {"path": f"{tmp}/ckpt-{time.time_ns()}", "every_steps": EVERY, "keep": 2},
+        "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "bench-recovery"},
+        **extra,
+    }
+
+
+# -- the cluster --------------------------------------------------------------------------------
+
+def worker_nodes(cluster: Cluster) -> list:
+    return [n for n in cluster.list_all_nodes() if not n.head]
+
+
+def set_worker_nodes(cluster: Cluster, n: int) -> None:
+    nodes = worker_nodes(cluster)
+    while len(nodes) > n:
+        cluster.remove_node(nodes.pop())
+    while len(nodes) < n:
+        nodes.append(cluster.add_node(num_cpus=1))
+    cluster.wait_for_nodes()
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < n - 1e-9 and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def inject(cluster: Cluster, fault: str, pid: int, node_id: str) -> float:
+    """The fault; returns its wall-clock time."""
+    if fault == "kill":
+        os.kill(pid, signal.SIGKILL)
+    else:
+        (node,) = [n for n in worker_nodes(cluster) if n.node_id == node_id]
+        cluster.remove_node(node)
+    return time.time()
+
+
+# -- baton --------------------------------------------------------------------------------------
+
+def run_baton(cluster: Cluster, args, tmp: str, fault: str) -> dict:
+    spec = spec_from_dict(job(args, tmp, f"baton-{fault}", elastic={"max_failures": 3}))
+    seen: dict = {}
+
+    def hook(c) -> None:
+        if c.step == FAULT_AFTER_STEP and "fault_at" not in seen:
+            seen["done_before"] = c.step
+            seen["fault_at"] = inject(cluster, fault, c.workers[1]["pid"], c.workers[1]["node"])
+        elif "fault_at" in seen and "first_step_at" not in seen and any(
+                e["kind"] == "recovery" for e in c.events):
+            seen["first_step_at"] = time.time()
+            seen["first_step"] = c.step
+
+    result = api.run(spec, show_progress=False, log=lambda _: None, on_step=hook)
+    failure = next(e for e in result.events if e["kind"] == "failure")
+    recovery = next(e for e in result.events if e["kind"] == "recovery")
+    return {"recovery_s": seen["first_step_at"] - seen["fault_at"],
+            "detect_s": failure["at"] - seen["fault_at"],
+            "phases_s": recovery["phases_s"], "cause": failure["cause"],
+            "workers_reused": recovery["workers_reused"],
+            "work_lost_steps": seen["done_before"] - recovery["resumed_from_step"]}
+
+
+# -- Ray Train ----------------------------------------------------------------------------------
+
+def _ray_train_loop(config: dict) -> None:
+    """A plain DDP loop as a Ray Train user writes it: resume from the last checkpoint, report a
+    checkpoint every `every` steps. Rank 0 logs each completed step to a file."""
+    import ray.train
+    import ray.train.torch
+    from ray.train import Checkpoint
+
+    from dp_throughput import load_tokens
+
+    torch.set_num_threads(1)
+    spec = spec_from_dict(config["spec"])
+    t, log = spec.train, Path(config["log"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    (log / f"worker-{rank}.json").write_text(json.dumps(
+        {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}))
+    model = ray.train.torch.prepare_model(build_model(spec.model, t.seed))
+    optimizer = make_optimizer(model, t)
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            state = torch.load(f"{d}/state.pt", weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        start = int(state["step"])
+    tokens = load_tokens(config["data"], spec.model.seq_len)
+    order, cursor, dims = EpochOrder(len(tokens), t.seed), Cursor(), ParallelDims(world)
+    for _ in range(start):
+        order.next_batch(cursor, t.global_batch)
+    for step in range(start, t.steps):
+        batch = order.next_batch(cursor, t.global_batch)
+        data = torch.from_numpy(tokens[dims.replica_part(batch, rank)]).long()
+        loss = loss_sum(model(data[:, :-1]), data[:, 1:]) * world / (len(batch) * spec.model.seq_len)
+        loss.backward()
+        set_lr(optimizer, lr_at(step, t))
+        clip_and_norm(model, t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            with open(log / "steps.jsonl", "a") as f:
+                f.write(json.dumps({"step": step + 1, "t": time.time(), "pid": os.getpid()}) + "\n")
+        if (step + 1) % config["every"] == 0:
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:
+                    torch.save({"model": model.module.state_dict(), "optim": optimizer.state_dict(),
+                                "step": step + 1}, f"{d}/state.pt")
+                ray.train.report({"step": step + 1},
+                                 checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+
+
+def _steps(log: Path) -> list[dict]:
+    path = log / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_ray_train(cluster: Cluster, args, tmp: str, fault: str) -> dict:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    log = Path(tempfile.mkdtemp(prefix="rt-", dir=tmp))
+    seen: dict = {}
+
+    def injector() -> None:
+        while not any(s["step"] >= FAULT_AFTER_STEP for s in _steps(log)):
+            time.sleep(0.005)
+        done = _steps(log)
+        seen["done_before"], seen["pid0"] = done[-1]["step"], done[-1]["pid"]
+        worker = json.loads((log / "worker-1.json").read_text())
+        seen["fault_at"] = inject(cluster, fault, worker["pid"], worker["node"])
+
+    thread = threading.Thread(target=injector, daemon=True)
+    thread.start()
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"spec": job(args, tmp, "rt"), "data": f"{tmp}/data", "log": str(log),
+                           "every": EVERY},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=f"{tmp}/ray_train", name=f"rt-{time.time_ns()}",
+                             failure_config=FailureConfig(max_failures=3)))
+    trainer.fit()
+    thread.join(timeout=5)
+    after = [s for s in _steps(log) if s["pid"] != seen["pid0"]]
+    return {"recovery_s": after[0]["t"] - seen["fault_at"],
+            "work_lost_steps": seen["done_before"] - (after[0]["step"] - 1)}
+
+
+# -- scale-up -----------------------------------------------------------------------------------
+
+def run_scale_up(cluster: Cluster, args, tmp: str) -> dict:
+    set_worker_nodes(cluster, 1)
+    spec = spec_from_dict(job(args, tmp, "baton-grow", elastic={"min_dp": 1, "max_dp": 2}))
+    seen: dict = {}
+
+    def hook(c) -> None:
+        if c.step == 5 and "joined_at" not in seen:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            seen["joined_at"] = time.time()
+        elif "joined_at" in seen and c.dims.dp == 2 and "first_step_at" not in seen:
+            seen["first_step_at"] = time.time()
+
+    result = api.run(spec, show_progress=False, log=lambda _: None, on_step=hook)
+    rescale = next(e for e in result.events if e["kind"] == "rescale")
+    return {"latency_s": seen["first_step_at"] - seen["joined_at"], "phases_s": rescale["phases_s"],
+            "dp_history": result.dp_history}
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--faults", default="kill,node")
+    p.add_argument("--out", default="benchmarks/results/recovery_cpu.json")
+    args = p.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="baton-bench-recovery-")
+    os.environ.setdefault("RAY_TMPDIR", f"{tmp}/ray")
+    prepare_stdlib(f"{tmp}/data", args.seq_len)
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    set_worker_nodes(cluster, 3)
+    ray.init(address=cluster.address, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    systems = {"baton": run_baton, "ray_train": run_ray_train}
+    runs: dict = {f: {s: [] for s in systems} for f in args.faults.split(",")}
+    try:
+        for r in range(args.rounds):
+            for fault in runs:
+                order = list(systems) if r % 2 == 0 else list(systems)[::-1]
+                for name in order:
+                    set_worker_nodes(cluster, 3)
+                    out = systems[name](cluster, args, tmp, fault)
+                    runs[fault][name].append(out)
+                    print(f"round {r + 1}: {fault:4s} {name:9s} recovery {out['recovery_s']:5.1f} s, "
+                          f"work lost {out['work_lost_steps']} steps"
+                          + (f", phases {out['phases_s']}" if "phases_s" in out else ""), flush=True)
+        grow = run_scale_up(cluster, args, tmp)
+        print(f"scale-up: {grow['latency_s']:.1f} s from a node joining to a step at dp=2 "
+              f"(phases {grow['phases_s']})", flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+    print(f"\n{'fault':6s} {'system':10s} {'recovery s (median)':>20s} {'work lost (steps)':>18s} "
+          f"{'baton / Ray Train':>18s}")
+    summary: dict = {}
+    for fault, by in runs.items():
+        ratio = statistics.median(b["recovery_s"] / t["recovery_s"]
+                                  for b, t in zip(by["baton"], by["ray_train"]))
+        for name, outs in by.items():
+            med = statistics.median(o["recovery_s"] for o in outs)
+            lost = statistics.median(o["work_lost_steps"] for o in outs)
+            summary.setdefault(fault, {})[name] = {"recovery_s_median": med, "work_lost_median": lost}
+            print(f"{fault:6s} {name:10s} {med:>20.1f} {lost:>18g} "
+                  f"{(f'{ratio:.2f}' if name == 'baton' else ''):>18s}")
+        summary[fault]["baton_vs_ray_train"] = ratio
+    baton_phases = {f: {k: statistics.median(o["phases_s"][k] for o in by["baton"])
+                        for k in by["baton"][0]["phases_s"]} for f, by in runs.items()}
+    detect = {f: statistics.median(o["detect_s"] for o in by["baton"]) for f, by in runs.items()}
+    print(f"baton phases (median s): {baton_phases}; detect: {detect}")
+    print(f"checkpoint every {EVERY} steps; fault after step {FAULT_AFTER_STEP}")
+    write_result(args.out, {"config": vars(args), "ray": ray.__version__, "torch": torch.__version__,
+                            "runs": runs, "summary": summary, "baton_phases_median_s": baton_phases,
+                            "baton_detect_median_s": detect, "scale_up": grow,
+                            "checkpoint_every": EVERY, "fault_after_step": FAULT_AFTER_STEP})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""The coordinator's policies and its state machine, without Ray: the policies take plain
+values; the state machine runs one transition at a time against a fake worker group whose
+workers die, and whose cluster shrinks and grows, on a script."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from baton.checkpoint import CheckpointStore
+from baton.coordinator import Coordinator, State
+from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
+from baton.data import EpochOrder
+from baton.errors import SpecError, WorkerError, WorkerLost
+from baton.progress import Progress
+from baton.spec import spec_from_dict
+from baton.tracking.mlflow_tracker import NullTracker
+
+
+# -- policies -----------------------------------------------------------------------------------
+
+def test_failures_are_recovered_up_to_the_budget():
+    policy = FailurePolicy(max_failures=2)
+    assert policy.decide(Failure(4, "actor_died", "rank 1 died")).recover
+    assert policy.decide(Failure(9, "node_died", "rank 0 died")).recover
+    decision = policy.decide(Failure(12, "hang", "rank 1 silent"))
+    assert not decision.recover
+    assert decision.reason == ("giving up after 3 failures, more than elastic.max_failures = 2; "
+                               "the last at step 12: rank 1 silent")
+
+
+def test_an_exception_repeating_at_the_same_step_gives_up_at_once():
+    policy = FailurePolicy(max_failures=10)
+    assert policy.decide(Failure(3, "exception", "ValueError: bad batch")).recover
+    assert policy.decide(Failure(5, "exception", "ValueError: bad batch")).recover  # other step
+    assert policy.decide(Failure(3, "actor_died", "ValueError: bad batch")).recover  # not user code
+    decision = policy.decide(Failure(3, "exception", "ValueError: bad batch"))
+    assert not decision.recover and "came back at step 3" in decision.reason
+
+
+def test_without_a_budget_the_failure_is_the_message():
+    decision = FailurePolicy(max_failures=0).decide(Failure(4, "exception", "rank 0 failed: X"))
+    assert (decision.recover, decision.reason) == (False, "rank 0 failed: X")
+
+
+def test_unknown_cause_is_refused():
+    with pytest.raises(ValueError):
+        Failure(1, "cosmic ray", "?")
+
+
+def test_scale_policy_picks_the_largest_valid_world_that_fits():
+    policy = ScalePolicy(valid_dps=(1, 2, 4), pp=2)  # dp 3 does not divide the batch
+    assert policy.min_workers == 2
+    assert policy.target(1) is None  # not even one pipeline
+    assert [policy.target(n) for n in (2, 3, 4, 5, 7, 8, 20)] == [1, 1, 2, 2, 2, 4, 4]
+    assert policy.grow_to(1, workers_free=1) is None  # 3 workers still hold one pipeline
+    assert policy.grow_to(1, workers_free=2) == 2
+    assert policy.grow_to(2, workers_free=2) is None  # dp 3 is not valid
+    assert policy.grow_to(2, workers_free=4) == 4
+
+
+def test_elastic_spec_checks_its_range_against_the_batch():
+    base = {"name": "e", "train": {"global_batch": 24}, "parallel": {"dp": 2}}
+    assert spec_from_dict({**base, "elastic": {"min_dp": 1, "max_dp": 4}}).valid_dps() == [1, 2, 3, 4]
+    with pytest.raises(SpecError, match=r"elastic.max_dp: 5 is invalid; train.global_batch 24 "
+                                        r"cannot be split over 5 replicas under batch_policy "
+                                        r"keep_global; dp values that work: \[1, 2, 3, 4\]"):
+        spec_from_dict({**base, "elastic": {"min_dp": 1, "max_dp": 5}})
+    with pytest.raises(SpecError, match="elastic.min_dp: 3 is invalid; must be <= parallel.dp = 2"):
+        spec_from_dict({**base, "elastic": {"min_dp": 3}})
+    scaled = spec_from_dict({**base, "batch_policy": "scale_lr", "train": {"global_batch": 24, "lr": 1e-3},
+                             "elastic": {"max_dp": 5}})
+    assert scaled.at_dp(5).train.global_batch == 60 and scaled.at_dp(5).train.lr == pytest.approx(2.5e-3)
+    assert scaled.at_dp(5).fingerprint() != scaled.fingerprint()  # the coordinator keeps the base's
+
+
+# -- the state machine against a fake group ---------------------------------------------------
+
+class FakeCluster:
+    """Room for `free` more workers; scripted failures by step: (cause, rank, node lost)."""
+
+    def __init__(self, free: int):
+        self.free = free
+        self.failures: dict[int, tuple[str, int, bool]] = {}
+        self.pids = itertools.count(100)
+
+
+class FakeGroup:
+    """The WorkerGroup interface, in memory. A ref is (rank, method, args); results are
+    computed when waited on, in submission order, as actors would."""
+
+    def __init__(self, spec, dims, cluster: FakeCluster):
+        self.cluster, self.actors, self.infos = cluster, [], []
+        self.dead: set[int] = set()
+        self.calls: list[tuple[str, int]] = []
+        self.ledgers: dict[int, list] = {}
+
+    def start(self, n, timeout_s, need=None, grace_s=0.0):
+        k = min(n, self.cluster.free)
+        self.cluster.free -= k
+        return [(f"actor-{pid}", {"pid": pid}) for pid in itertools.islice(self.cluster.pids, k)]
+
+    def free_workers(self):
+        return self.cluster.free
+
+    def describe_free(self):
+        return {"CPU": self.cluster.free}
+
+    def form(self, members, spec, dims):
+        self.spec, self.dims = spec, dims
+        self.actors, self.infos = [a for a, _ in members], [i for _, i in members]
+        self.dead, self.ledgers = set(), {}
+
+    def members(self, ranks=None):
+        ranks = range(len(self.actors)) if ranks is None else ranks
+        return [(self.actors[r], self.infos[r]) for r in ranks]
+
+    def setup(self, table_ref, record_samples, stage_layers):
+        return [{"rank": r, **info} for r, info in enumerate(self.infos)]
+
+    def submit(self, method, *args):
+        return [(rank, method, args) for rank in range(len(self.actors))]
+
+    def call(self, method, *args, what=""):
+        return self.wait(self.submit(method, *args), what or method)
+
+    def wait(self, refs, what, ranks=None):
+        out = []
+        for rank, method, args in refs:
+            self.calls.append((method, rank))
+            if method == "train_step" and args[0] + 1 in self.cluster.failures:
+                cause, lost, node = self.cluster.failures.pop(args[0] + 1)
+                self.dead.add(lost)
+                if not node:
+                    self.cluster.free += 1  # a killed process frees its slot; a lost node does not
+            if rank in self.dead or (method == "train_step" and self.dead):
+                raise WorkerLost(f"worker rank {min(self.dead)} died while {what}", "actor_died",
+                                 tuple(sorted(self.dead)))
+            if method == "train_step":
+                step, batch = args[0], args[1]
+                part = self.dims.replica_part(batch, rank)
+                self.ledgers.setdefault(rank, []).append((step, part.tolist()))
+                out.append({"tokens": 10, "loss_sum": 20.0, "grad_norm": 0.5})
+            elif method == "take_ledger":
+                out.append(self.ledgers.pop(rank, []))
+            elif method == "digest":
+                out.append("same")
+            else:
+                out.append(None)
+        return out
+
+    def probe(self, timeout_s):
+        return {r: "dead" if r in self.dead else "ok" for r in range(len(self.actors))}
+
+    def leave(self, ranks, timeout_s):
+        return list(ranks)
+
+    def kill(self, ranks):
+        pass
+
+    def release(self, members):
+        self.cluster.free += len(members)
+
+    def cancel(self, refs):
+        pass
+
+    def shutdown(self):
+        self.cluster.free += len(self.actors) - len(self.dead)
+        self.actors = []
+
+
+def _coordinator(tmp_path, cluster, **elastic):
+    spec = spec_from_dict({
+        "name": "fake", "data": {"source": "parquet", "path": str(tmp_path)},
+        "train": {"steps": 8, "global_batch": 4, "warmup_steps": 0},
+        "parallel": {"dp": 2}, "checkpoint": {"path": str(tmp_path / "ckpt"), "every_steps": 2},
+        "tracking": {"enabled": False}, "elastic": {"max_failures": 3, **elastic}})
+    c = Coordinator(spec, NullTracker(), record_samples=True, show_progress=False,
+                    group_factory=lambda s, d: FakeGroup(s, d, cluster))
+    # what _prepare does with Ray and the data, stood in for: 12 samples, 3 steps an epoch
+    c.table_ref, c.order, c.num_samples, c.run_id = None, EpochOrder(12, 0), 12, None
+    c.progress = Progress(spec.train.steps, enabled=False)
+    c.state = State.SCHEDULING
+    return c
+
+
+def _tick_until(c, predicate, limit=50):
+    states = []
+    for _ in range(limit):
+        c.tick()
+        states.append(c.state)
+        if predicate(c):
+            return states
+    raise AssertionError(f"never reached; states {states}")
+
+
+def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
+    cluster = FakeCluster(free=2)
+    cluster.failures[4] = ("node_died", 1, True)
+    c = _coordinator(tmp_path, cluster, min_dp=1, rescale_check_s=1e-9)
+
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 2 and cluster.free == 0
+    states = _tick_until(c, lambda c: c.state is State.RECOVERING)
+    assert c.step == 3 and states[-1] is State.RECOVERING
+    c.tick()  # one transition: survivors kept, no room for more, dp 1, back to checkpoint 2
+    assert c.state is State.RUNNING and c.dims.dp == 1 and c.step == 2
+    assert c.cursor.state_dict() == {"epoch": 0, "consumed": 8}
+    assert {step for step, _, _ in c.ledger} == {0, 1}  # steps 3 and 4 are gone from the ledger
+    recovery_at = len(c.events)
+    assert [e["kind"] for e in c.events] == ["failure"]
+
+    c.tick()  # step 3 again, at dp 1: the recovery is complete
+    assert c.step == 3 and [e["kind"] for e in c.events] == ["failure", "recovery"]
+    assert c.events[recovery_at]["workers_reused"] == 1 and c.events[recovery_at]["workers_new"] == 0
+
+    cluster.free = 1  # a node joins
+    c.tick()
+    assert c.state is State.RESCALING
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 2
+    assert CheckpointStore(c.store.root).latest() == c.step  # checkpointed before growing
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert c.step == 8 and [dp for _, dp in c.dp_history] == [2, 1, 2]
+    assert [e["kind"] for e in c.events] == ["failure", "recovery", "rescale"]
+    ids = [i for step, _, part in sorted(c.ledger) for i in part]
+    assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
+
+
+def test_a_killed_worker_is_replaced_at_the_same_world_size(tmp_path):
+    cluster = FakeCluster(free=2)
+    cluster.failures[3] = ("actor_died", 0, False)
+    c = _coordinator(tmp_path, cluster)
+    _tick_until(c, lambda c: c.state is State.RECOVERING)
+    c.tick()
+    assert c.dims.dp == 2 and c.step == 2
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    recovery = c.events[1]
+    assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 1
+    assert set(recovery["phases_s"]) == {"stop", "reschedule", "group_init", "checkpoint_load",
+                                         "first_step"}
+
+
+def test_the_budget_spent_fails_the_run(tmp_path):
+    cluster = FakeCluster(free=2)
+    cluster.failures.update({3: ("actor_died", 0, False), 5: ("actor_died", 1, False)})
+    c = _coordinator(tmp_path, cluster, max_failures=1)
+    with pytest.raises(WorkerError, match="giving up after 2 failures"):
+        c.run()
+    assert c.state is State.FAILED and CheckpointStore(c.store.root).latest() == 4
+
+
+def test_fewer_than_min_dp_fails_with_what_the_cluster_has(tmp_path, monkeypatch):
+    import baton.coordinator.coordinator as coordinator
+
+    monkeypatch.setattr(coordinator, "time", _FastClock())
+    cluster = FakeCluster(free=2)
+    cluster.failures[3] = ("node_died", 1, True)
+    c = _coordinator(tmp_path, cluster)  # min_dp = dp = 2: no shrinking
+    with pytest.raises(WorkerError, match=r"could place only 1 of the 2 workers needed"):
+        c.run()
+
+
+class _FastClock:
+    """time, with sleep that advances the clock instead of waiting."""
+
+    def __init__(self):
+        import time
+
+        self._time, self._offset = time, 0.0
+
+    def monotonic(self):
+        return self._time.monotonic() + self._offset
+
+    def sleep(self, s):
+        self._offset += s
+
+    def __getattr__(self, name):
+        return getattr(self._time, name)
