@@ -213,7 +213,9 @@ def run_ray_train(cluster: Cluster, args, tmp: str, fault: str) -> dict:
 
 def run_scale_up(cluster: Cluster, args, tmp: str) -> dict:
     set_worker_nodes(cluster, 1)
-    spec = spec_from_dict(job(args, tmp, "baton-grow", elastic={"min_dp": 1, "max_dp": 2}))
+    raw = job(args, tmp, "baton-grow", elastic={"min_dp": 1, "max_dp": 2})
+    raw["train"]["steps"] = 1000  # long enough to outlast a rescale check (every 10 s)
+    spec = spec_from_dict(raw)
     seen: dict = {}
 
     def hook(c) -> None:
@@ -246,7 +248,9 @@ def main() -> int:
     prepare_stdlib(f"{tmp}/data", args.seq_len)
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})
-    set_worker_nodes(cluster, 3)
+    for _ in range(3):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
     ray.data.DataContext.get_current().enable_progress_bars = False
