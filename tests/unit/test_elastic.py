@@ -165,6 +165,9 @@ class FakeGroup:
     def cancel(self, refs):
         pass
 
+    def discard(self, refs):
+        pass
+
     def shutdown(self):
         self.cluster.free += len(self.actors) - len(self.dead)
         self.actors = []

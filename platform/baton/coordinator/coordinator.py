@@ -222,7 +222,8 @@ class Coordinator:
         if not self.inflight:
             self.tracker.finish("FINISHED")
             return State.FINISHED
-        self._complete(self.inflight.popleft())
+        self._complete(self.inflight[0])  # left queued if it fails: recovery cancels it
+        self.inflight.popleft()
         if self.on_step is not None:
             self.on_step(self)
         return State.RUNNING
@@ -240,13 +241,15 @@ class Coordinator:
         if not decision.recover:
             raise WorkerError(decision.reason)
         # 1. stop the old world: drop queued calls, keep whoever still answers and gets out
-        self.group.cancel([ref for p in self.inflight for ref in p.all_refs()])
+        stale = [ref for p in self.inflight for ref in p.all_refs()]
+        self.group.cancel(stale)
         self.inflight.clear()
         state = self.group.probe(2.0)
         alive = [r for r, s in state.items() if s == "ok" and r not in f.ranks]
         self.group.kill([r for r in state if r not in alive])  # first: that frees their peers
         left = self.group.leave(alive, LEAVE_GRACE_S)
         self.group.kill([r for r in alive if r not in left])
+        self.group.discard(stale)
         survivors = self.group.members(left)
         t_stop = time.monotonic()
         # 2. top up to max_dp where there is room
@@ -268,7 +271,8 @@ class Coordinator:
         workers, re-form the world with them and load the checkpoint just written."""
         t0 = time.monotonic()
         while self.inflight:
-            self._complete(self.inflight.popleft())
+            self._complete(self.inflight[0])
+            self.inflight.popleft()
         grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
         if grow_to is None or self.step >= self.spec.train.steps:
             return State.RUNNING

@@ -226,6 +226,16 @@ class WorkerGroup:
         for ref in refs:
             ray.cancel(ref)
 
+    def discard(self, refs: list) -> None:
+        """Collect what `refs` ended with, errors included, once they are done (after `leave`):
+        an error never fetched is printed as "Unhandled error" when its ref is dropped."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0) if refs else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass
+
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
