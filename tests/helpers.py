@@ -156,3 +156,32 @@ def failing_gpt(spec):
     gpt = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
                     vocab_size=spec.vocab_size)
     return torch.nn.Sequential(_FailOn(spec.options["fail_on_sum"]), *gpt)
+
+
+class _StallOnce(torch.nn.Module):
+    """On one rank, sleeps `seconds` in its first forward (once per marker file): a straggler
+    that is alive and answering, while its peers wait in a collective."""
+
+    def __init__(self, seconds: float, marker: str, rank: int):
+        super().__init__()
+        self.seconds, self.marker, self.rank = seconds, marker, rank
+
+    def forward(self, x):
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == self.rank and not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            time.sleep(self.seconds)
+        return x
+
+
+def stalling_gpt(spec):
+    """A user model (`helpers:stalling_gpt`) with a straggler: see _StallOnce."""
+    from baton.models.gpt import build_gpt
+
+    o = spec.options
+    gpt = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
+                    vocab_size=spec.vocab_size)
+    return torch.nn.Sequential(_StallOnce(o["seconds"], o["marker"], o["rank"]), *gpt)

@@ -245,7 +245,10 @@ class Coordinator:
         self.group.cancel(stale)
         self.inflight.clear()
         state = self.group.probe(2.0)
-        alive = [r for r, s in state.items() if s == "ok" and r not in f.ranks]
+        # ranks named by a death or a silence go; ranks that raised (their own code, a
+        # collective's timeout) are alive and stay
+        gone = set(f.ranks) if f.cause in ("actor_died", "node_died", "hang") else set()
+        alive = [r for r, s in state.items() if s == "ok" and r not in gone]
         self.group.kill([r for r in state if r not in alive])  # first: that frees their peers
         left = self.group.leave(alive, LEAVE_GRACE_S)
         self.group.kill([r for r in alive if r not in left])

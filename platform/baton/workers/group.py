@@ -194,6 +194,8 @@ class WorkerGroup:
         if gone:
             return WorkerLost(f"worker rank(s) {list(gone)} lost while {what} (rank {rank}: {line})",
                               "actor_died", gone)
+        if "timed out" in line.lower() or "timeout" in line.lower():  # a collective that hung
+            return WorkerLost(f"worker rank {rank} timed out while {what}: {line}", "timeout", (rank,))
         return WorkerLost(f"worker rank {rank} failed while {what}: {line}", "exception", (rank,))
 
     # -- teardown -----------------------------------------------------------------------------
