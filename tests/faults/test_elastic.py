@@ -154,8 +154,12 @@ def _mlflow_events(spec, result):
     return events, metrics
 
 
-def _last_checkpoint_before(step):
-    return (step - 1) // 2 * 2  # checkpoint.every_steps = 2
+def _assert_resumed_from_the_survivor(failure, recovery):
+    """The survivor holds the state of the last completed step: training resumes there, from
+    the survivor's state (or from the checkpoint of that step, when there is one)."""
+    last_done = failure["step"] - 1
+    assert recovery["resumed_from_step"] == last_done  # no completed step is trained again
+    assert recovery["state_from"] == ("checkpoint" if last_done % 2 == 0 else "survivors")
 
 
 def _kinds(events):
@@ -176,7 +180,7 @@ def test_a_killed_worker_is_replaced_and_the_survivor_reused(tmp_path, data, nod
     failure, recovery = result.events
     # step 4 was queued when the hook ran after step 3; it may have finished before the kill
     assert failure["cause"] == "actor_died" and failure["step"] in (4, 5)
-    assert recovery["resumed_from_step"] == _last_checkpoint_before(failure["step"])
+    _assert_resumed_from_the_survivor(failure, recovery)
     assert recovery["dp"] == 2
     assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 1
     assert result.workers[0]["pid"] == before["pids"][0]  # the survivor is the same process
@@ -185,8 +189,8 @@ def test_a_killed_worker_is_replaced_and_the_survivor_reused(tmp_path, data, nod
     _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
     events, metrics = _mlflow_events(spec, result)
     assert _kinds(events) == ["failure", "recovery"]
-    assert set(recovery["phases_s"]) == {"stop", "reschedule", "group_init", "checkpoint_load",
-                                         "first_step"}
+    assert set(recovery["phases_s"]) == {"stop", "survivor_save", "reschedule", "group_init",
+                                         "checkpoint_load", "first_step"}
     assert [m.step for m in metrics["recovery_total_s"]] == [recovery["resumed_from_step"] + 1]
     assert metrics["recovery_total_s"][0].value == pytest.approx(recovery["total_s"])
 
@@ -204,6 +208,7 @@ def test_a_removed_node_is_replaced_by_the_spare(tmp_path, data, nodes, uninterr
     assert _kinds(result.events) == ["failure", "recovery"]
     assert result.events[0]["cause"] in ("node_died", "actor_died")
     assert result.events[1]["dp"] == 2 and result.events[1]["workers_reused"] == 1
+    _assert_resumed_from_the_survivor(*result.events)
     _assert_exactly_once(result)
     _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
 
@@ -211,10 +216,10 @@ def test_a_removed_node_is_replaced_by_the_spare(tmp_path, data, nodes, uninterr
 def test_a_worker_killed_while_a_checkpoint_is_written_leaves_it_torn(tmp_path, data, nodes,
                                                                        uninterrupted):
     """The hook runs on the coordinator's thread between step 3 and the commit of step 4:
-    once rank 0 has written its first part of checkpoint 4 (and pauses before the next,
-    BATON_FAULT_SAVE_PAUSE_S), it is killed; checkpoint 4 never gets its commit marker and
-    the run goes back to 2."""
-    spec = _spec(tmp_path, data, "kill-saving")
+    once rank 0 (pipeline stage 0) has written its first part of checkpoint 4 (and pauses
+    before the next, BATON_FAULT_SAVE_PAUSE_S), it is killed. No survivor holds stage 0, so
+    checkpoint 4 never gets its commit marker and the run goes back to 2."""
+    spec = _spec(tmp_path, data, "kill-saving", parallel={"dp": 1, "pp": 2, "microbatches": 2})
     part = CheckpointStore(spec.checkpoint_dir).step_dir(4) + "/model-0000.pt"
 
     def kill_when_writing(c):
@@ -230,8 +235,9 @@ def test_a_worker_killed_while_a_checkpoint_is_written_leaves_it_torn(tmp_path, 
     assert _kinds(result.events) == ["failure", "recovery"]
     assert "while saving checkpoint 4" in result.events[0]["message"]
     assert result.events[1]["resumed_from_step"] == 2
+    assert result.events[1]["state_from"] == "checkpoint"
     _assert_exactly_once(result)
-    _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+    _assert_bitwise(_final_params(spec), uninterrupted["ref-pp"])
 
 
 def test_a_frozen_worker_is_declared_dead_within_the_hang_timeout(tmp_path, data, nodes,
@@ -243,6 +249,7 @@ def test_a_frozen_worker_is_declared_dead_within_the_hang_timeout(tmp_path, data
     assert failure["cause"] == "hang" and failure["ranks"] == [1]
     assert "answered no heartbeat for 4 s" in failure["message"]
     assert _kinds(result.events) == ["failure", "recovery"]
+    _assert_resumed_from_the_survivor(*result.events)
     _assert_exactly_once(result)
     _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
 

@@ -93,6 +93,8 @@ class FakeGroup:
     def __init__(self, spec, dims, cluster: FakeCluster):
         self.cluster, self.actors, self.infos = cluster, [], []
         self.dead: set[int] = set()
+        self.done: dict[int, int] = {}  # rank -> last step completed (the state it holds)
+        self.kept_written: list[tuple[list[int], int]] = []
         self.calls: list[tuple[str, int]] = []
         self.ledgers: dict[int, list] = {}
 
@@ -110,7 +112,7 @@ class FakeGroup:
     def form(self, members, spec, dims):
         self.spec, self.dims = spec, dims
         self.actors, self.infos = [a for a, _ in members], [i for _, i in members]
-        self.dead, self.ledgers = set(), {}
+        self.dead, self.ledgers, self.done = set(), {}, {}
 
     def members(self, ranks=None):
         ranks = range(len(self.actors)) if ranks is None else ranks
@@ -141,9 +143,12 @@ class FakeGroup:
                 step, batch = args[0], args[1]
                 part = self.dims.replica_part(batch, rank)
                 self.ledgers.setdefault(rank, []).append((step, part.tolist()))
+                self.done[rank] = step + 1
                 out.append({"tokens": 10, "loss_sum": 20.0, "grad_norm": 0.5})
             elif method == "take_ledger":
                 out.append(self.ledgers.pop(rank, []))
+            elif method == "load":
+                self.done[rank] = args[1]
             elif method == "digest":
                 out.append("same")
             else:
@@ -154,7 +159,11 @@ class FakeGroup:
         return {r: "dead" if r in self.dead else "ok" for r in range(len(self.actors))}
 
     def leave(self, ranks, timeout_s):
-        return list(ranks)
+        return {r: self.done.get(r, 0) for r in ranks}
+
+    def write_kept(self, ranks, root, step):
+        self.kept_written.append((ranks, step))
+        return True
 
     def kill(self, ranks):
         pass
@@ -207,16 +216,21 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     assert c.state is State.RUNNING and c.dims.dp == 2 and cluster.free == 0
     states = _tick_until(c, lambda c: c.state is State.RECOVERING)
     assert c.step == 3 and states[-1] is State.RECOVERING
-    c.tick()  # one transition: survivors kept, no room for more, dp 1, back to checkpoint 2
-    assert c.state is State.RUNNING and c.dims.dp == 1 and c.step == 2
-    assert c.cursor.state_dict() == {"epoch": 0, "consumed": 8}
-    assert {step for step, _, _ in c.ledger} == {0, 1}  # steps 3 and 4 are gone from the ledger
+    # one transition: the survivor kept, its state (step 3) committed as checkpoint 3, no room
+    # for more workers: dp 1 from step 3
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 1 and c.step == 3
+    assert c.group.kept_written == [([0], 3)] and CheckpointStore(c.store.root).latest() == 3
+    assert c.cursor.state_dict() == {"epoch": 1, "consumed": 0}
+    assert {step for step, _, _ in c.ledger} == {0, 1, 2}  # step 4 is not in the ledger
     recovery_at = len(c.events)
     assert [e["kind"] for e in c.events] == ["failure"]
 
-    c.tick()  # step 3 again, at dp 1: the recovery is complete
-    assert c.step == 3 and [e["kind"] for e in c.events] == ["failure", "recovery"]
-    assert c.events[recovery_at]["workers_reused"] == 1 and c.events[recovery_at]["workers_new"] == 0
+    c.tick()  # step 4 again, at dp 1: the recovery is complete
+    assert c.step == 4 and [e["kind"] for e in c.events] == ["failure", "recovery"]
+    recovery = c.events[recovery_at]
+    assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 3
+    assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 0
 
     cluster.free = 1  # a node joins
     c.tick()
@@ -241,8 +255,10 @@ def test_a_killed_worker_is_replaced_at_the_same_world_size(tmp_path):
     _tick_until(c, lambda c: c.state is State.FINISHED)
     recovery = c.events[1]
     assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 1
-    assert set(recovery["phases_s"]) == {"stop", "reschedule", "group_init", "checkpoint_load",
-                                         "first_step"}
+    # the survivor held step 2, which checkpoint 2 already has: loaded from there
+    assert recovery["state_from"] == "checkpoint" and recovery["resumed_from_step"] == 2
+    assert set(recovery["phases_s"]) == {"stop", "survivor_save", "reschedule", "group_init",
+                                         "checkpoint_load", "first_step"}
 
 
 def test_the_budget_spent_fails_the_run(tmp_path):

@@ -128,6 +128,7 @@ class Coordinator:
         self.state = State.PENDING
         self.step = 0
         self.cursor = Cursor()
+        self.done_cursor = self.cursor.state_dict()  # the cursor after the last completed step
         self.group: Optional[WorkerGroup] = None
         self.last_loss = float("nan")
         self.last_checkpoint: Optional[str] = None
@@ -253,8 +254,10 @@ class Coordinator:
         left = self.group.leave(alive, LEAVE_GRACE_S)
         self.group.kill([r for r in alive if r not in left])
         self.group.discard(stale)
-        survivors = self.group.members(left)
         t_stop = time.monotonic()
+        from_survivors = self._save_survivors(left)
+        t_saved = time.monotonic()
+        survivors = self.group.members(list(left))
         # 2. top up to max_dp where there is room
         members = survivors + self._top_up(len(survivors))
         t_placed = time.monotonic()
@@ -263,11 +266,37 @@ class Coordinator:
         self._load_latest()
         self.resumed = {"kind": "recovery", "after_failure_at_step": f.step, "cause": f.cause,
                         "resumed_from_step": self.step, "dp": self.dims.dp,
+                        "state_from": "survivors" if from_survivors else "checkpoint",
                         "workers_reused": len(survivors), "workers_new": len(members) - len(survivors),
-                        "t0": t0, "phases_s": {"stop": t_stop - t0, "reschedule": t_placed - t_stop,
+                        "t0": t0, "phases_s": {"stop": t_stop - t0, "survivor_save": t_saved - t_stop,
+                                               "reschedule": t_placed - t_saved,
                                                "group_init": t_formed - t_placed,
                                                "checkpoint_load": time.monotonic() - t_formed}}
         return State.RUNNING
+
+    def _save_survivors(self, left: dict[int, int]) -> bool:
+        """The in-memory copy of the last step: the replicas of a stage hold the same state, so
+        when every stage has a survivor whose state is that of the last step the coordinator
+        saw complete, that state is committed as a checkpoint of that step, and the failure
+        costs only the step that was running rather than everything since the last
+        checkpoint. `left`: survivor rank -> the step of the state it kept."""
+        step = self.step
+        if step <= (self.store.latest() or 0):
+            return False
+        writers: dict[int, int] = {}  # stage -> one survivor holding it at `step`
+        for rank, done in left.items():
+            if done == step:
+                writers.setdefault(self.dims.coords(rank)[1], rank)
+        if len(writers) < self.dims.pp:
+            return False
+        self.store.begin(step)
+        if not self.group.write_kept(list(writers.values()), self.store.root, step):
+            return False
+        self.tracker.flush()
+        self.last_checkpoint = self.store.commit(step, self._meta(self.done_cursor, rng=[]),
+                                                 self.spec.checkpoint.keep)
+        self.tracker.set_tags({"checkpoint.latest": self.last_checkpoint})
+        return True
 
     def _rescale(self) -> State:
         """Grow at a step boundary: finish the queued steps, checkpoint here, start the new
@@ -352,10 +381,12 @@ class Coordinator:
     def _load(self, meta: dict) -> None:
         """Load a committed checkpoint into the current world and rewind the run to it."""
         old = meta["layout"]
-        self.group.call("load", self.store.root, meta["step"], old["pp"], old == self._layout(),
-                        what="loading the checkpoint")
+        every_rng = len(meta.get("rng", [])) == old["dp"] * old["pp"]
+        self.group.call("load", self.store.root, meta["step"], old["pp"],
+                        old == self._layout() and every_rng, what="loading the checkpoint")
         self.step = self.submitted = meta["step"]
         self.cursor.load_state_dict(meta["cursor"])
+        self.done_cursor = dict(meta["cursor"])
         self.ledger = [entry for entry in self.ledger if entry[0] < self.step]
 
     def _load_latest(self) -> None:
@@ -365,6 +396,7 @@ class Coordinator:
         else:  # no checkpoint yet: start over (setup built the models from the seed)
             self.step = self.submitted = 0
             self.cursor = Cursor()
+            self.done_cursor = self.cursor.state_dict()
             self.ledger = []
 
     def _rescale_due(self) -> bool:
@@ -451,6 +483,7 @@ class Coordinator:
         if p.ledger_refs:
             for rank, entries in enumerate(self.group.wait(p.ledger_refs, "reading the ledger")):
                 self.ledger += [(step, rank, ids) for step, ids in entries]
+        self.done_cursor = p.cursor
         if p.save_refs:
             self._commit(p.cursor, p.save_refs, p.digest_refs)
         if self.resumed is not None:
@@ -495,18 +528,23 @@ class Coordinator:
                 raise WorkerError(f"replicas of stage {s} diverged at step {self.step}: "
                                   f"parameter digests {replicas}")
         self.replica_digests = digests
-        meta = {"job": self.spec.name, "step": self.step, "cursor": cursor,
-                "fingerprint": self.base.fingerprint(), "recipe": self.base.recipe(),
-                "layout": self._layout(),
-                "mlflow_run_id": self.run_id, "tracking_uri": self.tracker.uri,
-                "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
-                "rng": [f"rng-rank{r:04d}.pt" for r in range(self.dims.world_size)],
-                "loss": self.last_loss, "baton_version": __version__, "time": time.time()}
+        meta = self._meta(cursor, rng=[f"rng-rank{r:04d}.pt" for r in range(self.dims.world_size)])
         # Metrics first, then the marker: a crash between the two replays steps whose metrics
         # are already logged, and the tracker skips those; the other order could lose them.
         self.tracker.flush()
         self.last_checkpoint = self.store.commit(self.step, meta, self.spec.checkpoint.keep)
         self.tracker.set_tags({"checkpoint.latest": self.last_checkpoint})
+
+    def _meta(self, cursor: dict, rng: list[str]) -> dict:
+        """The metadata of a checkpoint of the current step. `rng`: the workers' RNG files it
+        holds (all of them, or none for one written from the survivors of a failure)."""
+        return {"job": self.spec.name, "step": self.step, "cursor": cursor,
+                "fingerprint": self.base.fingerprint(), "recipe": self.base.recipe(),
+                "layout": self._layout(),
+                "mlflow_run_id": self.run_id, "tracking_uri": self.tracker.uri,
+                "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
+                "rng": rng, "loss": self.last_loss, "baton_version": __version__,
+                "time": time.time()}
 
     def _result(self) -> RunResult:
         recent = self.tokens_per_s[len(self.tokens_per_s) // 2:]  # past the warm-up steps

@@ -200,19 +200,29 @@ class WorkerGroup:
 
     # -- teardown -----------------------------------------------------------------------------
 
-    def leave(self, ranks: list[int], timeout_s: float) -> list[int]:
-        """Ask `ranks` to drop their process group; returns those that did within `timeout_s`
-        (the others are stuck in a collective or gone)."""
+    def leave(self, ranks: list[int], timeout_s: float) -> dict[int, int]:
+        """Ask `ranks` to drop their process group. Returns, for those that did within
+        `timeout_s` (the others are stuck in a collective or gone), the last step each
+        completed: the step of the state it keeps."""
         refs = {self.actors[r].leave.remote(): r for r in ranks}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        left = []
+        left = {}
         for ref in ready:
             try:
-                ray.get(ref)
-                left.append(refs[ref])
+                left[refs[ref]] = ray.get(ref)
             except ray.exceptions.RayError:
                 pass
-        return sorted(left)
+        return dict(sorted(left.items()))
+
+    def write_kept(self, ranks: list[int], root: str, step: int) -> bool:
+        """Have `ranks` (after `leave`) write the state they kept as checkpoint `step`'s parts.
+        False if any of them fails: the caller falls back to the last committed checkpoint."""
+        try:
+            ray.get([self.actors[r].write_kept.remote(root, step) for r in ranks],
+                    timeout=self.timeout_s)
+            return True
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return False
 
     def kill(self, ranks: list[int]) -> None:
         for r in ranks:

@@ -37,6 +37,7 @@ class Worker:
         torch.set_num_threads(spec.resources.threads_per_worker)
         self.ledger: Optional[list] = None
         self.engine = None
+        self.kept = None  # (step, pp_rank, model state, optimizer state) kept by `leave`
         self.last_step = 0
         self.assign(spec, dims, rank)
 
@@ -53,12 +54,28 @@ class Worker:
         """Answered on its own thread: the worker's process is alive and not frozen."""
         return self.last_step
 
-    def leave(self) -> None:
+    def leave(self) -> int:
         """Drop the process group and the model (after a failure or before a resize). Runs
-        after every call queued before it, so nothing of the old world is still executing."""
+        after every call queued before it, so nothing of the old world is still executing.
+        Keeps the model's state as of the last step this worker completed (a step that failed
+        half-way never reached its optimizer update) and returns that step: after a failure,
+        the survivors' state can be written as a checkpoint (`write_kept`)."""
+        self.kept = None
+        if self.engine is not None:
+            self.kept = (self.last_step, self.pp_rank, *self.engine.state_dicts())
         self.engine = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        return self.last_step
+
+    def write_kept(self, root: str, step: int) -> None:
+        """Write the state kept by `leave` as its stage's part of checkpoint `step`."""
+        kept_step, pp_rank, model_state, optim_state = self.kept
+        if kept_step != step:
+            raise RuntimeError(f"this worker kept the state of step {kept_step}, not {step}")
+        store = CheckpointStore(root)
+        store.write_tensors(step, f"model-{pp_rank:04d}.pt", model_state)
+        store.write_tensors(step, f"optim-{pp_rank:04d}.pt", optim_state)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the group's store."""
@@ -87,6 +104,7 @@ class Worker:
             rank=self.rank, world_size=self.dims.world_size,
             timeout=timedelta(seconds=spec.parallel.timeout_s))
         self.ids, self.tokens = table["ids"], table["tokens"]
+        self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         if self.dims.pp == 1:
             self.engine = DataParallelEngine(spec, self.device)
         else:
@@ -154,6 +172,7 @@ class Worker:
         checkpoint was written in: a checkpoint taken at one (dp, pp) loads at another."""
         store = CheckpointStore(root)
         self.engine.load_state_dicts(store.read_model(step, shards), store.read_optim(step, shards))
+        self.last_step = step
         if restore_rng:  # same layout: continue each worker's random stream exactly
             rng = store.read_tensors(step, f"rng-rank{self.rank:04d}.pt")
             torch.set_rng_state(rng["cpu"])
