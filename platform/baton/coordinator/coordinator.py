@@ -319,6 +319,7 @@ class Coordinator:
             return State.RUNNING
         left = self.group.leave(list(range(len(self.group.actors))), LEAVE_GRACE_S)
         if len(left) < len(self.group.actors):
+            self.group.release(new)
             raise WorkerLost("a worker did not leave its group for a resize", "timeout",
                              tuple(r for r in range(len(self.group.actors)) if r not in left))
         t_placed = time.monotonic()
