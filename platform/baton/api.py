@@ -13,6 +13,7 @@ import signal
 import threading
 from typing import Callable, Optional
 
+from baton import storage
 from baton.checkpoint import CheckpointStore
 from baton.coordinator import Coordinator, RunResult
 from baton.data import corpus
@@ -81,7 +82,7 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> str:
 def prepare_stdlib_data(spec: JobSpec, log: Callable[[str], None]) -> None:
     log(f"preparing the built-in corpus (Python standard library, seq_len "
         f"{spec.model.seq_len}) into {spec.data.path} ...")
-    info = corpus.prepare_stdlib(spec.data.path, spec.model.seq_len)
+    info = corpus.prepare_stdlib(storage.local_path(spec.data.path), spec.model.seq_len)
     log(f"  {info['files']} files, {info['tokens']:,} tokens, {info['samples']:,} samples")
 
 
@@ -94,6 +95,10 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
     completed step (to observe a run, or to inject faults in tests)."""
     import ray
 
+    if address is None and not ray.is_initialized():
+        address = cluster_address_from_env()
+        if address:
+            log(f"joining the Ray cluster at {address} ($RAY_ADDRESS)")
     resume_meta = plan_resume(spec, source, resume)
     if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
         check_fits(spec, os.cpu_count() or 1, _local_gpus(), source, "this machine")
@@ -126,6 +131,14 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             ray.shutdown()
             if previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def cluster_address_from_env() -> Optional[str]:
+    """$RAY_ADDRESS, as `ray.init()` reads it: Ray sets it for a job's entrypoint, so `baton
+    run` inside a submitted job trains on that cluster. An http(s):// value is a dashboard
+    address for job submission (`baton submit`), not one to join, and is left alone."""
+    value = os.environ.get("RAY_ADDRESS", "").strip()
+    return value if value and not value.startswith(("http://", "https://")) else None
 
 
 def _sigterm_as_interrupt():

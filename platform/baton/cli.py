@@ -4,9 +4,11 @@ non-zero exit code; `BATON_DEBUG=1` shows the traceback."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
+import time
 from typing import Optional
 
 
@@ -27,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("job")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+    _remote_parsers(sub)
+
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="prepare a built-in corpus as Parquet shards")
@@ -37,8 +41,68 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _remote_parsers(sub) -> None:
+    def cluster_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--address", help="the head's dashboard, e.g. http://HEAD:8265 (default: "
+                       "$RAY_API_SERVER_ADDRESS, then $RAY_ADDRESS)")
+        p.add_argument("--token-file", help="Ray's auth token (default: $RAY_AUTH_TOKEN, "
+                       "$RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)")
+
+    sm = sub.add_parser("submit", help="run a job on a remote Ray cluster (Ray's job API)")
+    sm.add_argument("job", help="the job's YAML file, inside the folder to upload")
+    cluster_args(sm)
+    sm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a spec value (passed on to baton run)")
+    sm.add_argument("--id", help="submission id (default: baton-JOBNAME-RANDOM)")
+    sm.add_argument("--root", help="the folder to upload (default: the current one)")
+    sm.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                    help="leave out files matching a .gitignore pattern (repeatable)")
+    sm.add_argument("--max-upload-mb", type=float, default=100.0,
+                    help="refuse a larger upload (default 100)")
+    sm.add_argument("--storage", help="a folder every node mounts: the job's relative data, "
+                    "checkpoint and MLflow paths live there, so a resubmission resumes")
+    sm.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for the job (repeatable)")
+    sm.add_argument("--no-wait", action="store_true", help="submit and return")
+    sm.add_argument("--dry-run", action="store_true", help="show what would be sent; send nothing")
+
+    for name, text in (("status", "a submitted job's status"), ("logs", "a submitted job's output"),
+                       ("stop", "stop a submitted job")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("id", help="the submission id")
+        cluster_args(p)
+        if name == "logs":
+            p.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
+    cluster_args(sub.add_parser("list", help="the cluster's jobs"))
+
+    k = sub.add_parser("k8s", help="print a KubeRay RayJob (or RayCluster) for a job")
+    k.add_argument("job", help="the job's YAML file, relative to the project folder")
+    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    k.add_argument("--kind", default="RayJob", choices=["RayJob", "RayCluster"])
+    k.add_argument("--name", help="the object's name (default: the job's name)")
+    k.add_argument("--namespace")
+    k.add_argument("--image", help="an image with baton and the project (k8s/Dockerfile)")
+    k.add_argument("--pvc", default="baton-shared",
+                   help="ReadWriteMany claim for data, checkpoints and MLflow ('' for none)")
+    k.add_argument("--checkpoint-uri", help="checkpoints to object storage, e.g. s3://bucket/baton")
+    k.add_argument("--s3-secret", help="Secret holding AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    k.add_argument("--token-secret", default="baton-ray-token",
+                   help="Secret holding Ray's auth_token ('' turns token auth off)")
+    k.add_argument("--gcs-redis", help="external Redis host:port: the cluster survives losing its head")
+    k.add_argument("--redis-secret", help="Secret holding that Redis's password (key: password)")
+    k.add_argument("--mlflow-uri", help="MLflow tracking server (default: sqlite on the claim)")
+    k.add_argument("--worker-memory", help="memory per worker pod (default 16Gi GPU, 4Gi CPU)")
+    k.add_argument("--min-workers", type=int, help="fewest worker pods (default: min_dp x pp)")
+    k.add_argument("--max-workers", type=int, help="most worker pods (default: max_dp x pp)")
+    k.add_argument("--backoff-limit", type=int, default=2,
+                   help="whole-job retries, each resuming from the latest checkpoint")
+    k.add_argument("-o", "--output", help="write to this file instead of printing")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    args.argv = argv
     # A `module:function` model builder in the working directory imports here as it does on
     # Ray's local workers, which get the driver's working directory on their path.
     if os.getcwd() not in sys.path:
@@ -91,6 +155,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"wrote {info['samples']:,} samples of {args.seq_len + 1} tokens from "
               f"{info['files']} files ({info['tokens']:,} bytes, Python {info['python']}) to {args.out}")
         return 0
+    if args.command in ("submit", "status", "logs", "stop", "list"):
+        return REMOTE[args.command](args)
+    if args.command == "k8s":
+        return _k8s(args)
     if args.command == "run":
         from baton.spec import load_spec
 
@@ -102,6 +170,141 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"MLflow run {result.run_id}")
         return 0
     raise AssertionError(args.command)
+
+
+def _cluster(args: argparse.Namespace):
+    from baton.submit import Cluster
+
+    return Cluster(args.address, args.token_file)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from baton import submit
+    from baton.spec import load_spec
+
+    spec = load_spec(args.job, args.set)  # a bad job file is refused before anything is sent
+    env = dict(_key_value(item, "--env") for item in args.env)
+    sub = submit.prepare(spec, args.job, args.set, root=args.root, excludes=tuple(args.exclude),
+                         max_upload_mb=args.max_upload_mb, storage=args.storage, env=env,
+                         submission_id=args.id)
+    for warning in sub.warnings:
+        print(f"baton: note: {warning}", file=sys.stderr)
+    pkg = sub.package
+    print(f"package: {len(pkg.files)} files, {pkg.size_bytes / 2**20:.2f} MiB from {pkg.root}")
+    if args.dry_run:
+        print("\n".join(f"  {rel}" for rel in pkg.files))
+        print(f"entrypoint: {sub.entrypoint}")
+        print(f"runtime_env: {json.dumps(sub.runtime_env)}")
+        return 0
+    cluster = _cluster(args)
+    job_id = submit.submit(cluster, sub, spec, args.job)
+    print(f"submitted {job_id} to {cluster.address}: {sub.entrypoint}")
+    if args.no_wait:
+        print(f"follow it with: baton logs {job_id} --follow")
+        return 0
+    return _follow(cluster, job_id)
+
+
+def _follow(cluster, job_id: str) -> int:
+    try:
+        for chunk in cluster.follow(job_id):
+            print(chunk, end="", flush=True)
+    except KeyboardInterrupt:
+        print(f"\nbaton: stopped following; {job_id} goes on (baton stop {job_id} stops it)",
+              file=sys.stderr)
+        return 130
+    status = cluster.status(job_id)
+    print(f"{job_id}: {status}")
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    info = _cluster(args).info(args.id)
+    print(f"{args.id}: {info.status.value}")
+    if info.message:
+        print(f"  {info.message.strip().splitlines()[-1]}")
+    print(f"  entrypoint: {info.entrypoint}")
+    if info.start_time:
+        print(f"  started {_when(info.start_time)}, {_duration(info)}")
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    if args.follow:
+        return _follow(cluster, args.id)
+    print(cluster.logs(args.id), end="")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    stopped = cluster.stop(args.id)
+    print(f"{args.id}: {'stopping' if stopped else 'not running (' + cluster.status(args.id) + ')'}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    jobs = sorted(_cluster(args).list(), key=lambda j: j.start_time or 0)
+    rows = [("ID", "STATUS", "JOB", "STARTED", "DURATION")]
+    for j in jobs:
+        meta = j.metadata or {}
+        rows.append((j.submission_id or j.job_id or "-", j.status.value,
+                     meta.get("baton.job", j.entrypoint[:40]),
+                     _when(j.start_time) if j.start_time else "-", _duration(j)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _k8s(args: argparse.Namespace) -> int:
+    from baton import k8s
+    from baton.spec import load_spec
+
+    spec = load_spec(args.job, args.set)
+    opts = k8s.K8sOptions(
+        kind=args.kind, name=args.name, namespace=args.namespace,
+        image=args.image or k8s.K8sOptions.image, pvc=args.pvc or None,
+        checkpoint_uri=args.checkpoint_uri, s3_secret=args.s3_secret,
+        token_secret=args.token_secret or None, redis_address=args.gcs_redis,
+        redis_secret=args.redis_secret, mlflow_uri=args.mlflow_uri,
+        worker_memory=args.worker_memory, min_workers=args.min_workers,
+        max_workers=args.max_workers, backoff_limit=args.backoff_limit)
+    import shlex
+
+    text = (f"# Rendered by: baton {shlex.join(args.argv)}\n"
+            + k8s.to_yaml(k8s.render(spec, os.path.relpath(args.job), args.set, opts)))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        print(f"wrote {args.output}")
+    else:
+        print(text, end="")
+    return 0
+
+
+REMOTE = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop, "list": _list}
+
+
+def _when(ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000))
+
+
+def _duration(job) -> str:
+    if not job.start_time:
+        return "-"
+    end = job.end_time or time.time() * 1000
+    return f"{(end - job.start_time) / 1000:.0f} s"
+
+
+def _key_value(item: str, flag: str) -> tuple[str, str]:
+    from baton.errors import BatonError
+
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise BatonError(f"{flag} {item!r} must look like KEY=VALUE")
+    return key, value
 
 
 if __name__ == "__main__":

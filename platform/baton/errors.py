@@ -35,3 +35,7 @@ class WorkerLost(WorkerError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.cause, self.ranks))
+
+
+class ClusterError(BatonError):
+    """A remote Ray cluster cannot be reached, refuses the request, or does not know the job."""

@@ -7,12 +7,29 @@ import os
 import pyarrow.fs as pafs
 
 
+STORAGE_ENV = "BATON_STORAGE"
+
+
+def local_root() -> str:
+    """Where a job's relative local paths (data, checkpoints, the default MLflow store) live:
+    $BATON_STORAGE when set (a shared folder on a cluster: `baton submit --storage`, the
+    Kubernetes volume), else the working directory. A submitted job's working directory is a
+    package folder that the next submission does not reuse, so keeping state there would lose
+    it."""
+    return os.path.abspath(os.environ.get(STORAGE_ENV) or os.getcwd())
+
+
+def local_path(path: str) -> str:
+    """An absolute local path: relative ones are taken from `local_root()`."""
+    local = path[len("file://"):] if path.startswith("file://") else path
+    return os.path.join(local_root(), os.path.expanduser(local))
+
+
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
-    """The filesystem and the path within it. Relative local paths are taken from the cwd."""
+    """The filesystem and the path within it (relative local paths: see `local_root`)."""
     if "://" in path and not path.startswith("file://"):
         return pafs.FileSystem.from_uri(path)
-    local = path[len("file://"):] if path.startswith("file://") else path
-    return pafs.LocalFileSystem(), os.path.abspath(local)
+    return pafs.LocalFileSystem(), os.path.normpath(local_path(path))
 
 
 def exists(fs: pafs.FileSystem, path: str) -> bool:

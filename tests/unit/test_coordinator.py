@@ -84,6 +84,7 @@ class FakeCluster:
         self.free = free
         self.failures: dict[int, tuple[str, int, bool]] = {}
         self.pids = itertools.count(100)
+        self.requested: list[int] = []  # what was asked of the autoscaler, in order
 
 
 class FakeGroup:
@@ -105,6 +106,9 @@ class FakeGroup:
 
     def free_workers(self):
         return self.cluster.free
+
+    def request_capacity(self, workers):
+        self.cluster.requested.append(workers)
 
     def describe_free(self):
         return {"CPU": self.cluster.free}
@@ -214,6 +218,7 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
 
     c.tick()
     assert c.state is State.RUNNING and c.dims.dp == 2 and cluster.free == 0
+    assert cluster.requested == [2]  # an autoscaler is asked for room for max_dp replicas
     states = _tick_until(c, lambda c: c.state is State.RECOVERING)
     assert c.step == 3 and states[-1] is State.RECOVERING
     # one transition: the survivor kept, its state (step 3) committed as checkpoint 3, no room
@@ -254,6 +259,7 @@ def test_a_killed_worker_is_replaced_at_the_same_world_size(tmp_path):
     assert c.dims.dp == 2 and c.step == 2
     _tick_until(c, lambda c: c.state is State.FINISHED)
     recovery = c.events[1]
+    assert cluster.requested == []  # a fixed world asks an autoscaler for nothing
     assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 1
     # the survivor held step 2, which checkpoint 2 already has: loaded from there
     assert recovery["state_from"] == "checkpoint" and recovery["resumed_from_step"] == 2

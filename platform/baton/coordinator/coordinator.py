@@ -201,6 +201,8 @@ class Coordinator:
         # as many workers as the cluster has room for, up to max_dp replicas; at least min_dp
         # (waiting up to parallel.timeout_s for room, as an autoscaler would make)
         most = self.base.dp_range[1] * self.pp
+        if self.base.dp_range[0] < self.base.dp_range[1]:
+            self.group.request_capacity(most)  # an autoscaler adds nodes; _rescale grows onto them
         n = max(self.scale.min_workers, min(most, self.group.free_workers()))
         members = self.group.start(n, self.base.parallel.timeout_s, need=self.scale.min_workers,
                                    grace_s=TOP_UP_GRACE_S)
@@ -340,6 +342,8 @@ class Coordinator:
         has room for now, a short grace for room being freed, and a wait of up to
         parallel.timeout_s while fewer than min_dp replicas fit."""
         most = self.base.dp_range[1] * self.pp
+        if self.base.dp_range[0] < self.base.dp_range[1]:
+            self.group.request_capacity(most)  # an autoscaler adds nodes; _rescale grows onto them
         deadline = time.monotonic() + self.base.parallel.timeout_s
         new: list = []
         while True:

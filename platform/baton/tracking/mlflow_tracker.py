@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from baton import storage
 from baton.spec import TrackingSpec
 
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
@@ -20,9 +21,9 @@ STEP_METRIC = "loss"  # logged at every step: its last step says how far a run's
 
 
 def default_uri() -> str:
-    """$MLFLOW_TRACKING_URI, else a sqlite store in the working directory (MLflow 3's default
-    backend; an absolute sqlite path takes four slashes)."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+    """$MLFLOW_TRACKING_URI, else a sqlite store in the working directory, or in $BATON_STORAGE
+    when set (MLflow 3's default backend; an absolute sqlite path takes four slashes)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{storage.local_path('mlflow.db')}"
 
 
 def _artifact_root(uri: str, experiment: str) -> Optional[str]:

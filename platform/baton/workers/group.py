@@ -36,6 +36,7 @@ class WorkerGroup:
         self.infos: list[dict] = []  # pid and node of each, by rank
         self._beats: dict[int, Any] = {}  # rank -> the heartbeat in flight
         self._seen: dict[int, float] = {}  # rank -> when it last answered
+        self._requested = False  # an autoscaler request stands (request_capacity)
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -66,6 +67,18 @@ class WorkerGroup:
                 pass
             ray.kill(actor)
         return started
+
+    def request_capacity(self, workers: int) -> None:
+        """Ask Ray's autoscaler (KubeRay's in-tree one) for room for `workers` workers in all.
+        It adds nodes up to its group's maxReplicas, and the coordinator grows onto them at its
+        next rescale check; the request stands until `shutdown`. Without an autoscaler (a
+        laptop, a fixed cluster) it changes nothing."""
+        from ray.autoscaler.sdk import request_resources
+
+        r = self.spec.resources
+        bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
+        request_resources(bundles=[bundle] * workers)
+        self._requested = workers > 0
 
     def free_workers(self) -> int:
         """How many more workers the cluster has room for right now."""
@@ -252,6 +265,8 @@ class WorkerGroup:
         for actor in self.actors:
             ray.kill(actor)
         self.actors, self.infos = [], []
+        if self._requested:
+            self.request_capacity(0)  # let the autoscaler scale down once the nodes idle
 
 
 def _lost(rank: int, error: Exception, what: str) -> WorkerLost:

@@ -1,0 +1,347 @@
+"""Jobs on a remote Ray cluster: package the working directory, submit `baton run JOB.yaml`
+through Ray's Job Submission API, and look after the jobs (status, logs, stop, list).
+
+Nothing here runs on the cluster: the entrypoint is the plain `baton run`, so any Ray cluster
+with baton installed takes the job (Ray's own `ray job submit` with the same entrypoint and
+runtime environment works as well).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shlex
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from baton.errors import ClusterError
+from baton.spec import JobSpec
+
+ADDRESS_ENVS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+DEFAULT_MAX_UPLOAD_MB = 100.0
+# Left out of every package, whatever the ignore files say: version control, environments,
+# caches, and the stores a run writes (a job's own data and checkpoint folders are added).
+ALWAYS_EXCLUDED = (".git/", ".venv/", "venv/", "__pycache__/", "*.pyc", ".pytest_cache/",
+                   "*.egg-info/", "mlruns/", "mlartifacts/", "mlflow.db", "mlflow.db-journal")
+IGNORE_FILES = (".gitignore", ".rayignore")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+# --- where and who -------------------------------------------------------------------------
+
+def resolve_address(address: Optional[str]) -> str:
+    """The dashboard's HTTP address: --address, else $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS."""
+    source = "--address"
+    if not address:
+        for name in ADDRESS_ENVS:
+            if os.environ.get(name):
+                address, source = os.environ[name].strip(), f"${name}"
+                break
+    if not address:
+        raise ClusterError("no cluster address: pass --address http://HEAD:8265 or set "
+                           "RAY_API_SERVER_ADDRESS (port-forward the head's port 8265 on Kubernetes)")
+    if address in ("auto", "local") or address.startswith("ray://"):
+        raise ClusterError(f"{source} is {address!r}, which is not a job server: give the head's "
+                           "dashboard address, e.g. http://HEAD:8265")
+    if "://" not in address:
+        address = f"http://{address}"
+    if not address.startswith(("http://", "https://")):
+        raise ClusterError(f"{source} {address!r}: use http:// or https://")
+    return address.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Token:
+    value: str
+    source: str  # where it came from, for error messages
+
+
+def resolve_token(token_file: Optional[str] = None) -> Optional[Token]:
+    """Ray's token, looked up where Ray looks: --token-file, $RAY_AUTH_TOKEN,
+    $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token. None when there is none (a cluster without token
+    authentication needs none)."""
+    if token_file:
+        return Token(_read_token(Path(token_file).expanduser(), "--token-file"), f"--token-file {token_file}")
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return Token(os.environ["RAY_AUTH_TOKEN"].strip(), "$RAY_AUTH_TOKEN")
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        path = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).expanduser()
+        return Token(_read_token(path, "$RAY_AUTH_TOKEN_PATH"), str(path))
+    default = Path.home() / ".ray" / "auth_token"
+    if default.is_file():
+        return Token(_read_token(default, "the token file"), str(default))
+    return None
+
+
+def _read_token(path: Path, what: str) -> str:
+    try:
+        value = path.read_text().strip()
+    except OSError as e:
+        raise ClusterError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    if not value:
+        raise ClusterError(f"{what} {path} is empty")
+    return value
+
+
+# --- what is sent ----------------------------------------------------------------------------
+
+@dataclass
+class Package:
+    root: Path
+    files: list[str] = field(default_factory=list)  # relative posix paths
+    size_bytes: int = 0
+    zip_path: Optional[Path] = None
+
+
+def collect(root: Path, excludes: tuple[str, ...] = ()) -> Package:
+    """The files of `root` to send: everything but what its .gitignore/.rayignore files (at any
+    depth, as git reads them), `ALWAYS_EXCLUDED` and `excludes` (gitignore patterns relative
+    to root) leave out."""
+    from pathspec import GitIgnoreSpec
+
+    root = root.resolve()
+    pkg = Package(root)
+    base = GitIgnoreSpec.from_lines([*ALWAYS_EXCLUDED, *excludes])
+    # (folder relative to root, its spec): patterns of a nested ignore file are relative to it
+    specs: list[tuple[str, GitIgnoreSpec]] = [("", base)]
+
+    def ignored(rel: str, is_dir: bool) -> bool:
+        for prefix, spec in specs:
+            if prefix and not rel.startswith(prefix):
+                continue
+            sub = rel[len(prefix):] + ("/" if is_dir else "")
+            if spec.match_file(sub):
+                return True
+        return False
+
+    def walk(folder: Path, rel_folder: str) -> None:
+        added = 0
+        for name in IGNORE_FILES:
+            f = folder / name
+            if f.is_file():
+                specs.append((rel_folder, GitIgnoreSpec.from_lines(f.read_text().splitlines())))
+                added += 1
+        for entry in sorted(folder.iterdir(), key=lambda p: p.name):
+            rel = f"{rel_folder}{entry.name}"
+            if entry.is_symlink() and not entry.exists():
+                continue  # a dangling link cannot be packaged
+            if entry.is_dir():
+                if not ignored(rel, True):
+                    walk(entry, rel + "/")
+            elif entry.is_file() and not ignored(rel, False):
+                pkg.files.append(rel)
+                pkg.size_bytes += entry.stat().st_size
+        del specs[len(specs) - added:]
+
+    walk(root, "")
+    return pkg
+
+
+def job_excludes(spec: JobSpec, root: Path, job_file: Path) -> tuple[str, ...]:
+    """Patterns for the job's own data and checkpoint folders when they lie inside root: the
+    cluster prepares or reads data where the job says and keeps its own checkpoints."""
+    from baton import storage
+
+    out = []
+    for path in (spec.data.path, spec.checkpoint.path):
+        if "://" in path and not path.startswith("file://"):
+            continue
+        full = Path(storage.local_path(path)).resolve()
+        if root in full.parents:
+            if full == job_file or full in job_file.parents:
+                continue  # never leave out the job file itself
+            out.append("/" + full.relative_to(root).as_posix() + "/")
+    return tuple(out)
+
+
+def check_size(pkg: Package, max_mb: float) -> None:
+    if pkg.size_bytes <= max_mb * 2**20:
+        return
+    biggest = _largest_folders(pkg)
+    raise ClusterError(
+        f"{pkg.root} holds {pkg.size_bytes / 2**20:.1f} MiB to upload, more than the "
+        f"{max_mb:g} MiB limit; largest: {biggest}. Add them to .gitignore or .rayignore, pass "
+        "--exclude PATTERN, or raise --max-upload-mb")
+
+
+def _largest_folders(pkg: Package, count: int = 3) -> str:
+    sizes: dict[str, int] = {}
+    for rel in pkg.files:
+        top = rel.split("/", 1)[0] + ("/" if "/" in rel else "")
+        sizes[top] = sizes.get(top, 0) + (pkg.root / rel).stat().st_size
+    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:count]
+    return ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in top)
+
+
+def write_zip(pkg: Package, out_dir: Path) -> Path:
+    """A zip of the package's files at its top level (Ray unpacks it as the job's working
+    directory). Fixed timestamps keep it content-addressed: the same files upload once."""
+    path = out_dir / f"baton-{pkg.root.name or 'job'}.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for rel in pkg.files:
+            info = zipfile.ZipInfo(rel, date_time=(2020, 1, 1, 0, 0, 0))
+            info.external_attr = ((pkg.root / rel).stat().st_mode & 0o777) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, (pkg.root / rel).read_bytes())
+    pkg.zip_path = path
+    return path
+
+
+def entrypoint(job_rel: str, overrides: list[str]) -> str:
+    """The command the cluster runs: plain `baton run`, which joins the cluster through the
+    $RAY_ADDRESS that Ray sets for a job's entrypoint."""
+    return shlex.join(["baton", "run", job_rel, *[a for o in overrides for a in ("--set", o)]])
+
+
+# --- the cluster -----------------------------------------------------------------------------
+
+class Cluster:
+    """A thin layer over Ray's `JobSubmissionClient` that turns its failures into one line."""
+
+    def __init__(self, address: Optional[str] = None, token_file: Optional[str] = None):
+        self.address = resolve_address(address)
+        self.token = resolve_token(token_file)
+        from ray.job_submission import JobSubmissionClient
+
+        # The token goes as an explicit header: Ray's client adds one only when this machine's
+        # own Ray is in token mode, which says nothing about the remote cluster.
+        headers = {"Authorization": f"Bearer {self.token.value}"} if self.token else None
+        self.client = self._call(lambda: JobSubmissionClient(self.address, headers=headers))
+
+    def _call(self, fn: Callable, job_id: Optional[str] = None):
+        from ray.exceptions import AuthenticationError
+
+        try:
+            return fn()
+        except AuthenticationError as e:
+            if "401" in str(e) or "Authentication required" in str(e):
+                raise ClusterError(
+                    f"the cluster at {self.address} requires a token and none was found: set "
+                    "RAY_AUTH_TOKEN or pass --token-file (on the head, `ray get-auth-token` "
+                    "prints it)") from None
+            raise ClusterError(f"the cluster at {self.address} refused the token from "
+                               f"{self.token.source if self.token else '(none)'}") from None
+        except ConnectionError:
+            raise ClusterError(f"cannot reach a Ray job server at {self.address}: is the head "
+                               "running, and the port forwarded?") from None
+        except RuntimeError as e:
+            text = str(e)
+            if job_id and ("does not exist" in text or "404" in text):
+                raise ClusterError(f"no job {job_id!r} on the cluster at {self.address}") from None
+            if "already exists" in text:
+                raise ClusterError(f"a job with submission id {job_id!r} already exists on the "
+                                   f"cluster at {self.address}; choose another --id") from None
+            raise ClusterError(f"the cluster at {self.address}: {_first_line(text)}") from None
+
+    def submit(self, *, entrypoint: str, runtime_env: dict, submission_id: str,
+               metadata: dict) -> str:
+        return self._call(lambda: self.client.submit_job(
+            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id,
+            metadata=metadata), submission_id)
+
+    def info(self, job_id: str):
+        return self._call(lambda: self.client.get_job_info(job_id), job_id)
+
+    def status(self, job_id: str) -> str:
+        return str(self._call(lambda: self.client.get_job_status(job_id), job_id).value)
+
+    def logs(self, job_id: str) -> str:
+        return self._call(lambda: self.client.get_job_logs(job_id), job_id)
+
+    def follow(self, job_id: str) -> Iterator[str]:
+        """The job's output as it comes, until the job ends."""
+        self.info(job_id)  # a clear error for an unknown id, before the websocket opens
+        loop = asyncio.new_event_loop()
+        stream = self.client.tail_job_logs(job_id)
+        try:
+            while True:
+                try:
+                    chunk = self._call(lambda: loop.run_until_complete(stream.__anext__()), job_id)
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            loop.run_until_complete(stream.aclose())
+            loop.close()
+
+    def stop(self, job_id: str) -> bool:
+        return self._call(lambda: self.client.stop_job(job_id), job_id)
+
+    def list(self) -> list:
+        return self._call(self.client.list_jobs)
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else "request failed"
+
+
+# --- submit ----------------------------------------------------------------------------------
+
+@dataclass
+class Submission:
+    submission_id: str
+    entrypoint: str
+    package: Package
+    runtime_env: dict
+    warnings: list[str] = field(default_factory=list)
+
+
+def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optional[str] = None,
+            excludes: tuple[str, ...] = (), max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB,
+            storage: Optional[str] = None, env: Optional[dict] = None,
+            submission_id: Optional[str] = None, out_dir: Optional[Path] = None) -> Submission:
+    """Everything `submit` sends, built and checked locally before the cluster is contacted."""
+    root_path = Path(root or os.getcwd()).resolve()
+    job_path = Path(job_file).resolve()
+    if not root_path.is_dir():
+        raise ClusterError(f"--root {root_path} is not a folder")
+    pkg = collect(root_path, tuple(excludes) + job_excludes(spec, root_path, job_path))
+    if root_path not in job_path.parents:
+        raise ClusterError(f"{job_file} lies outside the folder to upload ({root_path}); run "
+                           "baton submit from the project folder or pass --root")
+    job_rel = job_path.relative_to(root_path).as_posix()
+    if job_rel not in pkg.files:
+        raise ClusterError(f"{job_file} is left out of the upload by an ignore rule; the cluster "
+                           "needs it: un-ignore it or move it")
+    check_size(pkg, max_upload_mb)
+    write_zip(pkg, out_dir or Path(tempfile.mkdtemp(prefix="baton-submit-")))
+
+    env_vars = dict(env or {})
+    warnings = []
+    if storage:
+        if "://" in storage:
+            raise ClusterError(f"--storage {storage!r}: give a folder that every node mounts "
+                               "(for object storage, set checkpoint.path to the URI instead)")
+        env_vars["BATON_STORAGE"] = storage
+    elif any(_is_relative_local(p) for p in (spec.data.path, spec.checkpoint.path)):
+        warnings.append(
+            "relative paths (data.path, checkpoint.path) resolve in the job's upload folder on "
+            "the cluster, which a later submission does not reuse: pass --storage /shared/folder "
+            "(or give absolute paths or URIs) to resume from this job's checkpoints")
+    runtime_env = {"working_dir": str(pkg.zip_path)}
+    if env_vars:
+        runtime_env["env_vars"] = env_vars
+    return Submission(
+        submission_id=submission_id or f"baton-{spec.name}-{secrets.token_hex(4)}",
+        entrypoint=entrypoint(job_rel, overrides), package=pkg, runtime_env=runtime_env,
+        warnings=warnings)
+
+
+def _is_relative_local(path: str) -> bool:
+    return not ("://" in path and not path.startswith("file://")) and not os.path.isabs(
+        path[len("file://"):] if path.startswith("file://") else path)
+
+
+def submit(cluster: Cluster, sub: Submission, spec: JobSpec, job_file: str) -> str:
+    metadata = {"baton.job": spec.name, "baton.file": job_file}
+    return cluster.submit(entrypoint=sub.entrypoint, runtime_env=sub.runtime_env,
+                          submission_id=sub.submission_id, metadata=metadata)
+
+
+__all__ = ["Cluster", "Package", "Submission", "collect", "prepare", "submit", "resolve_address",
+           "resolve_token", "TERMINAL"]
