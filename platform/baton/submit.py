@@ -99,13 +99,15 @@ class Package:
 
 def collect(root: Path, excludes: tuple[str, ...] = ()) -> Package:
     """The files of `root` to send: everything but what its .gitignore/.rayignore files (at any
-    depth, as git reads them), `ALWAYS_EXCLUDED` and `excludes` (gitignore patterns relative
-    to root) leave out."""
+    depth, as git reads them), .git/info/exclude, `ALWAYS_EXCLUDED` and `excludes` (gitignore
+    patterns relative to root) leave out."""
     from pathspec import GitIgnoreSpec
 
     root = root.resolve()
     pkg = Package(root)
-    base = GitIgnoreSpec.from_lines([*ALWAYS_EXCLUDED, *excludes])
+    info_exclude = root / ".git" / "info" / "exclude"  # git's own per-clone ignore file
+    local = info_exclude.read_text().splitlines() if info_exclude.is_file() else []
+    base = GitIgnoreSpec.from_lines([*ALWAYS_EXCLUDED, *local, *excludes])
     # (folder relative to root, its spec): patterns of a nested ignore file are relative to it
     specs: list[tuple[str, GitIgnoreSpec]] = [("", base)]
 
@@ -180,6 +182,7 @@ def _largest_folders(pkg: Package, count: int = 3) -> str:
 def write_zip(pkg: Package, out_dir: Path) -> Path:
     """A zip of the package's files at its top level (Ray unpacks it as the job's working
     directory). Fixed timestamps keep it content-addressed: the same files upload once."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"baton-{pkg.root.name or 'job'}.zip"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         for rel in pkg.files:
@@ -210,7 +213,13 @@ class Cluster:
         # The token goes as an explicit header: Ray's client adds one only when this machine's
         # own Ray is in token mode, which says nothing about the remote cluster.
         headers = {"Authorization": f"Bearer {self.token.value}"} if self.token else None
-        self.client = self._call(lambda: JobSubmissionClient(self.address, headers=headers))
+        # Ray's client lets $RAY_API_SERVER_ADDRESS and $RAY_ADDRESS override the address it is
+        # given; baton already chose (--address first), so they are hidden while it is built.
+        saved = {name: os.environ.pop(name) for name in ADDRESS_ENVS if name in os.environ}
+        try:
+            self.client = self._call(lambda: JobSubmissionClient(self.address, headers=headers))
+        finally:
+            os.environ.update(saved)
 
     def _call(self, fn: Callable, job_id: Optional[str] = None):
         from ray.exceptions import AuthenticationError

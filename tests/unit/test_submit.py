@@ -1,0 +1,156 @@
+"""What `baton submit` sends, decided locally: the package (ignore rules, size), the entrypoint,
+the address and the token. The submission itself is tested against a real Ray head in
+tests/integration/test_submit.py."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from baton import storage, submit
+from baton.errors import ClusterError
+from baton.spec import load_spec
+from helpers import write_spec
+
+JOB = {"name": "demo", "data": {"source": "stdlib", "path": "data/demo"},
+       "checkpoint": {"path": "checkpoints"}, "train": {"global_batch": 8}}
+
+
+def _project(root: Path) -> Path:
+    files = {
+        "train.py": "print('hi')\n",
+        "jobs/demo.yaml": "",
+        "pkg/model.py": "x = 1\n",
+        "pkg/notes.tmp": "scratch\n",
+        "pkg/.gitignore": "*.tmp\n",
+        "big/blob.bin": "",
+        "secret.env": "TOKEN=1\n",
+        ".gitignore": "secret.env\n",
+        ".rayignore": "big/\n",
+        "data/demo/part-0.parquet": "rows\n",
+        "checkpoints/demo/step-1/x": "state\n",
+        "mlflow.db": "runs\n",
+        ".git/HEAD": "ref\n",
+        ".venv/bin/python": "",
+        "pkg/__pycache__/model.cpython-311.pyc": "",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    write_spec(root / "jobs" / "demo.yaml", JOB)
+    return root
+
+
+def test_the_package_honours_ignore_files_and_leaves_out_run_state(tmp_path, monkeypatch):
+    root = _project(tmp_path)
+    monkeypatch.chdir(root)
+    spec = load_spec(root / "jobs" / "demo.yaml")
+    sub = submit.prepare(spec, "jobs/demo.yaml", ["train.steps=5"], out_dir=tmp_path)
+    assert sub.package.files == [".gitignore", ".rayignore", "jobs/demo.yaml", "pkg/.gitignore",
+                                 "pkg/model.py", "train.py"]
+    with zipfile.ZipFile(sub.package.zip_path) as z:
+        assert sorted(z.namelist()) == sorted(sub.package.files)
+        assert z.read("pkg/model.py") == b"x = 1\n"
+    assert sub.entrypoint == "baton run jobs/demo.yaml --set train.steps=5"
+    assert sub.runtime_env == {"working_dir": str(sub.package.zip_path)}
+    assert sub.submission_id.startswith("baton-demo-")
+    assert any("--storage" in w for w in sub.warnings)  # relative paths on the cluster
+
+
+def test_the_same_files_make_the_same_package(tmp_path, monkeypatch):
+    root = _project(tmp_path / "p")
+    monkeypatch.chdir(root)
+    spec = load_spec(root / "jobs" / "demo.yaml")
+    a = submit.prepare(spec, "jobs/demo.yaml", [], out_dir=tmp_path / "a")
+    b = submit.prepare(spec, "jobs/demo.yaml", [], out_dir=tmp_path / "b")
+    assert a.package.zip_path.read_bytes() == b.package.zip_path.read_bytes()
+
+
+def test_excludes_storage_and_env(tmp_path, monkeypatch):
+    root = _project(tmp_path)
+    monkeypatch.chdir(root)
+    spec = load_spec(root / "jobs" / "demo.yaml")
+    sub = submit.prepare(spec, "jobs/demo.yaml", [], excludes=("pkg/",), storage="/mnt/shared",
+                         env={"A": "1"}, submission_id="mine", out_dir=tmp_path)
+    assert not any(f.startswith("pkg/") for f in sub.package.files)
+    assert sub.runtime_env["env_vars"] == {"A": "1", "BATON_STORAGE": "/mnt/shared"}
+    assert sub.submission_id == "mine" and sub.warnings == []
+    with pytest.raises(ClusterError, match="give a folder that every node mounts"):
+        submit.prepare(spec, "jobs/demo.yaml", [], storage="s3://bucket/x", out_dir=tmp_path)
+
+
+def test_an_oversized_upload_is_refused_before_anything_is_sent(tmp_path, monkeypatch):
+    root = _project(tmp_path)
+    (root / "weights").mkdir()
+    (root / "weights" / "w.bin").write_bytes(b"\0" * 3 * 2**20)
+    monkeypatch.chdir(root)
+    spec = load_spec(root / "jobs" / "demo.yaml")
+    with pytest.raises(ClusterError) as e:
+        submit.prepare(spec, "jobs/demo.yaml", [], max_upload_mb=2, out_dir=tmp_path)
+    assert str(e.value).startswith(f"{root} holds 3.0 MiB to upload, more than the 2 MiB limit; "
+                                   "largest: weights/ 3.0 MiB")
+    assert "--exclude" in str(e.value) and not list(tmp_path.glob("*.zip"))
+
+
+def test_the_job_file_must_travel(tmp_path, monkeypatch):
+    root = _project(tmp_path / "p")
+    outside = write_spec(tmp_path / "elsewhere.yaml", JOB)
+    monkeypatch.chdir(root)
+    with pytest.raises(ClusterError, match="lies outside the folder to upload"):
+        submit.prepare(load_spec(outside), str(outside), [], out_dir=tmp_path)
+    (root / ".gitignore").write_text("jobs/\n")
+    with pytest.raises(ClusterError, match="left out of the upload by an ignore rule"):
+        submit.prepare(load_spec(root / "jobs/demo.yaml"), "jobs/demo.yaml", [], out_dir=tmp_path)
+
+
+def test_address_resolution(monkeypatch):
+    for name in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ClusterError, match="no cluster address"):
+        submit.resolve_address(None)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:8265")
+    assert submit.resolve_address(None) == "http://10.0.0.5:8265"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "https://ray.example:443/")
+    assert submit.resolve_address(None) == "https://ray.example:443"
+    assert submit.resolve_address("http://127.0.0.1:8265") == "http://127.0.0.1:8265"
+    with pytest.raises(ClusterError, match="not a job server"):
+        submit.resolve_address("ray://head:10001")
+
+
+def test_token_resolution(tmp_path, monkeypatch):
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert submit.resolve_token() is None
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("from-home\n")
+    assert submit.resolve_token().value == "from-home"
+    path_file = tmp_path / "t"
+    path_file.write_text("from-path")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path_file))
+    assert submit.resolve_token().value == "from-path"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert submit.resolve_token() == submit.Token("from-env", "$RAY_AUTH_TOKEN")
+    given = tmp_path / "given"
+    given.write_text("from-flag")
+    assert submit.resolve_token(str(given)).value == "from-flag"
+    given.write_text("  \n")
+    with pytest.raises(ClusterError, match="is empty"):
+        submit.resolve_token(str(given))
+    with pytest.raises(ClusterError, match="cannot read it"):
+        submit.resolve_token(str(tmp_path / "missing"))
+
+
+def test_baton_storage_roots_relative_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BATON_STORAGE", raising=False)
+    assert storage.resolve("checkpoints")[1] == str(tmp_path / "checkpoints")
+    monkeypatch.setenv("BATON_STORAGE", "/mnt/shared")
+    assert storage.resolve("checkpoints")[1] == "/mnt/shared/checkpoints"
+    assert storage.resolve("/abs/ckpt")[1] == "/abs/ckpt"
+    from baton.tracking.mlflow_tracker import default_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert default_uri() == "sqlite:////mnt/shared/mlflow.db"
