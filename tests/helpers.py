@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +187,46 @@ def stalling_gpt(spec):
     gpt = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
                     vocab_size=spec.vocab_size)
     return torch.nn.Sequential(_StallOnce(o["seconds"], o["marker"], o["rank"]), *gpt)
+
+
+# --- Ray clusters started with `ray start` in their own session (tests stop only those) ---
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes in session `sid`: everything `ray start` spawned (it never leaves the session)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after the name: state, ppid, pgrp, session
+            if int(fields[3]) == sid and fields[0] != "Z":  # a zombie is gone but for its entry
+                pids.append(int(entry))
+    return pids
+
+
+def stop_session(proc: subprocess.Popen, grace_s: float = 5) -> None:
+    """SIGTERM to every process of the head's session (the way `ray stop` ends a node, but
+    only ours), SIGKILL to what is left after `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in session_pids(proc.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace_s
+        while session_pids(proc.pid) and time.time() < deadline:
+            proc.poll()  # reap the head's own process
+            time.sleep(0.2)
+    proc.poll()

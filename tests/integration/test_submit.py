@@ -10,8 +10,6 @@ import os
 import secrets
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +23,7 @@ import requests
 from baton import submit
 from baton.cli import main
 from baton.spec import load_spec
+from helpers import free_ports, stop_session
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -43,37 +42,12 @@ class Head:
     log: Path
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Processes in session `sid`: everything `ray start` spawned (it never leaves the session)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid:  # after the name: state, ppid, pgrp, session
-                pids.append(int(entry))
-    return pids
-
-
 @pytest.fixture(scope="module")
 def head():
     root = Path(tempfile.mkdtemp(prefix="bh-", dir="/tmp"))  # short: Ray's socket paths
     (root / "home").mkdir()
     token = secrets.token_hex(16)
-    gcs, dashboard, client, agent, agent_grpc, runtime_env, metrics = _free_ports(7)
+    gcs, dashboard, client, agent, agent_grpc, runtime_env, metrics = free_ports(7)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
            "HOME": str(root / "home"), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
@@ -103,24 +77,8 @@ def head():
             time.sleep(1)
         yield Head(address, token, root, log)
     finally:
-        _stop_session(proc)
+        stop_session(proc)
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _stop_session(proc: subprocess.Popen, grace_s: float = 5) -> None:
-    """SIGTERM to every process of the head's session (the way `ray stop` ends a node, but
-    only ours), SIGKILL to what is left after `grace_s`."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _session_pids(proc.pid):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + grace_s
-        while _session_pids(proc.pid) and time.time() < deadline:
-            proc.poll()  # reap the head's own process
-            time.sleep(0.2)
-    proc.poll()
 
 
 @pytest.fixture
@@ -149,7 +107,7 @@ def _wait_status(head: Head, job_id: str, wanted: set[str], timeout_s: float = 1
 
 
 def test_bad_addresses_and_tokens_fail_in_one_line(as_user, capsys, monkeypatch, tmp_path):
-    [closed] = _free_ports(1)
+    [closed] = free_ports(1)
     code, out, err = _baton(capsys, "list", "--address", f"http://127.0.0.1:{closed}")
     assert (code, err) == (2, f"baton: error: cannot reach a Ray job server at http://127.0.0.1:"
                               f"{closed}: is the head running, and the port forwarded?\n"), out

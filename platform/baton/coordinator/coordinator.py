@@ -342,8 +342,6 @@ class Coordinator:
         has room for now, a short grace for room being freed, and a wait of up to
         parallel.timeout_s while fewer than min_dp replicas fit."""
         most = self.base.dp_range[1] * self.pp
-        if self.base.dp_range[0] < self.base.dp_range[1]:
-            self.group.request_capacity(most)  # an autoscaler adds nodes; _rescale grows onto them
         deadline = time.monotonic() + self.base.parallel.timeout_s
         new: list = []
         while True:

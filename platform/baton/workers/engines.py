@@ -13,7 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from baton.checkpoint import filter_optim_state
@@ -45,7 +46,14 @@ class _Engine:
         return list(self.module._modules)
 
     def state_dicts(self) -> tuple[dict, dict]:
-        return get_state_dict(self.wrapped, self.optimizer)
+        fresh = not self.optimizer.state
+        model_state, optim_state = get_state_dict(self.wrapped, self.optimizer)
+        if fresh:
+            # get_state_dict "initialises" an optimizer that never stepped with a zero-gradient
+            # step (lr 0), leaving Adam's step count at 1: undo it here, and save the truth.
+            self.optimizer.state.clear()
+            optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
+        return model_state, optim_state
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         mine = list(self.module.state_dict())
@@ -53,9 +61,17 @@ class _Engine:
         if missing:
             raise KeyError(f"the checkpoint lacks {len(missing)} of this stage's tensors, "
                            f"e.g. {missing[:3]}: it was written for another model")
-        set_state_dict(self.wrapped, self.optimizer,
-                       model_state_dict={k: model_state[k] for k in mine},
-                       optim_state_dict=filter_optim_state(optim_state, set(mine)))
+        model_state = {k: model_state[k] for k in mine}
+        optim_state = filter_optim_state(optim_state, set(mine))
+        if not optim_state["state"]:
+            # An optimizer that never stepped (a checkpoint of step 0, taken before a resize).
+            # set_state_dict would first "initialise" the optimizer with a zero-gradient step,
+            # which leaves Adam's step count at 1 and skews every later bias correction; the
+            # fresh optimizer is already the right one.
+            set_model_state_dict(self.wrapped, model_state)
+            return
+        set_state_dict(self.wrapped, self.optimizer, model_state_dict=model_state,
+                       optim_state_dict=optim_state)
 
 
 class DataParallelEngine(_Engine):

@@ -1,0 +1,48 @@
+"""A resize before the first step: the workers save and load a checkpoint of step 0, whose
+optimizer never stepped. torch's get/set_state_dict would "initialise" such an optimizer with a
+zero-gradient step, leaving Adam's step count at 1, and every later update would be off (by
+5e-2 after 8 steps). Found by the autoscaling fault test; here it is forced on a local Ray."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from baton.checkpoint import CheckpointStore
+from baton.coordinator import Coordinator
+from baton.coordinator.coordinator import State
+from baton.spec import spec_from_dict
+from baton.tracking import make_tracker
+from helpers import reference_run, tiny_spec, write_dataset
+
+
+def test_growing_before_the_first_step_keeps_the_maths(tmp_path, local_ray):
+    data = write_dataset(tmp_path / "data", 40, 32)
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="grow-at-0", train={"steps": 8, "global_batch": 8, "micro_batch": None},
+        resources={"cpus_per_worker": 1}, elastic={"min_dp": 1, "max_dp": 2, "rescale_check_s": 1e-9}))
+    blocker = placement_group([{"CPU": 1}])  # room for one worker at the start
+    local_ray.get(blocker.ready(), timeout=60)
+    c = Coordinator(spec, make_tracker(spec.tracking), record_samples=True, show_progress=False)
+    try:
+        c.tick()
+        c.tick()
+        assert c.state is State.RUNNING and c.dims.dp == 1 and c.step == 0
+        remove_placement_group(blocker)  # a second CPU is free before step 1
+        deadline = time.monotonic() + 30
+        while local_ray.available_resources().get("CPU", 0) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        while c.state not in (State.FINISHED, State.FAILED):
+            c.tick()
+    finally:
+        if c.group is not None:
+            c.group.shutdown()
+    assert c.state is State.FINISHED and c.dp_history == [(0, 1), (0, 2)]
+    assert [e["kind"] for e in c.events] == ["rescale"] and c.events[0]["resumed_from_step"] == 0
+    want, _, _ = reference_run(spec, data, steps=8)
+    got = CheckpointStore(spec.checkpoint_dir).read_model(8)
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=name)
