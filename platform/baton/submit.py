@@ -9,6 +9,7 @@ runtime environment works as well).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import shlex
@@ -206,6 +207,8 @@ class Cluster:
     """A thin layer over Ray's `JobSubmissionClient` that turns its failures into one line."""
 
     def __init__(self, address: Optional[str] = None, token_file: Optional[str] = None):
+        for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk"):
+            logging.getLogger(name).setLevel(logging.WARNING)  # "Uploading package ..." lines
         self.address = resolve_address(address)
         self.token = resolve_token(token_file)
         from ray.job_submission import JobSubmissionClient
