@@ -85,7 +85,9 @@ def autoscaling():
 
 def test_the_job_asks_the_autoscaler_for_room_and_grows_onto_the_new_nodes(tmp_path, autoscaling):
     """Ray Data's read tasks may make the autoscaler add a node of its own accord, so the job
-    may start at dp 1 or 2; only its request for max_dp = 4 brings a fourth node."""
+    may start at dp 1 or 2. It counts the room there is before it asks for max_dp = 4 (asking
+    first once let it start at 4 when the nodes came quickly), so it starts small and only its
+    request brings the other nodes."""
     data = write_dataset(tmp_path / "data", NUM_SAMPLES, 32)
     spec = _spec(tmp_path, data, "autoscaled", elastic={"min_dp": 1, "max_dp": 4})
 

@@ -201,9 +201,11 @@ class Coordinator:
         # as many workers as the cluster has room for, up to max_dp replicas; at least min_dp
         # (waiting up to parallel.timeout_s for room, as an autoscaler would make)
         most = self.base.dp_range[1] * self.pp
-        if self.base.dp_range[0] < self.base.dp_range[1]:
-            self.group.request_capacity(most)  # an autoscaler adds nodes; _rescale grows onto them
         n = max(self.scale.min_workers, min(most, self.group.free_workers()))
+        if self.base.dp_range[0] < self.base.dp_range[1]:
+            # after counting: the job starts on the room there is now, and an autoscaler adds
+            # nodes for the rest, which _rescale grows onto
+            self.group.request_capacity(most)
         members = self.group.start(n, self.base.parallel.timeout_s, need=self.scale.min_workers,
                                    grace_s=TOP_UP_GRACE_S)
         if self.scale.target(len(members)) is None:
