@@ -29,6 +29,15 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("job")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+    rep = sub.add_parser("report", help="a run's pictures: loss, throughput, world size with "
+                         "failures and rescales, a pipeline step's swimlane (PNG and HTML)")
+    rep.add_argument("run", help="an MLflow run id, or a job name (its newest run)")
+    rep.add_argument("--tracking-uri", help="the MLflow store (default: $MLFLOW_TRACKING_URI, "
+                     "else mlflow.db here or under $BATON_STORAGE)")
+    rep.add_argument("--out", help="folder to write report.png and report.html to "
+                     "(default: report-JOB)")
+    rep.add_argument("--step", type=int, help="the traced pipeline step to draw")
+
     _remote_parsers(sub)
 
     data = sub.add_parser("data", help="data preparation")
@@ -66,11 +75,17 @@ def _remote_parsers(sub) -> None:
     sm.add_argument("--no-wait", action="store_true", help="submit and return")
     sm.add_argument("--dry-run", action="store_true", help="show what would be sent; send nothing")
 
-    for name, text in (("status", "a submitted job's status"), ("logs", "a submitted job's output"),
-                       ("stop", "stop a submitted job")):
+    for name, text in (("status", "a job's state: a local job's (its YAML file or name), else "
+                                  "a submitted one's"),
+                       ("logs", "a submitted job's output"), ("stop", "stop a submitted job")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("id", help="the submission id")
+        p.add_argument("id", help="the submission id" + (
+            ", or a job's YAML file or name (its status.json beside its checkpoints)"
+            if name == "status" else ""))
         cluster_args(p)
+        if name == "status":
+            p.add_argument("--checkpoint-path", help="where a job named by its name keeps its "
+                           "checkpoints (default: checkpoints, under $BATON_STORAGE if set)")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
     cluster_args(sub.add_parser("list", help="the cluster's jobs"))
@@ -159,6 +174,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return REMOTE[args.command](args)
     if args.command == "k8s":
         return _k8s(args)
+    if args.command == "report":
+        return _report(args)
     if args.command == "run":
         from baton.spec import load_spec
 
@@ -170,6 +187,25 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"MLflow run {result.run_id}")
         return 0
     raise AssertionError(args.command)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from baton.errors import BatonError
+    from baton.tracking import report
+    from baton.tracking.mlflow_tracker import default_uri
+
+    uri = args.tracking_uri or default_uri()
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///"):]):
+        raise BatonError(f"no MLflow store at {uri}; set --tracking-uri or $MLFLOW_TRACKING_URI")
+    client = MlflowClient(tracking_uri=uri)
+    run = report.find_run(client, args.run)
+    out = args.out or f"report-{run.info.run_name or run.info.run_id}"
+    rep = report.build(client, run, out, args.step)
+    print(f"wrote {rep.png} and {rep.html}: {rep.points['loss']} steps of MLflow run {rep.run_id}"
+          + (f", pipeline step {rep.swimlane_step}" if rep.swimlane_step else ""))
+    return 0
 
 
 def _cluster(args: argparse.Namespace):
@@ -219,13 +255,31 @@ def _follow(cluster, job_id: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    info = _cluster(args).info(args.id)
+    from baton import status
+    from baton.errors import ClusterError
+    from baton.submit import resolve_address
+
+    found = status.local(args.id, args.checkpoint_path)
+    if found is not None:
+        print("\n".join(status.describe(found)))
+        return 0
+    try:
+        resolve_address(args.address)
+    except ClusterError as e:
+        raise ClusterError(f"no local job {args.id!r} (no status.json under "
+                           f"{args.checkpoint_path or 'checkpoints'}/), and {e}") from None
+    cluster = _cluster(args)
+    info = cluster.info(args.id)
     print(f"{args.id}: {info.status.value}")
     if info.message:
         print(f"  {info.message.strip().splitlines()[-1]}")
     print(f"  entrypoint: {info.entrypoint}")
     if info.start_time:
         print(f"  started {_when(info.start_time)}, {_duration(info)}")
+    coordinator = status.from_logs(cluster.logs(args.id))
+    if coordinator is not None:
+        print("  coordinator, as of its last status line:")
+        print("\n".join("    " + line for line in status.describe(coordinator)))
     return 0
 
 

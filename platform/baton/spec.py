@@ -96,6 +96,7 @@ class TrackingSpec:
     experiment: str = "baton"
     flush_every_s: float = 30.0  # metrics are also flushed at every checkpoint commit
     trace_step: Optional[int] = None  # step whose pipeline timeline is saved; null: min(10, steps)
+    cpu_peak_tflops: Optional[float] = None  # a CPU worker's peak, for MFU; null: no MFU on CPU
 
 
 @dataclass(frozen=True)
@@ -386,6 +387,8 @@ def _check_values(spec: JobSpec, source: str) -> None:
     need(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
     need(tr.flush_every_s > 0, "tracking.flush_every_s", tr.flush_every_s, "must be > 0")
     need(bool(tr.experiment), "tracking.experiment", tr.experiment, "name an MLflow experiment")
+    need(tr.cpu_peak_tflops is None or tr.cpu_peak_tflops > 0, "tracking.cpu_peak_tflops",
+         tr.cpu_peak_tflops, "must be > 0 (or null: no MFU on CPU)")
     _check_elastic(spec, need)
 
 

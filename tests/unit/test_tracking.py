@@ -36,3 +36,80 @@ def test_nothing_is_written_before_start(tmp_path):
     tracker.finish("FAILED")
     assert not (tmp_path / "mlflow.db").exists()
     NullTracker().finish("FINISHED")
+
+
+# -- live metrics, FLOPs, status -----------------------------------------------------------------
+
+def test_metric_names_are_baton_s_and_exported_as_ray_names():
+    from baton.tracking.metrics import METRICS, exported_names
+
+    for name, m in METRICS.items():
+        assert name.startswith("baton_") and not name.startswith("train_"), name
+        assert m.labels[0] == "job_name" and m.kind in ("gauge", "counter", "histogram")
+        assert (m.kind == "histogram") == bool(m.buckets)
+    series = exported_names()
+    assert series["ray_baton_failures_total"].labels == ("job_name", "cause")
+    assert {"ray_baton_step_seconds_bucket", "ray_baton_step_seconds_sum",
+            "ray_baton_step_seconds_count"} <= set(series)
+
+
+def test_live_metrics_do_nothing_without_ray():
+    import ray
+
+    from baton.tracking.metrics import LiveMetrics
+
+    assert not ray.is_initialized()
+    live = LiveMetrics("job")
+    live.step(step=1, loss=1.0, lr=0.1, tokens_per_s=1.0, samples_per_s=1.0, step_s=1.0,
+              data_wait=None, mfu=None, bubble=None)
+    live.failure("actor_died", alive=1)
+    assert live._m == {}
+
+
+def test_flops_per_token_of_each_shipped_model_and_a_user_s():
+    import torch
+
+    from baton.models.flops import gpt_flops_per_token, job_peak_flops, model_flops_per_token
+    from baton.spec import ModelSpec
+
+    gpt = ModelSpec(name="gpt", layers=2, width=32, heads=2, seq_len=16, vocab_size=256)
+    assert model_flops_per_token(gpt) == gpt_flops_per_token(2, 32, 16, 256)
+    mlp = ModelSpec(name="mlp", layers=3, width=64, context=8, vocab_size=256)
+    model = __import__("baton.models", fromlist=["build_model"]).build_model(mlp, 0)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model_flops_per_token(mlp) == 6 * linear
+    user = ModelSpec(name="helpers:failing_gpt", layers=1, width=16, heads=2, seq_len=16,
+                     options={"fail_on_sum": 1})  # a GPT in a user's builder: no attention term
+    assert model_flops_per_token(user) == gpt_flops_per_token(1, 16, 16, 256) - 12 * 16 * 16
+    assert job_peak_flops(["cpu", "cpu"], "fp32", None) is None
+    assert job_peak_flops(["cpu", "cpu"], "fp32", 0.5) == 1e12
+    assert job_peak_flops(["NVIDIA H100 80GB HBM3"], "bf16", None) == 989.4e12
+    assert job_peak_flops(["NVIDIA H100 80GB HBM3", "Tesla T4"], "bf16", None) is None
+
+
+def test_status_lines_say_when_the_process_is_gone(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import time
+
+    from baton import status
+    from baton.checkpoint import CheckpointStore
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    s = {"job": "j", "state": "running", "step": 3, "steps": 10, "dp": 2, "pp": 1,
+         "world_size": 2, "workers_alive": 1, "loss": 2.5, "tokens_per_s": 1234.0,
+         "last_checkpoint": None, "failures": 1, "failures_by_cause": {"hang": 1},
+         "rescales": 0, "mlflow_run_id": "abc", "pid": gone.pid, "host": socket.gethostname(),
+         "started_at": time.time() - 60, "updated_at": time.time() - 3}
+    lines = status.describe(s)
+    assert lines[0].startswith(f"j: running when last seen: its process (pid {gone.pid} on ")
+    assert lines[1:5] == ["  step 3/10, loss 2.5000, 1,234 tokens/s",
+                          "  world: dp 2 x pp 1 = 2 workers, 1 alive",
+                          "  last checkpoint: none yet", "  failures: 1 (hang 1); rescales: 0"]
+    assert status.describe({**s, "pid": os.getpid()})[0].startswith("j: running (updated 3 s ago")
+    store = CheckpointStore(str(tmp_path / "ckpt" / "j"))
+    store.write_status(s)
+    assert status.local("j", str(tmp_path / "ckpt")) == s and store.committed_steps() == []
+    assert status.local("other", str(tmp_path / "ckpt")) is None

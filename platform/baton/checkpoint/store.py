@@ -28,6 +28,7 @@ from baton import storage
 from baton.errors import CheckpointError
 
 MARKER = "COMMITTED"
+STATUS = "status.json"  # beside the step folders: the coordinator's state, for `baton status`
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
 
@@ -82,6 +83,18 @@ class CheckpointStore:
             if (ok and s in committed[:-keep]) or (not ok and s < step):
                 self.fs.delete_dir(self.step_dir(s))
         return d if "://" not in self.root else f"{self.root.rstrip('/')}/step_{step:08d}"
+
+    def write_status(self, status: dict) -> None:
+        """The running job's state for `baton status` (written by the coordinator)."""
+        self.fs.create_dir(self.path, recursive=True)
+        tmp = f"{self.path}/.{STATUS}.tmp"  # then a rename: a reader never sees half a file
+        storage.write_bytes(self.fs, tmp, json.dumps(status, indent=1).encode())
+        self.fs.move(tmp, f"{self.path}/{STATUS}")
+
+    def read_status(self) -> Optional[dict]:
+        if not storage.exists(self.fs, f"{self.path}/{STATUS}"):
+            return None
+        return json.loads(storage.read_bytes(self.fs, f"{self.path}/{STATUS}"))
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import collections
 import enum
+import json
 import math
+import os
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -39,7 +42,10 @@ from baton.parallel import ParallelDims
 from baton.parallel.partition import plan_stages
 from baton.progress import Progress
 from baton.spec import JobSpec
+from baton.status import STATUS_LINE
+from baton.models.flops import job_peak_flops, model_flops_per_token
 from baton.tracking import timeline
+from baton.tracking.metrics import LiveMetrics
 from baton.training import lr_at
 from baton.workers import WorkerGroup
 
@@ -48,6 +54,11 @@ PIPELINE_DEPTH = 2  # steps queued on the workers at once
 LEAVE_GRACE_S = 10.0  # a survivor still stuck in the broken collective after this is replaced
 START_WAIT_S = 60.0  # how long workers the cluster has room for may take to start
 TOP_UP_GRACE_S = 5.0  # how long to wait for workers beyond those (room being freed)
+STATUS_EVERY_S = 5.0  # how often a running job's status.json is rewritten between events
+# set by Ray's job supervisor for a submitted job's entrypoint: there the status also goes to
+# the log, where `baton status ID` reads it through the job API
+UNDER_JOB_API = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+STATUS_LOG_EVERY_S = 30.0
 
 
 @dataclass
@@ -146,6 +157,12 @@ class Coordinator:
         self.trace: Optional[dict] = None
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
+        self.live = LiveMetrics(spec.name)
+        self.flops_per_token = model_flops_per_token(spec.model)
+        self.peak_flops: Optional[float] = None  # of the current world's devices
+        self.run_id: Optional[str] = None
+        self.started_at = time.time()
+        self.status_at = self.status_logged_at = 0.0
 
     def run(self) -> RunResult:
         try:
@@ -153,6 +170,7 @@ class Coordinator:
                 self.tick()
         except BaseException as e:
             self.state = State.FAILED
+            self._publish_status(error=f"{type(e).__name__}: {e}")
             self.tracker.set_tags({"error": f"{type(e).__name__}: {e}"[:5000], "failed_at_step": self.step + 1})
             if self.events:
                 self.tracker.log_dict(self.events, "events.json")
@@ -167,6 +185,7 @@ class Coordinator:
         handler = {State.PENDING: self._prepare, State.SCHEDULING: self._schedule,
                    State.RUNNING: self._run_step, State.RECOVERING: self._recover,
                    State.RESCALING: self._rescale}[self.state]
+        before = self.state
         try:
             self.state = handler()
         except WorkerLost as e:
@@ -175,6 +194,8 @@ class Coordinator:
             self.failure = Failure(self.step + 1, e.cause, str(e), e.ranks)
             self.failure_at = time.time()
             self.state = State.RECOVERING
+        if self.state is not before or time.monotonic() - self.status_at >= STATUS_EVERY_S:
+            self._publish_status(changed=self.state is not before)
 
     # -- transitions --------------------------------------------------------------------------
 
@@ -243,6 +264,7 @@ class Coordinator:
                       "message": f.message, "at": self.failure_at, "recover": decision.recover,
                       "since_last_step_s": round(time.perf_counter() - self.last_done_at, 3)})
         self.progress.note(f"step {f.step}: {f.cause}: {f.message}")
+        self.live.failure(f.cause, alive=len(self.group.actors) - len(f.ranks))
         if not decision.recover:
             raise WorkerError(decision.reason)
         # 1. stop the old world: drop queued calls, keep whoever still answers and gets out
@@ -380,6 +402,12 @@ class Coordinator:
                 self.tracker.set_tags({"pipeline.layers_per_stage": self.stage_layers,
                                        "pipeline.schedule": self.spec.parallel.schedule})
         self.workers = self.group.setup(self.table_ref, self.record_samples, self.stage_layers)
+        self.peak_flops = job_peak_flops([w.get("device_name", "cpu") for w in self.workers],
+                                         self.spec.train.precision,
+                                         self.spec.tracking.cpu_peak_tflops)
+        self.live.world(alive=len(self.workers), world_size=self.dims.world_size, dp=dp)
+        if self.dp_history:
+            self.live.rescaled(self.dp_history[-1][1], dp)
         if not self.dp_history or self.dp_history[-1][1] != dp:
             self.dp_history.append((self.step, dp))
 
@@ -387,8 +415,10 @@ class Coordinator:
         """Load a committed checkpoint into the current world and rewind the run to it."""
         old = meta["layout"]
         every_rng = len(meta.get("rng", [])) == old["dp"] * old["pp"]
+        t0 = time.perf_counter()
         self.group.call("load", self.store.root, meta["step"], old["pp"],
                         old == self._layout() and every_rng, what="loading the checkpoint")
+        self.live.checkpoint_loaded(time.perf_counter() - t0)
         self.step = self.submitted = meta["step"]
         self.cursor.load_state_dict(meta["cursor"])
         self.done_cursor = dict(meta["cursor"])
@@ -430,6 +460,8 @@ class Coordinator:
         event["total_s"] = round(sum(phases.values()), 3)
         self._record(event)
         kind = event["kind"]
+        if kind == "recovery":
+            self.live.recovered(event["cause"], event["total_s"])
         self.tracker.log_metrics(self.step, {f"{kind}_{k}_s": v for k, v in phases.items()}
                                  | {f"{kind}_total_s": event["total_s"],
                                     "failures": len(self.failures.seen)}, replayed_ok=True)
@@ -479,11 +511,20 @@ class Coordinator:
             "tokens_per_s": tps, "samples_per_s": p.samples / step_time_s,
             "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size,
             "dp": self.dims.dp}
+        data_s = [r["data_s"] for r in results if "data_s" in r]
+        if data_s:
+            metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)
+        if self.peak_flops:
+            metrics["mfu"] = tps * self.flops_per_token / self.peak_flops
         if self.dims.pp > 1:
             metrics.update(self._pipeline_metrics(results))
             if p.traced:
                 self._save_trace(results)
         self.tracker.log_metrics(self.step, metrics)
+        self.live.step(step=self.step, loss=self.last_loss, lr=p.lr, tokens_per_s=tps,
+                       samples_per_s=metrics["samples_per_s"], step_s=step_time_s,
+                       data_wait=metrics.get("data_wait_fraction"), mfu=metrics.get("mfu"),
+                       bubble=metrics.get("pipeline_bubble"))
         self.progress.update(self.step, self.last_loss, tps)
         if p.ledger_refs:
             for rank, entries in enumerate(self.group.wait(p.ledger_refs, "reading the ledger")):
@@ -525,6 +566,7 @@ class Coordinator:
                      self.group.submit("digest"))
 
     def _commit(self, cursor: dict, save_refs: list, digest_refs: list) -> None:
+        t0 = time.perf_counter()  # the saves were queued behind the step just completed
         self.group.wait(save_refs, f"saving checkpoint {self.step}")
         digests = self.group.wait(digest_refs, "hashing parameters")
         for s in range(self.dims.pp):  # an invariant of data parallelism: worth the milliseconds
@@ -538,6 +580,7 @@ class Coordinator:
         # are already logged, and the tracker skips those; the other order could lose them.
         self.tracker.flush()
         self.last_checkpoint = self.store.commit(self.step, meta, self.spec.checkpoint.keep)
+        self.live.checkpoint_saved(time.perf_counter() - t0)
         self.tracker.set_tags({"checkpoint.latest": self.last_checkpoint})
 
     def _meta(self, cursor: dict, rng: list[str]) -> dict:
@@ -550,6 +593,36 @@ class Coordinator:
                 "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
                 "rng": rng, "loss": self.last_loss, "baton_version": __version__,
                 "time": time.time()}
+
+    def status(self) -> dict:
+        """What `baton status` shows of a running job."""
+        causes = collections.Counter(f.cause for f in self.failures.seen)
+        return {"job": self.spec.name, "state": self.state.value, "step": self.step,
+                "steps": self.spec.train.steps, "dp": self.dims.dp, "pp": self.dims.pp,
+                "world_size": self.dims.world_size,
+                "workers_alive": len(self.group.actors) if self.group else 0,
+                "loss": None if math.isnan(self.last_loss) else round(self.last_loss, 6),
+                "tokens_per_s": round(self.tokens_per_s[-1], 1) if self.tokens_per_s else None,
+                "last_checkpoint": self.last_checkpoint, "failures": sum(causes.values()),
+                "failures_by_cause": dict(causes), "rescales": sum(
+                    e["kind"] == "rescale" for e in self.events),
+                "mlflow_run_id": self.run_id, "pid": os.getpid(),
+                "host": socket.gethostname(), "started_at": round(self.started_at, 3),
+                "updated_at": round(time.time(), 3)}
+
+    def _publish_status(self, changed: bool = True, error: Optional[str] = None) -> None:
+        """status.json beside the checkpoints; under the job API also a log line, at each
+        change of state and every STATUS_LOG_EVERY_S. Best effort: a status that cannot be
+        written never stops training."""
+        now = self.status_at = time.monotonic()
+        status = self.status() | ({"error": error[:2000]} if error else {})
+        try:
+            self.store.write_status(status)
+        except OSError:
+            pass
+        if UNDER_JOB_API and (changed or now - self.status_logged_at >= STATUS_LOG_EVERY_S):
+            self.status_logged_at = now
+            print(f"{STATUS_LINE}{json.dumps(status)}", flush=True)
 
     def _result(self) -> RunResult:
         recent = self.tokens_per_s[len(self.tokens_per_s) // 2:]  # past the warm-up steps

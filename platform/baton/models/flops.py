@@ -2,7 +2,8 @@
 
 Training FLOPs per token = 6 x (matmul parameters) + 12 x layers x width x seq_len (attention
 scores and values, forward and backward), as in the PaLM paper's appendix B. Embedding lookups
-are not matmuls and are left out.
+are not matmuls and are left out. The MLP model and a user's model count 6 x the weights of
+their nn.Linear layers (a user's attention, if any, is not counted: MFU is then a lower bound).
 """
 
 from __future__ import annotations
@@ -23,9 +24,43 @@ def gpt_flops_per_token(layers: int, width: int, seq_len: int, vocab_size: int) 
     return 6.0 * matmul_params + 12.0 * layers * width * seq_len
 
 
+def mlp_flops_per_token(layers: int, width: int, context: int, vocab_size: int,
+                        embed_dim: int = 16) -> float:
+    return 6.0 * (context * embed_dim * width + (layers - 1) * width * width + width * vocab_size)
+
+
+def model_flops_per_token(spec) -> float:
+    """Training FLOPs per token of the job's model (`ModelSpec`)."""
+    if spec.name == "gpt":
+        return gpt_flops_per_token(spec.layers, spec.width, spec.seq_len, spec.vocab_size)
+    if spec.name == "mlp":
+        return mlp_flops_per_token(spec.layers, spec.width, spec.context, spec.vocab_size,
+                                   **spec.options)
+    import torch
+
+    from baton.models import _on_meta
+
+    model = _on_meta(spec)
+    return 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
 def peak_flops(device_name: str, precision: str) -> Optional[float]:
     """Peak FLOP/s of a known accelerator, or None."""
     for fragment, peaks in PEAK_TFLOPS.items():
         if fragment in device_name:
             return peaks[precision] * 1e12
     return None
+
+
+def job_peak_flops(device_names: list[str], precision: str,
+                   cpu_peak_tflops: Optional[float]) -> Optional[float]:
+    """The workers' summed peak FLOP/s, or None when one of them has no known peak (a CPU
+    without tracking.cpu_peak_tflops, an accelerator not in PEAK_TFLOPS)."""
+    total = 0.0
+    for name in device_names:
+        peak = (cpu_peak_tflops * 1e12 if cpu_peak_tflops else None) if name == "cpu" \
+            else peak_flops(name, precision)
+        if peak is None:
+            return None
+        total += peak
+    return total or None

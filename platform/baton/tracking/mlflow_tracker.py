@@ -9,6 +9,7 @@ the steps after its checkpoint; those already logged are skipped, so every step 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -122,9 +123,17 @@ class MLflowTracker:
             self.client.log_dict(self.run_id, obj, artifact_file)
 
     def finish(self, status: str) -> None:
-        """status: FINISHED, FAILED or KILLED."""
+        """status: FINISHED, FAILED or KILLED. The run's pictures (`baton report`) go in first
+        as report/ artifacts; a report that cannot be drawn is a warning, never the error."""
         if self.run_id:
             self.flush()
+            from baton.tracking import report
+
+            try:
+                report.log_to_run(self.client, self.run_id)
+            except Exception as e:  # noqa: BLE001 - the run's own outcome matters more
+                print(f"baton: warning: no report for MLflow run {self.run_id}: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
             self.client.set_terminated(self.run_id, status=status)
 
 

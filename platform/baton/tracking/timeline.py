@@ -54,9 +54,18 @@ def swimlane_png(lanes: list[Lane], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.4), dpi=110)
+    draw_swimlane(ax, lanes, title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def draw_swimlane(ax, lanes: list[Lane], title: str) -> None:
+    import matplotlib.pyplot as plt
+
     lanes = sorted(lanes, key=lambda lane: (lane[0], lane[1]))
     origin = min((e[3] for _, _, events in lanes for e in events), default=0.0)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.4), dpi=110)
     for row, (dp, pp, events) in enumerate(lanes):
         several = len({e[2] for e in events if e[0] in ("F", "B")}) > 1  # interleaved chunks
         for kind, mb, stage, t0, t1 in events:
@@ -77,9 +86,18 @@ def swimlane_png(lanes: list[Lane], path: str, title: str) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in ("F", "B", "recv")]
     ax.legend(handles, ["forward", "backward", "waiting for a peer"], loc="lower right",
               bbox_to_anchor=(1.0, 1.0), fontsize=7, ncols=3, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+
+
+def lanes_from_chrome(trace: dict) -> list[Lane]:
+    """The lanes back from `chrome_trace`'s output (times in seconds from the step's start)."""
+    lanes: dict[tuple[int, int], list] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        t0 = e["ts"] / 1e6
+        lanes.setdefault((e["pid"], e["tid"]), []).append(
+            (e["cat"], e["args"]["micro_batch"], e["args"]["stage"], t0, t0 + e["dur"] / 1e6))
+    return [(dp, pp, events) for (dp, pp), events in sorted(lanes.items())]
 
 
 def write_json(trace: dict, path: str) -> None:

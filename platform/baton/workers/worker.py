@@ -111,7 +111,9 @@ class Worker:
             self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers)
         torch.manual_seed(spec.train.seed * 100_003 + self.rank)  # dropout differs per replica
         self.ledger = [] if record_samples else None
+        self.data_s = 0.0
         return {"rank": self.rank, "device": str(self.device), "backend": dist.get_backend(),
+                "device_name": torch.cuda.get_device_name(self.device) if self.use_cuda else "cpu",
                 "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "layers": self.engine.layer_names()}
 
@@ -121,8 +123,10 @@ class Worker:
         gradient equals one process's gradient of the mean loss over the whole batch, even
         when the last batch of an epoch splits unevenly."""
         micro = self._micro_batches(batch)
+        self.data_s = 0.0
         out = self.engine.forward_backward(micro, self._tokens, self._scale(batch), trace)
         out["grad_norm"] = self.engine.apply(lr)
+        out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
         self.last_step = step + 1
         if self.ledger is not None and self.pp_rank == 0:
             self.ledger += [(step, self.ids[rows].tolist()) for rows in micro if len(rows)]
@@ -145,6 +149,13 @@ class Worker:
 
     def _tokens(self, rows: np.ndarray, pad_to: Optional[int] = None) -> tuple:
         """(inputs, targets) of these rows; padded rows (to `pad_to`) have targets IGNORE."""
+        t0 = time.perf_counter()
+        try:
+            return self._rows(rows, pad_to)
+        finally:
+            self.data_s += time.perf_counter() - t0
+
+    def _rows(self, rows: np.ndarray, pad_to: Optional[int]) -> tuple:
         data = torch.from_numpy(self.tokens[rows]).to(torch.long)
         if pad_to is not None and len(rows) < pad_to:
             pad = torch.zeros(pad_to - len(rows), data.shape[1], dtype=torch.long)

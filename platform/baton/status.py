@@ -1,0 +1,80 @@
+"""`baton status`: a job's coordinator state, from its status.json (a local run, or shared
+storage) or from the last status line in a submitted job's log."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Optional
+
+from baton.checkpoint import CheckpointStore
+from baton.spec import CheckpointSpec, join_path
+
+STATUS_LINE = "baton-status: "  # what the coordinator prints under Ray's job API
+
+
+def local(target: str, checkpoint_path: Optional[str] = None) -> Optional[dict]:
+    """The status of a job given by its YAML file or its name (under `checkpoint_path`, the
+    spec's default `checkpoints` otherwise), or None when there is none."""
+    if target.endswith((".yaml", ".yml")) and os.path.isfile(target):
+        from baton.spec import load_spec
+
+        root = load_spec(target).checkpoint_dir
+    elif "/" in target or target.startswith("."):
+        return None
+    else:
+        root = join_path(checkpoint_path or CheckpointSpec.path, target)
+    return CheckpointStore(root).read_status()
+
+
+def from_logs(text: str) -> Optional[dict]:
+    for line in reversed(text.splitlines()):
+        if line.startswith(STATUS_LINE):
+            try:
+                return json.loads(line[len(STATUS_LINE):])
+            except ValueError:
+                return None
+    return None
+
+
+def describe(s: dict) -> list[str]:
+    """The lines `baton status` prints."""
+    ago = time.time() - s["updated_at"]
+    where = f"pid {s['pid']} on {s['host']}"
+    state = s["state"]
+    if state not in ("finished", "failed") and s["host"] == socket.gethostname() \
+            and not _alive(s["pid"]):
+        state += f" when last seen: its process ({where}) is gone"
+    lines = [f"{s['job']}: {state} (updated {_ago(ago)} ago, {where})"]
+    loss = f", loss {s['loss']:.4f}" if s.get("loss") is not None else ""
+    tps = f", {s['tokens_per_s']:,.0f} tokens/s" if s.get("tokens_per_s") else ""
+    lines.append(f"  step {s['step']}/{s['steps']}{loss}{tps}")
+    lines.append(f"  world: dp {s['dp']} x pp {s['pp']} = {s['world_size']} workers, "
+                 f"{s['workers_alive']} alive")
+    lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
+    lines.append(f"  failures: {s['failures']}" + (f" ({causes})" if causes else "")
+                 + f"; rescales: {s['rescales']}")
+    if s.get("mlflow_run_id"):
+        lines.append(f"  MLflow run: {s['mlflow_run_id']}")
+    if s.get("error"):
+        lines.append(f"  error: {s['error'].splitlines()[0]}")
+    return lines
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds} s" if seconds < 120 else f"{seconds // 60} min"
+

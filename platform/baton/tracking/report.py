@@ -1,0 +1,187 @@
+"""`baton report`: a run's pictures, from what MLflow holds of it.
+
+One PNG (and an HTML page embedding it): the loss curve, throughput, the world size over time
+with failure and rescale markers, and the pipeline swimlane of a traced step (pp > 1). The
+coordinator logs the same files as MLflow artifacts (report/) when a run ends, so a run's
+pictures are beside its metrics; `baton report` rebuilds them for any run, running or done.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+from baton.errors import BatonError
+from baton.tracking import timeline
+
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+ARTIFACT_DIR = "report"
+_EVENT_KEYS = ("cause", "message", "from_dp", "dp", "state_from", "total_s")  # shown per event
+
+
+@dataclass
+class Report:
+    png: str
+    html: str
+    run_id: str
+    points: dict[str, int] = field(default_factory=dict)  # plotted points per series
+    swimlane_step: Optional[int] = None
+
+
+def find_run(client, run: str):
+    """An MLflow run by id, or the newest run whose name is `run` (baton names a run after
+    its job)."""
+    if RUN_ID.fullmatch(run):
+        try:
+            return client.get_run(run)
+        except Exception as e:  # MlflowException: not found
+            raise BatonError(f"no MLflow run {run} at {client.tracking_uri} ({e})") from None
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, filter_string=f"attributes.run_name = '{run}'",
+                              order_by=["attributes.start_time DESC"], max_results=1) \
+        if experiments else []
+    if not runs:
+        raise BatonError(f"no MLflow run named {run!r} (a job name) or with that id at "
+                         f"{client.tracking_uri}; set --tracking-uri or $MLFLOW_TRACKING_URI")
+    return runs[0]
+
+
+def _history(client, run_id: str, key: str) -> tuple[list[int], list[float]]:
+    points = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _events(client, run_id: str) -> list[dict]:
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = client.download_artifacts(run_id, "events.json", tmp)
+            with open(path) as f:
+                return json.load(f)
+    except Exception:  # no events.json: a run without failures or rescales
+        return []
+
+
+def _trace(client, run_id: str, step: Optional[int]) -> Optional[tuple[int, list]]:
+    """The lanes of the traced step `step` (or of the first traced step)."""
+    try:
+        found = [a.path for a in client.list_artifacts(run_id, "pipeline")]
+    except Exception:
+        return None
+    steps = sorted(int(p.rsplit("_", 1)[1]) for p in found if re.search(r"step_\d+$", p))
+    if not steps:
+        return None
+    if step is None:
+        step = steps[0]
+    elif step not in steps:
+        raise BatonError(f"step {step} has no pipeline trace; traced steps: {steps} "
+                         "(tracking.trace_step chooses one)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = client.download_artifacts(run_id, f"pipeline/step_{step:06d}/trace.json", tmp)
+        with open(path) as f:
+            return step, timeline.lanes_from_chrome(json.load(f))
+
+
+def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Report:
+    """Draw `run` (an MLflow Run) into out_dir/report.png and out_dir/report.html."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_id = run.info.run_id
+    name = run.info.run_name or run_id
+    loss = _history(client, run_id, "loss")
+    tps = _history(client, run_id, "tokens_per_s")
+    world = _history(client, run_id, "world_size")
+    events = _events(client, run_id)
+    trace = _trace(client, run_id, swimlane_step)
+    if not loss[0]:
+        raise BatonError(f"run {run_id} ({name}) has no logged steps yet")
+
+    rows = 4 if trace else 3
+    fig, axes = plt.subplots(rows, 1, figsize=(11, 2.6 * rows + (0.5 if trace else 0)), dpi=100,
+                             gridspec_kw={"height_ratios": [1, 1, 0.8] + ([1.3] if trace else [])})
+    ax_loss, ax_tps, ax_world = axes[:3]
+    ax_loss.plot(*loss, color="#4C72B0", lw=1.2, marker="." if len(loss[0]) <= 60 else None)
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title(f"{name}: {len(loss[0])} steps, final loss {loss[1][-1]:.4f}  "
+                      f"(MLflow run {run_id[:8]})", loc="left", fontsize=10)
+    ax_tps.plot(*tps, color="#55A868", lw=1.0)
+    ax_tps.set_ylabel("tokens/s")
+    ax_world.step(*world, where="mid", color="#8172B2", lw=1.5)  # step s's world, around s
+    ax_world.set_ylabel("workers")
+    ax_world.set_xlabel("step")
+    ax_world.set_ylim(0, max(world[1] or [1]) + 1)
+    marked = set()
+    for e in events:
+        # between two steps: a failure during step s (at s - 0.5), a recovery or a rescale
+        # that resumed from step s (at s + 0.5)
+        kind = e["kind"]
+        if "step" in e:
+            step = e["step"] - 0.5
+        elif "resumed_from_step" in e:
+            step = e["resumed_from_step"] + 0.5
+        else:
+            continue
+        style = {"failure": ("#C44E52", "--"), "rescale": ("#DD8452", ":"),
+                 "recovery": ("#937860", "-.")}.get(kind, ("grey", ":"))
+        label = None if kind in marked else kind
+        marked.add(kind)
+        for ax in (ax_loss, ax_tps, ax_world):
+            ax.axvline(step, color=style[0], ls=style[1], lw=1, label=label if ax is ax_world else None)
+    if marked:
+        ax_world.legend(loc="lower right", fontsize=7, frameon=False, ncols=len(marked))
+    for ax in (ax_loss, ax_tps, ax_world):
+        ax.grid(alpha=0.3)
+    if trace:
+        step, lanes = trace
+        timeline.draw_swimlane(axes[3], lanes, f"pipeline step {step}")
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    png = os.path.join(out_dir, "report.png")
+    fig.savefig(png)
+    points = {"loss": len(ax_loss.lines[0].get_xdata()), "tokens_per_s": len(ax_tps.lines[0].get_xdata()),
+              "world_size": len(ax_world.lines[0].get_xdata())}
+    plt.close(fig)
+    page = os.path.join(out_dir, "report.html")
+    with open(page, "w") as f:
+        f.write(_html(name, run, png, events))
+    return Report(png=png, html=page, run_id=run_id, points=points,
+                  swimlane_step=trace[0] if trace else None)
+
+
+def _html(name: str, run, png: str, events: list[dict]) -> str:
+    with open(png, "rb") as f:
+        image = base64.b64encode(f.read()).decode()
+    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
+                   for k, v in sorted(run.data.params.items())[:200])
+    listed = "".join(
+        f"<tr><td>{html.escape(e['kind'])}</td>"
+        f"<td>{e.get('step', e.get('resumed_from_step', ''))}</td>"
+        f"<td>{html.escape(', '.join(f'{k}: {v}' for k, v in e.items() if k in _EVENT_KEYS))}</td></tr>"
+        for e in events)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>baton report: "
+            f"{html.escape(name)}</title></head><body style='font-family:sans-serif'>"
+            f"<h1>{html.escape(name)}</h1><p>MLflow run {run.info.run_id}, status "
+            f"{run.info.status}</p><img alt='loss, throughput, world size' "
+            f"src='data:image/png;base64,{image}' style='max-width:100%'>"
+            + (f"<h2>Events</h2><table><tr><th>event</th><th>step</th><th>what</th></tr>"
+               f"{listed}</table>" if events else "")
+            + f"<h2>Parameters</h2><table>{rows}</table></body></html>")
+
+
+def log_to_run(client, run_id: str) -> Optional[Report]:
+    """Build the report of `run_id` and log it as its artifacts (report/); nothing for a run
+    that ended before its first step."""
+    if not client.get_metric_history(run_id, "loss"):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = build(client, client.get_run(run_id), tmp)
+        client.log_artifacts(run_id, tmp, ARTIFACT_DIR)
+    return rep

@@ -1,0 +1,169 @@
+"""What a user sees of a run: live metrics on Ray's Prometheus endpoint, `baton report`'s
+pictures, `baton status`. One elastic pipeline job on a local Ray with metrics export on:
+it starts at dp 1 (a placement group holds the rest of the CPUs), grows to dp 2 when that is
+removed, and loses a worker (killed) that it replaces; so every series baton exports has
+something to show. The tests then scrape http://127.0.0.1:PORT/metrics for every name the
+dashboards query."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import ray
+from mlflow.tracking import MlflowClient
+from prometheus_client.parser import text_string_to_metric_families
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from baton import api, cli, status
+from baton.checkpoint import CheckpointStore
+from baton.spec import spec_from_dict
+from baton.tracking import report
+from baton.tracking.metrics import METRICS, exported_names
+from helpers import free_ports, tiny_spec, write_dataset
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def metrics_ray():
+    [port] = free_ports(1)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             _metrics_export_port=port)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield port
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, metrics_ray):
+    tmp = tmp_path_factory.mktemp("observed")
+    data = write_dataset(tmp / "data", 40, 32)
+    spec = spec_from_dict(tiny_spec(
+        tmp, data, name="observed", train={"steps": STEPS, "global_batch": 8, "micro_batch": None},
+        parallel={"dp": 1, "pp": 2, "microbatches": 2, "timeout_s": 30},
+        resources={"cpus_per_worker": 0.5}, checkpoint={"every_steps": 2, "keep": 10},
+        tracking={"cpu_peak_tflops": 0.05, "trace_step": 3},
+        elastic={"min_dp": 1, "max_dp": 2, "max_failures": 2, "rescale_check_s": 0.5,
+                 "hang_timeout_s": 4}))
+    blocker = placement_group([{"CPU": 1}])  # room for one replica (2 workers) at the start
+    ray.get(blocker.ready(), timeout=60)
+    seen = {}
+
+    def hook(c):
+        if c.step == 2 and "grown" not in seen:
+            seen["grown"] = True
+            remove_placement_group(blocker)
+            deadline = time.monotonic() + 30
+            while ray.available_resources().get("CPU", 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1)  # past the next rescale check
+        elif c.dims.dp == 2 and "killed" not in seen:
+            seen["killed"] = c.step
+            ray.kill(c.group.actors[1])
+        elif c.events and c.events[-1]["kind"] == "recovery" and "mid_run" not in seen:
+            seen["mid_run"] = CheckpointStore(spec.checkpoint_dir).read_status()
+
+    result = api.run(spec, show_progress=False, on_step=hook)
+    return spec, result, seen
+
+
+def _scrape(port: int) -> str:
+    ip = ray.util.get_node_ip_address()
+    return urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10).read().decode()
+
+
+def test_the_job_grew_failed_and_recovered(run):
+    spec, result, seen = run
+    assert result.state == "finished" and result.step == STEPS
+    assert [dp for _, dp in result.dp_history] == [1, 2]
+    assert [e["kind"] for e in result.events] == ["rescale", "failure", "recovery"]
+    assert result.events[1]["cause"] == "actor_died"
+
+
+def test_prometheus_shows_every_series_the_dashboards_query(run, metrics_ray):
+    spec, result, _ = run
+    want = exported_names()
+    deadline = time.monotonic() + 90  # Ray exports every few seconds
+    while True:
+        samples = [s for family in text_string_to_metric_families(_scrape(metrics_ray))
+                   for s in family.samples if s.name.startswith("ray_baton_")]
+        names = {s.name for s in samples}
+        if set(want) <= names or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert sorted(set(want) - names) == []
+    ours = [s for s in samples if s.labels.get("job_name") == spec.name]
+    for s in ours:  # each series carries its metric's labels
+        metric = want[s.name]
+        assert set(metric.labels) <= set(s.labels), (s.name, s.labels)
+
+    def value(name, **labels):
+        [v] = [s.value for s in ours if s.name == name and labels.items() <= s.labels.items()]
+        return v
+
+    assert value("ray_baton_step") == STEPS
+    assert value("ray_baton_world_size") == 4 and value("ray_baton_dp") == 2
+    assert value("ray_baton_workers_alive") == 4
+    assert value("ray_baton_failures_total", cause="actor_died") == 1
+    assert value("ray_baton_recoveries_total", cause="actor_died") == 1
+    assert value("ray_baton_rescales_total", direction="up") == 1
+    assert value("ray_baton_step_seconds_count") >= STEPS  # steps re-run after the failure count too
+    assert 0 < value("ray_baton_mfu") < 1 and 0 < value("ray_baton_pipeline_bubble") < 1
+    assert 0 <= value("ray_baton_data_wait_fraction") < 1
+    assert value("ray_baton_loss") == pytest.approx(result.loss)
+    assert value("ray_baton_checkpoint_save_seconds_count") >= STEPS // 2
+    assert value("ray_baton_checkpoint_load_seconds_count") >= 2  # the rescale and the recovery
+    assert set(METRICS) == {m.name for m in want.values()}
+
+
+def test_the_run_report_is_in_mlflow_and_baton_report_redraws_it(run, tmp_path, capsys):
+    spec, result, _ = run
+    client = MlflowClient(spec.tracking.uri)
+    listed = [a.path for a in client.list_artifacts(result.run_id, report.ARTIFACT_DIR)]
+    assert sorted(listed) == ["report/report.html", "report/report.png"]
+
+    rep = report.build(client, client.get_run(result.run_id), str(tmp_path / "r"))
+    assert rep.points["loss"] == STEPS  # one point per step, the re-run step logged once
+    assert rep.swimlane_step == 3
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(rep.png).shape
+    assert width == 1100 and height > 900  # four panels: loss, throughput, world, swimlane
+    page = Path(rep.html).read_text()
+    assert "data:image/png;base64," in page and "<td>failure</td>" in page
+
+    out = tmp_path / "cli"
+    assert cli.main(["report", spec.name, "--tracking-uri", spec.tracking.uri,
+                     "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out}/report.png and {out}/report.html: "
+                                              f"{STEPS} steps of MLflow run {result.run_id}")
+    assert (out / "report.png").stat().st_size > 20_000
+    assert cli.main(["report", "no-such-job", "--tracking-uri", spec.tracking.uri]) == 2
+    assert "no MLflow run named 'no-such-job'" in capsys.readouterr().err
+
+
+def test_baton_status_shows_the_coordinator_state(run, capsys):
+    spec, result, seen = run
+    mid = seen["mid_run"]
+    assert mid["state"] == "running" and mid["failures"] == 1 and mid["dp"] == 2
+    assert mid["failures_by_cause"] == {"actor_died": 1} and mid["rescales"] == 1
+
+    final = CheckpointStore(spec.checkpoint_dir).read_status()
+    assert final["state"] == "finished" and final["step"] == STEPS
+    assert final["last_checkpoint"].endswith(f"step_{STEPS:08d}")
+    ckpt = str(Path(spec.checkpoint_dir).parent)
+    assert cli.main(["status", spec.name, "--checkpoint-path", ckpt]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("observed: finished (updated ")
+    assert lines[1].startswith(f"  step {STEPS}/{STEPS}, loss ")
+    assert lines[2] == "  world: dp 2 x pp 2 = 4 workers, 4 alive"
+    assert lines[4] == "  failures: 1 (actor_died 1); rescales: 1"
+
+    # a submitted job: the same state from the last status line of its log
+    log = "training...\n" + status.STATUS_LINE + json.dumps(mid) + "\nmore output\n"
+    assert status.from_logs(log) == mid
+    assert status.from_logs("no status here\n") is None
