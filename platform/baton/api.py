@@ -108,9 +108,11 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
 
     started_ray = False
     if not ray.is_initialized():
+        local = {"num_cpus": os.cpu_count()} if address is None else {}
+        if address is None and os.environ.get("BATON_METRICS_PORT"):  # for Prometheus to scrape
+            local["_metrics_export_port"] = int(os.environ["BATON_METRICS_PORT"])
         ray.init(address=address or "local", include_dashboard=False,
-                 logging_level=logging.WARNING, configure_logging=True,
-                 **({"num_cpus": os.cpu_count()} if address is None else {}))
+                 logging_level=logging.WARNING, configure_logging=True, **local)
         started_ray = True
         ray.data.DataContext.get_current().enable_progress_bars = False
         _quiet_library_logs()

@@ -221,6 +221,8 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     assert cluster.requested == [2]  # an autoscaler is asked for room for max_dp replicas
     states = _tick_until(c, lambda c: c.state is State.RECOVERING)
     assert c.step == 3 and states[-1] is State.RECOVERING
+    assert set(cluster.requested) == {2}  # renewed only while short of max_dp: never here
+    assert len(cluster.requested) == 1
     # one transition: the survivor kept, its state (step 3) committed as checkpoint 3, no room
     # for more workers: dp 1 from step 3
     c.tick()
@@ -237,9 +239,11 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 3
     assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 0
 
+    asked = len(cluster.requested)
     cluster.free = 1  # a node joins
     c.tick()
     assert c.state is State.RESCALING
+    assert len(cluster.requested) > asked and set(cluster.requested) == {2}  # renewed at dp 1
     c.tick()
     assert c.state is State.RUNNING and c.dims.dp == 2
     assert CheckpointStore(c.store.root).latest() == c.step  # checkpointed before growing

@@ -441,6 +441,7 @@ class Coordinator:
         if now < self.next_rescale_check:
             return False
         self.next_rescale_check = now + self.base.elastic.rescale_check_s
+        self.group.request_capacity(self.base.dp_range[1] * self.pp)  # renewed while short
         return self.scale.grow_to(self.dims.dp, self.group.free_workers()) is not None
 
     def _record(self, event: dict) -> None:

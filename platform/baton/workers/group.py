@@ -71,13 +71,11 @@ class WorkerGroup:
     def request_capacity(self, workers: int) -> None:
         """Ask Ray's autoscaler (KubeRay's in-tree one) for room for `workers` workers in all.
         It adds nodes up to its group's maxReplicas, and the coordinator grows onto them at its
-        next rescale check; the request stands until `shutdown`. Without an autoscaler (a
-        laptop, a fixed cluster) it changes nothing."""
-        from ray.autoscaler.sdk import request_resources
-
+        next rescale check, renewing the request there; `shutdown` withdraws it. Without an
+        autoscaler (a laptop, a fixed cluster) it changes nothing."""
         r = self.spec.resources
         bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
-        request_resources(bundles=[bundle] * workers)
+        ask_autoscaler(f"baton:{self.spec.name}", [bundle] * workers)
         self._requested = workers > 0
 
     def free_workers(self) -> int:
@@ -267,6 +265,33 @@ class WorkerGroup:
         self.actors, self.infos = [], []
         if self._requested:
             self.request_capacity(0)  # let the autoscaler scale down once the nodes idle
+
+
+REQUEST_TTL_S = 600.0  # a standing autoscaler request lapses unless renewed within this
+
+
+def ask_autoscaler(requester: str, bundles: list[dict]) -> None:
+    """Set `requester`'s standing request to `bundles` (none: withdraw it).
+
+    Ray's `request_resources` replaces the cluster's one standing request, and Ray Data keeps
+    its own through a named coordinator actor that re-sends the merged requests of its
+    requesters every 20 s: once baton's data read has run, a plain `request_resources` from
+    baton would be undone within 20 s, before a cloud node has even booted. So baton asks
+    through that coordinator, as one more requester, and both requests stand. A Ray without
+    it (other versions) gets the plain call."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            DefaultAutoscalingCoordinator)
+    except ImportError:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=bundles)
+        return
+    client = DefaultAutoscalingCoordinator(requester)
+    if bundles:
+        client.request_resources(bundles, expire_after_s=REQUEST_TTL_S)
+    else:
+        client.cancel_request()
 
 
 def _lost(rank: int, error: Exception, what: str) -> WorkerLost:
