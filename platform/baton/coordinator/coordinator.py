@@ -161,6 +161,7 @@ class Coordinator:
         self.flops_per_token = model_flops_per_token(spec.model)
         self.peak_flops: Optional[float] = None  # of the current world's devices
         self.run_id: Optional[str] = None
+        self.prepared = False  # data read and the MLflow run open: from here on, a status
         self.started_at = time.time()
         self.status_at = self.status_logged_at = 0.0
 
@@ -215,6 +216,7 @@ class Coordinator:
                                **({"resumed_from_step": self.step} if meta else {})})
         self.run_id = run_id
         self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress)
+        self.prepared = True
         return State.SCHEDULING
 
     def _schedule(self) -> State:
@@ -615,6 +617,8 @@ class Coordinator:
         """status.json beside the checkpoints; under the job API also a log line, at each
         change of state and every STATUS_LOG_EVERY_S. Best effort: a status that cannot be
         written never stops training."""
+        if not self.prepared:
+            return  # refused before it began (bad data, no MLflow run): it leaves nothing behind
         now = self.status_at = time.monotonic()
         status = self.status() | ({"error": error[:2000]} if error else {})
         try:
