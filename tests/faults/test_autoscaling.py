@@ -120,8 +120,12 @@ def test_the_job_asks_the_autoscaler_for_room_and_trains_on_the_nodes_it_adds(tm
     assert seen["first"][1] == 4 and seen["later"] == 4, seen
     assert {e["kind"] for e in result.events} <= {"rescale"}
     assert len(result.events) == len(dps) - 1
+    assert all(e["wall_time"] - started < 90 for e in result.events)  # grew while it ran
     assert ray.cluster_resources().get("CPU", 0) == 8  # the nodes the autoscaler added
-    assert _standing_request() == 0  # withdrawn when the job ended
+    deadline = time.time() + 20  # withdrawn when the job ended (the coordinator actor's
+    while _standing_request() and time.time() < deadline:  # call is fire-and-forget)
+        time.sleep(0.5)
+    assert _standing_request() == 0
     _assert_exactly_once(result)
     want, _, _ = reference_run(spec, data, steps=STEPS)
     got = _final_params(spec)

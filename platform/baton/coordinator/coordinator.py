@@ -38,12 +38,12 @@ from baton.data import Cursor, EpochOrder
 from baton.data.source import load_table
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.errors import WorkerError, WorkerLost
+from baton.models.flops import job_peak_flops, model_flops_per_token
 from baton.parallel import ParallelDims
 from baton.parallel.partition import plan_stages
 from baton.progress import Progress
 from baton.spec import JobSpec
 from baton.status import STATUS_LINE
-from baton.models.flops import job_peak_flops, model_flops_per_token
 from baton.tracking import timeline
 from baton.tracking.metrics import LiveMetrics
 from baton.training import lr_at
