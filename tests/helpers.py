@@ -19,6 +19,8 @@ import yaml
 
 from baton.data import Cursor, EpochOrder
 from baton.data.corpus import stdlib_stream, windows
+from baton.data.feed import IDS, TOKENS, Batch
+from baton.data.manifest import Manifest
 from baton.models import build_model, loss_sum
 from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
 
@@ -72,12 +74,10 @@ def write_spec(path: Path, spec: dict) -> Path:
 def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], list, list]:
     """Plain PyTorch in this process: the whole global batch at once, no Ray, no accumulation.
     Returns the final parameters and each step's loss and gradient norm (before clipping)."""
-    table = pads.dataset(str(data_dir)).to_table().sort_by("sample_id")
-    tokens = table.column("tokens").combine_chunks().flatten().to_numpy()
-    tokens = tokens.reshape(table.num_rows, spec.model.seq_len + 1)
+    _, tokens = read_table(data_dir)
     model = build_model(spec.model, spec.train.seed)
     optimizer = make_optimizer(model, spec.train)
-    order, cursor = EpochOrder(len(tokens), spec.train.seed), Cursor()
+    order, cursor = job_order(spec, data_dir), Cursor()
     losses, norms = [], []
     for step in range(steps):
         batch = torch.from_numpy(tokens[order.next_batch(cursor, spec.train.global_batch)]).long()
@@ -123,10 +123,29 @@ def kill_leftovers() -> None:
 
 
 def read_table(data_dir) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, tokens) sorted by id, as the coordinator hands them to the workers."""
-    table = pads.dataset(str(data_dir)).to_table().sort_by("sample_id")
+    """(ids, tokens) of every row in manifest order (files by path, row groups in order): row
+    i is the sample at position i, as the job's order numbers them."""
+    manifest = Manifest.build(str(data_dir))
+    tables = [pq.ParquetFile(u.file).read_row_group(u.row_group) for u in manifest.units]
+    table = pa.concat_tables(tables)
     tokens = table.column("tokens").combine_chunks().flatten().to_numpy()
     return table.column("sample_id").to_numpy(), tokens.reshape(table.num_rows, -1)
+
+
+def job_order(spec, data_dir) -> EpochOrder:
+    """The epoch order a job on this data trains in."""
+    return EpochOrder(Manifest.build(str(data_dir)).unit_rows, spec.train.seed,
+                      spec.data.shuffle_block)
+
+
+def batch_in_store(ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> Batch:
+    """A Batch of these positions over the whole table, put in the object store as one unit
+    (for tests that drive workers directly)."""
+    import ray
+
+    tokens_col = pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), tokens.shape[1])
+    ref = ray.put(pa.table({TOKENS: tokens_col, IDS: pa.array(ids)}))
+    return Batch(positions, {0: (0, [ref])})
 
 
 def reference_grads(spec, tokens: np.ndarray, batch: np.ndarray) -> tuple[dict, float]:

@@ -17,6 +17,7 @@ from baton import storage
 from baton.checkpoint import CheckpointStore
 from baton.coordinator import Coordinator, RunResult
 from baton.data import corpus
+from baton.data.manifest import Manifest
 from baton.data.source import needs_prepare, preflight
 from baton.errors import CheckpointError
 from baton.spec import JobSpec, check_fits, load_spec
@@ -66,6 +67,21 @@ def plan_resume(spec: JobSpec, source: str, resume: Optional[bool]) -> Optional[
     return meta
 
 
+def check_corpus(meta: dict, manifest: Manifest, source: str, rebase: bool) -> None:
+    """Refuse to resume on a corpus other than the one the checkpoint was trained on: its
+    cursor counts samples of that corpus's order. With `rebase`, the run goes on from the start
+    of the next epoch on the new corpus (see `data_cursor`)."""
+    if rebase or meta.get("data", {}).get("digest") == manifest.digest():
+        return
+    old = meta.get("manifest")
+    what = (manifest.changes_from(Manifest.from_json(manifest.root, old)) if old
+            else "the checkpoint records no manifest (written before baton 0.6)")
+    raise CheckpointError(
+        f"{source}: data.path: {manifest.root!r} is not the corpus checkpoint {meta['step']} was "
+        f"trained on: {what}; restore it, or pass --rebase-data to go on from the next epoch on "
+        "the new corpus")
+
+
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> str:
     """'model.width 128 -> 64, train.lr ...' for the keys whose values differ."""
     out = []
@@ -87,12 +103,14 @@ def prepare_stdlib_data(spec: JobSpec, log: Callable[[str], None]) -> None:
 
 
 def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
-        resume: Optional[bool] = None, record_samples: bool = False, show_progress: bool = True,
+        resume: Optional[bool] = None, rebase_data: bool = False, record_samples: bool = False,
+        show_progress: bool = True,
         log: Callable[[str], None] = print,
         on_step: Optional[Callable[[Coordinator], None]] = None) -> RunResult:
     """Train `spec` to its last step. Starts an embedded local Ray unless Ray is already
     connected or `address` names a cluster. `on_step(coordinator)` is called after every
-    completed step (to observe a run, or to inject faults in tests)."""
+    completed step (to observe a run, or to inject faults in tests). `rebase_data`: resume on a
+    corpus other than the checkpoint's, from the start of the next epoch."""
     import ray
 
     if address is None and not ray.is_initialized():
@@ -104,7 +122,9 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         check_fits(spec, os.cpu_count() or 1, _local_gpus(), source, "this machine")
     if needs_prepare(spec):
         prepare_stdlib_data(spec, log)
-    preflight(spec, source)
+    manifest = preflight(spec, source)
+    if resume_meta:
+        check_corpus(resume_meta, manifest, source, rebase_data)
 
     started_ray = False
     if not ray.is_initialized():
@@ -126,7 +146,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                 f"(checkpoint in {spec.checkpoint_dir})")
         coordinator = Coordinator(spec, make_tracker(spec.tracking), resume_meta=resume_meta,
                                   record_samples=record_samples, show_progress=show_progress,
-                                  on_step=on_step)
+                                  on_step=on_step, manifest=manifest)
         return coordinator.run()
     finally:
         if started_ray:

@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
     run.add_argument("--resume", action="store_true",
                      help="require a checkpoint to resume from (resuming is automatic anyway)")
+    run.add_argument("--rebase-data", action="store_true",
+                     help="resume on a changed corpus, from the start of the next epoch")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a spec value, e.g. --set train.steps=20 (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress line")
@@ -181,7 +183,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         spec = load_spec(args.job, args.set)
         result = api.run(spec, source=args.job, address=args.address,
-                         resume=True if args.resume else None, show_progress=not args.quiet)
+                         resume=True if args.resume else None, rebase_data=args.rebase_data,
+                         show_progress=not args.quiet)
         print(f"{result.job}: finished at step {result.step}, loss {result.loss:.4f}, "
               f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {result.checkpoint}; "
               f"MLflow run {result.run_id}")

@@ -43,6 +43,10 @@ class DataSpec:
     path: str = "data/stdlib"  # local folder or a pyarrow filesystem URI (s3://, gs://)
     token_column: str = "tokens"
     id_column: Optional[str] = "sample_id"  # null: the row's position in the dataset is its id
+    # samples shuffled together: row groups are permuted, then samples shuffled within blocks
+    # of this many (a corpus this small or smaller gets a full permutation). Ray Data holds
+    # about two blocks' row groups in the object store at a time
+    shuffle_block: int = 262_144
 
 
 @dataclass(frozen=True)
@@ -357,6 +361,7 @@ def _check_values(spec: JobSpec, source: str) -> None:
              f"must divide model.width ({m.width}); try {_divisor_near(m.width, m.heads)}")
     need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
+    need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
 
     for key in ("steps", "global_batch"):
         need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")

@@ -27,11 +27,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from baton import api
 from baton.checkpoint import CheckpointStore
-from baton.data import Cursor, EpochOrder
+from baton.data import Cursor
 from baton.errors import WorkerError
 from baton.spec import spec_from_dict
 import helpers
-from helpers import read_table, reference_run, tiny_spec, write_dataset
+from helpers import job_order, read_table, reference_run, tiny_spec, write_dataset
 
 pytestmark = pytest.mark.faults
 
@@ -341,7 +341,7 @@ def test_an_error_that_repeats_at_the_same_step_is_not_retried_forever(tmp_path,
     """User code that fails on one batch fails on it again after the recovery: the run stops
     there, naming the error and the step, instead of spending its failure budget."""
     ids, tokens = read_table(data)
-    order, cursor = EpochOrder(len(ids), 7), Cursor()
+    order, cursor = job_order(_spec(tmp_path, data, "repeats"), data), Cursor()
     batches = [order.next_batch(cursor, 8) for _ in range(3)]
     bad = int(tokens[batches[2][:4], :-1].sum())  # rank 0's input at step 3
     assert all(int(tokens[b[:4], :-1].sum()) != bad and int(tokens[b[4:], :-1].sum()) != bad

@@ -9,11 +9,12 @@ import ray
 
 from baton import api
 from baton.checkpoint import CheckpointStore
-from baton.data import Cursor, EpochOrder
+from baton.data import Cursor
 from baton.parallel import ParallelDims
 from baton.spec import spec_from_dict
 from baton.workers import WorkerGroup
-from helpers import read_table, reference_grads, reference_run, tiny_spec, write_dataset
+from helpers import (batch_in_store, job_order, read_table, reference_grads, reference_run,
+                     tiny_spec, write_dataset)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -43,12 +44,12 @@ def test_nccl_gradients_match_the_cpu_reference(tmp_path):
     data = write_dataset(tmp_path / "data", 64, 32)
     spec = _gpu_spec(tmp_path, data)
     ids, tokens = read_table(data)
-    batch = EpochOrder(len(ids), 5).next_batch(Cursor(), spec.train.global_batch)
+    batch = job_order(spec, data).next_batch(Cursor(), spec.train.global_batch)
     group = WorkerGroup(spec, ParallelDims(spec.parallel.dp, 1))
     try:
         group.place()
-        infos = group.setup(ray.put({"ids": ids, "tokens": tokens}), False, None)
-        results = group.call("gradients", batch)
+        infos = group.setup(False, None)
+        results = group.call("gradients", batch_in_store(ids, tokens, batch))
     finally:
         group.shutdown()
     assert {w["backend"] for w in infos} == {"nccl"}

@@ -13,12 +13,13 @@ from mlflow.tracking import MlflowClient
 
 from baton import api
 from baton.checkpoint import CheckpointStore
-from baton.data import Cursor, EpochOrder
+from baton.data import Cursor
 from baton.parallel import ParallelDims
 from baton.parallel.partition import plan_stages
 from baton.spec import spec_from_dict
 from baton.workers import WorkerGroup
-from helpers import read_table, reference_grads, reference_run, tiny_spec, write_dataset
+from helpers import (batch_in_store, job_order, read_table, reference_grads, reference_run,
+                     tiny_spec, write_dataset)
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -57,13 +58,13 @@ def test_gradients_match_single_process(tmp_path, data, case):
                   "chunks": chunks, "timeout_s": 60, "partition": (partition or ["params"])[0]},
         resources={"cpus_per_worker": 0.25}))
     ids, tokens = read_table(data)
-    batch = EpochOrder(len(ids), 5).next_batch(Cursor(), global_batch)
+    batch = job_order(spec, data).next_batch(Cursor(), global_batch)
     group = WorkerGroup(spec, ParallelDims(dp, pp))
     try:
         group.place()
         stage_layers = plan_stages(spec, lambda: group.call_one(0, "profile_layers"))
-        group.setup(ray.put({"ids": ids, "tokens": tokens}), False, stage_layers)
-        results = group.call("gradients", batch)
+        group.setup(False, stage_layers)
+        results = group.call("gradients", batch_in_store(ids, tokens, batch))
     finally:
         group.shutdown()
     want, want_loss = reference_grads(spec, tokens, batch)

@@ -12,6 +12,8 @@ from baton.checkpoint import CheckpointStore
 from baton.coordinator import Coordinator, State
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.data import EpochOrder
+from baton.data.feed import Batch
+from baton.data.manifest import FileEntry, Manifest
 from baton.errors import SpecError, WorkerError, WorkerLost
 from baton.progress import Progress
 from baton.spec import spec_from_dict
@@ -122,7 +124,7 @@ class FakeGroup:
         ranks = range(len(self.actors)) if ranks is None else ranks
         return [(self.actors[r], self.infos[r]) for r in ranks]
 
-    def setup(self, table_ref, record_samples, stage_layers):
+    def setup(self, record_samples, stage_layers):
         return [{"rank": r, **info} for r, info in enumerate(self.infos)]
 
     def submit(self, method, *args):
@@ -145,7 +147,7 @@ class FakeGroup:
                                  tuple(sorted(self.dead)))
             if method == "train_step":
                 step, batch = args[0], args[1]
-                part = self.dims.replica_part(batch, rank)
+                part = self.dims.replica_part(batch.positions, rank)
                 self.ledgers.setdefault(rank, []).append((step, part.tolist()))
                 self.done[rank] = step + 1
                 out.append({"tokens": 10, "loss_sum": 20.0, "grad_norm": 0.5})
@@ -186,6 +188,19 @@ class FakeGroup:
         self.actors = []
 
 
+class OrderOnlyFeed:
+    """The data feed without Ray Data: the order's positions, no units to read."""
+
+    def __init__(self, order):
+        self.order = order
+
+    def next_batch(self, cursor, global_batch):
+        return Batch(self.order.next_batch(cursor, global_batch), {})
+
+    def close(self):
+        pass
+
+
 def _coordinator(tmp_path, cluster, **elastic):
     spec = spec_from_dict({
         "name": "fake", "data": {"source": "parquet", "path": str(tmp_path)},
@@ -195,7 +210,9 @@ def _coordinator(tmp_path, cluster, **elastic):
     c = Coordinator(spec, NullTracker(), record_samples=True, show_progress=False,
                     group_factory=lambda s, d: FakeGroup(s, d, cluster))
     # what _prepare does with Ray and the data, stood in for: 12 samples, 3 steps an epoch
-    c.table_ref, c.order, c.num_samples, c.run_id = None, EpochOrder(12, 0), 12, None
+    c.manifest = Manifest(str(tmp_path), [FileEntry("part-0.parquet", 100, (5, 7))])
+    c.order, c.num_samples, c.run_id = EpochOrder(c.manifest.unit_rows, 0), 12, None
+    c.feed = OrderOnlyFeed(c.order)
     c.progress = Progress(spec.train.steps, enabled=False)
     c.state = State.SCHEDULING
     return c

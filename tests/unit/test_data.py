@@ -10,6 +10,7 @@ import pyarrow.dataset as pads
 import pytest
 
 from baton.data import Cursor, EpochOrder
+from baton.data.order import rebased
 from baton.data.corpus import prepare_stdlib, stdlib_stream, windows
 from baton.parallel import ParallelDims
 from baton.parallel.mesh import split_micro
@@ -45,39 +46,99 @@ def test_stdlib_stream_is_python_source():
     assert files > 500 and "def " in text and "import " in text
 
 
-def test_epoch_order_is_a_seeded_permutation():
-    a, b = EpochOrder(100, seed=1), EpochOrder(100, seed=1)
-    assert np.array_equal(a.permutation(0), b.permutation(0))
-    assert not np.array_equal(a.permutation(0), a.permutation(1))
-    assert not np.array_equal(a.permutation(0), EpochOrder(100, seed=2).permutation(0))
-    assert sorted(a.permutation(3)) == list(range(100))
+UNITS = [37, 50, 13, 64, 64, 29, 41, 8]  # rows of each row group: 306 samples
+
+
+def _epoch(order: EpochOrder, epoch: int) -> np.ndarray:
+    return order.positions(epoch, 0, order.num_samples)
+
+
+@pytest.mark.parametrize("block", [None, 1, 40, 64, 1000])
+def test_each_epoch_is_a_seeded_permutation_of_every_sample(block):
+    a, b = EpochOrder(UNITS, seed=1, shuffle_block=block), EpochOrder(UNITS, seed=1, shuffle_block=block)
+    assert np.array_equal(_epoch(a, 0), _epoch(b, 0))
+    for epoch in range(3):
+        assert sorted(_epoch(a, epoch)) == list(range(sum(UNITS)))
+    assert not np.array_equal(_epoch(a, 0), _epoch(a, 1))
+    assert not np.array_equal(_epoch(a, 0), _epoch(EpochOrder(UNITS, seed=2, shuffle_block=block), 0))
+
+
+def test_a_block_draws_only_from_the_row_groups_it_overlaps():
+    """The windowed shuffle: block k's samples come from the units that overlap it in the
+    epoch's unit order, so a reader needs only those; the last block may be short."""
+    order = EpochOrder(UNITS, seed=3, shuffle_block=40)
+    offsets = np.concatenate([[0], np.cumsum(UNITS)[:-1]])
+    perm, _ = order.unit_order(0)
+    for k in range(order.num_blocks):
+        first, last = order.block_units(0, k)
+        allowed = set()
+        for u in perm[first:last]:
+            allowed |= set(range(offsets[u], offsets[u] + UNITS[u]))
+        block = order.block(0, k)
+        assert set(block.tolist()) <= allowed
+        assert len(block) == (40 if k < order.num_blocks - 1 else sum(UNITS) - 40 * k)
+    # a block of 1 keeps the unit sequence's order: row groups permuted, rows in file order
+    seq = _epoch(EpochOrder(UNITS, seed=3, shuffle_block=1), 0)
+    assert np.array_equal(seq[:UNITS[perm[0]]], offsets[perm[0]] + np.arange(UNITS[perm[0]]))
+
+
+def test_a_cursor_seeks_without_computing_earlier_blocks():
+    order = EpochOrder(UNITS, seed=4, shuffle_block=40)
+    want = order.positions(1, 200, 230)
+    fresh = EpochOrder(UNITS, seed=4, shuffle_block=40)
+    got = fresh.next_batch(Cursor(epoch=1, consumed=200), 30)
+    assert np.array_equal(got, want) and set(fresh._blocks) == {(1, 5)}
+    first, last = fresh.units_for(1, 200, 230)
+    assert (first, last) == fresh.block_units(1, 5)
 
 
 def test_cursor_walks_epochs_with_a_short_last_batch():
-    order, cursor = EpochOrder(10, seed=0), Cursor()
+    order, cursor = EpochOrder([4, 6], seed=0), Cursor()
     sizes = [len(order.next_batch(cursor, 4)) for _ in range(4)]
     assert sizes == [4, 4, 2, 4] and cursor.state_dict() == {"epoch": 1, "consumed": 4}
+
+
+def test_rebased_cursor_starts_the_next_epoch():
+    assert rebased({"epoch": 2, "consumed": 17}) == {"epoch": 3, "consumed": 0}
+    assert rebased({"epoch": 2, "consumed": 0}) == {"epoch": 2, "consumed": 0}
 
 
 @pytest.mark.parametrize("dp_before,dp_after", [(2, 2), (2, 3), (4, 1)])
 def test_resumed_at_any_world_size_every_sample_once(dp_before, dp_after):
     """Switch world size mid-epoch through a saved cursor: still exactly once."""
-    n, batch = 103, 12
     seen = Counter()
-    order, cursor = EpochOrder(n, seed=5), Cursor()
+    order, cursor = EpochOrder(UNITS, seed=5, shuffle_block=64), Cursor()
     for _ in range(4):
-        ids = order.next_batch(cursor, batch)
+        ids = order.next_batch(cursor, 12)
         for r in range(dp_before):
             seen.update(ParallelDims(dp_before).replica_part(ids, r).tolist())
     saved = cursor.state_dict()
-    order, cursor = EpochOrder(n, seed=5), Cursor()
+    order, cursor = EpochOrder(UNITS, seed=5, shuffle_block=64), Cursor()
     cursor.load_state_dict(saved)
     while cursor.epoch == 0:
-        ids = order.next_batch(cursor, batch)
+        ids = order.next_batch(cursor, 12)
         for r in range(dp_after):
             for micro in split_micro(ParallelDims(dp_after).replica_part(ids, r), 3):
                 seen.update(micro.tolist())
-    assert sorted(seen) == list(range(n)) and set(seen.values()) == {1}
+    assert sorted(seen) == list(range(sum(UNITS))) and set(seen.values()) == {1}
+
+
+def test_dp_1_2_4_3_mid_epoch_trains_the_batches_of_an_uninterrupted_dp_1_run():
+    """Each resize restores the cursor into a fresh order (a new coordinator): the global
+    batches, as the union of the replicas' parts in rank order, are those of one dp 1 run."""
+    batch, steps = 12, 40  # 40 x 12 > 306: crosses into the second epoch
+    order, cursor = EpochOrder(UNITS, seed=6, shuffle_block=64), Cursor()
+    want = [order.next_batch(cursor, batch).tolist() for _ in range(steps)]
+    got, saved = [], Cursor().state_dict()
+    for dp, n in ((1, 7), (2, 9), (4, 13), (3, 11)):
+        order, cursor = EpochOrder(UNITS, seed=6, shuffle_block=64), Cursor()
+        cursor.load_state_dict(saved)
+        for _ in range(n):
+            ids = order.next_batch(cursor, batch)
+            dims = ParallelDims(dp)
+            got.append([i for r in range(dp) for i in dims.replica_part(ids, r).tolist()])
+        saved = cursor.state_dict()
+    assert got == want
 
 
 def test_parallel_dims_rank_arithmetic():

@@ -1,6 +1,6 @@
 """The coordinator owns a run: a state machine that makes one transition per `tick()`.
 
-    pending --(data in the object store, MLflow run open)--> scheduling
+    pending --(the data's manifest and order ready, MLflow run open)--> scheduling
     scheduling --(workers placed, group formed, checkpoint loaded)--> running
     running --(one optimizer step; a checkpoint when due)--> running | finished
     running --(room for more replicas, seen every elastic.rescale_check_s)--> rescaling
@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
-import ray
 
 from baton import __version__
 from baton.checkpoint import CheckpointStore
 from baton.data import Cursor, EpochOrder
-from baton.data.source import load_table
+from baton.data.feed import DataFeed
+from baton.data.manifest import Manifest
+from baton.data.order import rebased
+from baton.data.source import columns
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.errors import WorkerError, WorkerLost
 from baton.models.flops import job_peak_flops, model_flops_per_token
@@ -116,7 +118,8 @@ class Coordinator:
     def __init__(self, spec: JobSpec, tracker, *, resume_meta: Optional[dict] = None,
                  record_samples: bool = False, show_progress: bool = True,
                  on_step: Optional[Callable[["Coordinator"], None]] = None,
-                 group_factory: Callable[..., WorkerGroup] = WorkerGroup):
+                 group_factory: Callable[..., WorkerGroup] = WorkerGroup,
+                 manifest: Optional[Manifest] = None):
         self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
         self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
@@ -134,6 +137,8 @@ class Coordinator:
         self.next_rescale_check = 0.0
         self.store = CheckpointStore(spec.checkpoint_dir)
         self.resume_meta = resume_meta
+        self.manifest = manifest  # read from the footers before Ray started (api.run), or in _prepare
+        self.feed: Optional[DataFeed] = None
         self.record_samples = record_samples
         self.show_progress = show_progress
         self.state = State.PENDING
@@ -180,6 +185,8 @@ class Coordinator:
         finally:
             if self.group is not None:
                 self.group.shutdown()
+            if self.feed is not None:
+                self.feed.close()
         return self._result()
 
     def tick(self) -> None:
@@ -201,18 +208,21 @@ class Coordinator:
     # -- transitions --------------------------------------------------------------------------
 
     def _prepare(self) -> State:
-        table = load_table(self.spec)
-        self.table_ref = ray.put({"ids": table.ids, "tokens": table.tokens})
-        self.order = EpochOrder(len(table), self.spec.train.seed)
-        self.num_samples = len(table)
+        if self.manifest is None:
+            self.manifest = Manifest.build(self.spec.data.path)
+        self.order = EpochOrder(self.manifest.unit_rows, self.spec.train.seed,
+                                self.spec.data.shuffle_block)
+        self.feed = DataFeed(self.manifest, self.order, columns(self.spec))
+        self.num_samples = self.manifest.num_samples
         meta = self.resume_meta
         if meta:
             self.step = self.submitted = meta["step"]
-            self.cursor.load_state_dict(meta["cursor"])
+            self.cursor.load_state_dict(self._cursor_of(meta))
         run_id = self.tracker.start(self.spec.name, self.spec.flat(),
                                     run_id=meta.get("mlflow_run_id") if meta else None)
         self.tracker.set_tags({"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),
-                               "data.samples": self.num_samples, "checkpoint.dir": self.spec.checkpoint_dir,
+                               "data.samples": self.num_samples, "data.manifest": self.manifest.digest(),
+                               "checkpoint.dir": self.spec.checkpoint_dir,
                                **({"resumed_from_step": self.step} if meta else {})})
         self.run_id = run_id
         self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress)
@@ -403,7 +413,7 @@ class Coordinator:
             if self.pp > 1:
                 self.tracker.set_tags({"pipeline.layers_per_stage": self.stage_layers,
                                        "pipeline.schedule": self.spec.parallel.schedule})
-        self.workers = self.group.setup(self.table_ref, self.record_samples, self.stage_layers)
+        self.workers = self.group.setup(self.record_samples, self.stage_layers)
         self.peak_flops = job_peak_flops([w.get("device_name", "cpu") for w in self.workers],
                                          self.spec.train.precision,
                                          self.spec.tracking.cpu_peak_tflops)
@@ -422,9 +432,16 @@ class Coordinator:
                         old == self._layout() and every_rng, what="loading the checkpoint")
         self.live.checkpoint_loaded(time.perf_counter() - t0)
         self.step = self.submitted = meta["step"]
-        self.cursor.load_state_dict(meta["cursor"])
-        self.done_cursor = dict(meta["cursor"])
+        self.cursor.load_state_dict(self._cursor_of(meta))
+        self.done_cursor = self.cursor.state_dict()
         self.ledger = [entry for entry in self.ledger if entry[0] < self.step]
+
+    def _cursor_of(self, meta: dict) -> dict:
+        """The checkpoint's data cursor; on another corpus (the run was started with
+        --rebase-data, api.check_corpus), the start of the next epoch."""
+        if meta.get("data", {}).get("digest") == self.manifest.digest():
+            return meta["cursor"]
+        return rebased(meta["cursor"])
 
     def _load_latest(self) -> None:
         latest = self.store.latest()
@@ -479,7 +496,7 @@ class Coordinator:
 
     def _submit(self, step: int) -> "_Pending":
         t = self.spec.train
-        batch = self.order.next_batch(self.cursor, t.global_batch)
+        batch = self.feed.next_batch(self.cursor, t.global_batch)
         lr = lr_at(step, t)
         traced = self.dims.pp > 1 and step + 1 == self.trace_step
         pending = _Pending(step=step, samples=len(batch), lr=lr, submitted_at=time.perf_counter(),
@@ -591,7 +608,8 @@ class Coordinator:
         holds (all of them, or none for one written from the survivors of a failure)."""
         return {"job": self.spec.name, "step": self.step, "cursor": cursor,
                 "fingerprint": self.base.fingerprint(), "recipe": self.base.recipe(),
-                "layout": self._layout(),
+                "layout": self._layout(), "data": self.manifest.summary(),
+                "manifest": self.manifest.to_json(),
                 "mlflow_run_id": self.run_id, "tracking_uri": self.tracker.uri,
                 "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
                 "rng": rng, "loss": self.last_loss, "baton_version": __version__,

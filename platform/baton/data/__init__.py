@@ -1,4 +1,3 @@
 from baton.data.order import Cursor, EpochOrder
-from baton.data.source import TokenTable
 
-__all__ = ["Cursor", "EpochOrder", "TokenTable"]
+__all__ = ["Cursor", "EpochOrder"]

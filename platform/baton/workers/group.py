@@ -116,10 +116,10 @@ class WorkerGroup:
         ranks = range(len(self.actors)) if ranks is None else ranks
         return [(self.actors[r], self.infos[r]) for r in ranks]
 
-    def setup(self, table_ref: Any, record_samples: bool, stage_layers) -> list[dict]:
+    def setup(self, record_samples: bool, stage_layers) -> list[dict]:
         """Form the process group (on a fresh port) and build each worker's part of the model."""
         master = self.call_one(0, "rendezvous_address")
-        return self.call("setup", master, table_ref, record_samples, stage_layers,
+        return self.call("setup", master, record_samples, stage_layers,
                          what="joining the group")
 
     # -- calls --------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from baton.checkpoint import CheckpointStore
+from baton.data.feed import Batch
+from baton.data.rows import UnitRows
 from baton.models import IGNORE, build_model
 from baton.parallel import ParallelDims
 from baton.parallel.mesh import split_micro
@@ -94,16 +96,15 @@ class Worker:
         example = torch.zeros(self.spec.micro_batch, self.spec.model.seq_len, dtype=torch.long)
         return layer_times(model.to(self.device), example.to(self.device), repeats)
 
-    def setup(self, master: tuple[str, int], table: dict, record_samples: bool,
+    def setup(self, master: tuple[str, int], record_samples: bool,
               stage_layers: Optional[list[int]] = None) -> dict:
-        """Join the process group, build this rank's part of the model and its optimizer.
-        `table` arrives as numpy arrays mapped from the object store (shared, read-only)."""
+        """Join the process group, build this rank's part of the model and its optimizer."""
         spec = self.spec
         dist.init_process_group(
             "nccl" if self.use_cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
             rank=self.rank, world_size=self.dims.world_size,
             timeout=timedelta(seconds=spec.parallel.timeout_s))
-        self.ids, self.tokens = table["ids"], table["tokens"]
+        self.rows = UnitRows(spec.model.seq_len + 1)  # the units of each step's batch
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         if self.dims.pp == 1:
             self.engine = DataParallelEngine(spec, self.device)
@@ -117,25 +118,27 @@ class Worker:
                 "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "layers": self.engine.layer_names()}
 
-    def train_step(self, step: int, batch: np.ndarray, lr: float, trace: bool = False) -> dict:
-        """One optimizer step on this replica's part of the global batch `batch` (row
-        positions). The loss is summed and divided by the global token count, so the summed
-        gradient equals one process's gradient of the mean loss over the whole batch, even
-        when the last batch of an epoch splits unevenly."""
-        micro = self._micro_batches(batch)
+    def train_step(self, step: int, batch: Batch, lr: float, trace: bool = False) -> dict:
+        """One optimizer step on this replica's part of the global batch `batch`. The loss is
+        summed and divided by the global token count, so the summed gradient equals one
+        process's gradient of the mean loss over the whole batch, even when the last batch of
+        an epoch splits unevenly."""
+        self.rows.use(batch)
+        micro = self._micro_batches(batch.positions)
         self.data_s = 0.0
         out = self.engine.forward_backward(micro, self._tokens, self._scale(batch), trace)
         out["grad_norm"] = self.engine.apply(lr)
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
         self.last_step = step + 1
         if self.ledger is not None and self.pp_rank == 0:
-            self.ledger += [(step, self.ids[rows].tolist()) for rows in micro if len(rows)]
+            self.ledger += [(step, self.rows.gather(rows)[0].tolist()) for rows in micro if len(rows)]
         return out
 
-    def gradients(self, batch: np.ndarray) -> dict:
+    def gradients(self, batch: Batch) -> dict:
         """This worker's gradients for `batch`, by parameter name, without stepping: what
         the equivalence tests compare with one process's."""
-        out = self.engine.forward_backward(self._micro_batches(batch), self._tokens,
+        self.rows.use(batch)
+        out = self.engine.forward_backward(self._micro_batches(batch.positions), self._tokens,
                                            self._scale(batch), False)
         grads = {n: q.grad.detach().cpu().clone() for n, q in self.engine.module.named_parameters()}
         self.engine.optimizer.zero_grad(set_to_none=True)
@@ -144,7 +147,7 @@ class Worker:
     def _micro_batches(self, batch: np.ndarray) -> list[np.ndarray]:
         return split_micro(self.dims.replica_part(batch, self.dp_rank), self.spec.microbatches)
 
-    def _scale(self, batch: np.ndarray) -> float:
+    def _scale(self, batch: Batch) -> float:
         return 1.0 / (len(batch) * self.spec.model.seq_len)
 
     def _tokens(self, rows: np.ndarray, pad_to: Optional[int] = None) -> tuple:
@@ -156,7 +159,7 @@ class Worker:
             self.data_s += time.perf_counter() - t0
 
     def _rows(self, rows: np.ndarray, pad_to: Optional[int]) -> tuple:
-        data = torch.from_numpy(self.tokens[rows]).to(torch.long)
+        data = torch.from_numpy(self.rows.gather(rows)[1]).to(torch.long)
         if pad_to is not None and len(rows) < pad_to:
             pad = torch.zeros(pad_to - len(rows), data.shape[1], dtype=torch.long)
             targets = torch.cat([data[:, 1:], pad[:, 1:] + IGNORE])
