@@ -28,9 +28,9 @@ _STREAM = None
 
 
 def write_dataset(folder: Path, num_samples: int, seq_len: int, shards: int = 2,
-                  id_offset: int = 1000) -> Path:
+                  id_offset: int = 1000, row_group_rows: int | None = None) -> Path:
     """`num_samples` rows of stdlib text, seq_len + 1 tokens each, ids id_offset.. in shuffled
-    shard order (so nothing may rely on file order)."""
+    shard order (so nothing may rely on file order); row groups of `row_group_rows`."""
     global _STREAM
     if _STREAM is None:
         _STREAM = stdlib_stream()[0]
@@ -41,16 +41,16 @@ def write_dataset(folder: Path, num_samples: int, seq_len: int, shards: int = 2,
     for k, part in enumerate(np.array_split(np.arange(num_samples), shards)[::-1]):
         tokens = pa.FixedSizeListArray.from_arrays(pa.array(rows[part].reshape(-1)), seq_len + 1)
         pq.write_table(pa.table({"sample_id": ids[part], "tokens": tokens}),
-                       folder / f"part-{k}.parquet")
+                       folder / f"part-{k}.parquet", row_group_size=row_group_rows)
     return folder
 
 
-def tiny_spec(tmp: Path, data: Path, **sections) -> dict:
+def tiny_spec(tmp: Path, data_dir: Path, **sections) -> dict:
     """A small job as a dict; `sections` override whole keys of each section."""
     spec = {
         "name": "tiny",
         "model": {"name": "gpt", "layers": 2, "width": 32, "heads": 2, "seq_len": 32},
-        "data": {"source": "parquet", "path": str(data)},
+        "data": {"source": "parquet", "path": str(data_dir)},
         "train": {"steps": 3, "global_batch": 8, "micro_batch": 2, "lr": 1e-2, "min_lr": 1e-3,
                   "warmup_steps": 1, "seed": 7},
         "parallel": {"dp": 2, "timeout_s": 60},

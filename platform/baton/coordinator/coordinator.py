@@ -218,6 +218,7 @@ class Coordinator:
         if meta:
             self.step = self.submitted = meta["step"]
             self.cursor.load_state_dict(self._cursor_of(meta))
+        self.feed.prime(self.cursor, self.spec.train.global_batch)  # bad rows: nothing written yet
         run_id = self.tracker.start(self.spec.name, self.spec.flat(),
                                     run_id=meta.get("mlflow_run_id") if meta else None)
         self.tracker.set_tags({"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),

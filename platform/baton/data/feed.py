@@ -62,7 +62,7 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
     wanted = [columns.token] + ([columns.id] if columns.id else [])
     with fs.open_input_file(unit.file) as f:
         table = pq.ParquetFile(f).read_row_group(unit.row_group, columns=wanted)
-    where = f"{unit.file} row group {unit.row_group}"
+    where = f"data.path: {unit.file} row group {unit.row_group}"
     tokens = table.column(columns.token).combine_chunks()
     if not pa.types.is_list(tokens.type) and not pa.types.is_fixed_size_list(tokens.type) \
             and not pa.types.is_large_list(tokens.type):
@@ -121,10 +121,14 @@ class DataFeed:
         self.rows_read = 0  # rows of the units read so far: what seeks cost
         self.restarts = 0
 
+    def prime(self, cursor: Cursor, global_batch: int) -> None:
+        """Read (and check) the units of the batch at `cursor` now: bad rows there are
+        refused before the run has written anything."""
+        self._hold(cursor.epoch, *self._span(cursor, global_batch))
+
     def next_batch(self, cursor: Cursor, global_batch: int) -> Batch:
-        epoch, start = cursor.epoch, cursor.consumed
-        first, last = self.order.units_for(epoch, start, min(start + global_batch, self.manifest.num_samples))
-        self._hold(epoch, first, last)
+        epoch = cursor.epoch
+        self._hold(epoch, *self._span(cursor, global_batch))
         positions = self.order.next_batch(cursor, global_batch)
         perm = self.order.unit_order(epoch)[0]
         by_uid = {int(perm[i]): refs for i, refs in self.held.items()}
@@ -133,6 +137,10 @@ class DataFeed:
             units[uid] = (self.manifest.units[uid].offset, by_uid[uid])
         return Batch(positions, units)
 
+    def _span(self, cursor: Cursor, global_batch: int) -> tuple[int, int]:
+        stop = min(cursor.consumed + global_batch, self.manifest.num_samples)
+        return self.order.units_for(cursor.epoch, cursor.consumed, stop)
+
     def _hold(self, epoch: int, first: int, last: int) -> None:
         behind = epoch != self.epoch or first < min(self.held, default=self.next_index)
         if behind or first > self.next_index:  # a seek: read from `first`, not through to it
@@ -140,13 +148,10 @@ class DataFeed:
         for i in [i for i in self.held if i < first]:
             del self.held[i]
         while self.next_index < last:
-            try:
-                bundle = next(self.reader)
-            except StopIteration:
-                raise DataError(f"the data ended early: unit {self.next_index} of epoch {epoch} "
-                                "was never read (did the files change under data.path?)") from None
-            except Exception as e:  # a read task failed: bad rows, a file gone
-                raise DataError(_first_line(e)) from None
+            bundle = _reading(next, self.reader, None)
+            if bundle is None:
+                raise DataError(f"data.path: the data ended early: unit {self.next_index} of epoch "
+                                f"{epoch} was never read (did the files change under it?)")
             self.held[self.next_index] = list(bundle.block_refs)
             self.rows_read += bundle.num_rows()
             self.next_index += 1
@@ -155,7 +160,8 @@ class DataFeed:
         self.close()
         perm = self.order.unit_order(epoch)[0]
         units = [self.manifest.units[int(u)] for u in perm[first:]]
-        self.reader = iter(_read_units(self.manifest.root, units, self.columns).iter_internal_ref_bundles())
+        dataset = _read_units(self.manifest.root, units, self.columns)
+        self.reader = _reading(lambda: iter(dataset.iter_internal_ref_bundles()))
         self.epoch, self.next_index, self.held = epoch, first, {}
         self.restarts += 1
         logging.getLogger(__name__).debug("data: reading epoch %d from unit %d", epoch, first)
@@ -164,6 +170,18 @@ class DataFeed:
         if self.reader is not None and hasattr(self.reader, "close"):
             self.reader.close()
         self.reader, self.held = None, {}
+
+
+def _reading(fn, *args):
+    """`fn(*args)`, with a failed read task (bad rows, a file gone) as one DataError line."""
+    try:
+        return fn(*args)
+    except DataError as e:  # Ray's RayTaskError(DataError) is one too, traceback and all
+        raise DataError(_first_line(e)) from None
+    except Exception as e:
+        if type(e).__module__.startswith("ray"):
+            raise DataError(f"data.path: reading failed: {_first_line(e)}") from None
+        raise
 
 
 def _first_line(error: Exception) -> str:

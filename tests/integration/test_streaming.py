@@ -1,0 +1,158 @@
+"""The input streams: a corpus several times the object store trains with the driver's memory
+flat, a resume seeks to its block instead of reading what came before, a resume at another dp
+still trains on every sample once, and the corpus a checkpoint was trained on is pinned.
+
+This module starts its own Ray with a small object store (OBJECT_STORE_MIB)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from baton import api
+from baton.checkpoint import CheckpointStore
+from baton.errors import CheckpointError, DataError
+from baton.spec import spec_from_dict
+from helpers import tiny_spec, write_dataset
+
+OBJECT_STORE_MIB = 100
+BIG_MIB = 400  # the generated corpus: 4x the object store
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_store_ray():
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             object_store_memory=OBJECT_STORE_MIB * 2**20)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+def _write_random_corpus(folder: Path, mib: int, seq_len: int, files: int = 4) -> Path:
+    """Random byte tokens, uncompressed (the file sizes are the token bytes), row groups of
+    2 MiB, with a sample_id column."""
+    folder.mkdir(parents=True)
+    width = seq_len + 1
+    rows = mib * 2**20 // width // files
+    rng = np.random.default_rng(0)
+    for k in range(files):
+        tokens = pa.FixedSizeListArray.from_arrays(
+            pa.array(rng.integers(0, 256, rows * width, dtype=np.uint8)), width)
+        ids = pa.array(np.arange(k * rows, (k + 1) * rows))
+        pq.write_table(pa.table({"sample_id": ids, "tokens": tokens}), folder / f"part-{k}.parquet",
+                       row_group_size=2 * 2**20 // width, compression="none")
+    return folder
+
+
+def _reset_peak_rss() -> None:
+    """Restart the kernel's high-water mark of this process's RSS (VmHWM)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def _object_store_mib() -> tuple[float, float]:
+    """(bytes in the object store now, bytes spilled so far), in MiB, from Ray's own stats."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    stats = get_memory_info_reply(get_state_from_address()).store_stats
+    return stats.object_store_bytes_used / 2**20, stats.spilled_bytes_total / 2**20
+
+
+def test_a_corpus_four_times_the_object_store_trains_with_the_driver_flat(tmp_path):
+    """The driver's peak RSS after a job on a 400 MiB corpus is within a bound of its peak
+    after the same job on a 0.2 MiB one; the object store never fills and nothing spills.
+    v0.5's path (the whole table through the driver) would add over 1.5 GiB here."""
+    small = write_dataset(tmp_path / "small", num_samples=1600, seq_len=32, row_group_rows=200)
+    big = _write_random_corpus(tmp_path / "big", BIG_MIB, seq_len=32)
+    samples = []
+
+    def watch(coordinator) -> None:
+        samples.append(_object_store_mib())
+
+    peaks = {}
+    for name, data in (("small", small), ("big", big)):
+        _reset_peak_rss()  # writing the corpus above peaked this process: measure the run only
+        spec = spec_from_dict(tiny_spec(tmp_path / name, data, name=name,
+                                        train={"steps": 6, "warmup_steps": 1},
+                                        data={"shuffle_block": 65_536}))
+        result = api.run(spec, show_progress=False, on_step=watch)
+        assert result.state == "finished" and np.isfinite(result.loss)
+        peaks[name] = _peak_rss_mib()
+    used, spilled = max(s[0] for s in samples), max(s[1] for s in samples)
+    print(f"driver peak RSS {peaks}; object store peak {used:.1f} MiB, spilled {spilled:.1f} MiB")
+    # measured here: 686 MiB after the small run, 691 MiB after the big one (+5 MiB); the object
+    # store peaked at 50 MiB, nothing spilled. Before preflight stopped scanning for its first
+    # row, the big run added 920 MiB: this bound catches that
+    assert peaks["big"] - peaks["small"] < 100
+    assert spilled == 0 and used < 0.8 * OBJECT_STORE_MIB
+
+
+def test_a_resume_seeks_to_its_block_and_every_sample_is_trained_once(tmp_path):
+    """Row groups of 8 rows, blocks of 16 samples, 16 samples a step: resuming at step 5
+    (sample 80 of 192) reads the 16 rows of block 5 before its first step, not the 80 before
+    it; the run resumed at dp 1 after 5 steps at dp 2 trains on every sample of the epoch once."""
+    data = write_dataset(tmp_path / "data", num_samples=192, seq_len=32, row_group_rows=8)
+    sections = {"train": {"steps": 5, "global_batch": 16, "micro_batch": 4},
+                "data": {"shuffle_block": 16}, "checkpoint": {"every_steps": 5}}
+    first = api.run(spec_from_dict(tiny_spec(tmp_path, data, name="seek", **sections)),
+                    show_progress=False, record_samples=True)
+    assert first.step == 5
+    read_at_first_step = []
+
+    def watch(coordinator) -> None:
+        if not read_at_first_step:
+            read_at_first_step.append(coordinator.feed.rows_read)
+
+    sections["train"]["steps"] = 12  # the rest of the epoch: 192 / 16
+    sections["parallel"] = {"dp": 1}
+    second = api.run(spec_from_dict(tiny_spec(tmp_path, data, name="seek", **sections)),
+                     show_progress=False, record_samples=True, on_step=watch)
+    assert second.resumed_from == 5 and second.step == 12
+    # the first step after the resume reads block 5's units (and the queued step's, block 6)
+    assert read_at_first_step[0] <= 2 * 16, read_at_first_step
+    seen = Counter(i for ledger in (first.ledger, second.ledger) for _, _, ids in ledger for i in ids)
+    assert sorted(seen) == list(range(1000, 1192)) and set(seen.values()) == {1}
+
+
+def test_a_changed_corpus_is_refused_on_resume_unless_rebased(tmp_path):
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32, row_group_rows=16)
+    raw = tiny_spec(tmp_path, data, name="pinned", train={"steps": 2})
+    api.run(spec_from_dict(raw), show_progress=False)
+    write_dataset(tmp_path / "more", num_samples=16, seq_len=32, id_offset=5000, shards=1)
+    (tmp_path / "more" / "part-0.parquet").rename(data / "part-9.parquet")
+    raw["train"]["steps"] = 4
+    with pytest.raises(CheckpointError, match=r"is not the corpus checkpoint 2 was trained on: "
+                                              r"1 file added \(part-9.parquet\); restore it, or "
+                                              r"pass --rebase-data"):
+        api.run(spec_from_dict(raw), show_progress=False)
+    result = api.run(spec_from_dict(raw), show_progress=False, rebase_data=True)
+    assert result.state == "finished" and result.resumed_from == 2
+    meta = CheckpointStore(spec_from_dict(raw).checkpoint_dir).read_meta(4)
+    # step 2 was mid-epoch 0 (16 of 64 samples): the rebased run began epoch 1 on 80 samples
+    assert meta["cursor"] == {"epoch": 1, "consumed": 16} and meta["data"]["samples"] == 80
+
+
+def test_a_bad_row_group_fails_the_run_with_one_line_naming_it(tmp_path):
+    data = write_dataset(tmp_path / "data", num_samples=32, seq_len=32, row_group_rows=16, shards=1)
+    table = pq.read_table(data / "part-0.parquet")
+    values = table.column("tokens").combine_chunks().flatten().to_numpy().astype(np.int32)
+    values[-1] = 300  # past the vocabulary of 256, in the second row group only
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(values), 33)
+    pq.write_table(table.set_column(1, "tokens", tokens), data / "part-0.parquet", row_group_size=16)
+    spec = spec_from_dict(tiny_spec(tmp_path, data, name="bad", train={"steps": 4}))
+    with pytest.raises(DataError, match=r"part-0.parquet row group 1: token ids lie in \[\d+, 300\] "
+                                        r"but model.vocab_size is 256; set model.vocab_size: 301"):
+        api.run(spec, show_progress=False)
