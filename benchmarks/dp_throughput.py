@@ -31,13 +31,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
-import pyarrow.dataset as pads
 import torch
 import torch.distributed as dist
 
 from baton import api
 from results_io import write_result
-from baton.data import Cursor, EpochOrder
+from baton.data import Cursor
+from baton.data.local import job_order, read_corpus
 from baton.data.corpus import prepare_stdlib
 from baton.models import build_model, loss_sum
 from baton.models.flops import gpt_flops_per_token, peak_flops
@@ -66,8 +66,8 @@ def job(args, data: str, tmp: str) -> dict:
 
 
 def load_tokens(data: str, seq_len: int) -> np.ndarray:
-    table = pads.dataset(data).to_table().sort_by("sample_id")
-    return table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, seq_len + 1)
+    """The corpus in manifest order: row i is the sample baton's order calls position i."""
+    return read_corpus(data)[1]
 
 
 def plain_steps(model, spec, tokens: np.ndarray, rank: int, world: int, device) -> list[float]:
@@ -75,7 +75,7 @@ def plain_steps(model, spec, tokens: np.ndarray, rank: int, world: int, device) 
     recipe as baton. `model` is already DDP-wrapped. Returns per-step seconds."""
     t = spec.train
     optimizer = make_optimizer(model, t)
-    order, cursor, dims = EpochOrder(len(tokens), t.seed), Cursor(), ParallelDims(world)
+    order, cursor, dims = job_order(spec), Cursor(), ParallelDims(world)
     num_micro = t.global_batch // (world * spec.micro_batch)
     bf16 = t.precision == "bf16"
     times = []

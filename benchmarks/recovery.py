@@ -42,7 +42,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from baton import api  # noqa: E402
-from baton.data import Cursor, EpochOrder  # noqa: E402
+from baton.data import Cursor  # noqa: E402
+from baton.data.local import job_order  # noqa: E402
 from baton.data.corpus import prepare_stdlib  # noqa: E402
 from baton.models import build_model, loss_sum  # noqa: E402
 from baton.parallel import ParallelDims  # noqa: E402
@@ -149,7 +150,7 @@ def _ray_train_loop(config: dict) -> None:
         optimizer.load_state_dict(state["optim"])
         start = int(state["step"])
     tokens = load_tokens(config["data"], spec.model.seq_len)
-    order, cursor, dims = EpochOrder(len(tokens), t.seed), Cursor(), ParallelDims(world)
+    order, cursor, dims = job_order(spec), Cursor(), ParallelDims(world)
     for _ in range(start):
         order.next_batch(cursor, t.global_batch)
     for step in range(start, t.steps):

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.dataset as pads
 import torch
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,7 +19,7 @@ import yaml
 from baton.data import Cursor, EpochOrder
 from baton.data.corpus import stdlib_stream, windows
 from baton.data.feed import IDS, TOKENS, Batch
-from baton.data.manifest import Manifest
+from baton.data.local import job_order as _job_order, read_corpus
 from baton.models import build_model, loss_sum
 from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
 
@@ -123,19 +122,13 @@ def kill_leftovers() -> None:
 
 
 def read_table(data_dir) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, tokens) of every row in manifest order (files by path, row groups in order): row
-    i is the sample at position i, as the job's order numbers them."""
-    manifest = Manifest.build(str(data_dir))
-    tables = [pq.ParquetFile(u.file).read_row_group(u.row_group) for u in manifest.units]
-    table = pa.concat_tables(tables)
-    tokens = table.column("tokens").combine_chunks().flatten().to_numpy()
-    return table.column("sample_id").to_numpy(), tokens.reshape(table.num_rows, -1)
+    """(ids, tokens) of every row in manifest order: row i is the sample at position i."""
+    return read_corpus(str(data_dir))
 
 
 def job_order(spec, data_dir) -> EpochOrder:
     """The epoch order a job on this data trains in."""
-    return EpochOrder(Manifest.build(str(data_dir)).unit_rows, spec.train.seed,
-                      spec.data.shuffle_block)
+    return _job_order(spec, str(data_dir))
 
 
 def batch_in_store(ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> Batch:

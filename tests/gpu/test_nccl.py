@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ray
 
 from baton import api
 from baton.checkpoint import CheckpointStore

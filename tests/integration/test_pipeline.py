@@ -7,7 +7,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import ray
 import torch
 from mlflow.tracking import MlflowClient
 

@@ -147,6 +147,7 @@ class Coordinator:
         self.done_cursor = self.cursor.state_dict()  # the cursor after the last completed step
         self.group: Optional[WorkerGroup] = None
         self.last_loss = float("nan")
+        self.last_metrics: dict = {}  # of the last completed step
         self.last_checkpoint: Optional[str] = None
         self.tokens_per_s: list[float] = []
         self.inflight: collections.deque[_Pending] = collections.deque()
@@ -542,6 +543,7 @@ class Coordinator:
             if p.traced:
                 self._save_trace(results)
         self.tracker.log_metrics(self.step, metrics)
+        self.last_metrics = metrics  # for on_step observers
         self.live.step(step=self.step, loss=self.last_loss, lr=p.lr, tokens_per_s=tps,
                        samples_per_s=metrics["samples_per_s"], step_s=step_time_s,
                        data_wait=metrics.get("data_wait_fraction"), mfu=metrics.get("mfu"),
