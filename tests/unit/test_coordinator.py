@@ -324,3 +324,25 @@ class _FastClock:
 
     def __getattr__(self, name):
         return getattr(self._time, name)
+
+
+def test_growing_twice_in_a_row_records_both_rescales(tmp_path):
+    """Room for more appears again before the first step after a rescale (seen on the
+    autoscaler test once the data stopped being read before scheduling): the coordinator
+    trains that step first, so each rescale's event is recorded (the second used to overwrite
+    the first's pending record)."""
+    cluster = FakeCluster(free=1)
+    c = _coordinator(tmp_path, cluster, min_dp=1, max_dp=4, rescale_check_s=1e-9)
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 1
+    cluster.free = 1
+    c.tick()
+    assert c.state is State.RESCALING
+    c.tick()
+    assert c.dims.dp == 2 and c.resumed is not None
+    cluster.free = 2  # room for dp 4 before dp 2 has trained a step
+    c.tick()
+    assert c.state is State.RUNNING and c.resumed is None  # a step, not a rescale
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert [dp for _, dp in c.dp_history] == [1, 2, 4]
+    assert [e["kind"] for e in c.events] == ["rescale", "rescale"]

@@ -456,7 +456,9 @@ class Coordinator:
             self.ledger = []
 
     def _rescale_due(self) -> bool:
-        if self.dims.dp >= self.base.dp_range[1]:
+        # a recovery or rescale that has not completed its first step yet is still being
+        # measured (self.resumed): growing again now would lose its event
+        if self.resumed is not None or self.dims.dp >= self.base.dp_range[1]:
             return False
         now = time.monotonic()
         if now < self.next_rescale_check:

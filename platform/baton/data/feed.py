@@ -37,11 +37,14 @@ TOKENS, IDS = "tokens", "id"  # the columns of a unit as the workers see it
 
 @dataclass
 class Batch:
-    """One global batch: manifest positions in training order, and the units holding them
-    (uid -> (position of the unit's first row, the unit's block references))."""
+    """One global batch: manifest positions in training order, the units holding them
+    (uid -> (position of the unit's first row, the unit's block references)), and the uids of
+    every unit the feed still holds: a worker keeps those it has fetched (a later step of the
+    block needs them again) and lets go of the rest, so the object store can free them."""
 
     positions: np.ndarray
     units: dict[int, tuple[int, list]]
+    window: frozenset = frozenset()
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -118,6 +121,7 @@ class DataFeed:
         self.held: dict[int, list] = {}  # index in the epoch's unit order -> block references
         self.next_index = 0  # the index the reader yields next
         self.reader: Optional[Iterator] = None
+        self.executor = None  # Ray Data's, stopped when the feed seeks or closes
         self.rows_read = 0  # rows of the units read so far: what seeks cost
         self.restarts = 0
 
@@ -135,7 +139,7 @@ class DataFeed:
         units = {}
         for uid in np.unique(self.manifest.unit_of(positions)).tolist():
             units[uid] = (self.manifest.units[uid].offset, by_uid[uid])
-        return Batch(positions, units)
+        return Batch(positions, units, frozenset(by_uid))
 
     def _span(self, cursor: Cursor, global_batch: int) -> tuple[int, int]:
         stop = min(cursor.consumed + global_batch, self.manifest.num_samples)
@@ -161,15 +165,27 @@ class DataFeed:
         perm = self.order.unit_order(epoch)[0]
         units = [self.manifest.units[int(u)] for u in perm[first:]]
         dataset = _read_units(self.manifest.root, units, self.columns)
-        self.reader = _reading(lambda: iter(dataset.iter_internal_ref_bundles()))
+        self.reader, self.executor = _reading(_execute, dataset)
         self.epoch, self.next_index, self.held = epoch, first, {}
         self.restarts += 1
         logging.getLogger(__name__).debug("data: reading epoch %d from unit %d", epoch, first)
 
     def close(self) -> None:
-        if self.reader is not None and hasattr(self.reader, "close"):
-            self.reader.close()
-        self.reader, self.held = None, {}
+        if self.executor is not None:
+            self.executor.shutdown(force=True)
+        self.reader, self.executor, self.held = None, None, {}
+
+
+def _execute(dataset) -> tuple[Iterator, object]:
+    """The dataset's bundles and the executor producing them. Ray Data (2.60) stops an
+    executor when its iterator is exhausted, and the public `iter_internal_ref_bundles` keeps
+    no handle to it: a feed that seeks would leave the old read running. Its private
+    `_execute_to_iterator` returns the executor; without it, the public call."""
+    run = getattr(dataset, "_execute_to_iterator", None)
+    if run is None:
+        return iter(dataset.iter_internal_ref_bundles()), None
+    bundles, _, executor = run(capture_executor=False)
+    return iter(bundles), executor
 
 
 def _reading(fn, *args):

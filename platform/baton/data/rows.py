@@ -17,9 +17,11 @@ class UnitRows:
         self._uids = np.zeros(0, dtype=np.int64)
 
     def use(self, batch: Batch) -> None:
-        """The units of the step about to run; units no step needs any more are let go."""
-        self.wanted = batch.units
-        self.held = {u: v for u, v in self.held.items() if u in self.wanted}
+        """The units of the step about to run. Units fetched earlier stay while the feed holds
+        them (`batch.window`); the rest are let go."""
+        keep = batch.window | set(batch.units)
+        self.wanted = {u: v for u, v in self.wanted.items() if u in keep} | batch.units
+        self.held = {u: v for u, v in self.held.items() if u in keep}
         order = sorted(self.wanted, key=lambda u: self.wanted[u][0])
         self._uids = np.array(order, dtype=np.int64)
         self._offsets = np.array([self.wanted[u][0] for u in order], dtype=np.int64)
