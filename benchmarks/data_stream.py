@@ -44,11 +44,11 @@ def write_corpus(folder: Path, gb: float) -> None:
     import pyarrow.parquet as pq
 
     folder.mkdir(parents=True)
-    width, total = SEQ_LEN + 1, int(gb * 1e9)
+    width, total_rows = SEQ_LEN + 1, int(gb * 1e9) // (SEQ_LEN + 1)
     rows_per_file = FILE_MIB * 2**20 // width
     rng, start, k = np.random.default_rng(0), 0, 0
-    while start * width < total:
-        rows = min(rows_per_file, total // width - start)
+    while start < total_rows:
+        rows = min(rows_per_file, total_rows - start)
         tokens = pa.FixedSizeListArray.from_arrays(
             pa.array(rng.integers(0, 256, rows * width, dtype=np.uint8)), width)
         table = pa.table({"sample_id": pa.array(np.arange(start, start + rows)), "tokens": tokens})

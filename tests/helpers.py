@@ -242,3 +242,4 @@ def stop_session(proc: subprocess.Popen, grace_s: float = 5) -> None:
             proc.poll()  # reap the head's own process
             time.sleep(0.2)
     proc.poll()
+

@@ -44,12 +44,47 @@ def _parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    prep = data_sub.add_parser("prepare", help="prepare a built-in corpus as Parquet shards")
-    prep.add_argument("corpus", choices=["stdlib"], help="the Python standard library's sources")
+    prep = data_sub.add_parser("prepare", help="tokenise text into Parquet token rows")
+    prep.add_argument("corpus", choices=["stdlib", "text"],
+                      help="stdlib: the Python standard library's sources; text: your documents "
+                           "(--input)")
     prep.add_argument("--out", required=True, help="folder to create")
     prep.add_argument("--seq-len", type=int, default=128,
                       help="tokens of context per sample (rows hold seq_len + 1 tokens)")
+    prep.add_argument("--input", help="text: a Parquet or JSON Lines file, or a folder of them")
+    prep.add_argument("--column", default="text", help="text: the column or field holding documents")
+    prep.add_argument("--tokenizer", help="text: module:function, texts -> token id lists "
+                                          "(default: bytes, end of document 0)")
+    prep.add_argument("--eod-token", type=int, help="text: your tokenizer's end-of-document id")
+    prep.add_argument("--address", help="text: a Ray cluster to run on (default: an embedded one)")
     return p
+
+
+def _prepare_text(args) -> int:
+    import logging
+
+    import ray
+
+    from baton.data.text import prepare_text
+
+    if not args.input:
+        print("baton: error: data prepare text needs --input", file=sys.stderr)
+        return 2
+    if os.path.exists(args.out):
+        print(f"baton: error: {args.out} already exists; choose a new --out", file=sys.stderr)
+        return 2
+    ray.init(address=args.address or "local", include_dashboard=False, logging_level=logging.WARNING)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    try:
+        info = prepare_text(args.input, args.out, args.seq_len, args.column, args.tokenizer,
+                            args.eod_token)
+    finally:
+        ray.shutdown()
+    print(f"wrote {info['samples']:,} samples of {args.seq_len + 1} tokens from "
+          f"{info['documents']:,} documents in {info['files']} files ({info['tokens']:,} tokens, "
+          f"vocabulary {info['vocab_size']}) to {args.out}")
+    return 0
 
 
 def _remote_parsers(sub) -> None:
@@ -164,6 +199,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.seq_len < 1:
             print("baton: error: --seq-len must be at least 1", file=sys.stderr)
             return 2
+        if args.corpus == "text":
+            return _prepare_text(args)
         try:
             info = prepare_stdlib(args.out, args.seq_len)
         except FileExistsError:

@@ -31,6 +31,12 @@ from baton.errors import DataError
 # task asking for any would never be scheduled beside them. Decoding a row group is cheap next
 # to a training step; the concurrency cap bounds how many run at once.
 READ_CONCURRENCY = 4
+# How far Ray Data may read ahead of what the feed holds, in shuffle blocks (bytes estimated
+# from the files' sizes). Unbounded, it reads as far as its share of the object store (30 % of
+# RAM by default): on a 2 GB corpus that was the whole corpus, read while training and halving
+# its throughput on 2 cores (benchmarks/data_stream.py).
+READ_AHEAD_BLOCKS = 1
+MIN_READ_AHEAD_BYTES = 32 * 2**20
 
 TOKENS, IDS = "tokens", "id"  # the columns of a unit as the workers see it
 
@@ -88,9 +94,11 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
     return pa.table(out)
 
 
-def _read_units(root: str, units: list[Unit], columns: Columns):
-    """A Ray Data dataset of `units`, one read task (and one block) each, in this order."""
+def _read_units(root: str, units: list[Unit], columns: Columns, read_ahead_bytes: int):
+    """A Ray Data dataset of `units`, one read task (and one block) each, in this order, that
+    holds at most about `read_ahead_bytes` of blocks not yet taken."""
     import ray
+    from ray.data._internal.execution.interfaces import ExecutionResources
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
@@ -106,6 +114,8 @@ def _read_units(root: str, units: list[Unit], columns: Columns):
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # blocks come out in the units' order
+    ctx.execution_options.resource_limits = ExecutionResources.for_limits(
+        object_store_memory=read_ahead_bytes)
     return ray.data.read_datasource(UnitSource(), override_num_blocks=len(units), num_cpus=0,
                                     concurrency=min(READ_CONCURRENCY, len(units)))
 
@@ -123,6 +133,9 @@ class DataFeed:
         self.reader: Optional[Iterator] = None
         self.executor = None  # Ray Data's, stopped when the feed seeks or closes
         self.rows_read = 0  # rows of the units read so far: what seeks cost
+        per_sample = manifest.bytes / max(1, manifest.num_samples)
+        self.read_ahead_bytes = max(MIN_READ_AHEAD_BYTES,
+                                    int(READ_AHEAD_BLOCKS * order.block_size * per_sample))
         self.restarts = 0
 
     def prime(self, cursor: Cursor, global_batch: int) -> None:
@@ -164,7 +177,7 @@ class DataFeed:
         self.close()
         perm = self.order.unit_order(epoch)[0]
         units = [self.manifest.units[int(u)] for u in perm[first:]]
-        dataset = _read_units(self.manifest.root, units, self.columns)
+        dataset = _read_units(self.manifest.root, units, self.columns, self.read_ahead_bytes)
         self.reader, self.executor = _reading(_execute, dataset)
         self.epoch, self.next_index, self.held = epoch, first, {}
         self.restarts += 1

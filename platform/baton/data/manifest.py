@@ -88,9 +88,13 @@ class Manifest:
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
     def summary(self) -> dict:
         return {"files": len(self.files), "row_groups": len(self.units), "samples": self.num_samples,
-                "bytes": sum(f.size for f in self.files), "digest": self.digest()}
+                "bytes": self.bytes, "digest": self.digest()}
 
     def changes_from(self, old: "Manifest") -> Optional[str]:
         """What changed since `old`, in one line ('2 files added (part-9.parquet, ...)'), or

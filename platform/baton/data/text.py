@@ -1,0 +1,163 @@
+"""Text in, tokens out: `baton data prepare text`.
+
+Documents come from a text column of Parquet files or a field of JSON Lines files. Each input
+file is one task of a Ray Data map stage on the cluster's CPUs: its documents are tokenised (the
+built-in byte tokenizer, or a user's `module:function`), joined with an end-of-document token,
+packed into rows of `seq_len + 1` tokens (stride `seq_len`: each token but the first of a file's
+stream is a target once; the tail that fills no row is dropped) and written as one Parquet part.
+Parts are written under a temporary folder that is renamed into place when every part is done:
+a failure leaves nothing. Deterministic: input files are taken in path order and packed one by
+one, so the same input gives the same rows, whatever the cluster.
+
+A user tokenizer is `fn(texts: list[str]) -> list[list[int]]` (token ids per document).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from baton.data.corpus import windows
+from baton.errors import DataError
+
+BYTE_EOD = 0  # the byte tokenizer's end of document: NUL, which text does not hold
+ID_STRIDE = 1 << 32  # sample ids: part index * ID_STRIDE + row in the part
+
+
+def byte_tokenize(texts: list[str]) -> list[list[int]]:
+    return [list(t.encode("utf-8")) for t in texts]
+
+
+def load_tokenizer(name: Optional[str]) -> Callable[[list[str]], list[list[int]]]:
+    if name is None:
+        return byte_tokenize
+    module, _, fn = name.partition(":")
+    if not module or not fn:
+        raise DataError(f"--tokenizer {name!r}: give module:function")
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise DataError(f"--tokenizer {name!r}: cannot import it ({e})") from None
+
+
+def input_files(path: str) -> list[Path]:
+    root = Path(path)
+    if root.is_file():
+        return [root]
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".parquet", ".jsonl", ".json"))
+    if not files:
+        raise DataError(f"--input {path!r}: no .parquet, .jsonl or .json files")
+    return files
+
+
+def read_texts(file: Path, column: str) -> list[str]:
+    """The documents of one file; one line naming the file for anything that is not text."""
+    if file.stat().st_size == 0:
+        raise DataError(f"{file}: the file is empty")
+    try:
+        table = (pq.read_table(file, columns=None) if file.suffix == ".parquet"
+                 else pajson.read_json(file))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{file}: not readable as {file.suffix[1:]} ({str(e).splitlines()[0]})") from None
+    if column not in table.column_names:
+        raise DataError(f"{file}: no column {column!r} (--column); columns: "
+                        f"{', '.join(table.column_names) or 'none'}")
+    col = table.column(column)
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        raise DataError(f"{file}: column {column!r} holds {col.type}, not text")
+    if col.null_count:
+        raise DataError(f"{file}: column {column!r} has {col.null_count} null rows")
+    return col.to_pylist()
+
+
+def pack(docs: list[list[int]], seq_len: int, eod: Optional[int]) -> np.ndarray:
+    """Rows of seq_len + 1 tokens from the documents joined (each followed by `eod`)."""
+    parts = []
+    for doc in docs:
+        parts.append(np.asarray(doc, dtype=np.int64))
+        if eod is not None:
+            parts.append(np.array([eod], dtype=np.int64))
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if len(stream) <= seq_len:
+        return np.zeros((0, seq_len + 1), dtype=np.int64)
+    return windows(stream, seq_len)
+
+
+def _token_type(vocab: int) -> pa.DataType:
+    return pa.uint8() if vocab <= 256 else pa.uint16() if vocab <= 65536 else pa.int32()
+
+
+def prepare_part(index: int, file: str, out_dir: str, column: str, seq_len: int,
+                 tokenizer: Optional[str], eod: int) -> dict:
+    """One input file -> part-{index}.parquet in `out_dir` (run as a Ray task)."""
+    texts = read_texts(Path(file), column)
+    docs = load_tokenizer(tokenizer)(texts)
+    if len(docs) != len(texts):
+        raise DataError(f"--tokenizer {tokenizer}: gave {len(docs)} token lists for {len(texts)} texts")
+    rows = pack(docs, seq_len, eod)
+    stats = {"index": index, "documents": len(texts), "samples": len(rows),
+             "tokens": int(sum(map(len, docs))), "max_token": eod}
+    if not len(rows):
+        return stats  # too short for one row: no part (a part of no rows would be a unit of none)
+    top = int(max(rows.max(initial=0), eod))
+    if rows.size and rows.min() < 0:
+        raise DataError(f"--tokenizer {tokenizer}: gave negative token ids for {file}")
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)).cast(_token_type(top + 1)),
+                                               seq_len + 1)
+    ids = pa.array(index * ID_STRIDE + np.arange(len(rows), dtype=np.int64))
+    pq.write_table(pa.table({"sample_id": ids, "tokens": tokens}),
+                   Path(out_dir) / f"part-{index:05d}.parquet")
+    return stats | {"max_token": top}
+
+
+def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
+                 tokenizer: Optional[str] = None, eod: Optional[int] = None) -> dict:
+    """Tokenise and pack every input file on the connected Ray (one task per file)."""
+    import ray
+
+    out_dir = Path(out)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists")
+    if tokenizer is not None and eod is None:
+        raise DataError("--eod-token: give the end-of-document id of your tokenizer")
+    eod = BYTE_EOD if eod is None else eod
+    load_tokenizer(tokenizer)  # fails here, in one line, rather than in every task
+    files = input_files(input_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        items = [{"index": i, "file": str(f)} for i, f in enumerate(files)]
+        ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
+            lambda row: prepare_part(row["index"], row["file"], str(tmp), column, seq_len,
+                                     tokenizer, eod))
+        try:
+            parts = sorted(ds.take_all(), key=lambda p: p["index"])
+        except Exception as e:  # raised in a task, wrapped by Ray Data with its traceback
+            from baton.data.feed import _first_line
+
+            if "DataError" not in str(e):
+                raise
+            raise DataError(_first_line(e)) from None
+        samples = sum(p["samples"] for p in parts)
+        if samples == 0:
+            raise DataError(f"--input {input_path!r}: the documents hold fewer than "
+                            f"seq_len + 1 = {seq_len + 1} tokens: no sample to write")
+        info = {"source": str(input_path), "files": len(files), "seq_len": seq_len,
+                "documents": sum(p["documents"] for p in parts), "samples": samples,
+                "tokens": sum(p["tokens"] for p in parts), "tokenizer": tokenizer or "bytes",
+                "eod_token": eod, "vocab_size": max(p["max_token"] for p in parts) + 1}
+        (tmp / "_corpus.json").write_text(json.dumps(info, indent=2) + "\n")
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info
