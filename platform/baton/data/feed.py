@@ -2,10 +2,16 @@
 
 The driver holds the manifest, the order and a window of object references, never rows. Ray
 Data reads the units (Parquet row groups) of the current epoch in the order's unit sequence,
-starting at the unit the cursor needs: one read task per row group, in order, with Ray Data's
-backpressure bounding how far it runs ahead in the object store. Each step's `Batch` names
-its samples by manifest position and carries references to the units that hold them; workers
-fetch those units from the object store (shared memory on their node) and take their own rows.
+one read task per row group: one finite execution per shuffle block, started a block ahead
+and consumed as it goes by a thread of the feed, so the object store holds about the current
+block and the next. Each step's `Batch` names its samples by manifest position and carries
+references to the units that hold them; workers fetch those units from the object store
+(shared memory on their node) and take their own rows.
+
+Why one execution per block and not one long, backpressured one: Ray Data 2.60's scheduling
+loop waits in `ray.wait` only while tasks run; an execution held back by its memory budget has
+none, and its thread spins (measured: a whole core of the driver, and training at half speed
+on 2 cores). A finite execution is never held back: it reads its block and ends.
 
 `streaming_split` is not used: it hands blocks to whichever consumer asks first, so which
 replica trains on which sample would not be reproducible, and its iterators cannot seek.
@@ -14,6 +20,7 @@ replica trains on which sample would not be reproducible, and its iterators cann
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -31,12 +38,6 @@ from baton.errors import DataError
 # task asking for any would never be scheduled beside them. Decoding a row group is cheap next
 # to a training step; the concurrency cap bounds how many run at once.
 READ_CONCURRENCY = 4
-# How far Ray Data may read ahead of what the feed holds, in shuffle blocks (bytes estimated
-# from the files' sizes). Unbounded, it reads as far as its share of the object store (30 % of
-# RAM by default): on a 2 GB corpus that was the whole corpus, read while training and halving
-# its throughput on 2 cores (benchmarks/data_stream.py).
-READ_AHEAD_BLOCKS = 1
-MIN_READ_AHEAD_BYTES = 32 * 2**20
 
 TOKENS, IDS = "tokens", "id"  # the columns of a unit as the workers see it
 
@@ -94,11 +95,9 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
     return pa.table(out)
 
 
-def _read_units(root: str, units: list[Unit], columns: Columns, read_ahead_bytes: int):
-    """A Ray Data dataset of `units`, one read task (and one block) each, in this order, that
-    holds at most about `read_ahead_bytes` of blocks not yet taken."""
+def _read_units(root: str, units: list[Unit], columns: Columns):
+    """A Ray Data dataset of `units`, one read task (and one block) each, in this order."""
     import ray
-    from ray.data._internal.execution.interfaces import ExecutionResources
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
@@ -114,29 +113,86 @@ def _read_units(root: str, units: list[Unit], columns: Columns, read_ahead_bytes
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # blocks come out in the units' order
-    ctx.execution_options.resource_limits = ExecutionResources.for_limits(
-        object_store_memory=read_ahead_bytes)
     return ray.data.read_datasource(UnitSource(), override_num_blocks=len(units), num_cpus=0,
                                     concurrency=min(READ_CONCURRENCY, len(units)))
 
 
+class _Read:
+    """One finite Ray Data execution: units [first, last) of an epoch's order, consumed on a
+    thread of its own as they come (the feed waits for the ones it needs)."""
+
+    def __init__(self, feed: "DataFeed", epoch: int, first: int, last: int):
+        self.first, self.last = first, last
+        feed.ranges_read.append((epoch, first, last))
+        self.refs: dict[int, list] = {}  # index in the epoch's unit order -> block references
+        self.rows = 0
+        self.error: Optional[Exception] = None
+        self.finished = False
+        self.executor = None
+        self.cancelled = False
+        self._cond = threading.Condition()
+        perm = feed.order.unit_order(epoch)[0]
+        units = [feed.manifest.units[int(u)] for u in perm[first:last]]
+        self._dataset = _read_units(feed.manifest.root, units, feed.columns)
+        self._thread = threading.Thread(target=self._run, name=f"baton-read-{epoch}-{first}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            bundles, self.executor = _execute(self._dataset)
+            for index, bundle in zip(range(self.first, self.last), bundles):
+                if self.cancelled:
+                    break
+                with self._cond:
+                    self.refs[index] = list(bundle.block_refs)
+                    self.rows += bundle.num_rows()
+                    self._cond.notify_all()
+        except Exception as e:  # a read task failed: surfaced to whoever waits (wait_for)
+            self.error = e
+        finally:
+            with self._cond:
+                self.finished = True
+                self._cond.notify_all()
+
+    def wait_for(self, index: int) -> list:
+        with self._cond:
+            self._cond.wait_for(lambda: index in self.refs or self.finished)
+            if index in self.refs:
+                return self.refs[index]
+        if self.error is not None:
+            _reading(_raise, self.error)
+        raise DataError(f"data.path: the data ended early: unit {index} was never read (did the "
+                        "files change under it?)")
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.executor is not None and not self.finished:
+            self.executor.shutdown(force=True)
+
+
+def _raise(error: Exception):
+    raise error
+
+
 class DataFeed:
-    """Batches for the coordinator. Holds the references of the units from the first one the
-    current batch may need up to the last one read; a batch behind that window (a recovery
-    rewound the cursor), in another epoch, or far ahead restarts the read there."""
+    """Batches for the coordinator. Reads, one block at a time and one block ahead, the units
+    from the first one the current batch may need; a batch behind what it holds (a recovery
+    rewound the cursor), in another epoch, or ahead of it restarts the reads there."""
 
     def __init__(self, manifest: Manifest, order: EpochOrder, columns: Columns):
         self.manifest, self.order, self.columns = manifest, order, columns
         self.epoch: Optional[int] = None
-        self.held: dict[int, list] = {}  # index in the epoch's unit order -> block references
-        self.next_index = 0  # the index the reader yields next
-        self.reader: Optional[Iterator] = None
-        self.executor = None  # Ray Data's, stopped when the feed seeks or closes
-        self.rows_read = 0  # rows of the units read so far: what seeks cost
-        per_sample = manifest.bytes / max(1, manifest.num_samples)
-        self.read_ahead_bytes = max(MIN_READ_AHEAD_BYTES,
-                                    int(READ_AHEAD_BLOCKS * order.block_size * per_sample))
+        self.reads: list[_Read] = []  # consecutive, in the epoch's unit order
+        self.dropped_below = 0  # units below this index are let go
         self.restarts = 0
+        self.ranges_read: list[tuple[int, int, int]] = []  # (epoch, first, last) of every read
+        self._rows_done = 0  # rows of reads already let go
+
+    @property
+    def rows_read(self) -> int:
+        """Rows of the units read so far by the current reads: what a seek costs."""
+        return self._rows_done + sum(r.rows for r in self.reads)
 
     def prime(self, cursor: Cursor, global_batch: int) -> None:
         """Read (and check) the units of the batch at `cursor` now: bad rows there are
@@ -145,10 +201,10 @@ class DataFeed:
 
     def next_batch(self, cursor: Cursor, global_batch: int) -> Batch:
         epoch = cursor.epoch
-        self._hold(epoch, *self._span(cursor, global_batch))
+        held = self._hold(epoch, *self._span(cursor, global_batch))
         positions = self.order.next_batch(cursor, global_batch)
         perm = self.order.unit_order(epoch)[0]
-        by_uid = {int(perm[i]): refs for i, refs in self.held.items()}
+        by_uid = {int(perm[i]): refs for i, refs in held.items()}
         units = {}
         for uid in np.unique(self.manifest.unit_of(positions)).tolist():
             units[uid] = (self.manifest.units[uid].offset, by_uid[uid])
@@ -158,42 +214,55 @@ class DataFeed:
         stop = min(cursor.consumed + global_batch, self.manifest.num_samples)
         return self.order.units_for(cursor.epoch, cursor.consumed, stop)
 
-    def _hold(self, epoch: int, first: int, last: int) -> None:
-        behind = epoch != self.epoch or first < min(self.held, default=self.next_index)
-        if behind or first > self.next_index:  # a seek: read from `first`, not through to it
+    def _hold(self, epoch: int, first: int, last: int) -> dict[int, list]:
+        """Make sure units [first, last) are read (waiting for them), the next block's read
+        has started, and nothing before `first` is held; return what is held."""
+        start = self.reads[0].first if self.reads else None
+        end = self.reads[-1].last if self.reads else None
+        if epoch != self.epoch or start is None or first < max(start, self.dropped_below) or first > end:
             self._restart(epoch, first)
-        for i in [i for i in self.held if i < first]:
-            del self.held[i]
-        while self.next_index < last:
-            bundle = _reading(next, self.reader, None)
-            if bundle is None:
-                raise DataError(f"data.path: the data ended early: unit {self.next_index} of epoch "
-                                f"{epoch} was never read (did the files change under it?)")
-            self.held[self.next_index] = list(bundle.block_refs)
-            self.rows_read += bundle.num_rows()
-            self.next_index += 1
+        self.dropped_below = first
+        while self.reads and self.reads[0].last <= first:
+            self._rows_done += self.reads[0].rows
+            self.reads.pop(0)
+        ahead = min(last + 1, len(self.manifest.units))  # the read after `last` starts now
+        while self.reads[-1].last < ahead:
+            k = self._block_of(epoch, self.reads[-1].last)
+            self.reads.append(_Read(self, epoch, self.reads[-1].last, self.order.block_units(epoch, k)[1]))
+        held = {}
+        for read in self.reads:
+            for index in range(max(read.first, first), read.last):
+                if index < last:
+                    held[index] = read.wait_for(index)
+                elif index in read.refs:
+                    held[index] = read.refs[index]
+        return held
+
+    def _block_of(self, epoch: int, index: int) -> int:
+        """The block in which unit `index` of the epoch's order ends."""
+        perm, starts = self.order.unit_order(epoch)
+        end = starts[index] + self.order.unit_rows[perm[index]]
+        return int((end - 1) // self.order.block_size)
 
     def _restart(self, epoch: int, first: int) -> None:
         self.close()
-        perm = self.order.unit_order(epoch)[0]
-        units = [self.manifest.units[int(u)] for u in perm[first:]]
-        dataset = _read_units(self.manifest.root, units, self.columns, self.read_ahead_bytes)
-        self.reader, self.executor = _reading(_execute, dataset)
-        self.epoch, self.next_index, self.held = epoch, first, {}
+        k = self._block_of(epoch, first)
+        self.reads = [_Read(self, epoch, first, self.order.block_units(epoch, k)[1])]
+        self.epoch, self.dropped_below = epoch, first
         self.restarts += 1
         logging.getLogger(__name__).debug("data: reading epoch %d from unit %d", epoch, first)
 
     def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(force=True)
-        self.reader, self.executor, self.held = None, None, {}
+        for read in self.reads:
+            read.cancel()
+            self._rows_done += read.rows
+        self.reads = []
 
 
 def _execute(dataset) -> tuple[Iterator, object]:
-    """The dataset's bundles and the executor producing them. Ray Data (2.60) stops an
-    executor when its iterator is exhausted, and the public `iter_internal_ref_bundles` keeps
-    no handle to it: a feed that seeks would leave the old read running. Its private
-    `_execute_to_iterator` returns the executor; without it, the public call."""
+    """The dataset's bundles and the executor producing them, to stop it when the feed seeks
+    (Ray Data stops an executor when its iterator is exhausted; the public
+    `iter_internal_ref_bundles` keeps no handle). Without the private call, the public one."""
     run = getattr(dataset, "_execute_to_iterator", None)
     if run is None:
         return iter(dataset.iter_internal_ref_bundles()), None
