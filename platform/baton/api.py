@@ -24,12 +24,11 @@ from baton.spec import JobSpec, check_fits, load_spec
 from baton.tracking import make_tracker
 
 
-def validate(path: str, overrides: list[str] = ()) -> JobSpec:
-    """Load and check a job file without starting anything (data is checked if present)."""
+def validate(path: str, overrides: list[str] = ()) -> tuple[JobSpec, Optional[Manifest]]:
+    """Load and check a job file without starting anything; the data is checked, and its
+    manifest returned, if it is there (the built-in corpus is prepared on first run)."""
     spec = load_spec(path, overrides)
-    if not needs_prepare(spec):
-        preflight(spec, str(path))
-    return spec
+    return spec, None if needs_prepare(spec) else preflight(spec, str(path))
 
 
 def stage_plan(spec: JobSpec) -> str:

@@ -178,10 +178,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     from baton import api
 
     if args.command == "validate":
-        spec = api.validate(args.job, args.set)
+        spec, manifest = api.validate(args.job, args.set)
         d = spec.parallel
         print(f"{args.job}: ok ({spec.name}: {spec.model.name}, dp={d.dp} pp={d.pp}, "
               f"{spec.train.steps} steps of {spec.train.global_batch} samples)")
+        if manifest is not None:
+            m = manifest.summary()
+            blocks = -(-m["samples"] // spec.data.shuffle_block)
+            print(f"  data: {m['samples']:,} samples in {m['row_groups']} row groups of "
+                  f"{m['files']} files ({m['bytes'] / 2**20:,.1f} MiB), manifest {m['digest']}; "
+                  + ("a full permutation each epoch" if blocks == 1 else
+                     f"shuffled in {blocks} blocks of {spec.data.shuffle_block:,} samples"))
         if d.pp > 1:
             print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
                   f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "

@@ -4,6 +4,7 @@ anything is created."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -145,3 +146,17 @@ def test_spec_error_is_picklable():
 
     e = pickle.loads(pickle.dumps(SpecError("f: k: bad")))
     assert isinstance(e, SpecError) and str(e) == "f: k: bad"
+
+
+def test_validate_shows_the_corpus_as_the_run_will_see_it(tmp_path, capsys):
+    from baton import cli
+    from helpers import tiny_spec, write_dataset, write_spec
+
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32, row_group_rows=16)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="v"))
+    assert cli.main(["validate", str(job)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"  data: 64 samples in 4 row groups of 2 files \([\d.]+ MiB\), manifest "
+                        r"[0-9a-f]{16}; a full permutation each epoch", out[1]), out
+    assert cli.main(["validate", str(job), "--set", "data.shuffle_block=20"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].endswith("shuffled in 4 blocks of 20 samples")
