@@ -88,7 +88,7 @@ def child(data: Path, out: Path, steps: int, measure_seek: bool) -> None:
     stop = threading.Event()
 
     def sample() -> None:
-        address = get_state_from_address()
+        address = get_state_from_address(ray.get_runtime_context().gcs_address)
         while not stop.is_set():
             stats = get_memory_info_reply(address).store_stats
             store["used"] = max(store["used"], stats.object_store_bytes_used / 2**20)

@@ -104,7 +104,10 @@ def _object_store_mib() -> tuple[float, float]:
     """(bytes in the object store now, bytes spilled so far), in MiB, from Ray's own stats."""
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    stats = get_memory_info_reply(get_state_from_address()).store_stats
+    import ray
+
+    address = get_state_from_address(ray.get_runtime_context().gcs_address)  # ours, not any
+    stats = get_memory_info_reply(address).store_stats
     return stats.object_store_bytes_used / 2**20, stats.spilled_bytes_total / 2**20
 
 

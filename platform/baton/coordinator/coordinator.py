@@ -294,6 +294,7 @@ class Coordinator:
         left = self.group.leave(alive, LEAVE_GRACE_S)
         self.group.kill([r for r in alive if r not in left])
         self.group.discard(stale)
+        self.feed.close()  # read again from the cursor the world resumes at; nothing lost is reused
         t_stop = time.monotonic()
         from_survivors = self._save_survivors(left)
         t_saved = time.monotonic()

@@ -6,6 +6,7 @@ wrote without reaching any hub. Deterministic: the same Python version gives the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -47,14 +49,9 @@ def prepare_stdlib(out_dir: str | os.PathLike, seq_len: int, shard_rows: int = S
 
     Written to a temporary folder beside it and renamed into place, so a crash leaves either
     nothing or a complete corpus."""
-    out = Path(out_dir)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists")
-    stream, num_files = stdlib_stream()
-    rows = windows(stream, seq_len)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_corpus(Path(out_dir)) as tmp:
+        stream, num_files = stdlib_stream()
+        rows = windows(stream, seq_len)
         for shard, start in enumerate(range(0, len(rows), shard_rows)):
             block = rows[start:start + shard_rows]
             tokens = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), seq_len + 1)
@@ -65,8 +62,20 @@ def prepare_stdlib(out_dir: str | os.PathLike, seq_len: int, shard_rows: int = S
                 "tokens": int(len(stream)), "seq_len": seq_len, "samples": int(len(rows)),
                 "vocab_size": 256}
         (tmp / "_corpus.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+@contextlib.contextmanager
+def staged_corpus(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out`, renamed to `out` when the block completes and removed
+    when it fails: a crash leaves either nothing or a complete corpus."""
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return info

@@ -105,6 +105,14 @@ def _read_units(root: str, units: list[Unit], columns: Columns):
         def estimate_inmemory_data_size(self) -> Optional[int]:
             return None
 
+        @property
+        def supports_distributed_reads(self) -> bool:
+            # Read on the driver's node, as v0.5 held its table there: a block is stored where
+            # it was read, and a worker node that is lost (the fault tests remove them) would
+            # take the blocks the feed still holds with it. About two blocks, served to the
+            # workers by the object store; read tasks ask for no CPU.
+            return False
+
         def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None):
             return [ReadTask(lambda u=u: [read_unit(root, u, columns)],
                              BlockMetadata(num_rows=u.rows, size_bytes=None, exec_stats=None,

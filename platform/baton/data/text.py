@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,7 +24,7 @@ import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from baton.data.corpus import windows
+from baton.data.corpus import staged_corpus, windows
 from baton.errors import DataError
 
 BYTE_EOD = 0  # the byte tokenizer's end of document: NUL, which text does not hold
@@ -124,17 +122,12 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
     """Tokenise and pack every input file on the connected Ray (one task per file)."""
     import ray
 
-    out_dir = Path(out)
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists")
     if tokenizer is not None and eod is None:
         raise DataError("--eod-token: give the end-of-document id of your tokenizer")
     eod = BYTE_EOD if eod is None else eod
     load_tokenizer(tokenizer)  # fails here, in one line, rather than in every task
     files = input_files(input_path)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_corpus(Path(out)) as tmp:
         items = [{"index": i, "file": str(f)} for i, f in enumerate(files)]
         ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
             lambda row: prepare_part(row["index"], row["file"], str(tmp), column, seq_len,
@@ -156,8 +149,4 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
                 "tokens": sum(p["tokens"] for p in parts), "tokenizer": tokenizer or "bytes",
                 "eod_token": eod, "vocab_size": max(p["max_token"] for p in parts) + 1}
         (tmp / "_corpus.json").write_text(json.dumps(info, indent=2) + "\n")
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return info
