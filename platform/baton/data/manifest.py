@@ -57,6 +57,7 @@ class Manifest:
                 offset += rows
         self.num_samples = offset
         self.unit_rows = np.array([u.rows for u in self.units], dtype=np.int64)
+        self._starts = np.array([u.offset for u in self.units], dtype=np.int64)
 
     @classmethod
     def build(cls, root: str, dataset: Optional[pads.Dataset] = None) -> "Manifest":
@@ -115,5 +116,4 @@ class Manifest:
 
     def unit_of(self, positions: np.ndarray) -> np.ndarray:
         """The uid of the unit holding each position."""
-        starts = np.array([u.offset for u in self.units], dtype=np.int64)
-        return np.searchsorted(starts, positions, side="right") - 1
+        return np.searchsorted(self._starts, positions, side="right") - 1
