@@ -69,8 +69,8 @@ def plan_resume(spec: JobSpec, source: str, resume: Optional[bool]) -> Optional[
 def check_corpus(meta: dict, manifest: Manifest, source: str, rebase: bool) -> None:
     """Refuse to resume on a corpus other than the one the checkpoint was trained on: its
     cursor counts samples of that corpus's order. With `rebase`, the run goes on from the start
-    of the next epoch on the new corpus (see `data_cursor`)."""
-    if rebase or meta.get("data", {}).get("digest") == manifest.digest():
+    of the next epoch on the new corpus (`Coordinator._cursor_of`)."""
+    if rebase or manifest.trained(meta):
         return
     old = meta.get("manifest")
     what = (manifest.changes_from(Manifest.from_json(manifest.root, old)) if old

@@ -442,7 +442,7 @@ class Coordinator:
     def _cursor_of(self, meta: dict) -> dict:
         """The checkpoint's data cursor; on another corpus (the run was started with
         --rebase-data, api.check_corpus), the start of the next epoch."""
-        if meta.get("data", {}).get("digest") == self.manifest.digest():
+        if self.manifest.trained(meta):
             return meta["cursor"]
         return rebased(meta["cursor"])
 

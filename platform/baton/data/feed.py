@@ -169,7 +169,7 @@ class _Read:
             if index in self.refs:
                 return self.refs[index]
         if self.error is not None:
-            _reading(_raise, self.error)
+            raise as_data_error(self.error)
         raise DataError(f"data.path: the data ended early: unit {index} was never read (did the "
                         "files change under it?)")
 
@@ -177,10 +177,6 @@ class _Read:
         self.cancelled = True
         if self.executor is not None and not self.finished:
             self.executor.shutdown(force=True)
-
-
-def _raise(error: Exception):
-    raise error
 
 
 class DataFeed:
@@ -193,7 +189,6 @@ class DataFeed:
         self.epoch: Optional[int] = None
         self.reads: list[_Read] = []  # consecutive, in the epoch's unit order
         self.dropped_below = 0  # units below this index are let go
-        self.restarts = 0
         self.ranges_read: list[tuple[int, int, int]] = []  # (epoch, first, last) of every read
         self._rows_done = 0  # rows of reads already let go
 
@@ -257,7 +252,6 @@ class DataFeed:
         k = self._block_of(epoch, first)
         self.reads = [_Read(self, epoch, first, self.order.block_units(epoch, k)[1])]
         self.epoch, self.dropped_below = epoch, first
-        self.restarts += 1
         logging.getLogger(__name__).debug("data: reading epoch %d from unit %d", epoch, first)
 
     def close(self) -> None:
@@ -278,22 +272,15 @@ def _execute(dataset) -> tuple[Iterator, object]:
     return iter(bundles), executor
 
 
-def _reading(fn, *args):
-    """`fn(*args)`, with a failed read task (bad rows, a file gone) as one DataError line."""
-    try:
-        return fn(*args)
-    except DataError as e:  # Ray's RayTaskError(DataError) is one too, traceback and all
-        raise DataError(_first_line(e)) from None
-    except Exception as e:
-        if type(e).__module__.startswith("ray"):
-            raise DataError(f"data.path: reading failed: {_first_line(e)}") from None
-        raise
-
-
-def _first_line(error: Exception) -> str:
-    """The message of the error a read task raised, without Ray's wrapping."""
-    text = str(error)
-    for line in text.splitlines():
+def as_data_error(error: Exception) -> Exception:
+    """A failed read task (bad rows, a file gone) as one DataError line, without Ray's wrapping
+    and traceback (Ray's RayTaskError(DataError) is a DataError too); other errors as they are."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    for line in lines:
         if "DataError:" in line:
-            return line.split("DataError:", 1)[1].strip()
-    return (text.strip().splitlines() or [type(error).__name__])[-1][:500]
+            return DataError(line.split("DataError:", 1)[1].strip()[:500])
+    if isinstance(error, DataError):
+        return DataError(lines[0][:500])
+    if type(error).__module__.startswith("ray"):
+        return DataError(f"data.path: reading failed: {lines[-1][:500]}")
+    return error

@@ -97,6 +97,10 @@ class Manifest:
         return {"files": len(self.files), "row_groups": len(self.units), "samples": self.num_samples,
                 "bytes": self.bytes, "digest": self.digest()}
 
+    def trained(self, meta: dict) -> bool:
+        """Whether checkpoint metadata `meta` was written on this corpus."""
+        return meta.get("data", {}).get("digest") == self.digest()
+
     def changes_from(self, old: "Manifest") -> Optional[str]:
         """What changed since `old`, in one line ('2 files added (part-9.parquet, ...)'), or
         None for the same corpus."""

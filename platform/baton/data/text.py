@@ -25,6 +25,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from baton.data.corpus import staged_corpus, windows
+from baton.data.feed import as_data_error
 from baton.errors import DataError
 
 BYTE_EOD = 0  # the byte tokenizer's end of document: NUL, which text does not hold
@@ -135,11 +136,10 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
         try:
             parts = sorted(ds.take_all(), key=lambda p: p["index"])
         except Exception as e:  # raised in a task, wrapped by Ray Data with its traceback
-            from baton.data.feed import _first_line
-
-            if "DataError" not in str(e):
+            error = as_data_error(e)
+            if error is e:
                 raise
-            raise DataError(_first_line(e)) from None
+            raise error from None
         samples = sum(p["samples"] for p in parts)
         if samples == 0:
             raise DataError(f"--input {input_path!r}: the documents hold fewer than "
