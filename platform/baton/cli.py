@@ -174,6 +174,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 128 + signum
 
 
+def _sharding_line(spec) -> str:
+    """The layout of a sharded job and the state each worker holds, next to DDP's."""
+    from baton.models import layer_params
+    from baton.parallel.sharding import NAMES, estimate_bytes
+
+    d, shards = spec.parallel, spec.dp_shard
+    n = sum(layer_params(spec.model))
+    mine, ddp = estimate_bytes(n, d.shard, shards), estimate_bytes(n, "none", 1)
+    groups = d.dp // shards
+    layout = (f"{groups} replica groups of {shards} (hybrid)" if groups > 1 else f"{shards} workers")
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    return (f"sharding: {d.shard} ({NAMES[d.shard]}) over {layout}; per worker: "
+            + ", ".join(f"{k} {mib(v)}" for k, v in mine.items())
+            + f" = {mib(sum(mine.values()))} (DDP: {mib(sum(ddp.values()))})")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     from baton import api
 
@@ -193,6 +209,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
                   f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
                   f"stage {api.stage_plan(spec)}")
+        if d.shard != "none":
+            print(f"  {_sharding_line(spec)}")
         lo, hi = spec.dp_range
         e = spec.elastic
         if lo < hi or e.max_failures:

@@ -76,6 +76,11 @@ class ParallelSpec:
     chunks: Optional[int] = None  # model chunks per pipeline rank (interleaved-1f1b: default 2)
     partition: Union[Literal["params", "time"], list[int]] = "params"  # or layers per stage
     timeout_s: float = 120.0  # collective timeout: a dead peer surfaces after at most this
+    # ZeRO level: none (DDP: whole replicas) | optimizer (ZeRO-1) | grads (ZeRO-2) | full (ZeRO-3)
+    shard: Literal["none", "optimizer", "grads", "full"] = "none"
+    # hybrid: shard within groups of this many replicas, replicate across the groups (so a
+    # lost worker's shard survives in another group); null: shard across all of dp
+    shard_group: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,18 @@ class JobSpec:
         return self.train.global_batch // (self.parallel.dp * self.micro_batch)
 
     @property
+    def dp_shard(self) -> int:
+        """Replicas that split one copy of the state (1: unsharded)."""
+        p = self.parallel
+        return 1 if p.shard == "none" else (p.shard_group or p.dp)
+
+    def dims(self):
+        """This job's rank arithmetic (`baton.parallel.ParallelDims`)."""
+        from baton.parallel import ParallelDims
+
+        return ParallelDims(self.parallel.dp, self.parallel.pp, self.dp_shard)
+
+    @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank (the interleaved schedule's v)."""
         p = self.parallel
@@ -203,7 +220,7 @@ class JobSpec:
             raw["train"]["global_batch"] = per_replica * dp
             for key in ("lr", "min_lr"):
                 raw["train"][key] = getattr(self.train, key) * dp / self.parallel.dp
-        return spec_from_dict(raw, f"{self.name} at dp={dp}")
+        return spec_from_dict(raw, f"{self.name} at dp={dp}", one_world=True)
 
     def valid_dps(self) -> list[int]:
         """The replica counts in [min_dp, max_dp] that this job's batch can be split into."""
@@ -250,9 +267,11 @@ def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
     return spec_from_dict(raw, source)
 
 
-def spec_from_dict(raw: dict, source: str = "<spec>") -> JobSpec:
+def spec_from_dict(raw: dict, source: str = "<spec>", one_world: bool = False) -> JobSpec:
+    """`one_world`: one world size of an elastic job (`JobSpec.at_dp`), which may be smaller
+    than the job as written allows on its own (a sharded job shrunk to one replica)."""
     spec = _build(JobSpec, raw, "", source)
-    _check_values(spec, source)
+    _check_values(spec, source, one_world)
     return spec
 
 
@@ -340,7 +359,7 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
 # Values and combinations
 
 
-def _check_values(spec: JobSpec, source: str) -> None:
+def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     def need(ok: bool, key: str, value: Any, fix: str) -> None:
         if not ok:
             raise SpecError(f"{source}: {key}: {value!r} is invalid; {fix}")
@@ -379,6 +398,8 @@ def _check_values(spec: JobSpec, source: str) -> None:
     need(p.pp >= 1, "parallel.pp", p.pp, "must be at least 1")
     need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
     _check_batching(spec, need)
+    if p.shard != "none" or p.shard_group is not None:
+        _check_sharding(spec, need, one_world)
     if p.pp > 1 or p.schedule == "interleaved-1f1b" or p.chunks or p.partition != "params":
         _check_pipeline(spec, source, need)
 
@@ -412,6 +433,33 @@ def _check_elastic(spec: JobSpec, need) -> None:
             need(value in valid, key, value,
                  f"train.global_batch {spec.train.global_batch} cannot be split over {value} "
                  f"replicas under batch_policy {spec.batch_policy}; dp values that work: {valid}")
+
+
+def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:
+    p = spec.parallel
+    need(p.shard != "none", "parallel.shard_group", p.shard_group,
+         "hybrid sharding needs a shard level: set parallel.shard to optimizer, grads or full")
+    need(one_world or spec.dp_range[1] >= 2, "parallel.shard", p.shard,
+         "sharding splits state across replicas and this job has one (parallel.dp and "
+         "elastic.max_dp are 1); raise parallel.dp or use shard: none")
+    need(p.pp == 1, "parallel.shard", p.shard,
+         f"sharding inside pipeline stages (parallel.pp = {p.pp}) is not supported yet; use "
+         "pp: 1 with shard, or shard: none with pp")
+    if p.shard_group is not None:
+        need(p.shard_group >= 2, "parallel.shard_group", p.shard_group,
+             "must be at least 2 (null shards across all of dp)")
+        need(p.dp % p.shard_group == 0, "parallel.shard_group", p.shard_group,
+             f"must divide parallel.dp = {p.dp} (hybrid sharding keeps whole groups)")
+    need("://" not in spec.checkpoint.path or spec.checkpoint.path.startswith("file://"),
+         "checkpoint.path", spec.checkpoint.path,
+         "sharded checkpoints are written by every worker through torch.distributed.checkpoint "
+         "to a local or shared (NFS) folder; object storage is not supported for them yet")
+    if p.shard in ("grads", "full"):
+        from baton.models import _on_meta
+        from baton.parallel.sharding import wrap_problem
+
+        problem = wrap_problem(_on_meta(spec.model), spec.model.name)
+        need(problem is None, "parallel.shard", p.shard, problem or "")
 
 
 def _check_batching(spec: JobSpec, need) -> None:

@@ -12,13 +12,17 @@ from torch import nn
 from baton.spec import TrainSpec
 
 
-def make_optimizer(model: nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on biases, norms' gains or positions' rows)."""
+def param_groups(model: nn.Module, train: TrainSpec) -> list[dict]:
+    """Weight decay on matrices only (not on biases, norms' gains or positions' rows)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), foreach=False)
+    return [{"params": decay, "weight_decay": train.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(model: nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, train), lr=train.lr, betas=tuple(train.betas),
+                             foreach=False)
 
 
 def lr_at(step: int, train: TrainSpec) -> float:
@@ -41,7 +45,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def clip_and_norm(model: nn.Module, grad_clip: float) -> float:
     """Clip gradients to `grad_clip` (0: no clipping) and return their norm before clipping."""
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    return float(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # sharded gradients (DTensors) give a DTensor norm: its value is the whole model's
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def param_digest(model: nn.Module) -> str:
@@ -49,5 +55,6 @@ def param_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
+        p = p.to_local() if hasattr(p, "to_local") else p  # a shard: this worker's part
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -87,3 +87,29 @@ def test_resume_refuses_another_recipe_and_names_what_changed(tmp_path):
     fresh = spec_from_dict(tiny_spec(tmp_path / "other", tmp_path))
     with pytest.raises(CheckpointError, match="--resume given but"):
         plan_resume(fresh, "job.yaml", True)
+
+
+def test_a_sharded_checkpoint_index_is_unpickled_only_into_dcp_metadata(tmp_path):
+    """DCP's .metadata is a pickle: baton's reader builds only DCP's metadata classes from it,
+    so a crafted index cannot run code (here: create a file)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from baton.checkpoint import sharded
+    from baton.errors import CheckpointError
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"w": {"step": torch.tensor(3.0)}}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ok")), no_dist=True)
+    assert torch.equal(sharded.read_full(str(tmp_path / "ok"), "model")["w"], state["model"]["w"])
+    assert sharded.has_optimizer_state(str(tmp_path / "ok"))
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    (tmp_path / "ok" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"\.metadata names io\.open, which a checkpoint "
+                                              r"index never holds"):
+        sharded.read_full(str(tmp_path / "ok"), "model")
+    assert not (tmp_path / "pwned").exists()

@@ -150,7 +150,8 @@ class FakeGroup:
                 part = self.dims.replica_part(batch.positions, rank)
                 self.ledgers.setdefault(rank, []).append((step, part.tolist()))
                 self.done[rank] = step + 1
-                out.append({"tokens": 10, "loss_sum": 20.0, "grad_norm": 0.5})
+                out.append({"tokens": 10, "loss_sum": 20.0, "grad_norm": 0.5,
+                            "state_bytes": {"params": 8, "grads": 8, "optimizer": 16}})
             elif method == "take_ledger":
                 out.append(self.ledgers.pop(rank, []))
             elif method == "load":

@@ -160,3 +160,67 @@ def test_validate_shows_the_corpus_as_the_run_will_see_it(tmp_path, capsys):
                         r"[0-9a-f]{16}; a full permutation each epoch", out[1]), out
     assert cli.main(["validate", str(job), "--set", "data.shuffle_block=20"]) == 0
     assert capsys.readouterr().out.splitlines()[1].endswith("shuffled in 4 blocks of 20 samples")
+
+
+SHARDING_ERRORS = [
+    ({"dp": 1, "shard": "full"}, "parallel.shard: 'full' is invalid; sharding splits state across "
+                                 "replicas and this job has one"),
+    ({"dp": 4, "shard": "full", "shard_group": 3}, "parallel.shard_group: 3 is invalid; must divide "
+                                                   "parallel.dp = 4"),
+    ({"dp": 4, "shard": "full", "shard_group": 1}, "parallel.shard_group: 1 is invalid; must be at least 2"),
+    ({"dp": 4, "shard_group": 2}, "parallel.shard_group: 2 is invalid; hybrid sharding needs a shard level"),
+    ({"dp": 2, "pp": 2, "shard": "grads", "microbatches": 2},
+     "parallel.shard: 'grads' is invalid; sharding inside pipeline stages (parallel.pp = 2) is not "
+     "supported yet"),
+]
+
+
+@pytest.mark.parametrize("parallel,message", SHARDING_ERRORS, ids=[m.split(":")[1] for _, m in SHARDING_ERRORS])
+def test_sharding_mistakes_are_one_line_each(tmp_path, parallel, message):
+    raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
+                    parallel=parallel)
+    with pytest.raises(SpecError) as e:
+        spec_from_dict(raw, "job.yaml")
+    assert str(e.value).startswith(f"job.yaml: {message}"), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_sharding_needs_blocks_to_wrap_and_a_folder(tmp_path, monkeypatch):
+    (tmp_path / "flatmodel.py").write_text(
+        "import torch\n\ndef build(spec):\n"
+        "    return torch.nn.Linear(spec.width, spec.vocab_size)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    raw = tiny_spec(tmp_path, tmp_path, model={"name": "flatmodel:build"},
+                    parallel={"dp": 2, "shard": "full"})
+    with pytest.raises(SpecError, match=r"parallel.shard: 'full' is invalid; model 'flatmodel:build' "
+                                        r"\(a Linear\) has no repeated blocks for FSDP to wrap"):
+        spec_from_dict(raw, "job.yaml")
+    raw["parallel"]["shard"] = "optimizer"  # ZeRO-1 wraps no blocks: any model
+    assert spec_from_dict(raw).dp_shard == 2
+    raw = tiny_spec(tmp_path, tmp_path, parallel={"dp": 2, "shard": "full"},
+                    checkpoint={"path": "s3://bucket/ckpt"})
+    with pytest.raises(SpecError, match="object storage is not supported for them yet"):
+        spec_from_dict(raw, "job.yaml")
+
+
+def test_an_elastic_sharded_job_may_shrink_to_one_replica_and_keeps_whole_groups(tmp_path):
+    raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 24, "micro_batch": None},
+                    parallel={"dp": 4, "shard": "full"}, elastic={"min_dp": 1, "max_dp": 4})
+    assert spec_from_dict(raw).valid_dps() == [1, 2, 3, 4]
+    raw["parallel"]["shard_group"] = 2
+    raw["elastic"]["min_dp"] = 2
+    spec = spec_from_dict(raw)
+    assert spec.valid_dps() == [2, 4] and spec.at_dp(2).dims().dp_replicate == 1
+
+
+def test_validate_shows_the_bytes_each_worker_holds(tmp_path, capsys):
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
+        parallel={"dp": 4, "shard": "full", "shard_group": 2}))
+    assert cli.main(["validate", str(job)]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    # the tiny GPT (2 blocks of width 32, 256 tokens, 32 positions) has 42,880 parameters:
+    # 16 bytes each under DDP (670 KiB); a replica group of 2 halves all of it
+    assert line == ("  sharding: full (ZeRO-3) over 2 replica groups of 2 (hybrid); per worker: "
+                    "params 0.1 MiB, grads 0.1 MiB, optimizer 0.2 MiB = 0.3 MiB (DDP: 0.7 MiB)"), line

@@ -3,6 +3,9 @@
 Layout of one checkpoint:
 
     {job checkpoint dir}/step_00000050/
+        shards/           a sharded job's state (parameters and optimizer state by name,
+                          each worker's shards), written and read through
+                          torch.distributed.checkpoint: see sharded.py; or
         model-0000.pt     parameters keyed by name, one file per pipeline rank (written by
                           one replica of each; names are the whole model's, so any layout
                           can read any other's: read_model merges them)
@@ -28,6 +31,7 @@ from baton import storage
 from baton.errors import CheckpointError
 
 MARKER = "COMMITTED"
+SHARDS = "shards"  # a sharded checkpoint's folder (torch.distributed.checkpoint)
 STATUS = "status.json"  # beside the step folders: the coordinator's state, for `baton status`
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
@@ -39,6 +43,13 @@ class CheckpointStore:
 
     def step_dir(self, step: int) -> str:
         return f"{self.path}/step_{step:08d}"
+
+    def shards_dir(self, step: int) -> str:
+        """Where a sharded checkpoint's workers write (torch.distributed.checkpoint)."""
+        return f"{self.step_dir(step)}/{SHARDS}"
+
+    def is_sharded(self, step: int) -> bool:
+        return storage.exists(self.fs, f"{self.shards_dir(step)}/.metadata")
 
     def _steps(self) -> list[tuple[int, bool]]:
         out = []
@@ -112,7 +123,12 @@ class CheckpointStore:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
     def read_model(self, step: int, shards: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """The whole model's parameters, merged from its per-stage files."""
+        """The whole model's parameters, merged from its per-stage files (or its shards)."""
+        if self.is_sharded(step):
+            from baton.checkpoint import sharded  # torch.distributed.checkpoint: only when needed
+
+            self._committed_dir(step)
+            return sharded.read_full(self.shards_dir(step), "model")
         if shards is None:
             shards = self.read_meta(step)["layout"]["pp"]
         out: dict[str, torch.Tensor] = {}

@@ -41,7 +41,6 @@ from baton.data.source import columns
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.errors import WorkerError, WorkerLost
 from baton.models.flops import job_peak_flops, model_flops_per_token
-from baton.parallel import ParallelDims
 from baton.parallel.partition import plan_stages
 from baton.progress import Progress
 from baton.spec import JobSpec
@@ -112,6 +111,8 @@ class RunResult:
     pipeline_peaks: list[dict] = field(default_factory=list)  # per rank: activation_bytes, live
     events: list[dict] = field(default_factory=list)  # failures, recoveries, rescales
     dp_history: list[tuple[int, int]] = field(default_factory=list)  # (from step, dp)
+    # per worker at the last step: bytes of parameters, gradients, optimizer state it holds
+    state_bytes: list[dict] = field(default_factory=list)
 
 
 class Coordinator:
@@ -123,7 +124,7 @@ class Coordinator:
         self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
         self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
-        self.dims = ParallelDims(spec.parallel.dp, spec.parallel.pp)
+        self.dims = spec.dims()
         self.pp = spec.parallel.pp
         self.scale = ScalePolicy(tuple(spec.valid_dps()), self.pp)
         self.failures = FailurePolicy(spec.elastic.max_failures)
@@ -161,6 +162,7 @@ class Coordinator:
         self.bubbles: list[float] = []
         self.pipeline_peaks: list[dict] = []
         self.trace: Optional[dict] = None
+        self.state_bytes: list[dict] = []
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
         self.live = LiveMetrics(spec.name)
@@ -409,7 +411,7 @@ class Coordinator:
         dp = self.scale.target(len(members))
         self.group.release(members[dp * self.pp:])
         self.spec = self.base.at_dp(dp)
-        self.dims = ParallelDims(dp, self.pp)
+        self.dims = self.spec.dims()
         self.group.form(members[:dp * self.pp], self.spec, self.dims)
         if self.stage_layers is None:
             self.stage_layers = plan_stages(self.spec, lambda: self.group.call_one(0, "profile_layers"))
@@ -431,7 +433,7 @@ class Coordinator:
         old = meta["layout"]
         every_rng = len(meta.get("rng", [])) == old["dp"] * old["pp"]
         t0 = time.perf_counter()
-        self.group.call("load", self.store.root, meta["step"], old["pp"],
+        self.group.call("load", self.store.root, meta["step"], old,
                         old == self._layout() and every_rng, what="loading the checkpoint")
         self.live.checkpoint_loaded(time.perf_counter() - t0)
         self.step = self.submitted = meta["step"]
@@ -497,7 +499,9 @@ class Coordinator:
 
     def _layout(self) -> dict:
         return {"dp": self.dims.dp, "pp": self.dims.pp,
-                **({"stage_layers": self.stage_layers} if self.dims.pp > 1 else {})}
+                **({"stage_layers": self.stage_layers} if self.dims.pp > 1 else {}),
+                **({"shard": self.spec.parallel.shard, "dp_shard": self.dims.dp_shard}
+                   if self.spec.parallel.shard != "none" else {})}
 
     def _submit(self, step: int) -> "_Pending":
         t = self.spec.train
@@ -536,6 +540,8 @@ class Coordinator:
             "tokens_per_s": tps, "samples_per_s": p.samples / step_time_s,
             "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size,
             "dp": self.dims.dp}
+        self.state_bytes = [r["state_bytes"] for r in results]
+        metrics["state_mib_per_worker"] = max(sum(b.values()) for b in self.state_bytes) / 2**20
         data_s = [r["data_s"] for r in results if "data_s" in r]
         if data_s:
             metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)
@@ -595,10 +601,12 @@ class Coordinator:
         t0 = time.perf_counter()  # the saves were queued behind the step just completed
         self.group.wait(save_refs, f"saving checkpoint {self.step}")
         digests = self.group.wait(digest_refs, "hashing parameters")
-        for s in range(self.dims.pp):  # an invariant of data parallelism: worth the milliseconds
-            replicas = [digests[r] for r in self.dims.dp_group(s)]
+        # an invariant of data parallelism, worth the milliseconds: the copies of each stage
+        # (of each shard, when sharded) hold the same parameters
+        for ranks in self.dims.replica_groups():
+            replicas = [digests[r] for r in ranks]
             if len(set(replicas)) != 1:
-                raise WorkerError(f"replicas of stage {s} diverged at step {self.step}: "
+                raise WorkerError(f"replicas of ranks {ranks} diverged at step {self.step}: "
                                   f"parameter digests {replicas}")
         self.replica_digests = digests
         meta = self._meta(cursor, rng=[f"rng-rank{r:04d}.pt" for r in range(self.dims.world_size)])
@@ -663,4 +671,4 @@ class Coordinator:
                          replica_digests=self.replica_digests, ledger=self.ledger,
                          stage_layers=self.stage_layers, bubbles=self.bubbles, trace=self.trace,
                          pipeline_peaks=self.pipeline_peaks, events=self.events,
-                         dp_history=self.dp_history)
+                         dp_history=self.dp_history, state_bytes=self.state_bytes)

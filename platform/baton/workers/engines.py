@@ -1,6 +1,7 @@
-"""How a worker trains its part of the model: a whole replica under DDP (pp = 1), or one
-pipeline rank's stages run by a schedule (pp > 1). Both take the same micro-batches and give
-the same numbers as one process training the whole model on the whole batch."""
+"""How a worker trains its part of the model: a replica (whole under DDP, or sharded: ZeRO-1,
+-2 or -3, `parallel/sharding.py`) when pp = 1, or one pipeline rank's stages run by a schedule
+(pp > 1). All take the same micro-batches and give the same numbers as one process training
+the whole model on the whole batch."""
 
 from __future__ import annotations
 
@@ -13,16 +14,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from baton.checkpoint import filter_optim_state
+from baton.checkpoint import sharded
 from baton.models import build_model, loss_sum, sequential
 from baton.parallel import ParallelDims
 from baton.parallel import schedule as sched
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
+from baton.parallel.sharding import WRAPPINGS, load_full, state_dicts
 from baton.spec import JobSpec
 from baton.training import clip_and_norm, make_optimizer, set_lr
 
@@ -32,11 +31,14 @@ TokensFn = Callable[..., tuple]  # (rows, pad_to=None) -> (inputs, targets)
 class _Engine:
     module: nn.Module  # this worker's parameters, named as in the whole model
     optimizer: torch.optim.Optimizer
-    wrapped: nn.Module  # what get/set_state_dict see
+    sharded: bool = False  # state split across workers: checkpoints go through DCP
+    grad_bytes: int = 0  # this worker's gradients at the last step (local shards)
 
     def apply(self, lr: float) -> float:
         """Clip, step, clear; returns the gradient norm before clipping."""
         grad_norm = self.clip()
+        self.grad_bytes = sum(_local(q.grad).nbytes for q in self.module.parameters()
+                              if q.grad is not None)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -45,45 +47,41 @@ class _Engine:
     def layer_names(self) -> list[str]:
         return list(self.module._modules)
 
-    def state_dicts(self) -> tuple[dict, dict]:
-        fresh = not self.optimizer.state
-        model_state, optim_state = get_state_dict(self.wrapped, self.optimizer)
-        if fresh:
-            # get_state_dict "initialises" an optimizer that never stepped with a zero-gradient
-            # step (lr 0), leaving Adam's step count at 1: undo it here, and save the truth.
-            self.optimizer.state.clear()
-            optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
-        return model_state, optim_state
+    def state_bytes(self) -> dict:
+        """Bytes of parameters, gradients (at the last step) and optimizer state that this
+        worker holds: its local shards, read from the live tensors."""
+        optim = self.optimizer.optim if hasattr(self.optimizer, "optim") else self.optimizer
+        return {"params": sum(_local(q).nbytes for q in self.module.parameters()),
+                "grads": self.grad_bytes,
+                "optimizer": sum(_local(t).nbytes for s in optim.state.values()
+                                 for t in s.values() if torch.is_tensor(t))}
 
-    def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
-        mine = list(self.module.state_dict())
-        missing = [k for k in mine if k not in model_state]
-        if missing:
-            raise KeyError(f"the checkpoint lacks {len(missing)} of this stage's tensors, "
-                           f"e.g. {missing[:3]}: it was written for another model")
-        model_state = {k: model_state[k] for k in mine}
-        optim_state = filter_optim_state(optim_state, set(mine))
-        if not optim_state["state"]:
-            # An optimizer that never stepped (a checkpoint of step 0, taken before a resize).
-            # set_state_dict would first "initialise" the optimizer with a zero-gradient step,
-            # which leaves Adam's step count at 1 and skews every later bias correction; the
-            # fresh optimizer is already the right one.
-            set_model_state_dict(self.wrapped, model_state)
-            return
-        set_state_dict(self.wrapped, self.optimizer, model_state_dict=model_state,
-                       optim_state_dict=optim_state)
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class DataParallelEngine(_Engine):
-    def __init__(self, spec: JobSpec, device: torch.device):
+    def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device):
         self.spec, self.device = spec, device
         self.bf16 = spec.train.precision == "bf16"
         self.dp = spec.parallel.dp
         self.module = build_model(spec.model, spec.train.seed).to(device)
-        # DDP overlaps the gradient all-reduce with the backward pass (bucketed), and its
-        # constructor broadcasts rank 0's parameters, so replicas start identical.
-        self.wrapped = DDP(self.module, device_ids=[0] if device.type == "cuda" else None)
-        self.optimizer = make_optimizer(self.wrapped, spec.train)
+        level = spec.parallel.shard
+        mesh = dims.device_mesh(device.type) if level != "none" else None
+        self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device)
+        self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
+        self.sharded = self.replica.sharded
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        return self.replica.state_dicts()
+
+    def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
+        self.replica.load_full(model_state, optim_state)
+
+    def load_sharded(self, path: str) -> None:
+        self.replica.load_sharded(path)
 
     def forward_backward(self, micro: list[np.ndarray], tokens: TokensFn, scale: float,
                          trace: bool) -> dict:
@@ -94,11 +92,11 @@ class DataParallelEngine(_Engine):
             # whose targets are ignored (zero loss, zero gradient)
             inputs, targets = tokens(rows, pad_to=None if len(rows) else 1)
             sync = i == len(micro) - 1
-            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+            with contextlib.nullcontext() if sync else self.replica.no_sync():
                 with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
                     logits = self.wrapped(inputs.to(self.device))
                 ls = loss_sum(logits, targets.to(self.device))
-                (ls * scale * self.dp).backward()  # DDP averages over dp; this undoes it
+                (ls * scale * self.dp).backward()  # DDP and FSDP average over dp; this undoes it
             total += ls.detach()
         seq_len = self.spec.model.seq_len
         return {"loss_sum": float(total), "tokens": sum(map(len, micro)) * seq_len}
@@ -121,12 +119,9 @@ class PipelineEngine(_Engine):
         self.module = nn.Sequential(OrderedDict(
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
         self.module.to(device)
-        self.wrapped = self.module
         del full
-        # every rank creates every group, in the same order (torch.distributed requires it)
-        dp_groups = [dist.new_group(dims.dp_group(s)) for s in range(p)]
-        pp_groups = [dist.new_group(dims.pp_group(d)) for d in range(dims.dp)]
-        self.dp_group, self.pp_group = dp_groups[self.pp_rank], pp_groups[self.dp_rank]
+        mesh = dims.device_mesh(device.type)  # every rank builds every group, in one order
+        self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
         self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank), v,
                                        device, spec.train.precision == "bf16", self.pp_group)
         example = torch.zeros(spec.micro_batch, spec.model.seq_len, dtype=torch.long)
@@ -156,6 +151,15 @@ class PipelineEngine(_Engine):
                 "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
                          "activation_bytes": st.peak_activation_bytes, "live": st.peak_live},
                 "events": st.events if trace else None}
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        return state_dicts(self.module, self.optimizer)
+
+    def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
+        load_full(self.module, self.module, self.optimizer, model_state, optim_state)
+
+    def load_sharded(self, path: str) -> None:
+        sharded.load_into(self.module, self.optimizer, path)
 
     def clip(self) -> float:
         """Clip by the norm of the whole model's gradient, summed over the pipeline's stages."""

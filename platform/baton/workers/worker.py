@@ -21,7 +21,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from baton.checkpoint import CheckpointStore
+from baton.checkpoint import CheckpointStore, sharded
 from baton.data.feed import Batch
 from baton.data.rows import UnitRows
 from baton.models import IGNORE, build_model
@@ -62,13 +62,16 @@ class Worker:
         Keeps the model's state as of the last step this worker completed (a step that failed
         half-way never reached its optimizer update) and returns that step: after a failure,
         the survivors' state can be written as a checkpoint (`write_kept`)."""
-        self.kept = None
-        if self.engine is not None:
+        self.kept, kept_step = None, -1
+        if self.engine is not None and not self.engine.sharded:
+            # a shard is no stage's whole state: after a failure, the run goes back to the
+            # latest checkpoint (-1: nothing kept)
             self.kept = (self.last_step, self.pp_rank, *self.engine.state_dicts())
+            kept_step = self.last_step
         self.engine = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        return self.last_step
+        return kept_step
 
     def write_kept(self, root: str, step: int) -> None:
         """Write the state kept by `leave` as its stage's part of checkpoint `step`."""
@@ -107,7 +110,7 @@ class Worker:
         self.rows = UnitRows(spec.model.seq_len + 1)  # the units of each step's batch
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         if self.dims.pp == 1:
-            self.engine = DataParallelEngine(spec, self.device)
+            self.engine = DataParallelEngine(spec, self.dims, self.device)
         else:
             self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers)
         torch.manual_seed(spec.train.seed * 100_003 + self.rank)  # dropout differs per replica
@@ -129,6 +132,7 @@ class Worker:
         out = self.engine.forward_backward(micro, self._tokens, self._scale(batch), trace)
         out["grad_norm"] = self.engine.apply(lr)
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
+        out["state_bytes"] = self.engine.state_bytes()  # what sharding saves, from live tensors
         self.last_step = step + 1
         if self.ledger is not None and self.pp_rank == 0:
             self.ledger += [(step, self.rows.gather(rows)[0].tolist()) for rows in micro if len(rows)]
@@ -140,7 +144,8 @@ class Worker:
         self.rows.use(batch)
         out = self.engine.forward_backward(self._micro_batches(batch.positions), self._tokens,
                                            self._scale(batch), False)
-        grads = {n: q.grad.detach().cpu().clone() for n, q in self.engine.module.named_parameters()}
+        grads = {n: _whole(q.grad).detach().cpu().clone()
+                 for n, q in self.engine.module.named_parameters()}
         self.engine.optimizer.zero_grad(set_to_none=True)
         return {"grads": grads, "loss_sum": out["loss_sum"], "tokens": out["tokens"]}
 
@@ -171,7 +176,11 @@ class Worker:
 
     def save(self, root: str, step: int) -> None:
         store = CheckpointStore(root)
-        if self.dp_rank == 0:  # replicas are identical: one copy of each stage is enough
+        if self.engine.sharded:  # every worker writes its shards, in parallel
+            model_state, optim_state = self.engine.state_dicts()
+            sharded.save({"model": model_state, "optim": optim_state["state"]},
+                         store.shards_dir(step))
+        elif self.dp_rank == 0:  # replicas are identical: one copy of each stage is enough
             model_state, optim_state = self.engine.state_dicts()
             store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state)
             time.sleep(float(os.environ.get("BATON_FAULT_SAVE_PAUSE_S", 0)))  # fault tests' window
@@ -181,11 +190,15 @@ class Worker:
             rng["cuda"] = torch.cuda.get_rng_state()
         store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)
 
-    def load(self, root: str, step: int, shards: int, restore_rng: bool) -> None:
-        """Load parameters and optimizer state by name from however many shards the
-        checkpoint was written in: a checkpoint taken at one (dp, pp) loads at another."""
+    def load(self, root: str, step: int, layout: dict, restore_rng: bool) -> None:
+        """Load parameters and optimizer state, whatever the layout (dp, pp, shard level) the
+        checkpoint was written at: by name from per-stage files, or through DCP from shards."""
         store = CheckpointStore(root)
-        self.engine.load_state_dicts(store.read_model(step, shards), store.read_optim(step, shards))
+        if store.is_sharded(step):
+            self.engine.load_sharded(store.shards_dir(step))
+        else:
+            pp = layout["pp"]
+            self.engine.load_state_dicts(store.read_model(step, pp), store.read_optim(step, pp))
         self.last_step = step
         if restore_rng:  # same layout: continue each worker's random stream exactly
             rng = store.read_tensors(step, f"rng-rank{self.rank:04d}.pt")
@@ -198,6 +211,9 @@ class Worker:
     def digest(self) -> str:
         return param_digest(self.engine.module)
 
+    def state_bytes(self) -> dict:
+        return self.engine.state_bytes()
+
     def take_ledger(self) -> list:
         """The (step, sample ids) trained on since the last call; empties the ledger."""
         out = self.ledger or []
@@ -207,3 +223,8 @@ class Worker:
 
     def shutdown(self) -> None:
         self.leave()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole (a collective: every worker calls it); a plain one."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -1,0 +1,118 @@
+"""Sharded checkpoints, through `torch.distributed.checkpoint` (DCP): every worker writes its
+own shards, in parallel, into the checkpoint's `shards/` folder, and any layout reads them
+back (DCP reshards: a checkpoint written by 4 workers at `full` loads at 2, under DDP, or into
+pipeline stages, each reading only the pieces it needs).
+
+What is saved is tensors only, keyed `model.<parameter>` and `optim.<parameter>.<exp_avg |
+exp_avg_sq | step>`: the optimizer's parameter groups are rebuilt from the spec, so DCP never
+stores a pickled Python object (it loads those with `torch.load(weights_only=False)`).
+
+DCP's own index, `shards/.metadata`, is a pickle. `SafeReader` reads it with an unpickler that
+only builds DCP's metadata classes, torch sizes and dtypes, and plain containers: a crafted
+`.metadata` cannot run code. The tensors themselves DCP reads with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from baton.errors import CheckpointError
+
+METADATA = ".metadata"
+
+# (module, name) pairs a DCP .metadata may name; anything else is refused
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch", "device"), ("torch", "layout"), ("torch", "strided"),
+    ("torch", "memory_format"), ("torch", "contiguous_format"), ("torch", "preserve_format"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("builtins", "slice"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+} | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise CheckpointError(f"{METADATA} names {module}.{name}, which a checkpoint index "
+                                  "never holds: refusing to load it")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, with the index read by the allow-listed unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            try:
+                metadata = _Unpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+                raise CheckpointError(f"{self.path}/{METADATA} is not a checkpoint index ({e})")
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{self.path}/{METADATA} is not a checkpoint index")
+        if any(isinstance(m, BytesStorageMetadata) for m in metadata.state_dict_metadata.values()):
+            raise CheckpointError(f"{self.path} holds pickled objects, which baton never writes")
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def save(state: dict, path: str) -> None:
+    """Write this worker's shards of `state` (every worker of the world calls it)."""
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+
+
+def load(state: dict, path: str) -> None:
+    """Fill `state`'s tensors in place from a sharded checkpoint (every worker calls it)."""
+    keys(path)
+    dcp.load(state, storage_reader=SafeReader(path))
+
+
+def keys(path: str) -> set[str]:
+    """The flattened keys a sharded checkpoint holds (read without a process group)."""
+    return set(SafeReader(path).read_metadata().state_dict_metadata)
+
+
+def has_optimizer_state(path: str) -> bool:
+    return any(k.startswith("optim.") for k in keys(path))
+
+
+def read_full(path: str, section: str) -> dict:
+    """One section ("model" or "optim") of a sharded checkpoint, as whole tensors, read in
+    this process alone (tests, references, `baton` tools)."""
+    keys(path)  # the index, checked first: DCP would bury a refusal in its own exception
+    state: dict = {}
+    _load_state_dict(state, storage_reader=SafeReader(path),
+                     planner=_EmptyStateDictLoadPlanner(keys={section}), no_dist=True)
+    return state.get(section, {})
+
+
+def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Load a sharded checkpoint into a module that torch's state-dict API understands (DDP,
+    FSDP, a pipeline stage): each worker reads the pieces of the tensors it holds."""
+    model_state, optim_state = get_state_dict(wrapped, optimizer)
+    state = {"model": model_state}
+    with_optim = has_optimizer_state(path)
+    if with_optim:
+        state["optim"] = optim_state["state"]
+    dcp.load(state, storage_reader=SafeReader(path))
+    if not with_optim:
+        # a checkpoint of step 0 (no step taken): get_state_dict "initialised" Adam with a
+        # zero step; the fresh optimizer is the right one
+        optimizer.state.clear()
+        set_model_state_dict(wrapped, state["model"])
+        return
+    set_state_dict(wrapped, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optim"],
+                                     "param_groups": optim_state["param_groups"]})

@@ -1,0 +1,231 @@
+"""How a data-parallel worker holds its replica (`parallel.shard`), on torch's own machinery:
+
+    none       DDP: every worker holds the whole replica (parameters, gradients, AdamW moments).
+    optimizer  ZeRO-1: DDP, and the optimizer state split over the dp_shard ranks by torch's
+               `ZeroRedundancyOptimizer` (each rank steps its share of the parameters and
+               broadcasts them). FSDP2 has no level that shards only the optimizer, and
+               ZeroRedundancyOptimizer is torch's own ZeRO-1 that composes with DDP.
+    grads      ZeRO-2: FSDP2 `fully_shard` with `reshard_after_forward=False` (torch's
+               SHARD_GRAD_OP): gradients and optimizer state sharded; parameters gathered once
+               per step and kept whole from forward to backward.
+    full       ZeRO-3: FSDP2 `fully_shard`, parameters resharded after each block's forward.
+
+FSDP2 wraps each repeated block and then the root, over the mesh's (dp_replicate, dp_shard)
+axes: with one replica group that is plain FSDP; with several (`parallel.shard_group`) it is
+hybrid sharding, which keeps a whole copy of the state in every group.
+
+Each wrapping gives the engine the same few things (the module to run, the optimizer, a
+context that skips gradient synchronisation, the state as name-keyed tensors to save and load),
+so the engine's step is one piece of code whatever the level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from baton.checkpoint import filter_optim_state, sharded
+from baton.spec import TrainSpec
+from baton.training import make_optimizer, param_groups
+
+
+NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "ZeRO-3"}
+SHARDED_PARTS = {"none": (), "optimizer": ("optimizer",),
+                 "grads": ("params", "grads", "optimizer"), "full": ("params", "grads", "optimizer")}
+
+
+def estimate_bytes(num_params: int, level: str, shards: int) -> dict[str, float]:
+    """Bytes of fp32 parameters, gradients and AdamW's two moments one worker holds between
+    steps at `level` over `shards` ranks (`grads` gathers whole parameters from forward to
+    backward: its peak holds them whole)."""
+    whole = {"params": 4.0 * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}
+    return {part: size / shards if part in SHARDED_PARTS[level] else size
+            for part, size in whole.items()}
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The units FSDP wraps one by one: the layers of an nn.Sequential (embedding, blocks,
+    head), or the entries of the model's nn.ModuleLists. Each unit's parameters are gathered
+    for its forward and backward and freed after, so peak memory is one unit, not the model."""
+    if isinstance(model, nn.Sequential) and len(model) > 1:
+        return [m for m in model if any(True for _ in m.parameters())]
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
+def wrap_problem(model: nn.Module, name: str) -> Optional[str]:
+    """Why FSDP cannot wrap `model` unit by unit (None when it can)."""
+    if len(blocks(model)) >= 2:
+        return None
+    return (f"model {name!r} (a {type(model).__name__}) has no repeated blocks for FSDP to "
+            "wrap one at a time; return an nn.Sequential of layers or keep the blocks in an "
+            "nn.ModuleList")
+
+
+@dataclass
+class Replica:
+    """One worker's copy (or shard) of the model under a wrapping."""
+
+    module: nn.Module  # parameters named as in the whole model (DTensors when sharded)
+    wrapped: nn.Module  # what the forward runs
+    optimizer: torch.optim.Optimizer
+    no_sync: Callable[[], contextlib.AbstractContextManager]  # accumulate without reducing
+    sharded: bool  # no worker holds the whole state: saved with torch.distributed.checkpoint
+    state_dicts: Callable[[], tuple[dict, dict]]  # (model, optimizer state by name)
+    load_full: Callable[[dict, dict], None]  # from whole name-keyed state (any checkpoint)
+    load_sharded: Callable[[str], None]  # from a sharded checkpoint's folder, at any layout
+
+
+def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
+              shard_optimizer: bool = False) -> Replica:
+    """DDP over the stage's dp ranks; with `shard_optimizer`, ZeRO-1 over the dp_shard ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # DDP overlaps the gradient all-reduce with the backward pass (bucketed), and its
+    # constructor broadcasts rank 0's parameters, so replicas start identical.
+    # The data-parallel engine runs one stage (pp = 1): its dp group is the whole world.
+    wrapped = DDP(module, device_ids=[0] if device.type == "cuda" else None)
+    if not shard_optimizer:
+        optimizer = make_optimizer(wrapped, train)
+        return Replica(module, wrapped, optimizer, wrapped.no_sync, False,
+                       lambda: state_dicts(wrapped, optimizer),
+                       lambda m, o: load_full(module, wrapped, optimizer, m, o),
+                       lambda path: sharded.load_into(wrapped, optimizer, path))
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    optimizer = ZeroRedundancyOptimizer(param_groups(module, train),
+                                        optimizer_class=torch.optim.AdamW,
+                                        process_group=mesh["dp_shard"].get_group(),
+                                        lr=train.lr, betas=tuple(train.betas), foreach=False)
+    zero = _ZeroState(module, optimizer)
+    return Replica(module, wrapped, optimizer, wrapped.no_sync, True, zero.state_dicts,
+                   zero.load_full, zero.load_sharded)
+
+
+def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
+                reshard_after_forward: bool) -> Replica:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as shard
+
+    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    # bf16 compute with fp32 master weights and fp32 gradient reduction (on CPU too, where
+    # train.precision: bf16 asks for it)
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if train.precision == "bf16" else MixedPrecisionPolicy())
+    for unit in blocks(module):
+        shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # the root holds what no unit does; it is needed again at once by the backward
+    shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    optimizer = make_optimizer(module, train)
+
+    @contextlib.contextmanager
+    def no_sync():
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+    return Replica(module, module, optimizer, no_sync, True,
+                   lambda: state_dicts(module, optimizer),
+                   lambda m, o: load_full(module, module, optimizer, m, o, full=True),
+                   lambda path: sharded.load_into(module, optimizer, path))
+
+
+WRAPPINGS: dict[str, Callable[..., Replica]] = {
+    "none": replicate,
+    "optimizer": lambda *a: replicate(*a, shard_optimizer=True),
+    "grads": lambda *a: fully_shard(*a, reshard_after_forward=False),
+    "full": lambda *a: fully_shard(*a, reshard_after_forward=True),
+}
+
+
+def state_dicts(wrapped: nn.Module, optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state keyed by parameter name (DTensor shards when sharded)."""
+    fresh = not optimizer.state
+    model_state, optim_state = get_state_dict(wrapped, optimizer)
+    if fresh:
+        # get_state_dict "initialises" an optimizer that never stepped with a zero-gradient
+        # step (lr 0), leaving Adam's step count at 1: undo it here, and save the truth.
+        optimizer.state.clear()
+        optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
+    return model_state, optim_state
+
+
+def load_full(module: nn.Module, wrapped: nn.Module, optimizer, model_state: dict,
+               optim_state: dict, full: bool = False) -> None:
+    """Load whole name-keyed state; FSDP keeps each rank's shard of it (`full`)."""
+    mine = list(module.state_dict())
+    missing = [k for k in mine if k not in model_state]
+    if missing:
+        raise KeyError(f"the checkpoint lacks {len(missing)} of this stage's tensors, "
+                       f"e.g. {missing[:3]}: it was written for another model")
+    model_state = {k: model_state[k] for k in mine}
+    optim_state = filter_optim_state(optim_state, set(mine))
+    options = StateDictOptions(full_state_dict=full)
+    if not optim_state["state"]:
+        # An optimizer that never stepped (a checkpoint of step 0, taken before a resize).
+        # set_state_dict would first "initialise" the optimizer with a zero-gradient step,
+        # which leaves Adam's step count at 1 and skews every later bias correction; the
+        # fresh optimizer is already the right one.
+        set_model_state_dict(wrapped, model_state, options=options)
+        return
+    set_state_dict(wrapped, optimizer, model_state_dict=model_state,
+                   optim_state_dict=optim_state, options=options)
+
+
+class _ZeroState:
+    """ZeRO-1's state by parameter name: the whole model (replicated) and this rank's share
+    of the optimizer state (ZeroRedundancyOptimizer's own state_dict needs a consolidation
+    on one rank first; by name, each rank saves and loads only its share)."""
+
+    def __init__(self, module: nn.Module, optimizer):
+        self.module, self.optimizer = module, optimizer
+        self.names = {id(p): n for n, p in module.named_parameters()}
+
+    def _local(self):
+        return self.optimizer.optim  # the AdamW over this rank's parameters
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        local = self._local()
+        state = {self.names[id(p)]: dict(s) for p, s in local.state.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self.names[id(p)] for p in g["params"]]} for g in local.param_groups]
+        return dict(self.module.state_dict()), {"state": state, "param_groups": groups}
+
+    def load_full(self, model_state: dict, optim_state: dict) -> None:
+        mine = list(self.module.state_dict())
+        missing = [k for k in mine if k not in model_state]
+        if missing:
+            raise KeyError(f"the checkpoint lacks {len(missing)} of this model's tensors, "
+                           f"e.g. {missing[:3]}: it was written for another model")
+        self.module.load_state_dict({k: model_state[k] for k in mine})
+        local = self._local()
+        local.state.clear()
+        for group in local.param_groups:
+            for p in group["params"]:
+                saved = optim_state["state"].get(self.names[id(p)])
+                if saved:  # absent: a checkpoint from before the first step
+                    local.state[p] = {k: v.clone().to(p.device) if k != "step" else v.clone()
+                                      for k, v in saved.items()}
+
+    def load_sharded(self, path: str) -> None:
+        """The whole model, and this rank's share of the optimizer state, from a sharded
+        checkpoint written at any layout."""
+        state: dict = {"model": dict(self.module.state_dict())}  # the parameters: loaded in place
+        local = self._local()
+        params = [p for g in local.param_groups for p in g["params"]]
+        with_optim = sharded.has_optimizer_state(path)
+        if with_optim:
+            state["optim"] = {self.names[id(p)]: {"step": torch.zeros(()),
+                                                  "exp_avg": torch.zeros_like(p),
+                                                  "exp_avg_sq": torch.zeros_like(p)}
+                              for p in params}
+        sharded.load(state, path)
+        local.state.clear()
+        for p in params if with_optim else ():
+            local.state[p] = state["optim"][self.names[id(p)]]
