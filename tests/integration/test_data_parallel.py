@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -83,3 +84,27 @@ def test_bf16_autocast_tracks_the_fp32_reference(tmp_path):
     diffs = [(got[k] - want[k]).abs().max().item() for k in want]
     assert max(diffs) < 0.05  # bf16 keeps about 3 significant digits
     assert max(diffs) > 0  # and autocast really was on
+
+
+def test_a_busy_coordinator_does_not_make_a_live_worker_look_frozen(tmp_path):
+    """Silence counts from the heartbeat in flight: a coordinator that was busy elsewhere for
+    longer than hang_timeout_s (a checkpoint commit, an on_step hook) and then sends a beat
+    must not call the worker frozen before that beat could be answered."""
+    import ray
+
+    from baton.parallel import ParallelDims
+    from baton.workers import WorkerGroup
+
+    spec = spec_from_dict(tiny_spec(tmp_path, tmp_path, parallel={"dp": 1},
+                                    elastic={"hang_timeout_s": 1}))
+    group = WorkerGroup(spec, ParallelDims(1))
+    group.actors = [actor for actor, _ in group.start(1, 60)]
+    try:
+        group.check_health("a step")  # a beat goes out
+        time.sleep(0.5)
+        group.check_health("a step")  # its answer is seen
+        time.sleep(1.5)  # the coordinator is busy elsewhere, longer than the timeout
+        group.check_health("a step")  # a new beat
+        group.check_health("a step")  # at once: not answered yet, and not a hang
+    finally:
+        ray.kill(group.actors[0])

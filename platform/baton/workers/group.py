@@ -35,7 +35,7 @@ class WorkerGroup:
         self.actors: list = []  # by rank
         self.infos: list[dict] = []  # pid and node of each, by rank
         self._beats: dict[int, Any] = {}  # rank -> the heartbeat in flight
-        self._seen: dict[int, float] = {}  # rank -> when it last answered
+        self._sent: dict[int, float] = {}  # rank -> when the heartbeat in flight was sent
         self._requested = False  # an autoscaler request stands (request_capacity)
 
     # -- placement ----------------------------------------------------------------------------
@@ -110,7 +110,7 @@ class WorkerGroup:
         self.infos = [info for _, info in members]
         for rank, actor in enumerate(self.actors):
             actor.assign.remote(spec, dims, rank)  # queued ahead of everything sent after it
-        self._beats, self._seen = {}, {}
+        self._beats, self._sent = {}, {}
 
     def members(self, ranks: Optional[list[int]] = None) -> list[tuple[Any, dict]]:
         ranks = range(len(self.actors)) if ranks is None else ranks
@@ -167,18 +167,20 @@ class WorkerGroup:
         for rank, actor in enumerate(self.actors):
             ref = self._beats.get(rank)
             if ref is None:
+                # Silence counts from this beat, not from the last answer: between two waits
+                # the coordinator may be busy for longer than the timeout (a checkpoint
+                # commit, a hook), and a live worker must not be declared frozen for that.
                 self._beats[rank] = actor.heartbeat.remote()
-                self._seen.setdefault(rank, now)
+                self._sent[rank] = now
                 continue
             done, _ = ray.wait([ref], timeout=0)
             if done:
                 del self._beats[rank]
                 try:
                     ray.get(ref)
-                    self._seen[rank] = now
                 except ray.exceptions.RayError as e:
                     raise _lost(rank, e, what) from e
-            elif now - self._seen[rank] > self.hang_timeout_s:
+            elif now - self._sent[rank] > self.hang_timeout_s:
                 raise WorkerLost(f"worker rank {rank} answered no heartbeat for "
                                  f"{self.hang_timeout_s:g} s (elastic.hang_timeout_s) while {what}: "
                                  "frozen or cut off", "hang", (rank,))
