@@ -228,8 +228,8 @@ def test_a_worker_killed_under_full_sharding_goes_back_to_the_checkpoint(tmp_pat
     assert recovery["state_from"] == "checkpoint" and recovery["resumed_from_step"] in (2, 4)
     assert recovery["dp"] == 2 and recovery["workers_reused"] == 1
     _assert_exactly_once(result)
-    # against the unsharded run: measured at most 6e-6 (3e-6 on most runs); the equivalence
-    # bound of the data-parallel tests
+    # against the unsharded run (FSDP reduces in another order than DDP): measured 1.1e-5
+    # after 8 steps; the equivalence bound of the data-parallel tests
     for name, want in uninterrupted["ref-dp"].items():
         torch.testing.assert_close(_final_params(spec)[name], want, rtol=1e-5, atol=4e-5)
 

@@ -57,15 +57,16 @@ def test_every_level_matches_one_process(tmp_path, data, level, dp, group, model
     got = CheckpointStore(spec.checkpoint_dir).read_model(3)
     want, losses, norms = reference_run(spec, data, steps=3)
     assert got.keys() == want.keys()
-    # Measured over these 8 cases (3 steps, lr 1e-2): at most 4.2e-6 from the one-process
-    # parameters; the DDP test's bound (rtol 1e-5, atol 4e-5, torch's pipelining tests) holds
+    # Measured over these 8 cases (3 steps, lr 1e-2): at most 1.4e-5 from the one-process
+    # parameters (1.05e-5 for DDP on the same job: Adam's first step amplifies the summation
+    # order of the reductions); the DDP tests' bound (rtol 1e-5, atol 4e-5) holds
     for name, ref in want.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
     client = MlflowClient(spec.tracking.uri)
     for key, ref in (("loss", losses), ("grad_norm", norms)):
         history = sorted((m.step, m.value) for m in client.get_metric_history(result.run_id, key))
         assert [s for s, _ in history] == [1, 2, 3]
-        # measured: at most 1e-6 relative (the summation order of the reductions)
+        # measured: at most 1.2e-7 (loss) and 1.8e-7 (gradient norm) relative
         np.testing.assert_allclose([v for _, v in history], ref, rtol=1e-5, err_msg=key)
     _assert_memory(result.state_bytes, want, level, group or dp)
 
@@ -119,6 +120,6 @@ def test_checkpoints_load_at_any_layout(tmp_path, data):
         assert result.resumed_from == (steps - 1 if steps > 1 else None), why
     got = CheckpointStore(spec.checkpoint_dir).read_model(len(chain))
     want, _, _ = reference_run(spec, data, steps=len(chain))
-    # measured: at most 6e-6 after 6 steps through six layouts; the equivalence bound holds
+    # measured: 1.1e-5 after 6 steps through six layouts; the equivalence bound holds
     for name, ref in want.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
