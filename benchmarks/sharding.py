@@ -5,10 +5,11 @@ Every figure comes from real runs of `baton.api.run` on a local Ray with gloo (C
 (`--device cuda`):
   - state bytes: parameters, gradients and optimizer state each worker holds, read from its
     live tensors (local shards) at the last step (`RunResult.state_bytes`);
-  - RSS: each worker process's resident memory, sampled after every step (psutil);
+  - RSS: each worker process's resident memory, sampled after every step (/proc);
   - tokens/s: the median over the second half of the run's steps.
 Table 1 runs the same GPT at each level and dp; ratios of tokens/s are against DDP at the same
-dp, measured back to back in one process (this machine is shared and noisy).
+dp, measured back to back in one process, in rounds whose order rotates, as the median of
+each round's ratio (this machine is shared and noisy).
 Table 2 walks a ladder of GPT widths and, for each level at dp `--budget-dp`, trains the widest
 whose predicted state fits `--budget-mib` per worker for a few steps, and reports what the
 workers measured (a prediction that the measurement contradicts fails the script).
@@ -26,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import ray
 
 from baton import api
@@ -58,6 +58,15 @@ def job(args, data: str, tmp: str, *, dp: int, level: str, width: int, layers: i
     }
 
 
+def _rss_bytes(pid: int) -> int:
+    """A local process's resident memory (the workers of a local Ray run on this machine)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec = spec_from_dict(job(args, data, tmp, dp=dp, level=level, width=width,
@@ -66,10 +75,7 @@ def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps:
 
         def sample(c) -> None:
             for w in c.workers:
-                try:
-                    rss[w["pid"]] = max(rss.get(w["pid"], 0), psutil.Process(w["pid"]).memory_info().rss)
-                except psutil.NoSuchProcess:
-                    pass
+                rss[w["pid"]] = max(rss.get(w["pid"], 0), _rss_bytes(w["pid"]))
         t0 = time.perf_counter()
         result = api.run(spec, show_progress=False, on_step=sample)
         assert result.state == "finished", result.state
@@ -83,18 +89,28 @@ def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps:
 
 
 def memory_and_speed(args, data: str) -> list[dict]:
+    """Each round runs every level at each dp back to back, in an order that rotates from round
+    to round; a ratio is the median over rounds of that round's ratio to DDP (paired)."""
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for r in range(args.rounds):
+        for dp in args.dps:
+            levels = LEVELS if dp > 1 else ("none",)
+            for level in levels[r % len(levels):] + levels[:r % len(levels)]:
+                row = run(args, data, dp=dp, level=level, width=args.width, layers=args.layers,
+                          steps=args.steps)
+                runs.setdefault((level, dp), []).append(row)
+                print(f"  round {r + 1}: {level:9s} dp={dp}: state {row['state_total_mib']:8.2f} "
+                      f"MiB/worker, RSS {row['rss_mib']} MiB, {row['tokens_per_s']:9.1f} tokens/s",
+                      flush=True)
     rows = []
-    for dp in args.dps:
-        for level in LEVELS if dp > 1 else ("none",):
-            row = run(args, data, dp=dp, level=level, width=args.width, layers=args.layers,
-                      steps=args.steps)
-            rows.append(row)
-            print(f"  {level:9s} dp={dp}: state {row['state_total_mib']:8.2f} MiB/worker, "
-                  f"RSS {row['rss_mib']} MiB, {row['tokens_per_s']:9.1f} tokens/s", flush=True)
-    for row in rows:
-        ddp = next(r for r in rows if r["dp"] == row["dp"] and r["level"] == "none")
-        row["state_vs_ddp"] = round(row["state_total_mib"] / ddp["state_total_mib"], 3)
-        row["tokens_per_s_vs_ddp"] = round(row["tokens_per_s"] / ddp["tokens_per_s"], 3)
+    for (level, dp), rs in runs.items():
+        ddp = runs[("none", dp)]
+        rows.append({**rs[-1], "rss_mib": max(x["rss_mib"] or 0 for x in rs),
+                     "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
+                     "tokens_per_s_rounds": [x["tokens_per_s"] for x in rs],
+                     "state_vs_ddp": round(rs[-1]["state_total_mib"] / ddp[-1]["state_total_mib"], 3),
+                     "tokens_per_s_vs_ddp": round(statistics.median(
+                         x["tokens_per_s"] / d["tokens_per_s"] for x, d in zip(rs, ddp)), 3)})
     return rows
 
 
@@ -139,6 +155,7 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--budget-mib", type=float, default=16.0)
     p.add_argument("--budget-dp", type=int, default=4)
@@ -165,6 +182,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['level']} ({NAMES[r['level']]}) | {r['dp']} | {r['state_total_mib']:.2f} | "
+              # tokens/s: the median over rounds
               f"{r['state_vs_ddp']:.2f}x | {r['rss_mib']} | {r['tokens_per_s']:.0f} | "
               f"{r['tokens_per_s_vs_ddp']:.2f}x |")
     print(f"\n| level | widest under {args.budget_mib:g} MiB at dp {args.budget_dp} | params | vs DDP | measured MiB/worker |")

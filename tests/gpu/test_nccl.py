@@ -98,3 +98,26 @@ def test_pipeline_over_nccl_matches_the_cpu_reference(tmp_path, schedule):
     want, _, _ = reference_run(spec, data, steps=3)
     for name, ref in want.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_full_sharding_with_bf16_tracks_the_cpu_reference(tmp_path):
+    """FSDP2 with MixedPrecisionPolicy (bf16 compute, fp32 reduction and master weights) on
+    CUDA: on one GPU a world of one (the job may grow to two: elastic.max_dp), on two a real
+    shard each. bf16 rounds every matmul, so the check is the loss curve against the fp32
+    CPU reference, not the bits: within 2 % per step (bf16 has 8 bits of mantissa: about 0.4 %
+    per operation; not measured here yet: no GPU in the session that wrote this test)."""
+    data = write_dataset(tmp_path / "data", 64, 32)
+    dp = min(2, torch.cuda.device_count())
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="gpu-fsdp-bf16",
+        parallel={"dp": dp, "shard": "full"}, elastic={"min_dp": 1, "max_dp": 2},
+        resources={"cpus_per_worker": 1, "gpus_per_worker": 1},
+        train={"steps": 3, "global_batch": 8, "micro_batch": 2, "precision": "bf16"}))
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished" and {w["backend"] for w in result.workers} == {"nccl"}
+    assert CheckpointStore(spec.checkpoint_dir).is_sharded(3)
+    fp32 = spec_from_dict({**spec.to_dict(), "train": {**spec.to_dict()["train"], "precision": "fp32"}})
+    _, losses, _ = reference_run(fp32, data, steps=3)
+    assert result.loss == pytest.approx(losses[-1], rel=0.02)
+    got = CheckpointStore(spec.checkpoint_dir).read_model(3)
+    assert all(t.dtype == torch.float32 for t in got.values())  # master weights stay fp32

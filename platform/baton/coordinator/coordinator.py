@@ -38,6 +38,7 @@ from baton.data.feed import DataFeed
 from baton.data.manifest import Manifest
 from baton.data.order import rebased
 from baton.data.source import columns
+from baton.coordinator.commits import Commits
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.errors import WorkerError, WorkerLost
 from baton.models.flops import job_peak_flops, model_flops_per_token
@@ -149,12 +150,10 @@ class Coordinator:
         self.group: Optional[WorkerGroup] = None
         self.last_loss = float("nan")
         self.last_metrics: dict = {}  # of the last completed step
-        self.last_checkpoint: Optional[str] = None
         self.tokens_per_s: list[float] = []
         self.inflight: collections.deque[_Pending] = collections.deque()
         self.submitted = 0  # steps handed to the workers
         self.last_done_at = 0.0
-        self.replica_digests: list[str] = []
         self.step_times_s: list[float] = []
         self.workers: list[dict] = []
         self.ledger: list = []
@@ -166,6 +165,7 @@ class Coordinator:
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
         self.live = LiveMetrics(spec.name)
+        self.commits = Commits(self.store, tracker, self.live, spec.checkpoint.keep)
         self.flops_per_token = model_flops_per_token(spec.model)
         self.peak_flops: Optional[float] = None  # of the current world's devices
         self.run_id: Optional[str] = None
@@ -298,7 +298,8 @@ class Coordinator:
         self.group.discard(stale)
         self.feed.close()  # read again from the cursor the world resumes at; nothing lost is reused
         t_stop = time.monotonic()
-        from_survivors = self._save_survivors(left)
+        from_survivors = self.commits.commit_survivors(self.group, self.dims, self.step, left,
+                                                       self._meta(self.done_cursor, rng=[]))
         t_saved = time.monotonic()
         survivors = self.group.members(list(left))
         # 2. top up to max_dp where there is room
@@ -316,30 +317,6 @@ class Coordinator:
                                                "group_init": t_formed - t_placed,
                                                "checkpoint_load": time.monotonic() - t_formed}}
         return State.RUNNING
-
-    def _save_survivors(self, left: dict[int, int]) -> bool:
-        """The in-memory copy of the last step: the replicas of a stage hold the same state, so
-        when every stage has a survivor whose state is that of the last step the coordinator
-        saw complete, that state is committed as a checkpoint of that step, and the failure
-        costs only the step that was running rather than everything since the last
-        checkpoint. `left`: survivor rank -> the step of the state it kept."""
-        step = self.step
-        if step <= (self.store.latest() or 0):
-            return False
-        writers: dict[int, int] = {}  # stage -> one survivor holding it at `step`
-        for rank, done in left.items():
-            if done == step:
-                writers.setdefault(self.dims.coords(rank)[1], rank)
-        if len(writers) < self.dims.pp:
-            return False
-        self.store.begin(step)
-        if not self.group.write_kept(list(writers.values()), self.store.root, step):
-            return False
-        self.tracker.flush()
-        self.last_checkpoint = self.store.commit(step, self._meta(self.done_cursor, rng=[]),
-                                                 self.spec.checkpoint.keep)
-        self.tracker.set_tags({"checkpoint.latest": self.last_checkpoint})
-        return True
 
     def _rescale(self) -> State:
         """Grow at a step boundary: finish the queued steps, checkpoint here, start the new
@@ -515,9 +492,7 @@ class Coordinator:
             pending.ledger_refs = self.group.submit("take_ledger")
         done = step + 1
         if done % self.spec.checkpoint.every_steps == 0 or done == t.steps:
-            self.store.begin(done)
-            pending.save_refs = self.group.submit("save", self.store.root, done)
-            pending.digest_refs = self.group.submit("digest")
+            pending.save_refs, pending.digest_refs = self.commits.queue(self.group, done)
         self.submitted += 1
         return pending
 
@@ -593,29 +568,11 @@ class Coordinator:
 
     def _checkpoint_now(self) -> None:
         """A checkpoint of the current step, between steps (before a resize)."""
-        self.store.begin(self.step)
-        self._commit(self.cursor.state_dict(), self.group.submit("save", self.store.root, self.step),
-                     self.group.submit("digest"))
+        self._commit(self.cursor.state_dict(), *self.commits.queue(self.group, self.step))
 
     def _commit(self, cursor: dict, save_refs: list, digest_refs: list) -> None:
-        t0 = time.perf_counter()  # the saves were queued behind the step just completed
-        self.group.wait(save_refs, f"saving checkpoint {self.step}")
-        digests = self.group.wait(digest_refs, "hashing parameters")
-        # an invariant of data parallelism, worth the milliseconds: the copies of each stage
-        # (of each shard, when sharded) hold the same parameters
-        for ranks in self.dims.replica_groups():
-            replicas = [digests[r] for r in ranks]
-            if len(set(replicas)) != 1:
-                raise WorkerError(f"replicas of ranks {ranks} diverged at step {self.step}: "
-                                  f"parameter digests {replicas}")
-        self.replica_digests = digests
         meta = self._meta(cursor, rng=[f"rng-rank{r:04d}.pt" for r in range(self.dims.world_size)])
-        # Metrics first, then the marker: a crash between the two replays steps whose metrics
-        # are already logged, and the tracker skips those; the other order could lose them.
-        self.tracker.flush()
-        self.last_checkpoint = self.store.commit(self.step, meta, self.spec.checkpoint.keep)
-        self.live.checkpoint_saved(time.perf_counter() - t0)
-        self.tracker.set_tags({"checkpoint.latest": self.last_checkpoint})
+        self.commits.commit(self.group, self.dims, self.step, meta, save_refs, digest_refs)
 
     def _meta(self, cursor: dict, rng: list[str]) -> dict:
         """The metadata of a checkpoint of the current step. `rng`: the workers' RNG files it
@@ -638,7 +595,7 @@ class Coordinator:
                 "workers_alive": len(self.group.actors) if self.group else 0,
                 "loss": None if math.isnan(self.last_loss) else round(self.last_loss, 6),
                 "tokens_per_s": round(self.tokens_per_s[-1], 1) if self.tokens_per_s else None,
-                "last_checkpoint": self.last_checkpoint, "failures": sum(causes.values()),
+                "last_checkpoint": self.commits.last, "failures": sum(causes.values()),
                 "failures_by_cause": dict(causes), "rescales": sum(
                     e["kind"] == "rescale" for e in self.events),
                 "mlflow_run_id": self.run_id, "pid": os.getpid(),
@@ -664,11 +621,11 @@ class Coordinator:
     def _result(self) -> RunResult:
         recent = self.tokens_per_s[len(self.tokens_per_s) // 2:]  # past the warm-up steps
         return RunResult(job=self.spec.name, state=self.state.value, step=self.step,
-                         loss=self.last_loss, run_id=self.run_id, checkpoint=self.last_checkpoint,
+                         loss=self.last_loss, run_id=self.run_id, checkpoint=self.commits.last,
                          resumed_from=self.resume_meta["step"] if self.resume_meta else None,
                          tokens_per_s=float(np.median(recent)) if recent else 0.0,
                          step_times_s=self.step_times_s, workers=self.workers,
-                         replica_digests=self.replica_digests, ledger=self.ledger,
+                         replica_digests=self.commits.replica_digests, ledger=self.ledger,
                          stage_layers=self.stage_layers, bubbles=self.bubbles, trace=self.trace,
                          pipeline_peaks=self.pipeline_peaks, events=self.events,
                          dp_history=self.dp_history, state_bytes=self.state_bytes)

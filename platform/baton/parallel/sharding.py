@@ -125,11 +125,16 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
     @contextlib.contextmanager
     def no_sync():
+        """Accumulate a micro-batch's gradients unreduced; ZeRO-2 also keeps the parameters
+        whole until the step's last micro-batch (one all-gather per step, not one per
+        micro-batch), ZeRO-3 frees them after every block as always."""
         module.set_requires_gradient_sync(False)
+        module.set_reshard_after_backward(reshard_after_forward)
         try:
             yield
         finally:
             module.set_requires_gradient_sync(True)
+            module.set_reshard_after_backward(True)
     return Replica(module, module, optimizer, no_sync, True,
                    lambda: state_dicts(module, optimizer),
                    lambda m, o: load_full(module, module, optimizer, m, o, full=True),

@@ -1,0 +1,75 @@
+"""Checkpoint commits, for the coordinator: it decides when; this writes them.
+
+A checkpoint is queued behind the step it captures (the workers run calls in order, so the
+save sees exactly the state after that step), then committed once every part is written and
+the replicas are seen to agree: metadata first, the marker last (`CheckpointStore.commit`).
+After a failure, the survivors' in-memory state of the last completed step may be committed
+instead of training again from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from baton.checkpoint import CheckpointStore
+from baton.errors import WorkerError
+from baton.parallel import ParallelDims
+
+
+class Commits:
+    def __init__(self, store: CheckpointStore, tracker, live, keep: int):
+        self.store, self.tracker, self.live, self.keep = store, tracker, live, keep
+        self.last: Optional[str] = None  # where the newest checkpoint this run committed is
+        self.replica_digests: list[str] = []  # each worker's parameter digest at that commit
+
+    def queue(self, group, step: int) -> tuple[list, list]:
+        """Start checkpoint `step`: a clean folder, and each worker's save and parameter digest
+        queued behind the step in flight. Returns (save refs, digest refs) for `commit`."""
+        self.store.begin(step)
+        return group.submit("save", self.store.root, step), group.submit("digest")
+
+    def commit(self, group, dims: ParallelDims, step: int, meta: dict, save_refs: list,
+               digest_refs: list) -> None:
+        t0 = time.perf_counter()  # the saves were queued behind the step just completed
+        group.wait(save_refs, f"saving checkpoint {step}")
+        digests = group.wait(digest_refs, "hashing parameters")
+        # an invariant of data parallelism, worth the milliseconds: the copies of each stage
+        # (of each shard, when sharded) hold the same parameters
+        for ranks in dims.replica_groups():
+            replicas = [digests[r] for r in ranks]
+            if len(set(replicas)) != 1:
+                raise WorkerError(f"replicas of ranks {ranks} diverged at step {step}: "
+                                  f"parameter digests {replicas}")
+        self.replica_digests = digests
+        self._commit(step, meta)
+        self.live.checkpoint_saved(time.perf_counter() - t0)
+
+    def commit_survivors(self, group, dims: ParallelDims, step: int, left: dict[int, int],
+                         meta: dict) -> bool:
+        """The in-memory copy of the last step: the replicas of a stage hold the same state, so
+        when every stage has a survivor whose state is that of `step` (the last step the
+        coordinator saw complete), that state is committed as checkpoint `step`, and the
+        failure costs only the step that was running rather than everything since the last
+        checkpoint. `left`: survivor rank -> the step of the state it kept (-1: none, as a
+        shard of a sharded run is no stage's whole state). False: nothing committed."""
+        if step <= (self.store.latest() or 0):
+            return False
+        writers: dict[int, int] = {}  # stage -> one survivor holding it at `step`
+        for rank, done in left.items():
+            if done == step:
+                writers.setdefault(dims.coords(rank)[1], rank)
+        if len(writers) < dims.pp:
+            return False
+        self.store.begin(step)
+        if not group.write_kept(list(writers.values()), self.store.root, step):
+            return False
+        self._commit(step, meta)
+        return True
+
+    def _commit(self, step: int, meta: dict) -> None:
+        # Metrics first, then the marker: a crash between the two replays steps whose metrics
+        # are already logged, and the tracker skips those; the other order could lose them.
+        self.tracker.flush()
+        self.last = self.store.commit(step, meta, self.keep)
+        self.tracker.set_tags({"checkpoint.latest": self.last})
