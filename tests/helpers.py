@@ -90,6 +90,30 @@ def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], 
     return model.state_dict(), losses, norms
 
 
+def assert_like_one_process(spec, data_dir, result, steps: int, rtol: float = 1e-5,
+                            atol: float = 4e-5) -> tuple[dict, dict]:
+    """The run's parameters after `steps`, and each step's loss and gradient norm as logged to
+    MLflow, against one plain process (`reference_run`). AdamW and clipping hide a wrong
+    gradient scale from the parameters; the norms do not. The default bound is torch's own
+    pipelining tests' (rtol 1e-5, atol 4e-5); callers say beside the call what they measured.
+    Returns (the run's parameters, the reference's)."""
+    from mlflow.tracking import MlflowClient
+
+    from baton.checkpoint import CheckpointStore
+
+    got = CheckpointStore(spec.checkpoint_dir).read_model(steps)
+    want, losses, norms = reference_run(spec, data_dir, steps=steps)
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=rtol, atol=atol, msg=name)
+    client = MlflowClient(spec.tracking.uri)
+    for key, ref in (("loss", losses), ("grad_norm", norms)):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(result.run_id, key))
+        assert [s for s, _ in history] == list(range(1, steps + 1)), key
+        np.testing.assert_allclose([v for _, v in history], ref, rtol=1e-5, err_msg=key)
+    return got, want
+
+
 def start_baton(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
     """The installed `baton` command, as a user runs it from a terminal, in its own process
     group (so that a test can kill it and the embedded Ray it started together). SIGINT is set

@@ -8,13 +8,12 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.models import build_model
 from baton.spec import spec_from_dict
-from helpers import reference_run, tiny_spec, write_dataset
+from helpers import assert_like_one_process, reference_run, tiny_spec, write_dataset
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -35,20 +34,10 @@ def test_dp2_matches_single_process(tmp_path, model):
     assert result.state == "finished" and result.step == 3
     # a checkpoint after every step checks that both replicas hold identical parameters
     assert len(result.replica_digests) == 2 and len(set(result.replica_digests)) == 1
-    got = CheckpointStore(spec.checkpoint_dir).read_model(3)
-    want, losses, norms = reference_run(spec, data, steps=3)
-    assert got.keys() == want.keys()
-    moved = 0
-    for name, ref in want.items():
-        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
-        moved += not torch.equal(ref, build_model(spec.model, spec.train.seed).state_dict()[name])
+    _, want = assert_like_one_process(spec, data, result, steps=3)
+    initial = build_model(spec.model, spec.train.seed).state_dict()
+    moved = sum(not torch.equal(ref, initial[name]) for name, ref in want.items())
     assert moved > len(want) // 2  # training changed the parameters: the comparison means something
-    # AdamW and clipping hide a wrong gradient scale from the parameters; the norms do not
-    client = MlflowClient(spec.tracking.uri)
-    for key, ref in (("loss", losses), ("grad_norm", norms)):
-        history = sorted((m.step, m.value) for m in client.get_metric_history(result.run_id, key))
-        assert [s for s, _ in history] == [1, 2, 3]
-        np.testing.assert_allclose([v for _, v in history], ref, rtol=1e-5, err_msg=key)
 
 
 def test_every_sample_exactly_once_per_epoch(tmp_path):
