@@ -236,8 +236,12 @@ class JobSpec:
 
 
 def join_path(base: str, *parts: str) -> str:
-    """Join path parts for local paths and URIs alike (URIs always use '/')."""
-    return "/".join([base.rstrip("/"), *parts]) if "://" in base else str(Path(base, *parts))
+    """Join path parts for local paths and URIs alike (URIs always use '/', and keep their
+    query, e.g. s3://bucket/ckpt?endpoint_override=HOST:PORT, after the joined path)."""
+    if "://" not in base:
+        return str(Path(base, *parts))
+    path, sep, query = base.partition("?")
+    return "/".join([path.rstrip("/"), *parts]) + sep + query
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,10 +454,6 @@ def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:
              "must be at least 2 (null shards across all of dp)")
         need(p.dp % p.shard_group == 0, "parallel.shard_group", p.shard_group,
              f"must divide parallel.dp = {p.dp} (hybrid sharding keeps whole groups)")
-    need("://" not in spec.checkpoint.path or spec.checkpoint.path.startswith("file://"),
-         "checkpoint.path", spec.checkpoint.path,
-         "sharded checkpoints are written by every worker through torch.distributed.checkpoint "
-         "to a local or shared (NFS) folder; object storage is not supported for them yet")
     if p.shard in ("grads", "full"):
         from baton.models import _on_meta
         from baton.parallel.sharding import wrap_problem

@@ -94,15 +94,18 @@ def test_a_sharded_checkpoint_index_is_unpickled_only_into_dcp_metadata(tmp_path
     so a crafted index cannot run code (here: create a file)."""
     import pickle
 
+    import pyarrow.fs as pafs
     import torch.distributed.checkpoint as dcp
 
     from baton.checkpoint import sharded
     from baton.errors import CheckpointError
 
+    where = sharded.Location(pafs.LocalFileSystem(), str(tmp_path / "ok"))
+
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"w": {"step": torch.tensor(3.0)}}}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ok")), no_dist=True)
-    assert torch.equal(sharded.read_full(str(tmp_path / "ok"), "model")["w"], state["model"]["w"])
-    assert sharded.has_optimizer_state(str(tmp_path / "ok"))
+    assert torch.equal(sharded.read_full(where, "model")["w"], state["model"]["w"])
+    assert sharded.has_optimizer_state(where)
 
     class Evil:
         def __reduce__(self):
@@ -111,5 +114,5 @@ def test_a_sharded_checkpoint_index_is_unpickled_only_into_dcp_metadata(tmp_path
     (tmp_path / "ok" / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(CheckpointError, match=r"\.metadata names io\.open, which a checkpoint "
                                               r"index never holds"):
-        sharded.read_full(str(tmp_path / "ok"), "model")
+        sharded.read_full(where, "model")
     assert not (tmp_path / "pwned").exists()

@@ -185,7 +185,7 @@ def test_sharding_mistakes_are_one_line_each(tmp_path, parallel, message):
     assert "\n" not in str(e.value)
 
 
-def test_sharding_needs_blocks_to_wrap_and_a_folder(tmp_path, monkeypatch):
+def test_sharding_needs_blocks_to_wrap(tmp_path, monkeypatch):
     (tmp_path / "flatmodel.py").write_text(
         "import torch\n\ndef build(spec):\n"
         "    return torch.nn.Linear(spec.width, spec.vocab_size)\n")
@@ -197,10 +197,6 @@ def test_sharding_needs_blocks_to_wrap_and_a_folder(tmp_path, monkeypatch):
         spec_from_dict(raw, "job.yaml")
     raw["parallel"]["shard"] = "optimizer"  # ZeRO-1 wraps no blocks: any model
     assert spec_from_dict(raw).dp_shard == 2
-    raw = tiny_spec(tmp_path, tmp_path, parallel={"dp": 2, "shard": "full"},
-                    checkpoint={"path": "s3://bucket/ckpt"})
-    with pytest.raises(SpecError, match="object storage is not supported for them yet"):
-        spec_from_dict(raw, "job.yaml")
 
 
 def test_an_elastic_sharded_job_may_shrink_to_one_replica_and_keeps_whole_groups(tmp_path):

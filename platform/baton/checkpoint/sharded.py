@@ -1,5 +1,6 @@
 """Sharded checkpoints, through `torch.distributed.checkpoint` (DCP): every worker writes its
-own shards, in parallel, into the checkpoint's `shards/` folder, and any layout reads them
+own shards, in parallel, into the checkpoint's `shards/` folder (a local or shared folder, or
+object storage through pyarrow: `ArrowFileSystem`), and any layout reads them
 back (DCP reshards: a checkpoint written by 4 workers at `full` loads at 2, under DDP, or into
 pipeline stages, each reading only the pieces it needs).
 
@@ -15,10 +16,14 @@ only builds DCP's metadata classes, torch sizes and dtypes, and plain containers
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
@@ -50,8 +55,73 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+@dataclass(frozen=True)
+class Location:
+    """Where a sharded checkpoint is: a pyarrow filesystem (local, s3://, gs://) and a path in it."""
+
+    fs: pafs.FileSystem
+    path: str
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+
+class ArrowFileSystem(FileSystemBase):
+    """DCP's file operations on a pyarrow filesystem, so that sharded checkpoints go wherever
+    baton's other checkpoints go (object storage included). Local folders keep DCP's own
+    `FileSystem` (which also fsyncs)."""
+
+    def __init__(self, fs: pafs.FileSystem):
+        self.fs = fs
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator:
+        opener = {"wb": self.fs.open_output_stream, "rb": self.fs.open_input_file}[mode]
+        with opener(str(path)) as stream:
+            yield stream
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    def rename(self, path, new_path) -> None:
+        self.fs.move(str(path), str(new_path))
+
+    def mkdir(self, path) -> None:
+        self.fs.create_dir(str(path), recursive=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def exists(self, path) -> bool:
+        return self.fs.get_file_info(str(path)).type != pafs.FileType.NotFound
+
+    def rm_file(self, path) -> None:
+        self.fs.delete_file(str(path))
+
+    def ls(self, path) -> list[str]:
+        infos = self.fs.get_file_info(pafs.FileSelector(str(path)))
+        return [i.path for i in infos]
+
+
+class _Writer(dcp.FileSystemWriter):
+    def __init__(self, where: Location):
+        super().__init__(where.path, sync_files=where.local)
+        if not where.local:
+            self.fs, self.path = ArrowFileSystem(where.fs), where.path
+
+
 class SafeReader(dcp.FileSystemReader):
     """DCP's file reader, with the index read by the allow-listed unpickler."""
+
+    def __init__(self, where: Location):
+        super().__init__(where.path)
+        if not where.local:
+            self.fs, self.path = ArrowFileSystem(where.fs), where.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
@@ -68,45 +138,45 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def save(state: dict, path: str) -> None:
+def save(state: dict, where: Location) -> None:
     """Write this worker's shards of `state` (every worker of the world calls it)."""
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+    dcp.save(state, storage_writer=_Writer(where))
 
 
-def load(state: dict, path: str) -> None:
+def load(state: dict, where: Location) -> None:
     """Fill `state`'s tensors in place from a sharded checkpoint (every worker calls it)."""
-    keys(path)
-    dcp.load(state, storage_reader=SafeReader(path))
+    keys(where)
+    dcp.load(state, storage_reader=SafeReader(where))
 
 
-def keys(path: str) -> set[str]:
+def keys(where: Location) -> set[str]:
     """The flattened keys a sharded checkpoint holds (read without a process group)."""
-    return set(SafeReader(path).read_metadata().state_dict_metadata)
+    return set(SafeReader(where).read_metadata().state_dict_metadata)
 
 
-def has_optimizer_state(path: str) -> bool:
-    return any(k.startswith("optim.") for k in keys(path))
+def has_optimizer_state(where: Location) -> bool:
+    return any(k.startswith("optim.") for k in keys(where))
 
 
-def read_full(path: str, section: str) -> dict:
+def read_full(where: Location, section: str) -> dict:
     """One section ("model" or "optim") of a sharded checkpoint, as whole tensors, read in
     this process alone (tests, references, `baton` tools)."""
-    keys(path)  # the index, checked first: DCP would bury a refusal in its own exception
+    keys(where)  # the index, checked first: DCP would bury a refusal in its own exception
     state: dict = {}
-    _load_state_dict(state, storage_reader=SafeReader(path),
+    _load_state_dict(state, storage_reader=SafeReader(where),
                      planner=_EmptyStateDictLoadPlanner(keys={section}), no_dist=True)
     return state.get(section, {})
 
 
-def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, where: Location) -> None:
     """Load a sharded checkpoint into a module that torch's state-dict API understands (DDP,
     FSDP, a pipeline stage): each worker reads the pieces of the tensors it holds."""
     model_state, optim_state = get_state_dict(wrapped, optimizer)
     state = {"model": model_state}
-    with_optim = has_optimizer_state(path)
+    with_optim = has_optimizer_state(where)
     if with_optim:
         state["optim"] = optim_state["state"]
-    dcp.load(state, storage_reader=SafeReader(path))
+    dcp.load(state, storage_reader=SafeReader(where))
     if not with_optim:
         # a checkpoint of step 0 (no step taken): get_state_dict "initialised" Adam with a
         # zero step; the fresh optimizer is the right one

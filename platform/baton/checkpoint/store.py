@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from baton import storage
+from baton.spec import join_path
 from baton.errors import CheckpointError
 
 MARKER = "COMMITTED"
@@ -47,6 +48,12 @@ class CheckpointStore:
     def shards_dir(self, step: int) -> str:
         """Where a sharded checkpoint's workers write (torch.distributed.checkpoint)."""
         return f"{self.step_dir(step)}/{SHARDS}"
+
+    def shards(self, step: int):
+        """A sharded checkpoint's location (`baton.checkpoint.sharded.Location`)."""
+        from baton.checkpoint.sharded import Location
+
+        return Location(self.fs, self.shards_dir(step))
 
     def is_sharded(self, step: int) -> bool:
         return storage.exists(self.fs, f"{self.shards_dir(step)}/.metadata")
@@ -93,7 +100,7 @@ class CheckpointStore:
         for s, ok in self._steps():
             if (ok and s in committed[:-keep]) or (not ok and s < step):
                 self.fs.delete_dir(self.step_dir(s))
-        return d if "://" not in self.root else f"{self.root.rstrip('/')}/step_{step:08d}"
+        return d if "://" not in self.root else join_path(self.root, f"step_{step:08d}")
 
     def write_status(self, status: dict) -> None:
         """The running job's state for `baton status` (written by the coordinator)."""
@@ -128,7 +135,7 @@ class CheckpointStore:
             from baton.checkpoint import sharded  # torch.distributed.checkpoint: only when needed
 
             self._committed_dir(step)
-            return sharded.read_full(self.shards_dir(step), "model")
+            return sharded.read_full(self.shards(step), "model")
         if shards is None:
             shards = self.read_meta(step)["layout"]["pp"]
         out: dict[str, torch.Tensor] = {}

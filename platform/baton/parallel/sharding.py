@@ -78,7 +78,7 @@ class Replica:
     sharded: bool  # no worker holds the whole state: saved with torch.distributed.checkpoint
     state_dicts: Callable[[], tuple[dict, dict]]  # (model, optimizer state by name)
     load_full: Callable[[dict, dict], None]  # from whole name-keyed state (any checkpoint)
-    load_sharded: Callable[[str], None]  # from a sharded checkpoint's folder, at any layout
+    load_sharded: Callable[[sharded.Location], None]  # from a sharded checkpoint, at any layout
 
 
 def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
@@ -95,7 +95,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
         return Replica(module, wrapped, optimizer, wrapped.no_sync, False,
                        lambda: state_dicts(wrapped, optimizer),
                        lambda m, o: load_full(module, wrapped, optimizer, m, o),
-                       lambda path: sharded.load_into(wrapped, optimizer, path))
+                       lambda where: sharded.load_into(wrapped, optimizer, where))
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     optimizer = ZeroRedundancyOptimizer(param_groups(module, train),
@@ -138,7 +138,7 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
     return Replica(module, module, optimizer, no_sync, True,
                    lambda: state_dicts(module, optimizer),
                    lambda m, o: load_full(module, module, optimizer, m, o, full=True),
-                   lambda path: sharded.load_into(module, optimizer, path))
+                   lambda where: sharded.load_into(module, optimizer, where))
 
 
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
@@ -218,19 +218,19 @@ class _ZeroState:
                     local.state[p] = {k: v.clone().to(p.device) if k != "step" else v.clone()
                                       for k, v in saved.items()}
 
-    def load_sharded(self, path: str) -> None:
+    def load_sharded(self, where: sharded.Location) -> None:
         """The whole model, and this rank's share of the optimizer state, from a sharded
         checkpoint written at any layout."""
         state: dict = {"model": dict(self.module.state_dict())}  # the parameters: loaded in place
         local = self._local()
         params = [p for g in local.param_groups for p in g["params"]]
-        with_optim = sharded.has_optimizer_state(path)
+        with_optim = sharded.has_optimizer_state(where)
         if with_optim:
             state["optim"] = {self.names[id(p)]: {"step": torch.zeros(()),
                                                   "exp_avg": torch.zeros_like(p),
                                                   "exp_avg_sq": torch.zeros_like(p)}
                               for p in params}
-        sharded.load(state, path)
+        sharded.load(state, where)
         local.state.clear()
         for p in params if with_optim else ():
             local.state[p] = state["optim"][self.names[id(p)]]

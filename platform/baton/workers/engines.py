@@ -80,8 +80,8 @@ class DataParallelEngine(_Engine):
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         self.replica.load_full(model_state, optim_state)
 
-    def load_sharded(self, path: str) -> None:
-        self.replica.load_sharded(path)
+    def load_sharded(self, where: sharded.Location) -> None:
+        self.replica.load_sharded(where)
 
     def forward_backward(self, micro: list[np.ndarray], tokens: TokensFn, scale: float,
                          trace: bool) -> dict:
@@ -158,8 +158,8 @@ class PipelineEngine(_Engine):
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         load_full(self.module, self.module, self.optimizer, model_state, optim_state)
 
-    def load_sharded(self, path: str) -> None:
-        sharded.load_into(self.module, self.optimizer, path)
+    def load_sharded(self, where: sharded.Location) -> None:
+        sharded.load_into(self.module, self.optimizer, where)
 
     def clip(self) -> float:
         """Clip by the norm of the whole model's gradient, summed over the pipeline's stages."""

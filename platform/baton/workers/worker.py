@@ -178,8 +178,7 @@ class Worker:
         store = CheckpointStore(root)
         if self.engine.sharded:  # every worker writes its shards, in parallel
             model_state, optim_state = self.engine.state_dicts()
-            sharded.save({"model": model_state, "optim": optim_state["state"]},
-                         store.shards_dir(step))
+            sharded.save({"model": model_state, "optim": optim_state["state"]}, store.shards(step))
         elif self.dp_rank == 0:  # replicas are identical: one copy of each stage is enough
             model_state, optim_state = self.engine.state_dicts()
             store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state)
@@ -195,7 +194,7 @@ class Worker:
         checkpoint was written at: by name from per-stage files, or through DCP from shards."""
         store = CheckpointStore(root)
         if store.is_sharded(step):
-            self.engine.load_sharded(store.shards_dir(step))
+            self.engine.load_sharded(store.shards(step))
         else:
             pp = layout["pp"]
             self.engine.load_state_dicts(store.read_model(step, pp), store.read_optim(step, pp))
