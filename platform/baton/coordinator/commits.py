@@ -33,7 +33,7 @@ class Commits:
                digest_refs: list) -> None:
         t0 = time.perf_counter()  # the saves were queued behind the step just completed
         group.wait(save_refs, f"saving checkpoint {step}")
-        digests = group.wait(digest_refs, "hashing parameters")
+        digests = group.wait(digest_refs, f"hashing parameters for checkpoint {step}")
         # an invariant of data parallelism, worth the milliseconds: the copies of each stage
         # (of each shard, when sharded) hold the same parameters
         for ranks in dims.replica_groups():
