@@ -112,7 +112,8 @@ class RunResult:
     pipeline_peaks: list[dict] = field(default_factory=list)  # per rank: activation_bytes, live
     events: list[dict] = field(default_factory=list)  # failures, recoveries, rescales
     dp_history: list[tuple[int, int]] = field(default_factory=list)  # (from step, dp)
-    # per worker at the last step: bytes of parameters, gradients, optimizer state it holds
+    # per worker, at the first step of the last world: bytes of parameters, gradients and
+    # optimizer state it holds
     state_bytes: list[dict] = field(default_factory=list)
 
 
@@ -515,8 +516,9 @@ class Coordinator:
             "tokens_per_s": tps, "samples_per_s": p.samples / step_time_s,
             "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size,
             "dp": self.dims.dp}
-        self.state_bytes = [r["state_bytes"] for r in results]
-        metrics["state_mib_per_worker"] = max(sum(b.values()) for b in self.state_bytes) / 2**20
+        if "state_bytes" in results[0]:  # the first step of each world
+            self.state_bytes = [r["state_bytes"] for r in results]
+            metrics["state_mib_per_worker"] = max(sum(b.values()) for b in self.state_bytes) / 2**20
         data_s = [r["data_s"] for r in results if "data_s" in r]
         if data_s:
             metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)

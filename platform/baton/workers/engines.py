@@ -32,13 +32,14 @@ class _Engine:
     module: nn.Module  # this worker's parameters, named as in the whole model
     optimizer: torch.optim.Optimizer
     sharded: bool = False  # state split across workers: checkpoints go through DCP
-    grad_bytes: int = 0  # this worker's gradients at the last step (local shards)
+    grad_bytes: int = 0  # this worker's gradients at its first step (local shards)
 
     def apply(self, lr: float) -> float:
         """Clip, step, clear; returns the gradient norm before clipping."""
         grad_norm = self.clip()
-        self.grad_bytes = sum(_local(q.grad).nbytes for q in self.module.parameters()
-                              if q.grad is not None)
+        if not self.grad_bytes:  # the same every step of this world: measured once
+            self.grad_bytes = sum(_local(q.grad).nbytes for q in self.module.parameters()
+                                  if q.grad is not None)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -109,6 +109,7 @@ class Worker:
             timeout=timedelta(seconds=spec.parallel.timeout_s))
         self.rows = UnitRows(spec.model.seq_len + 1)  # the units of each step's batch
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
+        self.state_reported = False
         if self.dims.pp == 1:
             self.engine = DataParallelEngine(spec, self.dims, self.device)
         else:
@@ -132,7 +133,9 @@ class Worker:
         out = self.engine.forward_backward(micro, self._tokens, self._scale(batch), trace)
         out["grad_norm"] = self.engine.apply(lr)
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
-        out["state_bytes"] = self.engine.state_bytes()  # what sharding saves, from live tensors
+        if not self.state_reported:  # sizes are fixed within a world: measured once
+            out["state_bytes"] = self.engine.state_bytes()  # what sharding saves, live tensors
+            self.state_reported = True
         self.last_step = step + 1
         if self.ledger is not None and self.pp_rank == 0:
             self.ledger += [(step, self.rows.gather(rows)[0].tolist()) for rows in micro if len(rows)]
@@ -209,9 +212,6 @@ class Worker:
 
     def digest(self) -> str:
         return param_digest(self.engine.module)
-
-    def state_bytes(self) -> dict:
-        return self.engine.state_bytes()
 
     def take_ledger(self) -> list:
         """The (step, sample ids) trained on since the last call; empties the ledger."""
