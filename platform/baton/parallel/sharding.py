@@ -164,13 +164,8 @@ def state_dicts(wrapped: nn.Module, optimizer) -> tuple[dict, dict]:
 def load_full(module: nn.Module, wrapped: nn.Module, optimizer, model_state: dict,
                optim_state: dict, full: bool = False) -> None:
     """Load whole name-keyed state; FSDP keeps each rank's shard of it (`full`)."""
-    mine = list(module.state_dict())
-    missing = [k for k in mine if k not in model_state]
-    if missing:
-        raise KeyError(f"the checkpoint lacks {len(missing)} of this stage's tensors, "
-                       f"e.g. {missing[:3]}: it was written for another model")
-    model_state = {k: model_state[k] for k in mine}
-    optim_state = filter_optim_state(optim_state, set(mine))
+    model_state = _mine(module, model_state)
+    optim_state = filter_optim_state(optim_state, set(model_state))
     options = StateDictOptions(full_state_dict=full)
     if not optim_state["state"]:
         # An optimizer that never stepped (a checkpoint of step 0, taken before a resize).
@@ -181,6 +176,16 @@ def load_full(module: nn.Module, wrapped: nn.Module, optimizer, model_state: dic
         return
     set_state_dict(wrapped, optimizer, model_state_dict=model_state,
                    optim_state_dict=optim_state, options=options)
+
+
+def _mine(module: nn.Module, model_state: dict) -> dict:
+    """The tensors of `model_state` that `module` holds; all of them must be there."""
+    mine = list(module.state_dict())
+    missing = [k for k in mine if k not in model_state]
+    if missing:
+        raise KeyError(f"the checkpoint lacks {len(missing)} of this stage's tensors, "
+                       f"e.g. {missing[:3]}: it was written for another model")
+    return {k: model_state[k] for k in mine}
 
 
 class _ZeroState:
@@ -196,19 +201,12 @@ class _ZeroState:
         return self.optimizer.optim  # the AdamW over this rank's parameters
 
     def state_dicts(self) -> tuple[dict, dict]:
-        local = self._local()
-        state = {self.names[id(p)]: dict(s) for p, s in local.state.items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [self.names[id(p)] for p in g["params"]]} for g in local.param_groups]
-        return dict(self.module.state_dict()), {"state": state, "param_groups": groups}
+        state = {self.names[id(p)]: dict(s) for p, s in self._local().state.items()}
+        # sharded: only "state" is saved (through DCP); the groups come from the spec
+        return dict(self.module.state_dict()), {"state": state, "param_groups": []}
 
     def load_full(self, model_state: dict, optim_state: dict) -> None:
-        mine = list(self.module.state_dict())
-        missing = [k for k in mine if k not in model_state]
-        if missing:
-            raise KeyError(f"the checkpoint lacks {len(missing)} of this model's tensors, "
-                           f"e.g. {missing[:3]}: it was written for another model")
-        self.module.load_state_dict({k: model_state[k] for k in mine})
+        self.module.load_state_dict(_mine(self.module, model_state))
         local = self._local()
         local.state.clear()
         for group in local.param_groups:
