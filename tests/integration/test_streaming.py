@@ -171,6 +171,47 @@ def test_a_resume_seeks_to_its_block_and_every_sample_is_trained_once(tmp_path):
     assert sorted(seen) == list(range(1000, 1192)) and set(seen.values()) == {1}
 
 
+@pytest.mark.parametrize("block", [16, 1024], ids=["blocks", "one-block"])
+def test_the_next_epoch_is_read_before_the_epoch_ends(tmp_path, block):
+    """Across two epoch ends, the next epoch's first block is read while the current epoch's
+    last batches are served, once (the first batch of the new epoch starts no read), and the
+    batches are the order's: with blocks of 16 samples, and with the corpus as one block."""
+    import ray
+
+    from baton.data import Cursor
+    from baton.data.feed import DataFeed
+    from baton.data.local import job_order
+    from baton.data.manifest import Manifest
+    from baton.data.source import columns
+
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32, row_group_rows=8)
+    spec = spec_from_dict(tiny_spec(tmp_path, data, data={"shuffle_block": block},
+                                    train={"global_batch": 16}))
+    manifest, order = Manifest.build(str(data)), job_order(spec)
+    assert order.block_size == min(block, 64)
+    feed, cursor = DataFeed(manifest, order, columns(spec)), Cursor()
+    try:
+        for step in range(12):  # 3 epochs of 4 batches
+            epoch, consumed = cursor.epoch, cursor.consumed
+            batch = feed.next_batch(cursor, 16)
+            np.testing.assert_array_equal(batch.positions, order.positions(epoch, consumed, consumed + 16))
+            ids = set()
+            for uid, (offset, refs) in batch.units.items():
+                table = pa.concat_tables(ray.get(refs))
+                rows = batch.positions[manifest.unit_of(batch.positions) == uid] - offset
+                ids |= set(table.column("id").to_numpy()[rows].tolist())
+            assert len(ids) == 16  # the references hold the batch's rows
+            reads_of_next = [r for r in feed.ranges_read if r[0] == epoch + 1]
+            if consumed + 16 < 64 - max(order.block_size // 2, 16):
+                assert not reads_of_next, (step, feed.ranges_read)
+            else:  # the epoch's last batches: the next one's first block is read, once
+                assert len(reads_of_next) == 1 and reads_of_next[0][1] == 0, (step, feed.ranges_read)
+        starts = [(e, first) for e, first, _ in feed.ranges_read if first == 0]
+        assert starts == [(0, 0), (1, 0), (2, 0), (3, 0)], feed.ranges_read
+    finally:
+        feed.close()
+
+
 def test_a_changed_corpus_is_refused_on_resume_unless_rebased(tmp_path):
     data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32, row_group_rows=16)
     raw = tiny_spec(tmp_path, data, name="pinned", train={"steps": 2})

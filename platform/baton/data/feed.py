@@ -130,7 +130,7 @@ class _Read:
     thread of its own as they come (the feed waits for the ones it needs)."""
 
     def __init__(self, feed: "DataFeed", epoch: int, first: int, last: int):
-        self.first, self.last = first, last
+        self.epoch, self.first, self.last = epoch, first, last
         feed.ranges_read.append((epoch, first, last))
         self.refs: dict[int, list] = {}  # index in the epoch's unit order -> block references
         self.rows = 0
@@ -182,12 +182,15 @@ class _Read:
 class DataFeed:
     """Batches for the coordinator. Reads, one block at a time and one block ahead, the units
     from the first one the current batch may need; a batch behind what it holds (a recovery
-    rewound the cursor), in another epoch, or ahead of it restarts the reads there."""
+    rewound the cursor), in another epoch, or ahead of it restarts the reads there. Across an
+    epoch's end too: once at most half a block (or one batch) of the epoch remains, the next
+    epoch's first block is read, so its first batch does not wait for a read."""
 
     def __init__(self, manifest: Manifest, order: EpochOrder, columns: Columns):
         self.manifest, self.order, self.columns = manifest, order, columns
         self.epoch: Optional[int] = None
         self.reads: list[_Read] = []  # consecutive, in the epoch's unit order
+        self.next_epoch: Optional[_Read] = None  # the next epoch's first block, read ahead
         self.dropped_below = 0  # units below this index are let go
         self.ranges_read: list[tuple[int, int, int]] = []  # (epoch, first, last) of every read
         self._rows_done = 0  # rows of reads already let go
@@ -195,7 +198,8 @@ class DataFeed:
     @property
     def rows_read(self) -> int:
         """Rows of the units read so far by the current reads: what a seek costs."""
-        return self._rows_done + sum(r.rows for r in self.reads)
+        ahead = [self.next_epoch] if self.next_epoch else []
+        return self._rows_done + sum(r.rows for r in self.reads + ahead)
 
     def prime(self, cursor: Cursor, global_batch: int) -> None:
         """Read (and check) the units of the batch at `cursor` now: bad rows there are
@@ -215,6 +219,10 @@ class DataFeed:
 
     def _span(self, cursor: Cursor, global_batch: int) -> tuple[int, int]:
         stop = min(cursor.consumed + global_batch, self.manifest.num_samples)
+        if self.next_epoch is None and \
+                self.manifest.num_samples - stop <= max(self.order.block_size // 2, global_batch):
+            epoch = cursor.epoch + 1
+            self.next_epoch = _Read(self, epoch, 0, self.order.block_units(epoch, 0)[1])
         return self.order.units_for(cursor.epoch, cursor.consumed, stop)
 
     def _hold(self, epoch: int, first: int, last: int) -> dict[int, list]:
@@ -248,17 +256,23 @@ class DataFeed:
         return int((end - 1) // self.order.block_size)
 
     def _restart(self, epoch: int, first: int) -> None:
+        ahead, self.next_epoch = self.next_epoch, None
+        if ahead is not None and not (ahead.epoch == epoch and ahead.first <= first < ahead.last):
+            self.next_epoch, ahead = ahead, None  # not what is asked for: closed below
         self.close()
-        k = self._block_of(epoch, first)
-        self.reads = [_Read(self, epoch, first, self.order.block_units(epoch, k)[1])]
+        if ahead is not None:
+            self.reads = [ahead]
+        else:
+            k = self._block_of(epoch, first)
+            self.reads = [_Read(self, epoch, first, self.order.block_units(epoch, k)[1])]
         self.epoch, self.dropped_below = epoch, first
         logging.getLogger(__name__).debug("data: reading epoch %d from unit %d", epoch, first)
 
     def close(self) -> None:
-        for read in self.reads:
+        for read in self.reads + ([self.next_epoch] if self.next_epoch else []):
             read.cancel()
             self._rows_done += read.rows
-        self.reads = []
+        self.reads, self.next_epoch = [], None
 
 
 def _execute(dataset) -> tuple[Iterator, object]:

@@ -64,7 +64,9 @@ class EpochOrder:
         if epoch not in self._perms:
             perm = _rng(self.seed, epoch).permutation(len(self.unit_rows))
             starts = np.concatenate([[0], np.cumsum(self.unit_rows[perm])[:-1]])
-            self._perms = {epoch: (perm, starts)}  # one epoch at a time
+            if len(self._perms) >= 2:  # this epoch and the next, which the feed reads ahead
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[epoch] = (perm, starts)
         return self._perms[epoch]
 
     def block_units(self, epoch: int, block: int) -> tuple[int, int]:
