@@ -9,11 +9,18 @@ steps in a child process of its own, on an embedded local Ray:
   v0.5     the last v0.5 commit (`--v05-ref`), checked out into a temporary git worktree and
            put first on PYTHONPATH (driver and workers); run only up to `--v05-max-gb`, since
            it holds the whole table in the driver (about 4 MiB per MiB of corpus)
+  ray-train  the anchor users would pick instead: Ray Train's TorchTrainer, the corpus as
+           `ray.data.read_parquet` handed to it as a dataset (which it splits with
+           `streaming_split`), each worker iterating its shard; the same model, micro-batches,
+           optimizer step and torch threads as baton, DDP from `prepare_model`. Its workers ask
+           for 0.5 CPU each, so Ray Data's read tasks (1 CPU by default) can be scheduled
+           beside them on 2 cores
 
 Measured in each child: the driver's peak RSS over the run (the kernel's VmHWM, reset when the
 run starts), the object store's peak (Ray's store stats, sampled every 0.25 s) and bytes
 spilled, the time from `api.run` to the first completed step, the steady tokens/s (median of
-the second half of the steps) and the median data-wait fraction. For the stream, also the time
+the second half of the steps; for Ray Train, between step ends on rank 0, which include its
+wait for data) and the median data-wait fraction. For the stream, also the time
 for a fresh feed to have its first batch's row groups read at 0 % and at 50 % of an epoch.
 
     python benchmarks/data_stream.py                       # 0.2, 1 and 2 GB: about 10 minutes
@@ -23,6 +30,7 @@ for a fresh feed to have its first batch's row groups read at 0 % and at 50 % of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -148,15 +156,96 @@ def seek_times(spec) -> dict:
     return out
 
 
+def _ray_train_loop(config: dict) -> list[float]:
+    """One worker of the anchor: baton's model and step on the rows of its streaming shard.
+    Returns the wall-clock time of every step's end (rank 0's comes back from fit)."""
+    import numpy as np
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from baton.models import build_model, loss_sum
+    from baton.spec import spec_from_dict
+    from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
+
+    torch.set_num_threads(1)
+    spec = spec_from_dict(config["spec"])
+    t, ctx = spec.train, ray.train.get_context()
+    world = ctx.get_world_size()
+    model = ray.train.torch.prepare_model(build_model(spec.model, t.seed))
+    optimizer = make_optimizer(model, t)
+    per_worker = t.global_batch // world
+    batches = ray.train.get_dataset_shard("train").iter_batches(
+        batch_size=per_worker, batch_format="pyarrow", drop_last=True)
+    ends = []
+    for step, table in zip(range(t.steps), batches):
+        tokens = table.column("tokens").combine_chunks()
+        rows = torch.from_numpy(np.asarray(tokens.flatten()).reshape(len(tokens), -1)).long()
+        micro = rows.split(spec.micro_batch)
+        scale = world / (t.global_batch * spec.model.seq_len)
+        for i, data in enumerate(micro):
+            with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
+                (loss_sum(model(data[:, :-1]), data[:, 1:]) * scale).backward()
+        set_lr(optimizer, lr_at(step, t))
+        clip_and_norm(model, t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ends.append(time.time())
+    return ends
+
+
+def ray_train_child(data: Path, out: Path, steps: int) -> None:
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    store, stop = {"used": 0.0, "spilled": 0.0}, threading.Event()
+
+    def sample() -> None:
+        address = get_state_from_address(ray.get_runtime_context().gcs_address)
+        while not stop.is_set():
+            stats = get_memory_info_reply(address).store_stats
+            store["used"] = max(store["used"], stats.object_store_bytes_used / 2**20)
+            store["spilled"] = max(store["spilled"], stats.spilled_bytes_total / 2**20)
+            time.sleep(0.25)
+
+    threading.Thread(target=sample, daemon=True).start()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = spec_dict(data, Path(tmp), steps)
+        Path("/proc/self/clear_refs").write_text("5")
+        t0 = time.time()
+        trainer = TorchTrainer(
+            _ray_train_loop, train_loop_config={"spec": raw},
+            datasets={"train": ray.data.read_parquet(str(data), columns=["tokens"])},
+            scaling_config=ScalingConfig(num_workers=raw["parallel"]["dp"],
+                                         resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(storage_path=f"{tmp}/ray_train", name="anchor"))
+        ends = trainer.fit().return_value
+        driver = _hwm_mib()
+    stop.set()
+    tokens = raw["train"]["global_batch"] * SEQ_LEN
+    steady = [b - a for a, b in zip(ends, ends[1:])][len(ends) // 2:]
+    row = {"driver_peak_mib": round(driver, 1), "store_peak_mib": round(store["used"], 1),
+           "spilled_mib": round(store["spilled"], 1), "first_step_s": round(ends[0] - t0, 2),
+           "tokens_per_s": round(tokens / statistics.median(steady), 1), "data_wait_fraction": None}
+    ray.shutdown()
+    out.write_text(json.dumps(row))
+
+
 # -- the parent -----------------------------------------------------------------------------
 
-def run_child(data: Path, steps: int, pythonpath: str | None, seek: bool) -> dict:
+def run_child(data: Path, steps: int, pythonpath: str | None, seek: bool, anchor: bool = False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
         if pythonpath:
             env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, __file__, "--child", str(data), out.name, "--steps", str(steps)]
-        subprocess.run(cmd + (["--seek"] if seek else []), env=env, check=True, cwd=data.parent)
+        cmd += ["--seek"] if seek else []
+        cmd += ["--ray-train"] if anchor else []
+        subprocess.run(cmd, env=env, check=True, cwd=data.parent)
         return json.loads(Path(out.name).read_text())
 
 
@@ -169,7 +258,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "data_stream_cpu.json"))
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--seek", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ray-train", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--anchor-max-gb", type=float, default=2.0,
+                    help="run Ray Train's TorchTrainer + streaming_split up to this size")
     args = ap.parse_args()
+    if args.child and args.ray_train:
+        ray_train_child(Path(args.child[0]), Path(args.child[1]), args.steps)
+        return
     if args.child:
         child(Path(args.child[0]), Path(args.child[1]), args.steps, args.seek)
         return
@@ -189,9 +284,11 @@ def main() -> None:
                 size_mib = sum(f.stat().st_size for f in data.iterdir()) / 2**20
                 systems = [("stream", None)] + ([("v0.5", str(v05 / "platform"))]
                                                 if gb <= args.v05_max_gb else [])
+                systems += [("ray-train", None)] if gb <= args.anchor_max_gb else []
                 for system, path in systems:
+                    anchor = system == "ray-train"
                     row = {"corpus_gb": gb, "corpus_mib": round(size_mib), "system": system,
-                           **run_child(data, args.steps, path, seek=path is None)}
+                           **run_child(data, args.steps, path, seek=system == "stream", anchor=anchor)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 for f in data.iterdir():
@@ -208,11 +305,13 @@ def main() -> None:
     ratios = {}
     for gb in args.sizes_gb:
         pair = {r["system"]: r for r in rows if r["corpus_gb"] == gb}
-        if "v0.5" in pair:
-            ratios[f"{gb:g}gb"] = round(pair["stream"]["tokens_per_s"] / pair["v0.5"]["tokens_per_s"], 3)
-    print(f"\nsteady tokens/s, stream / v0.5: {ratios}")
+        for other in ("v0.5", "ray-train"):
+            if other in pair:
+                ratios.setdefault(other, {})[f"{gb:g}gb"] = round(
+                    pair["stream"]["tokens_per_s"] / pair[other]["tokens_per_s"], 3)
+    print(f"\nsteady tokens/s, stream / other: {ratios}")
     write_result(args.out, {"benchmark": "data_stream", "steps": args.steps, "rows": rows,
-                            "tokens_per_s_ratio_stream_over_v05": ratios,
+                            "tokens_per_s_ratio_stream_over": ratios,
                             "machine": {"cpus": os.cpu_count()}})
 
 

@@ -114,15 +114,35 @@ def assert_like_one_process(spec, data_dir, result, steps: int, rtol: float = 1e
     return got, want
 
 
-def start_baton(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    """The installed `baton` command, as a user runs it from a terminal, in its own process
-    group (so that a test can kill it and the embedded Ray it started together). SIGINT is set
-    back to its default: a suite started as a background job (`cmd &`) inherits SIGINT
-    ignored, Python then installs no KeyboardInterrupt handler, and a Ctrl-C test would
-    wait forever on a run that never sees it."""
+# A user model (the `module:function` path): the GPT, slowed down so that a kill lands
+# between a checkpoint and the end of the run, whatever the machine's speed.
+SLOW_MODEL = '''
+import time
+import torch
+from baton.models.gpt import build_gpt
+
+class Slow(torch.nn.Module):
+    def forward(self, x):
+        time.sleep(0.4)
+        return x
+
+def build(spec):
+    model = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads,
+                      seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout)
+    return torch.nn.Sequential(Slow(), *model)
+'''
+
+
+def start_baton(args: list[str], cwd: Path, env: dict | None = None,
+                argv: list[str] | None = None) -> subprocess.Popen:
+    """The installed `baton` command (or `argv`), as a user runs it from a terminal, in its own
+    process group (so that a test can kill it and the embedded Ray it started together). SIGINT
+    is set back to its default: a suite started as a background job (`cmd &`) inherits SIGINT
+    ignored, Python then installs no KeyboardInterrupt handler, and a Ctrl-C test would wait
+    forever on a run that never sees it."""
     exe = shutil.which("baton")
     assert exe, "the baton console script is installed"
-    proc = subprocess.Popen([exe, *args], cwd=cwd, env=env or os.environ, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv or [exe, *args], cwd=cwd, env=env or os.environ, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     STARTED.append(proc)

@@ -11,26 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from baton.checkpoint import CheckpointStore
-from helpers import start_baton, tiny_spec, write_dataset, write_spec
-
-# A user model (the `module:function` path): the GPT, slowed down so that a kill lands
-# between the step-5 checkpoint and the end of the run, whatever the machine's speed.
-SLOW_MODEL = '''
-import time
-import torch
-from baton.models.gpt import build_gpt
-
-class Slow(torch.nn.Module):
-    def forward(self, x):
-        time.sleep(0.4)
-        return x
-
-def build(spec):
-    model = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads,
-                      seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout)
-    return torch.nn.Sequential(Slow(), *model)
-'''
-
+from helpers import SLOW_MODEL, start_baton, tiny_spec, write_dataset, write_spec
 
 def test_killed_and_resumed_equals_straight(tmp_path):
     (tmp_path / "slowgpt.py").write_text(SLOW_MODEL)  # in the working directory, as a user would

@@ -23,7 +23,7 @@ from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.errors import CheckpointError, DataError
 from baton.spec import spec_from_dict
-from helpers import free_ports, reference_run, tiny_spec, write_dataset
+from helpers import SLOW_MODEL, free_ports, reference_run, start_baton, tiny_spec, write_dataset
 
 OBJECT_STORE_MIB = 100
 BIG_MIB = 400  # the generated corpus: 4x the object store
@@ -210,6 +210,74 @@ def test_the_next_epoch_is_read_before_the_epoch_ends(tmp_path, block):
         assert starts == [(0, 0), (1, 0), (2, 0), (3, 0)], feed.ranges_read
     finally:
         feed.close()
+
+
+# `api.run` in a process of its own, writing the sample ledger after every step (atomically)
+LEDGER_RUN = """
+import json, os, sys
+from baton import api
+from baton.spec import spec_from_dict
+
+def dump(coordinator):
+    with open(sys.argv[2] + ".tmp", "w") as f:
+        json.dump(coordinator.ledger, f)
+    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+
+api.run(spec_from_dict(json.load(open(sys.argv[1]))), show_progress=False, record_samples=True,
+        on_step=dump)
+"""
+
+
+def test_sigkill_then_resume_at_another_dp_trains_every_sample_once(tmp_path):
+    """A run at dp 2 is SIGKILLed (with its embedded Ray) after its step-4 checkpoint; resumed
+    at dp 3, it ends the epoch. The ledgers of the killed run's committed steps and of the
+    resumed run hold every sample of the epoch exactly once: 192 samples, 16 steps of 12."""
+    import json
+    import signal
+    import sys
+
+    (tmp_path / "slowgpt.py").write_text(SLOW_MODEL)  # slow enough that the kill lands mid-run
+    (tmp_path / "ledger_run.py").write_text(LEDGER_RUN)
+    data = write_dataset(tmp_path / "data", num_samples=192, seq_len=32, row_group_rows=16)
+    raw = tiny_spec(tmp_path, data, name="killed", model={"name": "slowgpt:build"},
+                    train={"steps": 16, "global_batch": 12, "micro_batch": 2},
+                    data={"shuffle_block": 48}, checkpoint={"every_steps": 4, "keep": 5},
+                    tracking={"enabled": False})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+    def start(dp: int, ledger: Path):
+        raw["parallel"]["dp"] = dp
+        (tmp_path / f"spec-{dp}.json").write_text(json.dumps(raw))
+        return start_baton([], tmp_path, env=env, argv=[sys.executable, "ledger_run.py",
+                                                        f"spec-{dp}.json", str(ledger)])
+
+    first, ledger = tmp_path / "first.json", tmp_path / "resumed.json"
+    killed = start(2, first)
+    marker = tmp_path / "ckpt" / "killed" / "step_00000004" / "COMMITTED"
+    deadline = time.monotonic() + 240
+
+    def committed_steps() -> list:
+        if not (marker.exists() and first.exists()):
+            return []
+        return [e for e in json.loads(first.read_text()) if e[0] < 4]
+
+    while len({e[0] for e in committed_steps()}) < 4:
+        assert killed.poll() is None, killed.stdout.read()
+        assert time.monotonic() < deadline, "no checkpoint at step 4"
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=30)
+    before = committed_steps()
+    assert CheckpointStore(str(tmp_path / "ckpt" / "killed")).latest() == 4  # killed mid-run
+
+    resumed = start(3, ledger)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out[-3000:]
+    after = json.loads(ledger.read_text())
+    assert {step for step, _, _ in after} == set(range(4, 16))
+    assert {rank for _, rank, _ in after} == {0, 1, 2}
+    seen = Counter(i for _, _, ids in before + after for i in ids)
+    assert sorted(seen) == list(range(1000, 1192)) and set(seen.values()) == {1}
 
 
 def test_a_changed_corpus_is_refused_on_resume_unless_rebased(tmp_path):

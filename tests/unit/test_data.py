@@ -25,17 +25,30 @@ def test_windows_overlap_by_one_token_so_every_token_is_a_target_once():
     assert list(targets) == list(range(1, 21))
 
 
-def test_prepare_stdlib_is_deterministic_and_real_text(tmp_path):
-    a = prepare_stdlib(tmp_path / "a", seq_len=256, shard_rows=50_000)
-    b = prepare_stdlib(tmp_path / "b", seq_len=256, shard_rows=50_000)
-    assert a == b and a["files"] > 500 and a["samples"] > 10_000
-    ta = pads.dataset(tmp_path / "a").to_table().sort_by("sample_id")
-    tb = pads.dataset(tmp_path / "b").to_table().sort_by("sample_id")
-    assert ta.equals(tb)
-    assert ta.column("sample_id").to_pylist() == list(range(a["samples"]))
-    first = bytes(ta.column("tokens")[0].values.to_numpy())
-    assert len(first) == 257 and first.isascii()
-    assert json.loads((tmp_path / "a" / "_corpus.json").read_text())["seq_len"] == 256
+def test_prepare_stdlib_is_deterministic_real_text_through_the_text_path(tmp_path):
+    """Byte-identical parts from two runs; every source file one document, each followed by
+    the end-of-document token 0 (which Python sources never hold); the text path's ids."""
+    from baton.data.text import ID_STRIDE
+
+    a = prepare_stdlib(tmp_path / "a", seq_len=256)
+    b = prepare_stdlib(tmp_path / "b", seq_len=256)
+    assert a == b and a["files"] > 500 and a["documents"] == a["files"] and a["samples"] > 10_000
+    parts = sorted(p.name for p in (tmp_path / "a").glob("part-*.parquet"))
+    assert len(parts) == 8
+    for name in parts:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    table = pads.dataset(tmp_path / "a").to_table().sort_by("sample_id")
+    ids = np.asarray(table.column("sample_id"))
+    assert sorted(set((ids // ID_STRIDE).tolist())) == list(range(8)) and len(ids) == a["samples"]
+    tokens = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(len(ids), 257)
+    first = bytes(tokens[0])
+    assert first.isascii() and b"\0" not in first[:100]
+    # each row's targets are new tokens (stride 256), so the 0s among them are the documents'
+    # ends: one per file, less those that fell in a part's dropped tail (under a row each)
+    ends = int((tokens[:, 1:] == 0).sum())
+    assert a["files"] - 8 <= ends <= a["files"], ends
+    meta = json.loads((tmp_path / "a" / "_corpus.json").read_text())
+    assert meta["seq_len"] == 256 and meta["source"] == "python-stdlib" and meta["eod_token"] == 0
     with pytest.raises(FileExistsError):
         prepare_stdlib(tmp_path / "a", seq_len=256)
 

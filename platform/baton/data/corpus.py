@@ -1,7 +1,8 @@
-"""The built-in corpus: the Python standard library's own source files, byte-level tokenised.
+"""The built-in corpus: the Python standard library's own source files, one document each,
+byte-level tokenised and packed by the text path (`text.py`) like any user's documents.
 
 Real text that every Python installation carries, so a job trains on something nobody here
-wrote without reaching any hub. Deterministic: the same Python version gives the same shards.
+wrote without reaching any hub. Deterministic: the same Python version gives the same parts.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-SHARD_ROWS = 8192
+STDLIB_PARTS = 8  # inputs to the text path, so parts of about 4 MB
 
 
 def stdlib_files() -> list[Path]:
@@ -44,25 +43,26 @@ def windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
     return stream[idx]
 
 
-def prepare_stdlib(out_dir: str | os.PathLike, seq_len: int, shard_rows: int = SHARD_ROWS) -> dict:
-    """Write the corpus as Parquet shards (columns sample_id, tokens) into `out_dir`.
+def prepare_stdlib(out_dir: str | os.PathLike, seq_len: int, parts: int = STDLIB_PARTS) -> dict:
+    """Write the corpus into `out_dir` through the text path (`baton data prepare text`, run
+    in this process): each source file is a document (read as UTF-8; the few bytes that are
+    not become U+FFFD), byte tokens, each document followed by the end-of-document token 0;
+    the files, in path order, are cut into `parts` inputs of about equal size."""
+    from baton.data.text import prepare_text
 
-    Written to a temporary folder beside it and renamed into place, so a crash leaves either
-    nothing or a complete corpus."""
-    with staged_corpus(Path(out_dir)) as tmp:
-        stream, num_files = stdlib_stream()
-        rows = windows(stream, seq_len)
-        for shard, start in enumerate(range(0, len(rows), shard_rows)):
-            block = rows[start:start + shard_rows]
-            tokens = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), seq_len + 1)
-            table = pa.table({"sample_id": pa.array(np.arange(start, start + len(block))),
-                              "tokens": tokens})
-            pq.write_table(table, tmp / f"part-{shard:05d}.parquet")
-        info = {"source": "python-stdlib", "python": sys.version.split()[0], "files": num_files,
-                "tokens": int(len(stream)), "seq_len": seq_len, "samples": int(len(rows)),
-                "vocab_size": 256}
-        (tmp / "_corpus.json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    files = stdlib_files()
+    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+    bounds = np.searchsorted(np.cumsum([len(t) for t in texts]),
+                             np.linspace(0, sum(map(len, texts)), parts + 1)[1:-1])
+    with tempfile.TemporaryDirectory(prefix="baton-stdlib-") as docs:
+        for k, (a, b) in enumerate(zip([0, *bounds], [*bounds, len(texts)])):
+            if a == b:
+                continue
+            with open(Path(docs) / f"docs-{k:03d}.jsonl", "w", encoding="utf-8") as out:
+                out.writelines(json.dumps({"text": t}) + "\n" for t in texts[a:b])
+        return prepare_text(docs, str(out_dir), seq_len, on_ray=False,
+                            about={"source": "python-stdlib", "python": sys.version.split()[0],
+                                   "files": len(files)})
 
 
 @contextlib.contextmanager

@@ -29,11 +29,13 @@ from baton.data.feed import as_data_error
 from baton.errors import DataError
 
 BYTE_EOD = 0  # the byte tokenizer's end of document: NUL, which text does not hold
+ROW_GROUP_BYTES = 2**20  # of tokens: the unit the stream reads and its order permutes
 ID_STRIDE = 1 << 32  # sample ids: part index * ID_STRIDE + row in the part
 
 
-def byte_tokenize(texts: list[str]) -> list[list[int]]:
-    return [list(t.encode("utf-8")) for t in texts]
+def byte_tokenize(texts: list[str]) -> list[np.ndarray]:
+    """Each document's UTF-8 bytes (a tokenizer may return any sequences of ints)."""
+    return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
 
 def load_tokenizer(name: Optional[str]) -> Callable[[list[str]], list[list[int]]]:
@@ -113,33 +115,30 @@ def prepare_part(index: int, file: str, out_dir: str, column: str, seq_len: int,
     tokens = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)).cast(_token_type(top + 1)),
                                                seq_len + 1)
     ids = pa.array(index * ID_STRIDE + np.arange(len(rows), dtype=np.int64))
+    row_bytes = rows.shape[1] * tokens.type.value_type.byte_width
     pq.write_table(pa.table({"sample_id": ids, "tokens": tokens}),
-                   Path(out_dir) / f"part-{index:05d}.parquet")
+                   Path(out_dir) / f"part-{index:05d}.parquet",
+                   row_group_size=max(1, ROW_GROUP_BYTES // row_bytes))
     return stats | {"max_token": top}
 
 
 def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
-                 tokenizer: Optional[str] = None, eod: Optional[int] = None) -> dict:
-    """Tokenise and pack every input file on the connected Ray (one task per file)."""
-    import ray
-
+                 tokenizer: Optional[str] = None, eod: Optional[int] = None,
+                 on_ray: bool = True, about: Optional[dict] = None) -> dict:
+    """Tokenise and pack every input file: on the connected Ray, one task per file on this
+    node (`out` is a local folder); or, `on_ray=False`, one after the other in this process
+    (the built-in corpus, prepared before Ray starts). Both write the same bytes. `about`
+    is merged into the corpus description (`_corpus.json`, and what this returns)."""
     if tokenizer is not None and eod is None:
         raise DataError("--eod-token: give the end-of-document id of your tokenizer")
     eod = BYTE_EOD if eod is None else eod
     load_tokenizer(tokenizer)  # fails here, in one line, rather than in every task
     files = input_files(input_path)
     with staged_corpus(Path(out)) as tmp:
-        items = [{"index": i, "file": str(f)} for i, f in enumerate(files)]
-        ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
-            lambda row: prepare_part(row["index"], row["file"], str(tmp), column, seq_len,
-                                     tokenizer, eod))
-        try:
-            parts = sorted(ds.take_all(), key=lambda p: p["index"])
-        except Exception as e:  # raised in a task, wrapped by Ray Data with its traceback
-            error = as_data_error(e)
-            if error is e:
-                raise
-            raise error from None
+        def part(index: int, file: str) -> dict:
+            return prepare_part(index, file, str(tmp), column, seq_len, tokenizer, eod)
+
+        parts = _on_ray(files, part) if on_ray else [part(i, str(f)) for i, f in enumerate(files)]
         samples = sum(p["samples"] for p in parts)
         if samples == 0:
             raise DataError(f"--input {input_path!r}: the documents hold fewer than "
@@ -147,6 +146,26 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
         info = {"source": str(input_path), "files": len(files), "seq_len": seq_len,
                 "documents": sum(p["documents"] for p in parts), "samples": samples,
                 "tokens": sum(p["tokens"] for p in parts), "tokenizer": tokenizer or "bytes",
-                "eod_token": eod, "vocab_size": max(p["max_token"] for p in parts) + 1}
+                "eod_token": eod, "vocab_size": max(p["max_token"] for p in parts) + 1,
+                **(about or {})}
         (tmp / "_corpus.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def _on_ray(files: list[Path], part: Callable[[int, str], dict]) -> list[dict]:
+    """`part` of every file as a Ray Data map stage, its tasks kept on this node: they write
+    into a local folder, which a task on another node would not see."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    items = [{"index": i, "file": str(f)} for i, f in enumerate(files)]
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
+        lambda row: part(row["index"], row["file"]), scheduling_strategy=here)
+    try:
+        return sorted(ds.take_all(), key=lambda p: p["index"])
+    except Exception as e:  # raised in a task, wrapped by Ray Data with its traceback
+        error = as_data_error(e)
+        if error is e:
+            raise
+        raise error from None
