@@ -101,6 +101,9 @@ class FakeGroup:
         self.calls: list[tuple[str, int]] = []
         self.ledgers: dict[int, list] = {}
 
+    def launch(self, n):
+        pass  # start creates them: in memory, nothing to overlap
+
     def start(self, n, timeout_s, need=None, grace_s=0.0):
         k = min(n, self.cluster.free)
         self.cluster.free -= k
@@ -215,6 +218,8 @@ def _coordinator(tmp_path, cluster, **elastic):
     c.order, c.num_samples, c.run_id = EpochOrder(c.manifest.unit_rows, 0), 12, None
     c.feed = OrderOnlyFeed(c.order)
     c.progress = Progress(spec.train.steps, enabled=False)
+    c.group = c.group_factory(c.base, c.dims)
+    c.group.launch(c._workers_to_start())
     c.state = State.SCHEDULING
     return c
 

@@ -149,6 +149,7 @@ class Coordinator:
         self.cursor = Cursor()
         self.done_cursor = self.cursor.state_dict()  # the cursor after the last completed step
         self.group: Optional[WorkerGroup] = None
+        self.first_workers = 0  # how many workers the job starts with
         self.last_loss = float("nan")
         self.last_metrics: dict = {}  # of the last completed step
         self.tokens_per_s: list[float] = []
@@ -212,6 +213,10 @@ class Coordinator:
     # -- transitions --------------------------------------------------------------------------
 
     def _prepare(self) -> State:
+        # the workers' processes start now, while the first batch is read and MLflow opens
+        # (measured on 2 cores: about 7 s and 5 s, one after the other before)
+        self.group = self.group_factory(self.base, self.dims)
+        self.group.launch(self._workers_to_start())
         if self.manifest is None:
             self.manifest = Manifest.build(self.spec.data.path)
         self.order = EpochOrder(self.manifest.unit_rows, self.spec.train.seed,
@@ -234,16 +239,19 @@ class Coordinator:
         self.prepared = True
         return State.SCHEDULING
 
-    def _schedule(self) -> State:
-        self.group = self.group_factory(self.base, self.dims)
-        # as many workers as the cluster has room for, up to max_dp replicas; at least min_dp
-        # (waiting up to parallel.timeout_s for room, as an autoscaler would make)
+    def _workers_to_start(self) -> int:
+        """As many workers as the cluster has room for, up to max_dp replicas; at least min_dp
+        (start waits up to parallel.timeout_s for room, as an autoscaler would make)."""
         most = self.base.dp_range[1] * self.pp
-        n = max(self.scale.min_workers, min(most, self.group.free_workers()))
+        self.first_workers = max(self.scale.min_workers, min(most, self.group.free_workers()))
         if self.base.dp_range[0] < self.base.dp_range[1]:
             # after counting: the job starts on the room there is now, and an autoscaler adds
             # nodes for the rest, which _rescale grows onto
             self.group.request_capacity(most)
+        return self.first_workers
+
+    def _schedule(self) -> State:
+        n = self.first_workers
         members = self.group.start(n, self.base.parallel.timeout_s, need=self.scale.min_workers,
                                    grace_s=TOP_UP_GRACE_S)
         if self.scale.target(len(members)) is None:

@@ -37,6 +37,7 @@ class WorkerGroup:
         self._beats: dict[int, Any] = {}  # rank -> the heartbeat in flight
         self._sent: dict[int, float] = {}  # rank -> when the heartbeat in flight was sent
         self._requested = False  # an autoscaler request stands (request_capacity)
+        self._launched: list = []  # workers created by launch, for the next start
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -45,14 +46,15 @@ class WorkerGroup:
         """Start up to `n` new workers: wait up to `timeout_s` for `need` of them (default all),
         then `grace_s` more for the rest; those not running by then (no room for them) are
         killed. Returns (actor, info) of the ones that started."""
+        launched, self._launched = self._launched, []
+        if len(launched) != n:
+            for actor in launched:
+                ray.kill(actor)
+            launched = []
         if n <= 0:
             return []
         need = n if need is None else min(need, n)
-        r = self.spec.resources
-        options = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_restarts": 0,
-                   "scheduling_strategy": "SPREAD" if r.placement == "spread" else "DEFAULT"}
-        actors = [RemoteWorker.options(**options).remote(self.spec, ParallelDims(1), 0)
-                  for _ in range(n)]
+        actors = launched or self._create(n)
         refs = [a.ready.remote() for a in actors]
         ready, _ = ray.wait(refs, num_returns=need, timeout=timeout_s) if need else ([], refs)
         if len(ready) < n and grace_s > 0:
@@ -67,6 +69,19 @@ class WorkerGroup:
                 pass
             ray.kill(actor)
         return started
+
+    def launch(self, n: int) -> None:
+        """Create `n` workers now, without waiting: the next `start(n)` waits for these instead
+        of creating its own, so their processes start (the larger part of a job's start) while
+        the coordinator reads the first batch and opens the MLflow run."""
+        self._launched = self._create(n) if n > 0 else []
+
+    def _create(self, n: int) -> list:
+        r = self.spec.resources
+        options = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_restarts": 0,
+                   "scheduling_strategy": "SPREAD" if r.placement == "spread" else "DEFAULT"}
+        return [RemoteWorker.options(**options).remote(self.spec, ParallelDims(1), 0)
+                for _ in range(n)]
 
     def request_capacity(self, workers: int) -> None:
         """Ask Ray's autoscaler (KubeRay's in-tree one) for room for `workers` workers in all.
@@ -262,9 +277,9 @@ class WorkerGroup:
                 pass
 
     def shutdown(self) -> None:
-        for actor in self.actors:
+        for actor in self.actors + self._launched:
             ray.kill(actor)
-        self.actors, self.infos = [], []
+        self.actors, self.infos, self._launched = [], [], []
         if self._requested:
             self.request_capacity(0)  # let the autoscaler scale down once the nodes idle
 
