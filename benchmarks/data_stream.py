@@ -83,17 +83,15 @@ def _hwm_mib() -> float:
     return float("nan")
 
 
-def child(data: Path, out: Path, steps: int, measure_seek: bool) -> None:
+def _start_ray_and_watch_store() -> tuple[dict, threading.Event]:
+    """An embedded local Ray, and a thread keeping the object store's peak use and spilled
+    bytes (MiB, Ray's own store stats every 0.25 s) until the event is set."""
     import ray
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    from baton import api
-    from baton.spec import spec_from_dict
-
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     ray.data.DataContext.get_current().enable_progress_bars = False
-    store = {"used": 0.0, "spilled": 0.0}
-    stop = threading.Event()
+    store, stop = {"used": 0.0, "spilled": 0.0}, threading.Event()
 
     def sample() -> None:
         address = get_state_from_address(ray.get_runtime_context().gcs_address)
@@ -104,6 +102,16 @@ def child(data: Path, out: Path, steps: int, measure_seek: bool) -> None:
             time.sleep(0.25)
 
     threading.Thread(target=sample, daemon=True).start()
+    return store, stop
+
+
+def child(data: Path, out: Path, steps: int, measure_seek: bool) -> None:
+    import ray
+
+    from baton import api
+    from baton.spec import spec_from_dict
+
+    store, stop = _start_ray_and_watch_store()
     first_step, waits = [], []
 
     def on_step(c) -> None:
@@ -196,23 +204,10 @@ def _ray_train_loop(config: dict) -> list[float]:
 
 def ray_train_child(data: Path, out: Path, steps: int) -> None:
     import ray
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    store, stop = {"used": 0.0, "spilled": 0.0}, threading.Event()
-
-    def sample() -> None:
-        address = get_state_from_address(ray.get_runtime_context().gcs_address)
-        while not stop.is_set():
-            stats = get_memory_info_reply(address).store_stats
-            store["used"] = max(store["used"], stats.object_store_bytes_used / 2**20)
-            store["spilled"] = max(store["spilled"], stats.spilled_bytes_total / 2**20)
-            time.sleep(0.25)
-
-    threading.Thread(target=sample, daemon=True).start()
+    store, stop = _start_ray_and_watch_store()
     with tempfile.TemporaryDirectory() as tmp:
         raw = spec_dict(data, Path(tmp), steps)
         Path("/proc/self/clear_refs").write_text("5")
