@@ -266,8 +266,13 @@ def test_a_worker_killed_while_a_checkpoint_is_written_leaves_it_torn(tmp_path, 
                      on_step=_at_step(3, kill_when_writing))
 
     assert _kinds(result.events) == ["failure", "recovery"]
-    assert "while saving checkpoint 4" in result.events[0]["message"]
-    assert result.events[1]["resumed_from_step"] == 2
+    # the coordinator notices the death in whichever wait it is in: the save of checkpoint 4,
+    # or (seen once in a fresh-clone CI run) the step's ledger, queued before the save, whose
+    # wait watches every rank while the last stage still answers
+    message = result.events[0]["message"]
+    assert message.startswith("worker rank 0 died while ") and (
+        "saving checkpoint 4" in message or "reading the ledger" in message), message
+    assert result.events[1]["resumed_from_step"] == 2  # checkpoint 4 was torn: back to 2
     assert result.events[1]["state_from"] == "checkpoint"
     _assert_exactly_once(result)
     _assert_bitwise(_final_params(spec), uninterrupted["ref-pp"])
