@@ -177,13 +177,22 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _sharding_line(spec) -> str:
     """The layout of a sharded job and the state each worker holds, next to DDP's."""
     from baton.models import layer_params
+    from baton.parallel.partition import bounds, plan_stages
+    from baton.parallel.schedule import stage_of
     from baton.parallel.sharding import NAMES, estimate_bytes
 
     d, shards = spec.parallel, spec.dp_shard
-    n = sum(layer_params(spec.model))
+    counts = layer_params(spec.model)
+    n = sum(counts)
+    if d.pp > 1:  # the pipeline rank with the most parameters (partition: time, estimated so)
+        spans = bounds(plan_stages(spec, lambda: counts))
+        n = max(sum(sum(counts[slice(*spans[stage_of(r, c, d.pp)])]) for c in range(spec.chunks))
+                for r in range(d.pp))
     mine, ddp = estimate_bytes(n, d.shard, shards), estimate_bytes(n, "none", 1)
     groups = d.dp // shards
     layout = (f"{groups} replica groups of {shards} (hybrid)" if groups > 1 else f"{shards} workers")
+    if d.pp > 1:
+        layout += f" in each of {d.pp} pipeline stages (the largest stage's share)"
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     return (f"sharding: {d.shard} ({NAMES[d.shard]}) over {layout}; per worker: "
             + ", ".join(f"{k} {mib(v)}" for k, v in mine.items())

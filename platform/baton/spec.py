@@ -446,9 +446,10 @@ def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:
     need(one_world or spec.dp_range[1] >= 2, "parallel.shard", p.shard,
          "sharding splits state across replicas and this job has one (parallel.dp and "
          "elastic.max_dp are 1); raise parallel.dp or use shard: none")
-    need(p.pp == 1, "parallel.shard", p.shard,
-         f"sharding inside pipeline stages (parallel.pp = {p.pp}) is not supported yet; use "
-         "pp: 1 with shard, or shard: none with pp")
+    need(p.pp == 1 or p.shard != "optimizer", "parallel.shard", p.shard,
+         f"ZeRO-1 inside pipeline stages (parallel.pp = {p.pp}) is not supported (torch's "
+         "ZeroRedundancyOptimizer steps through DDP, which pipelines do not use); use grads "
+         "or full with pp")
     if p.shard_group is not None:
         need(p.shard_group >= 2, "parallel.shard_group", p.shard_group,
              "must be at least 2 (null shards across all of dp)")

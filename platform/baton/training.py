@@ -50,11 +50,16 @@ def clip_and_norm(model: nn.Module, grad_clip: float) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this worker holds of a sharded tensor); a plain tensor
+    itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def param_digest(model: nn.Module) -> str:
     """A hash of every parameter's bytes, in name order: equal digests, identical replicas."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        p = p.to_local() if hasattr(p, "to_local") else p  # a shard: this worker's part
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(local(p).detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -17,7 +17,7 @@ from baton.parallel import ParallelDims
 from baton.parallel.partition import plan_stages
 from baton.spec import spec_from_dict
 from baton.workers import WorkerGroup
-from helpers import (assert_like_one_process, batch_in_store, job_order, read_table,
+from helpers import (assert_like_one_process, assert_params_close, batch_in_store, job_order, read_table,
                      reference_grads, reference_run, tiny_spec, write_dataset)
 
 pytestmark = pytest.mark.usefixtures("local_ray")
@@ -129,8 +129,7 @@ def test_checkpoint_moves_between_layouts(tmp_path, data):
     assert [store.read_meta(s)["layout"]["pp"] for s in (2, 3, 4)] == [2, 1, 4]
     got = store.read_model(4)
     want, _, _ = reference_run(spec, data, steps=4)
-    for name, ref in want.items():
-        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
+    assert_params_close(got, want, rtol=1e-5, atol=4e-5)
 
 
 def test_every_sample_once_through_a_pipeline(tmp_path):

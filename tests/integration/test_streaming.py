@@ -23,7 +23,7 @@ from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.errors import CheckpointError, DataError
 from baton.spec import spec_from_dict
-from helpers import SLOW_MODEL, free_ports, reference_run, start_baton, tiny_spec, write_dataset
+from helpers import SLOW_MODEL, assert_params_close, free_ports, reference_run, start_baton, tiny_spec, write_dataset
 
 OBJECT_STORE_MIB = 100
 BIG_MIB = 400  # the generated corpus: 4x the object store
@@ -317,7 +317,6 @@ def test_a_corpus_in_s3_trains_like_its_local_copy(tmp_path, s3_endpoint):
     tests' bound (rtol 1e-5, atol 4e-5), as in test_data_parallel; measured here, the largest
     difference was 9.8e-6 (gloo's summation order against one process's)."""
     import pyarrow.fs as pafs
-    import torch
 
     from baton.data.manifest import Manifest
 
@@ -334,8 +333,7 @@ def test_a_corpus_in_s3_trains_like_its_local_copy(tmp_path, s3_endpoint):
     want, _, _ = reference_run(spec, local, steps=3)
     worst = max(float((got[n] - ref).abs().max()) for n, ref in want.items())
     print(f"largest parameter difference from the one-process reference: {worst:.3g}")
-    for name, ref in want.items():
-        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
+    assert_params_close(got, want, rtol=1e-5, atol=4e-5)
 
 
 def test_a_sharded_job_checkpoints_to_s3_and_resumes_at_another_layout(tmp_path, s3_endpoint):
@@ -343,7 +341,6 @@ def test_a_sharded_job_checkpoints_to_s3_and_resumes_at_another_layout(tmp_path,
     real S3 endpoint, moto's server; the job resumes from there under DDP and ends where one
     process does. Tolerance: the data-parallel tests' bound; measured here: 1.8e-5."""
     import pyarrow.fs as pafs
-    import torch
 
     fs, path = pafs.FileSystem.from_uri(f"s3://ckpts?{s3_endpoint}&allow_bucket_creation=true")
     fs.create_dir(path)
@@ -362,5 +359,4 @@ def test_a_sharded_job_checkpoints_to_s3_and_resumes_at_another_layout(tmp_path,
     want, _, _ = reference_run(spec, data, steps=3)
     worst = max(float((got[n] - ref).abs().max()) for n, ref in want.items())
     print(f"largest parameter difference from the one-process reference: {worst:.3g}")
-    for name, ref in want.items():
-        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=4e-5, msg=name)
+    assert_params_close(got, want, rtol=1e-5, atol=4e-5)

@@ -10,11 +10,13 @@ import pytest
 
 from baton.checkpoint import CheckpointStore
 from baton.coordinator import Coordinator, State
+from baton.coordinator.commits import Commits
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.data import EpochOrder
 from baton.data.feed import Batch
 from baton.data.manifest import FileEntry, Manifest
 from baton.errors import SpecError, WorkerError, WorkerLost
+from baton.parallel import ParallelDims
 from baton.progress import Progress
 from baton.spec import spec_from_dict
 from baton.tracking.mlflow_tracker import NullTracker
@@ -60,6 +62,30 @@ def test_scale_policy_picks_the_largest_valid_world_that_fits():
     assert policy.grow_to(1, workers_free=2) == 2
     assert policy.grow_to(2, workers_free=2) is None  # dp 3 is not valid
     assert policy.grow_to(2, workers_free=4) == 4
+
+
+@pytest.mark.parametrize("left,writers", [
+    ({0: 5, 2: 5, 3: 5}, [0, 3]),  # rank 1 lost: rank 3 holds shard 1 (replica group 1)
+    ({0: 5, 2: 5}, None),  # shard 1 lost with both its holders
+    ({0: 5, 1: 6, 2: 5}, None),  # rank 1 finished a step the coordinator never saw: not used
+    ({1: 5, 2: 5}, [1, 2]),  # one shard from each group
+])
+def test_survivors_are_committed_when_every_shard_has_one(tmp_path, left, writers):
+    """Hybrid sharding (dp 4 in replica groups of 2): the survivors' state of the last
+    completed step (5) is committed when each shard has a survivor holding it."""
+
+    class Writes:
+        written: list = []
+
+        def write_kept(self, ranks, root, step):
+            self.written = [ranks, step]
+            return True
+    store, group = CheckpointStore(str(tmp_path / "ckpt")), Writes()
+    committed = Commits(store, NullTracker(), None, keep=2).commit_survivors(
+        group, ParallelDims(dp=4, dp_shard=2), 5, left, {"step": 5})
+    assert committed == (writers is not None)
+    assert group.written == ([writers, 5] if writers else [])
+    assert store.latest() == (5 if writers else None)
 
 
 def test_elastic_spec_checks_its_range_against_the_batch():

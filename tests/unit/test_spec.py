@@ -169,9 +169,9 @@ SHARDING_ERRORS = [
                                                    "parallel.dp = 4"),
     ({"dp": 4, "shard": "full", "shard_group": 1}, "parallel.shard_group: 1 is invalid; must be at least 2"),
     ({"dp": 4, "shard_group": 2}, "parallel.shard_group: 2 is invalid; hybrid sharding needs a shard level"),
-    ({"dp": 2, "pp": 2, "shard": "grads", "microbatches": 2},
-     "parallel.shard: 'grads' is invalid; sharding inside pipeline stages (parallel.pp = 2) is not "
-     "supported yet"),
+    ({"dp": 2, "pp": 2, "shard": "optimizer", "microbatches": 2},
+     "parallel.shard: 'optimizer' is invalid; ZeRO-1 inside pipeline stages (parallel.pp = 2) is "
+     "not supported"),
 ]
 
 
@@ -220,3 +220,18 @@ def test_validate_shows_the_bytes_each_worker_holds(tmp_path, capsys):
     # 16 bytes each under DDP (670 KiB); a replica group of 2 halves all of it
     assert line == ("  sharding: full (ZeRO-3) over 2 replica groups of 2 (hybrid); per worker: "
                     "params 0.1 MiB, grads 0.1 MiB, optimizer 0.2 MiB = 0.3 MiB (DDP: 0.7 MiB)"), line
+
+
+def test_validate_shows_the_largest_pipeline_stage_share(tmp_path, capsys):
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
+        parallel={"dp": 2, "pp": 2, "microbatches": 2, "shard": "full"}))
+    assert cli.main(["validate", str(job)]) == 0
+    out = capsys.readouterr().out
+    # the tiny GPT's 42,880 parameters in 4 layers, balanced by count over 2 stages: the larger
+    # stage holds the embedding (8,192 + 1,024) and a block (12,704): 21,920 (its two halves:
+    # 10,960 params, 43 KiB of fp32), DDP's 16 bytes each of it: 342.5 KiB
+    assert ("sharding: full (ZeRO-3) over 2 workers in each of 2 pipeline stages (the largest "
+            "stage's share); per worker: params 0.0 MiB, grads 0.0 MiB, optimizer 0.1 MiB = "
+            "0.2 MiB (DDP: 0.3 MiB)") in out, out

@@ -18,14 +18,15 @@ from __future__ import annotations
 import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow.fs as pafs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -141,6 +142,38 @@ class SafeReader(dcp.FileSystemReader):
 def save(state: dict, where: Location) -> None:
     """Write this worker's shards of `state` (every worker of the world calls it)."""
     dcp.save(state, storage_writer=_Writer(where))
+
+
+class PlannedSave:
+    """One worker's part of a save whose plans travel through the caller instead of a process
+    group: how the survivors of a broken world, which have none, write the shards they kept
+    (`Worker.write_kept`). DCP's own save makes the same two rounds over collectives
+    (`state_dict_saver._save_state_dict`): each rank's local plan to the coordinator, the
+    global plan back (`plan_globally`), then each rank's writes, and the index last."""
+
+    def __init__(self, state: dict, where: Location):
+        self.planner, self.writer = DefaultSavePlanner(), _Writer(where)
+        self.planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=False)
+        self.writer.set_up_storage_writer(False)
+
+    def plan(self) -> SavePlan:
+        return self.writer.prepare_local_plan(self.planner.create_local_plan())
+
+    def write(self, plan: SavePlan) -> list:
+        """Write this worker's part of the global plan; the results go to `plan_globally`'s
+        `finish`."""
+        writes = self.writer.write_data(self.planner.finish_plan(plan), self.planner)
+        writes.wait()
+        return writes.value()
+
+
+def plan_globally(where: Location, plans: list[SavePlan]) -> tuple[list[SavePlan], Callable]:
+    """The coordinator's round of a `PlannedSave`: each worker's part of the global plan (a
+    tensor several workers hold is written by one), and `finish(results)`, which writes the
+    index once every worker has written its part."""
+    planner, writer = DefaultSavePlanner(), _Writer(where)
+    global_plans, metadata = planner.create_global_plan(plans)
+    return writer.prepare_global_plan(global_plans), lambda results: writer.finish(metadata, results)
 
 
 def load(state: dict, where: Location) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from baton.parallel.schedule import Action, owner_of, stage_of
+from baton.training import local
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 _HEADER = 8  # ndim, dtype code, up to 6 sizes
@@ -45,15 +46,19 @@ class StepTrace:
 
 class PipelineRuntime:
     def __init__(self, chunks: list[nn.Module], rank: int, peers: list[int], v: int,
-                 device: torch.device, bf16: bool, group=None):
+                 device: torch.device, bf16: bool, group=None,
+                 before_backward: Optional[Callable[[int, bool], None]] = None):
         """`chunks[c]` is global stage c * p + rank; `peers[i]` is the global rank of pipeline
-        rank i (send and receive address global ranks)."""
+        rank i (send and receive address global ranks). `before_backward(chunk, last)` runs
+        before each backward; `last`: the chunk's last of the step (sharded stages reduce
+        their gradients then)."""
         self.chunks, self.rank, self.peers, self.v = chunks, rank, peers, v
+        self.before_backward = before_backward
         self.p = len(peers)
         self.last = self.p * v - 1
         self.device, self.bf16, self.group = device, bf16, group
         self.in_shape: dict[int, tuple] = {}  # stage -> (shape, dtype) of what it receives
-        self._param_storages = {q.untyped_storage().data_ptr()
+        self._param_storages = {local(q).untyped_storage().data_ptr()
                                 for c in chunks for q in c.parameters()}
 
     # -- shapes ---------------------------------------------------------------------------------
@@ -103,6 +108,7 @@ class PipelineRuntime:
         act_bytes: dict[tuple[int, int], int] = {}
         sends: list = []  # (work, event index) not yet seen complete
         recv = self._post(actions[0], stash, [], sends, trace) if actions else None
+        last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
         for i, a in enumerate(actions):
             s = stage_of(self.rank, a.chunk, self.p)
             got = self._wait(recv, trace, a, s)
@@ -124,6 +130,8 @@ class PipelineRuntime:
                                                   sum(act_bytes.values()))
             else:
                 x, y = stash.pop((a.mb, a.chunk))
+                if self.before_backward:
+                    self.before_backward(a.chunk, last_backward[a.chunk] == i)
                 torch.autograd.backward(y, None if s == self.last else got)
                 act_bytes.pop((a.mb, a.chunk), None)
                 if s > 0:

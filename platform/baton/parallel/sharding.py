@@ -107,8 +107,9 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                    zero.load_full, zero.load_sharded)
 
 
-def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
-                reshard_after_forward: bool) -> Replica:
+def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool) -> None:
+    """FSDP2 on each of `module`'s blocks, then on `module` itself as a root, over the dp
+    axes of the mesh (of this rank's pipeline stage, when pp > 1)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
@@ -121,6 +122,11 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
         shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     # the root holds what no unit does; it is needed again at once by the backward
     shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+
+
+def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
+                reshard_after_forward: bool) -> Replica:
+    _shard_root(module, mesh, train, reshard_after_forward)
     optimizer = make_optimizer(module, train)
 
     @contextlib.contextmanager
@@ -146,6 +152,41 @@ WRAPPINGS: dict[str, Callable[..., Replica]] = {
     "optimizer": lambda *a: replicate(*a, shard_optimizer=True),
     "grads": lambda *a: fully_shard(*a, reshard_after_forward=False),
     "full": lambda *a: fully_shard(*a, reshard_after_forward=True),
+}
+
+
+def shard_stages(chunks: list[nn.Module], mesh, train: TrainSpec,
+                 reshard_after_forward: bool) -> Callable[[int, bool], None]:
+    """FSDP2 inside pipeline stages, as torchtitan does: each of this rank's chunks (its
+    stages) is a root of its own over the stage's dp axes, its blocks wrapped one by one.
+    Returns `sync(chunk, last)`, which the pipeline runtime calls before each backward:
+    gradients are reduced once per step, at each chunk's last backward, not once per
+    micro-batch (and ZeRO-2 keeps parameters whole until then)."""
+    for chunk in chunks:
+        _shard_root(chunk, mesh, train, reshard_after_forward)
+
+    def sync(c: int, last: bool) -> None:
+        chunks[c].set_requires_gradient_sync(last)
+        chunks[c].set_reshard_after_backward(last or reshard_after_forward)
+    return sync
+
+
+def reshard(chunks: list[nn.Module]) -> None:
+    """Free the whole parameters a forward left gathered (ZeRO-2 keeps them until a backward):
+    each FSDP unit's, not only the root's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for chunk in chunks:
+        for unit in chunk.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+
+
+# the levels that compose with pipelines (ZeRO-1's ZeroRedundancyOptimizer steps through DDP)
+STAGE_WRAPPINGS: dict[str, Callable[..., Optional[Callable[[int, bool], None]]]] = {
+    "none": lambda *a: None,
+    "grads": lambda *a: shard_stages(*a, reshard_after_forward=False),
+    "full": lambda *a: shard_stages(*a, reshard_after_forward=True),
 }
 
 

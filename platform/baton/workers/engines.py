@@ -21,9 +21,9 @@ from baton.parallel import ParallelDims
 from baton.parallel import schedule as sched
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
-from baton.parallel.sharding import WRAPPINGS, load_full, state_dicts
+from baton.parallel.sharding import STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard, state_dicts
 from baton.spec import JobSpec
-from baton.training import clip_and_norm, make_optimizer, set_lr
+from baton.training import clip_and_norm, local, make_optimizer, set_lr
 
 TokensFn = Callable[..., tuple]  # (rows, pad_to=None) -> (inputs, targets)
 
@@ -38,7 +38,7 @@ class _Engine:
         """Clip, step, clear; returns the gradient norm before clipping."""
         grad_norm = self.clip()
         if not self.grad_bytes:  # the same every step of this world: measured once
-            self.grad_bytes = sum(_local(q.grad).nbytes for q in self.module.parameters()
+            self.grad_bytes = sum(local(q.grad).nbytes for q in self.module.parameters()
                                   if q.grad is not None)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
@@ -52,15 +52,10 @@ class _Engine:
         """Bytes of parameters, gradients (at the last step) and optimizer state that this
         worker holds: its local shards, read from the live tensors."""
         optim = self.optimizer.optim if hasattr(self.optimizer, "optim") else self.optimizer
-        return {"params": sum(_local(q).nbytes for q in self.module.parameters()),
+        return {"params": sum(local(q).nbytes for q in self.module.parameters()),
                 "grads": self.grad_bytes,
-                "optimizer": sum(_local(t).nbytes for s in optim.state.values()
+                "optimizer": sum(local(t).nbytes for s in optim.state.values()
                                  for t in s.values() if torch.is_tensor(t))}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class DataParallelEngine(_Engine):
@@ -123,10 +118,18 @@ class PipelineEngine(_Engine):
         del full
         mesh = dims.device_mesh(device.type)  # every rank builds every group, in one order
         self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
+        self.shard_group = mesh["dp_shard"].get_group()
+        # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
+        # this engine all-reduces over the stage's replicas
+        sync = STAGE_WRAPPINGS[spec.parallel.shard](chunks, mesh, spec.train)
+        self.sharded = sync is not None
         self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank), v,
-                                       device, spec.train.precision == "bf16", self.pp_group)
+                                       device, spec.train.precision == "bf16", self.pp_group,
+                                       before_backward=sync)
         example = torch.zeros(spec.micro_batch, spec.model.seq_len, dtype=torch.long)
         self.runtime.agree_shapes(example)
+        if self.sharded:  # the shape probe's forward left ZeRO-2's parameters gathered
+            reshard(chunks)
         self.optimizer = make_optimizer(self.module, spec.train)
         self.actions = sched.build(spec.parallel.schedule, p, spec.microbatches, v)[self.pp_rank]
         self.first, self.last = self.pp_rank == 0, self.pp_rank == p - 1
@@ -138,10 +141,12 @@ class PipelineEngine(_Engine):
         # message between stages keeps the shape agreed at set-up
         batches = ([tokens(rows, pad_to=self.spec.micro_batch) for rows in micro]
                    if self.first or self.last else None)
+        # FSDP averages gradients over the stage's dp ranks; the scale undoes it
         st = self.runtime.run(self.actions, batches and [b[0] for b in batches],
-                              batches and [b[1] for b in batches], loss_sum, scale)
+                              batches and [b[1] for b in batches], loss_sum,
+                              scale * self.dims.dp if self.sharded else scale)
         params = [q for q in self.module.parameters() if q.grad is not None]
-        if self.dims.dp > 1:  # each stage's replicas sum their gradients
+        if self.dims.dp > 1 and not self.sharded:  # each stage's replicas sum their gradients
             grads = [q.grad for q in params]
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.dp_group)
@@ -157,17 +162,21 @@ class PipelineEngine(_Engine):
         return state_dicts(self.module, self.optimizer)
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
-        load_full(self.module, self.module, self.optimizer, model_state, optim_state)
+        load_full(self.module, self.module, self.optimizer, model_state, optim_state,
+                  full=self.sharded)
 
     def load_sharded(self, where: sharded.Location) -> None:
         sharded.load_into(self.module, self.optimizer, where)
 
     def clip(self) -> float:
-        """Clip by the norm of the whole model's gradient, summed over the pipeline's stages."""
+        """Clip by the norm of the whole model's gradient, summed over the pipeline's stages
+        (and over a stage's shards)."""
         params = [q for q in self.module.parameters() if q.grad is not None]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for q in params:
-            sq += torch.linalg.vector_norm(q.grad) ** 2
+            sq += torch.linalg.vector_norm(local(q.grad)) ** 2
+        if self.sharded:  # a stage's shards together hold its gradient (once per group)
+            dist.all_reduce(sq, group=self.shard_group)
         dist.all_reduce(sq, group=self.pp_group)
         norm = math.sqrt(float(sq))
         max_norm = self.spec.train.grad_clip

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import ray
 
+from baton.checkpoint import CheckpointStore, sharded
 from baton.errors import WorkerError, WorkerLost
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
@@ -244,13 +245,20 @@ class WorkerGroup:
 
     def write_kept(self, ranks: list[int], root: str, step: int) -> bool:
         """Have `ranks` (after `leave`) write the state they kept as checkpoint `step`'s parts.
-        False if any of them fails: the caller falls back to the last committed checkpoint."""
+        Sharded state is written through DCP in two rounds, this process carrying the plans
+        that a process group would. False if any of them fails: the caller falls back to the
+        last committed checkpoint."""
+        actors = [self.actors[r] for r in ranks]
         try:
-            ray.get([self.actors[r].write_kept.remote(root, step) for r in ranks],
-                    timeout=self.timeout_s)
+            plans = ray.get([a.write_kept.remote(root, step) for a in actors], timeout=self.timeout_s)
+            if all(p is None for p in plans):  # whole stages, written
+                return True
+            parts, finish = sharded.plan_globally(CheckpointStore(root).shards(step), plans)
+            finish(ray.get([a.write_kept_shards.remote(p) for a, p in zip(actors, parts)],
+                           timeout=self.timeout_s))
             return True
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            return False
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, OSError, ValueError):
+            return False  # ValueError: DCP found the plans inconsistent
 
     def kill(self, ranks: list[int]) -> None:
         for r in ranks:

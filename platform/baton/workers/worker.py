@@ -39,7 +39,8 @@ class Worker:
         torch.set_num_threads(spec.resources.threads_per_worker)
         self.ledger: Optional[list] = None
         self.engine = None
-        self.kept = None  # (step, pp_rank, model state, optimizer state) kept by `leave`
+        self.kept = None  # (step, pp_rank, sharded, model state, optimizer state) kept by `leave`
+        self.kept_save = None  # a sharded `write_kept` between its two rounds
         self.last_step = 0
         self.assign(spec, dims, rank)
 
@@ -61,26 +62,40 @@ class Worker:
         after every call queued before it, so nothing of the old world is still executing.
         Keeps the model's state as of the last step this worker completed (a step that failed
         half-way never reached its optimizer update) and returns that step: after a failure,
-        the survivors' state can be written as a checkpoint (`write_kept`)."""
+        the survivors' state can be written as a checkpoint (`write_kept`). A sharded worker
+        keeps its shards: with another replica group alive, every shard has a survivor."""
         self.kept, kept_step = None, -1
-        if self.engine is not None and not self.engine.sharded:
-            # a shard is no stage's whole state: after a failure, the run goes back to the
-            # latest checkpoint (-1: nothing kept)
-            self.kept = (self.last_step, self.pp_rank, *self.engine.state_dicts())
+        if self.engine is not None:
+            self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
+                         *self.engine.state_dicts())
             kept_step = self.last_step
         self.engine = None
         if dist.is_initialized():
             dist.destroy_process_group()
         return kept_step
 
-    def write_kept(self, root: str, step: int) -> None:
-        """Write the state kept by `leave` as its stage's part of checkpoint `step`."""
-        kept_step, pp_rank, model_state, optim_state = self.kept
+    def write_kept(self, root: str, step: int) -> Optional[object]:
+        """Write the state kept by `leave` as its part of checkpoint `step`: its stage's files,
+        or, when sharded, its shards through DCP, whose plans go through the coordinator (the
+        survivors have no process group): this returns the local plan, and
+        `write_kept_shards` writes this worker's part of the global plan."""
+        kept_step, pp_rank, is_sharded, model_state, optim_state = self.kept
         if kept_step != step:
             raise RuntimeError(f"this worker kept the state of step {kept_step}, not {step}")
         store = CheckpointStore(root)
+        if is_sharded:
+            self.kept_save = sharded.PlannedSave({"model": model_state, "optim": optim_state["state"]},
+                                                 store.shards(step))
+            return self.kept_save.plan()
         store.write_tensors(step, f"model-{pp_rank:04d}.pt", model_state)
         store.write_tensors(step, f"optim-{pp_rank:04d}.pt", optim_state)
+        return None
+
+    def write_kept_shards(self, plan) -> list:
+        try:
+            return self.kept_save.write(plan)
+        finally:
+            self.kept_save = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the group's store."""
