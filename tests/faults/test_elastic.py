@@ -250,9 +250,11 @@ def test_a_worker_killed_under_hybrid_sharding_loses_no_completed_step(tmp_path,
     every 4 steps). Rank 3 holds the same shard, so the survivors' shards are committed as
     step 5 (through DCP, the coordinator carrying the plans the broken process group cannot)
     and no completed step is trained again. The model sleeps 0.4 s in each forward, so the kill
-    lands in step 6's forward, before any of its collectives: every survivor holds step 5."""
+    lands in step 6's forward, before any of its collectives: every survivor holds step 5. The
+    other group's survivors wait in a collective with rank 0 until parallel.timeout_s (10 s
+    here): a gloo group closes its connections only when it is freed."""
     spec = _spec(tmp_path, data, "kill-hybrid",
-                 parallel={"dp": 4, "shard": "full", "shard_group": 2},
+                 parallel={"dp": 4, "shard": "full", "shard_group": 2, "timeout_s": 10},
                  resources={"cpus_per_worker": 0.5}, checkpoint={"every_steps": 4},
                  model={"name": "helpers:slow_gpt", "options": {"seconds": 0.4}})
     result = api.run(spec, record_samples=True, show_progress=False,

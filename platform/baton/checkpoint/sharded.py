@@ -144,6 +144,22 @@ def save(state: dict, where: Location) -> None:
     dcp.save(state, storage_writer=_Writer(where))
 
 
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding and redistribution decisions (C++ and Python). They
+    are keyed by meshes, which compare equal across worlds of one shape while each rank's
+    group names differ between worlds, so in a re-formed world they would hand a collective a
+    group this rank no longer has ("Could not resolve the process group registered under the
+    name 8", seen after a hybrid-sharded recovery). The next steps refill them."""
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
 class PlannedSave:
     """One worker's part of a save whose plans travel through the caller instead of a process
     group: how the survivors of a broken world, which have none, write the shards they kept

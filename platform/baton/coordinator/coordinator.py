@@ -53,7 +53,13 @@ from baton.workers import WorkerGroup
 
 
 PIPELINE_DEPTH = 2  # steps queued on the workers at once
-LEAVE_GRACE_S = 10.0  # a survivor still stuck in the broken collective after this is replaced
+# A survivor still stuck in the broken collective after the collective's own timeout and this
+# is replaced. Survivors that share groups with each other (hybrid sharding, dp >= 3) can wait
+# that long: a gloo group closes its connections only when it is freed, and a peer that left
+# still holds its groups (the model's tensors, DTensor's caches), so a survivor waiting on it
+# fails at parallel.timeout_s (measured on a 2-rank gloo group: the peer's
+# destroy_process_group and abort() did not end the wait; its exit did, at once).
+LEAVE_GRACE_S = 10.0
 START_WAIT_S = 60.0  # how long workers the cluster has room for may take to start
 TOP_UP_GRACE_S = 5.0  # how long to wait for workers beyond those (room being freed)
 STATUS_EVERY_S = 5.0  # how often a running job's status.json is rewritten between events
@@ -302,7 +308,7 @@ class Coordinator:
         gone = set(f.ranks) if f.cause in ("actor_died", "node_died", "hang") else set()
         alive = [r for r, s in state.items() if s == "ok" and r not in gone]
         self.group.kill([r for r in state if r not in alive])  # first: that frees their peers
-        left = self.group.leave(alive, LEAVE_GRACE_S)
+        left = self.group.leave(alive, self.spec.parallel.timeout_s + LEAVE_GRACE_S)
         self.group.kill([r for r in alive if r not in left])
         self.group.discard(stale)
         self.feed.close()  # read again from the cursor the world resumes at; nothing lost is reused

@@ -69,14 +69,22 @@ class ParallelDims:
         return [[self.rank(g * self.dp_shard + s, pp_rank) for s in range(self.dp_shard)]
                 for g in range(self.dp_replicate)]
 
-    def device_mesh(self, device_type: str):
+    def device_mesh(self, device_type: str, timeout_s: float):
         """torch's DeviceMesh of (pp, dp_replicate, dp_shard) over the default process group
         (every rank must call it, in the same order). Every group the engines use comes
-        from it: `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`, `mesh["pp"]`."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from it: `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`, `mesh["pp"]`. Each
+        group gets the job's collective timeout: torch gives a mesh's groups its default (30
+        minutes on gloo), not the world's, and a collective whose peer is gone waits that long."""
+        from datetime import timedelta
 
-        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard),
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard),
                                 mesh_dim_names=AXES)
+        for axis in AXES:
+            _set_pg_timeout(timedelta(seconds=timeout_s), mesh[axis].get_group())
+        return mesh
 
     def replica_part(self, batch_ids: np.ndarray, dp_rank: int) -> np.ndarray:
         """This replica's share of a global batch: contiguous and as even as possible, so a

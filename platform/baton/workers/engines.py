@@ -65,7 +65,7 @@ class DataParallelEngine(_Engine):
         self.dp = spec.parallel.dp
         self.module = build_model(spec.model, spec.train.seed).to(device)
         level = spec.parallel.shard
-        mesh = dims.device_mesh(device.type) if level != "none" else None
+        mesh = dims.device_mesh(device.type, spec.parallel.timeout_s) if level != "none" else None
         self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
@@ -116,7 +116,8 @@ class PipelineEngine(_Engine):
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
         self.module.to(device)
         del full
-        mesh = dims.device_mesh(device.type)  # every rank builds every group, in one order
+        # every rank builds every group, in one order
+        mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
         self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
         self.shard_group = mesh["dp_shard"].get_group()
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients

@@ -72,6 +72,7 @@ class Worker:
         self.engine = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        sharded.forget_meshes()  # DTensor's caches would hand the next world this one's groups
         return kept_step
 
     def write_kept(self, root: str, step: int) -> Optional[object]:
