@@ -379,9 +379,10 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     for key in ("layers", "width", "heads", "seq_len", "vocab_size", "context"):
         need(getattr(m, key) >= 1, f"model.{key}", getattr(m, key), "must be at least 1")
     need(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)")
-    if m.name == "gpt":
-        need(m.width % m.heads == 0, "model.heads", m.heads,
-             f"must divide model.width ({m.width}); try {_divisor_near(m.width, m.heads)}")
+    if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)
+        near = _divisor_near(m.width, m.heads)
+        need(False, "model.heads", m.heads,
+             f"must divide model.width ({m.width})" + (f"; try {near}" if near else ""))
     need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
     need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
@@ -519,8 +520,15 @@ def _even_split(n: int, parts: int) -> list[int]:
     return [n // parts + (i < n % parts) for i in range(parts)]
 
 
-def _divisor_near(n: int, k: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+def _divisor_near(n: int, k: int, window: int = 100_000) -> Optional[int]:
+    """The divisor of n nearest k (the smaller on a tie), looked for within `window` of k:
+    None beyond it. Scanning outward from k, not every number up to n: a width of 10^12 + 1
+    took minutes to refuse."""
+    for i in range(window + 1):
+        for d in (k - i, k + i):
+            if 1 <= d <= n and n % d == 0:
+                return d
+    return None
 
 
 def check_fits(spec: JobSpec, cpus: float, gpus: float, source: str, where: str) -> None:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -235,3 +236,18 @@ def test_validate_shows_the_largest_pipeline_stage_share(tmp_path, capsys):
     assert ("sharding: full (ZeRO-3) over 2 workers in each of 2 pipeline stages (the largest "
             "stage's share); per worker: params 0.0 MiB, grads 0.0 MiB, optimizer 0.1 MiB = "
             "0.2 MiB (DDP: 0.3 MiB)") in out, out
+
+
+@pytest.mark.parametrize("width,heads,hint", [
+    (31, 2, "; try 1"), (48, 5, "; try 4"), (10**12 + 1, 4, "; try 1"), (10**12 + 1, 140, "; try 137"),
+    (2**61 - 1, 10**6, ""),  # a prime: its divisors 1 and itself are far from 10^6
+])
+def test_a_width_the_heads_do_not_divide_is_refused_at_once(tmp_path, width, heads, hint):
+    raw = tiny_spec(tmp_path, tmp_path, model={"name": "gpt", "layers": 2, "width": width,
+                                               "heads": heads, "seq_len": 32})
+    t0 = time.perf_counter()
+    with pytest.raises(SpecError) as e:
+        spec_from_dict(raw, "job.yaml")
+    assert time.perf_counter() - t0 < 1.0  # was minutes for 10^12 + 1 (a scan up to the width)
+    assert str(e.value) == (f"job.yaml: model.heads: {heads} is invalid; must divide model.width "
+                            f"({width}){hint}")
