@@ -25,6 +25,12 @@ for a fresh feed to have its first batch's row groups read at 0 % and at 50 % of
 
     python benchmarks/data_stream.py                       # 0.2, 1 and 2 GB: about 10 minutes
     python benchmarks/data_stream.py --sizes-gb 0.2 1 2 10
+    python benchmarks/data_stream.py --sizes-gb 1 --systems stream ray-train --rounds 5
+
+With `--rounds N`, the systems run N times each per size, alternating which goes first, and
+the ratios are taken round by round (each pair ran back to back) and summarised by their
+median, min and max: one run of each is not enough on a shared 2-core machine (one such pair
+measured 0.80, the next 1.01).
 """
 
 from __future__ import annotations
@@ -132,7 +138,8 @@ def child(data: Path, out: Path, steps: int, measure_seek: bool) -> None:
     row = {"baton": str(Path(baton.__file__).parent), "driver_peak_mib": round(driver, 1), "store_peak_mib": round(store["used"], 1),
            "spilled_mib": round(store["spilled"], 1), "first_step_s": round(first_step[0], 2),
            "tokens_per_s": round(result.tokens_per_s, 1),
-           "data_wait_fraction": round(statistics.median(waits), 4) if waits else None}
+           "data_wait_fraction": round(statistics.median(waits), 4) if waits else None,
+           "start_phases_s": getattr(result, "start", {}).get("phases_s")}  # v0.5 has none
     if measure_seek:
         row |= seek_times(spec)
     ray.shutdown()
@@ -256,6 +263,9 @@ def main() -> None:
     ap.add_argument("--ray-train", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--anchor-max-gb", type=float, default=2.0,
                     help="run Ray Train's TorchTrainer + streaming_split up to this size")
+    ap.add_argument("--systems", nargs="+", default=["stream", "v0.5", "ray-train"],
+                    choices=["stream", "v0.5", "ray-train"])
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     if args.child and args.ray_train:
         ray_train_child(Path(args.child[0]), Path(args.child[1]), args.steps)
@@ -280,12 +290,15 @@ def main() -> None:
                 systems = [("stream", None)] + ([("v0.5", str(v05 / "platform"))]
                                                 if gb <= args.v05_max_gb else [])
                 systems += [("ray-train", None)] if gb <= args.anchor_max_gb else []
-                for system, path in systems:
-                    anchor = system == "ray-train"
-                    row = {"corpus_gb": gb, "corpus_mib": round(size_mib), "system": system,
-                           **run_child(data, args.steps, path, seek=system == "stream", anchor=anchor)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                systems = [s for s in systems if s[0] in args.systems]
+                for r in range(args.rounds):
+                    for system, path in systems[::-1] if r % 2 else systems:
+                        anchor = system == "ray-train"
+                        row = {"corpus_gb": gb, "corpus_mib": round(size_mib), "system": system,
+                               "round": r, **run_child(data, args.steps, path,
+                                                       seek=system == "stream" and r == 0, anchor=anchor)}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
                 for f in data.iterdir():
                     f.unlink()
         finally:
@@ -299,13 +312,18 @@ def main() -> None:
         print(" | ".join(str(row.get(k, "")) for k in keys))
     ratios = {}
     for gb in args.sizes_gb:
-        pair = {r["system"]: r for r in rows if r["corpus_gb"] == gb}
         for other in ("v0.5", "ray-train"):
-            if other in pair:
-                ratios.setdefault(other, {})[f"{gb:g}gb"] = round(
-                    pair["stream"]["tokens_per_s"] / pair[other]["tokens_per_s"], 3)
-    print(f"\nsteady tokens/s, stream / other: {ratios}")
-    write_result(args.out, {"benchmark": "data_stream", "steps": args.steps, "rows": rows,
+            per_round = []
+            for r in range(args.rounds):
+                pair = {x["system"]: x for x in rows if x["corpus_gb"] == gb and x["round"] == r}
+                if "stream" in pair and other in pair:
+                    per_round.append(pair["stream"]["tokens_per_s"] / pair[other]["tokens_per_s"])
+            if per_round:
+                ratios.setdefault(other, {})[f"{gb:g}gb"] = {
+                    "median": round(statistics.median(per_round), 3), "min": round(min(per_round), 3),
+                    "max": round(max(per_round), 3), "rounds": [round(x, 3) for x in per_round]}
+    print(f"\nsteady tokens/s, stream / other, round by round: {json.dumps(ratios)}")
+    write_result(args.out, {"benchmark": "data_stream", "steps": args.steps, "rounds": args.rounds, "rows": rows,
                             "tokens_per_s_ratio_stream_over": ratios,
                             "machine": {"cpus": os.cpu_count()}})
 

@@ -121,6 +121,10 @@ class RunResult:
     # per worker, at the first step of the last world: bytes of parameters, gradients and
     # optimizer state it holds
     state_bytes: list[dict] = field(default_factory=list)
+    # the start: seconds from the run's start to its first step, by phase (data: the manifest
+    # and the first batch's rows; tracking: the MLflow run; workers: waiting for their
+    # processes; form: the process group and the models; load: a checkpoint; first_step)
+    start: dict = field(default_factory=dict)
 
 
 class Coordinator:
@@ -142,7 +146,8 @@ class Coordinator:
         self.dp_history: list[tuple[int, int]] = []
         self.failure: Optional[Failure] = None
         self.failure_at = 0.0
-        self.resumed: Optional[dict] = None  # the recovery or rescale awaiting its first step
+        self.resumed: Optional[dict] = None  # the start, recovery or rescale awaiting its first step
+        self.start: dict = {}  # the start's phases (kept in the result once its first step is done)
         self.next_rescale_check = 0.0
         self.store = CheckpointStore(spec.checkpoint_dir)
         self.resume_meta = resume_meta
@@ -221,6 +226,7 @@ class Coordinator:
     def _prepare(self) -> State:
         # the workers' processes start now, while the first batch is read and MLflow opens
         # (measured on 2 cores: about 7 s and 5 s, one after the other before)
+        t0 = time.monotonic()
         self.group = self.group_factory(self.base, self.dims)
         self.group.launch(self._workers_to_start())
         if self.manifest is None:
@@ -234,6 +240,7 @@ class Coordinator:
             self.step = self.submitted = meta["step"]
             self.cursor.load_state_dict(self._cursor_of(meta))
         self.feed.prime(self.cursor, self.spec.train.global_batch)  # bad rows: nothing written yet
+        t_read = time.monotonic()
         run_id = self.tracker.start(self.spec.name, self.spec.flat(),
                                     run_id=meta.get("mlflow_run_id") if meta else None)
         self.tracker.set_tags({"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),
@@ -243,6 +250,8 @@ class Coordinator:
         self.run_id = run_id
         self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress)
         self.prepared = True
+        self.start = {"kind": "start", "t0": t0,
+                      "phases_s": {"data": t_read - t0, "tracking": time.monotonic() - t_read}}
         return State.SCHEDULING
 
     def _workers_to_start(self) -> int:
@@ -257,14 +266,19 @@ class Coordinator:
         return self.first_workers
 
     def _schedule(self) -> State:
-        n = self.first_workers
+        n, t0 = self.first_workers, time.monotonic()
         members = self.group.start(n, self.base.parallel.timeout_s, need=self.scale.min_workers,
                                    grace_s=TOP_UP_GRACE_S)
         if self.scale.target(len(members)) is None:
             self._no_room(len(members), members, n)
+        t_placed = time.monotonic()
         self._form(members)
+        t_formed = time.monotonic()
         if self.resume_meta:
             self._load(self.resume_meta)
+        self.start = self.start or {"kind": "start", "t0": t0, "phases_s": {}}  # {}: prepared elsewhere
+        self.start["phases_s"] |= {"workers": t_placed - t0, "form": t_formed - t_placed,
+                                   "load": time.monotonic() - t_formed}
         return State.RUNNING
 
     def _run_step(self) -> State:
@@ -469,23 +483,23 @@ class Coordinator:
         self.tracker.set_tags({"elastic.failures": len(self.failures.seen),
                                "elastic.dp": self.dims.dp})
 
-    def _finish_resume(self) -> None:
-        """The first step after a recovery or a rescale is done: log how long each part took."""
-        event, self.resumed = self.resumed, None
+    def _finish_phases(self, event: dict) -> None:
+        """The first step of the run, or after a recovery or a rescale, is done: log how long
+        each part took (the start's phases go to the result and MLflow, not to the events)."""
         phases = {**event.pop("phases_s"), "first_step": 0.0}
-        done = time.monotonic()
-        phases["first_step"] = done - event.pop("t0") - sum(phases.values())
+        phases["first_step"] = time.monotonic() - event.pop("t0") - sum(phases.values())
         event["phases_s"] = {k: round(v, 3) for k, v in phases.items()}
         event["total_s"] = round(sum(phases.values()), 3)
-        self._record(event)
         kind = event["kind"]
+        if kind != "start":
+            self._record(event)
         if kind == "recovery":
             self.live.recovered(event["cause"], event["total_s"])
         self.tracker.log_metrics(self.step, {f"{kind}_{k}_s": v for k, v in phases.items()}
                                  | {f"{kind}_total_s": event["total_s"],
                                     "failures": len(self.failures.seen)}, replayed_ok=True)
-        self.progress.note(f"{kind}: training again at step {self.step} with dp={self.dims.dp} "
-                           f"after {event['total_s']:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in event['phases_s'].items())})")
+        self.progress.note(f"{kind}: {'training again' if kind != 'start' else 'first step done'} "
+                           f"at step {self.step} with dp={self.dims.dp} after {event['total_s']:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in event['phases_s'].items())})")
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -555,8 +569,10 @@ class Coordinator:
         self.done_cursor = p.cursor
         if p.save_refs:
             self._commit(p.cursor, p.save_refs, p.digest_refs)
-        if self.resumed is not None:
-            self._finish_resume()
+        for event in (self.start, self.resumed):
+            if event and "t0" in event:
+                self._finish_phases(event)
+        self.resumed = None
 
     def _pipeline_metrics(self, results: list[dict]) -> dict:
         pipes = [[results[r]["pipe"] for r in self.dims.pp_group(d)] for d in range(self.dims.dp)]
@@ -644,4 +660,4 @@ class Coordinator:
                          replica_digests=self.commits.replica_digests, ledger=self.ledger,
                          stage_layers=self.stage_layers, bubbles=self.bubbles, trace=self.trace,
                          pipeline_peaks=self.pipeline_peaks, events=self.events,
-                         dp_history=self.dp_history, state_bytes=self.state_bytes)
+                         dp_history=self.dp_history, state_bytes=self.state_bytes, start=self.start)
