@@ -280,8 +280,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="baton-stream-") as tmp:
         v05 = Path(tmp) / "v05"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(v05), args.v05_ref],
-                       check=True, capture_output=True)
+        if "v0.5" in args.systems:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(v05), args.v05_ref],
+                           check=True, capture_output=True)
         try:
             for gb in args.sizes_gb:
                 data = Path(tmp) / f"corpus-{gb:g}gb"
@@ -302,8 +303,9 @@ def main() -> None:
                 for f in data.iterdir():
                     f.unlink()
         finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(v05)],
-                           capture_output=True)
+            if v05.exists():
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(v05)],
+                               capture_output=True)
 
     keys = ["corpus_gb", "system", "driver_peak_mib", "store_peak_mib", "spilled_mib",
             "first_step_s", "tokens_per_s", "data_wait_fraction", "seek_0pct_s", "seek_50pct_s"]

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
+import math
 import os
 import re
 import types
@@ -223,16 +225,40 @@ class JobSpec:
         return spec_from_dict(raw, f"{self.name} at dp={dp}", one_world=True)
 
     def valid_dps(self) -> list[int]:
-        """The replica counts in [min_dp, max_dp] that this job's batch can be split into."""
+        """The replica counts in [min_dp, max_dp] that this job's batch can be split into.
+
+        Not a spec built per dp (max_dp may be 65,536): a world differs from the job only in
+        dp, its global batch, its micro-batching and its learning rate. The candidates are the
+        dps that split the global batch and hold whole shard groups; under keep_global each
+        is checked in full (they divide global_batch: a few hundred at most), under scale_lr
+        the smallest and the largest (each replica keeps the job's share and micro-batches,
+        so the others differ from these two only in a global batch and a learning rate
+        between theirs)."""
         lo, hi = self.dp_range
-        out = []
-        for dp in range(lo, hi + 1):
-            try:
-                self.at_dp(dp)
-                out.append(dp)
-            except SpecError:
-                pass
-        return out
+        t, p = self.train, self.parallel
+        keep = self.batch_policy == "keep_global"
+        share = t.global_batch // p.dp
+        candidates = [dp for dp in (_divisors(t.global_batch, lo, hi) if keep else range(lo, hi + 1))
+                      if not (p.shard_group and dp % p.shard_group)
+                      and (keep or (share * dp <= MOST["train.global_batch"][0]
+                                    and math.isfinite(t.lr * dp / p.dp)))]
+        ends = sorted({*candidates[:1], *candidates[-1:]})
+        if keep or not all(self._splits_at(dp) for dp in ends):
+            return [dp for dp in candidates if self._splits_at(dp)]  # (scale_lr: unforeseen)
+        return candidates
+
+    def _splits_at(self, dp: int) -> bool:
+        try:
+            self.at_dp(dp)
+            return True
+        except SpecError:
+            return False
+
+
+def _divisors(n: int, lo: int, hi: int) -> list[int]:
+    """The divisors of n in [lo, hi], ascending (n at most 2^24: 4,096 trial divisions)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({x for d in small for x in (d, n // d) if lo <= x <= hi})
 
 
 def join_path(base: str, *parts: str) -> str:
@@ -251,17 +277,19 @@ def join_path(base: str, *parts: str) -> str:
 def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
     """Load and validate a job file; `overrides` are "key.path=value" strings (YAML values)."""
     source = str(path)
+    if not source.isprintable() or len(source) > 200:  # the message stays one readable line
+        source = _show(source, 200)
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise SpecError(f"{source}: cannot read the job file ({e.strerror})") from None
+        data = Path(path).read_bytes()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise SpecError(f"{source}: cannot read the job file "
+                        f"({getattr(e, 'strerror', None) or e})") from None
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or "invalid YAML"
-        raise SpecError(f"{source}: not valid YAML{where}: {problem}") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{source}: the job file is not UTF-8 text (byte {e.start} is "
+                        f"{data[e.start]:#04x})") from None
+    raw = _yaml(text, f"{source}: ")
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -274,6 +302,7 @@ def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
 def spec_from_dict(raw: dict, source: str = "<spec>", one_world: bool = False) -> JobSpec:
     """`one_world`: one world size of an elastic job (`JobSpec.at_dp`), which may be smaller
     than the job as written allows on its own (a sharded job shrunk to one replica)."""
+    _check_tree(raw, f"{source}: ")
     spec = _build(JobSpec, raw, "", source)
     _check_values(spec, source, one_world)
     return spec
@@ -289,7 +318,57 @@ def _apply_override(raw: dict, item: str, source: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise SpecError(f"{source}: override {item!r}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
+    node[parts[-1]] = _yaml(value, f"{source}: override {_show(item)}: ")
+
+
+def _yaml(text: str, where: str) -> Any:
+    """YAML text as plain data (safe_load: no tags that build objects), checked by _check_tree."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise SpecError(f"{where}not valid YAML{at}: {problem}") from None
+    except RecursionError:
+        raise SpecError(f"{where}the YAML is nested too deeply") from None
+    _check_tree(value, where)
+    return value
+
+
+MAX_DEPTH = 16  # a job file is 3 levels deep; model.options may nest a little further
+
+
+def _check_tree(value: Any, where: str) -> None:
+    """Plain data a spec can be read from: mappings keyed by text, no deeper than MAX_DEPTH,
+    no recursive aliases (`&a [*a]` loads as a list holding itself). Iterative: no recursion
+    for hostile input to exhaust."""
+    stack = [(value, "", 0, ())]
+    while stack:
+        node, path, depth, above = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        at = path or "the top level"
+        if id(node) in above:
+            raise SpecError(f"{where}{at}: a recursive alias (a value that contains itself)")
+        if depth >= MAX_DEPTH:
+            raise SpecError(f"{where}{at}: nested more than {MAX_DEPTH} levels deep")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if isinstance(node, dict) and not isinstance(key, str):
+                raise SpecError(f"{where}{at}: the key {_show(key)} ({_kind(key)}) must be text")
+            name = f"{path}.{key}" if isinstance(node, dict) and path else \
+                (key if isinstance(node, dict) else f"{path}[{key}]")
+            stack.append((child, name, depth + 1, above + (id(node),)))
+
+
+def _show(value: Any, most: int = 80) -> str:
+    """A value for a one-line message: huge integers by their size (their digits can take
+    seconds to print, and Python refuses past 4,300), long text cut."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= most else f"{text[:most - 20]}... ({len(text)} characters)"
 
 
 def _kind(value: Any) -> str:
@@ -300,13 +379,13 @@ def _kind(value: Any) -> str:
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
-        raise SpecError(f"{source}: {where}: expected a mapping, got {_kind(raw)} {raw!r}")
-    hints = typing.get_type_hints(cls)
+        raise SpecError(f"{source}: {where}: expected a mapping, got {_kind(raw)} {_show(raw)}")
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(set(raw) - set(fields), key=str)  # keys of mixed types: no traceback
     if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), fields, n=1)
+        key = _show(unknown[0]) if not isinstance(unknown[0], str) else _show(unknown[0])[1:-1]
+        close = difflib.get_close_matches(str(unknown[0]), fields, n=1)
         fix = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(fields)}"
         raise SpecError(f"{source}: {prefix}{key}: unknown key; {fix}")
     values = {}
@@ -316,6 +395,9 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise SpecError(f"{source}: {prefix}{name}: required key is missing")
     return cls(**values)
+
+
+_hints = functools.cache(typing.get_type_hints)  # 3/4 of the time of building a spec, uncached
 
 
 def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
@@ -333,29 +415,39 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         for option in options:
             if isinstance(value, list) == (typing.get_origin(option) is list):
                 return _coerce(option, value, key, source)
-        raise SpecError(f"{source}: {key}: unexpected {_kind(value)} {value!r}")
+        raise SpecError(f"{source}: {key}: unexpected {_kind(value)} {_show(value)}")
     if origin is Literal:
         if value not in args:
             choices = " | ".join(map(str, args))
-            raise SpecError(f"{source}: {key}: {value!r} is not one of {choices}")
+            raise SpecError(f"{source}: {key}: {_show(value)} is not one of {choices}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise SpecError(f"{source}: {key}: expected a list, got {_kind(value)} {value!r}")
+            raise SpecError(f"{source}: {key}: expected a list, got {_kind(value)} {_show(value)}")
         return [_coerce(args[0], v, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
-            raise SpecError(f"{source}: {key}: expected a mapping, got {_kind(value)} {value!r}")
+            raise SpecError(f"{source}: {key}: expected a mapping, got {_kind(value)} {_show(value)}")
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "3e-4" (no dot) as a string; accept it as the number it means
-            return float(value)
+    if tp is float and not isinstance(value, bool):
+        number = value
+        try:
+            if isinstance(value, int):
+                number = float(value)
+            elif isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+                number = float(value)
+        except OverflowError:
+            raise SpecError(f"{source}: {key}: {_show(value)} is too large for a number") from None
         except ValueError:
             pass
+        if isinstance(number, float):
+            if not math.isfinite(number):
+                raise SpecError(f"{source}: {key}: {_show(value)} is invalid; give a finite number")
+            return number
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise SpecError(f"{source}: {key}: expected {_kind(tp())}, got {_kind(value)} {value!r}")
+        raise SpecError(f"{source}: {key}: expected {_kind(tp())}, got {_kind(value)} {_show(value)}")
+    if tp is int and abs(value) > MOST_INT:
+        raise SpecError(f"{source}: {key}: {_show(value)} is invalid; at most {MOST_INT:,}")
     return value
 
 
@@ -366,19 +458,32 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
 def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     def need(ok: bool, key: str, value: Any, fix: str) -> None:
         if not ok:
-            raise SpecError(f"{source}: {key}: {value!r} is invalid; {fix}")
+            raise SpecError(f"{source}: {key}: {_show(value)} is invalid; {fix}")
 
     m, d, t, p, r, c, tr = (spec.model, spec.data, spec.train, spec.parallel, spec.resources,
                            spec.checkpoint, spec.tracking)
+    flat = spec.flat()
+    for key, (most, why) in MOST.items():  # first: later checks iterate over some of these
+        value = flat[key]
+        need(value is None or value <= most, key, value, f"at most {most:,} ({why})")
+    need(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
+    for key in ("data.path", "checkpoint.path"):
+        problem = path_problem(flat[key])
+        need(problem is None, key, flat[key], problem or "")
+    need(len(tr.experiment) <= 500, "tracking.experiment", tr.experiment, "use at most 500 characters")
     need(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", spec.name)), "name", spec.name,
          "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    from baton.models import check_model_name
+    from baton.models import OPTIONS, check_model_name, options_problem
 
     problem = check_model_name(m.name)
     need(problem is None, "model.name", m.name, problem or "")
     for key in ("layers", "width", "heads", "seq_len", "vocab_size", "context"):
         need(getattr(m, key) >= 1, f"model.{key}", getattr(m, key), "must be at least 1")
     need(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)")
+    if m.options or m.name not in OPTIONS:  # (after the sizes: a user's builder may run here)
+        problem = options_problem(m, on_meta=p.pp > 1 or p.shard in ("grads", "full"))
+        need(problem is None, "model.options" if m.options else "model.name",
+             m.options if m.options else m.name, problem or "")
     if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)
         near = _divisor_near(m.width, m.heads)
         need(False, "model.heads", m.heads,
@@ -401,6 +506,8 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
 
     need(p.dp >= 1, "parallel.dp", p.dp, "must be at least 1")
     need(p.pp >= 1, "parallel.pp", p.pp, "must be at least 1")
+    need(p.dp * p.pp <= MOST_WORKERS, "parallel.dp", p.dp,
+         f"dp x pp = {p.dp * p.pp:,} workers; at most {MOST_WORKERS:,}")
     need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
     _check_batching(spec, need)
     if p.shard != "none" or p.shard_group is not None:
@@ -423,12 +530,72 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     _check_elastic(spec, need)
 
 
+MOST_INT = 2**63 - 1  # what a 64-bit integer holds: every count and size, before its own bound
+_SECONDS = (10**7, "about 16 weeks")
+# The most of every size: what any machine or cluster baton plans for can hold. Checked before
+# anything is built or iterated (a model.width of 10^12 + 1 once took minutes to refuse, an
+# elastic.max_dp of 10^7 built ten million specs).
+MOST: dict[str, tuple[float, str]] = {
+    "model.layers": (512, "a model built to check it takes about 1.5 ms a layer"),
+    "model.width": (2**17, "16 times GPT-3's"),
+    "model.heads": (2**12, "attention heads"),
+    "model.seq_len": (2**20, "tokens of context"),
+    "model.vocab_size": (2**24, "token ids"),
+    "model.context": (2**20, "tokens an MLP position sees"),
+    "data.shuffle_block": (2**40, "samples"),
+    "train.steps": (10**12, "steps"),
+    "train.global_batch": (2**24, "samples a step"),
+    "train.micro_batch": (2**24, "samples"),
+    "train.warmup_steps": (10**12, "steps"),
+    "train.seed": (2**32 - 1, "a 32-bit seed"),
+    "parallel.dp": (2**16, "replicas"),
+    "parallel.pp": (2**10, "pipeline stages"),
+    "parallel.microbatches": (2**17, "micro-batches a step"),
+    "parallel.chunks": (2**10, "chunks a pipeline rank"),
+    "parallel.shard_group": (2**16, "replicas"),
+    "parallel.timeout_s": _SECONDS,
+    "resources.cpus_per_worker": (2**10, "CPUs"),
+    "resources.gpus_per_worker": (64, "GPUs on one node"),
+    "resources.threads_per_worker": (2**10, "threads"),
+    "checkpoint.every_steps": (10**12, "steps"),
+    "checkpoint.keep": (10**6, "checkpoints"),
+    "tracking.flush_every_s": _SECONDS,
+    "tracking.trace_step": (10**12, "steps"),
+    "tracking.cpu_peak_tflops": (10**6, "TFLOP/s"),
+    "elastic.min_dp": (2**16, "replicas"),
+    "elastic.max_dp": (2**16, "replicas"),
+    "elastic.max_failures": (10**6, "failures"),
+    "elastic.rescale_check_s": _SECONDS,
+    "elastic.hang_timeout_s": _SECONDS,
+}
+MOST_WORKERS = 2**16  # replicas x pipeline stages
+MOST_PASSES = 2**16  # micro-batches x pipeline stages of one step: a schedule is built from them
+_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
+
+
+def path_problem(path: str) -> Optional[str]:
+    """Why `path` cannot name a folder or a URI (None: it can), without touching it."""
+    if "\x00" in path:
+        return "contains a NUL character"
+    if len(path.encode()) > 4096:
+        return "longer than any file system allows (4,096 bytes)"
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme not in _SCHEMES:
+        return f"unknown scheme {scheme!r}; use a local path or one of {', '.join(_SCHEMES)}"
+    too_long = [part for part in (rest if sep else path).split("/") if len(part.encode()) > 255]
+    if too_long:
+        return f"a name in it is longer than file systems allow (255 bytes): {_show(too_long[0], 40)}"
+    return None
+
+
 def _check_elastic(spec: JobSpec, need) -> None:
     e, dp = spec.elastic, spec.parallel.dp
     lo, hi = spec.dp_range
     need(lo >= 1, "elastic.min_dp", e.min_dp, "must be at least 1")
     need(lo <= dp, "elastic.min_dp", e.min_dp, f"must be <= parallel.dp = {dp}")
     need(hi >= dp, "elastic.max_dp", e.max_dp, f"must be >= parallel.dp = {dp}")
+    need(hi * spec.parallel.pp <= MOST_WORKERS, "elastic.max_dp", e.max_dp,
+         f"max_dp x pp = {hi * spec.parallel.pp:,} workers; at most {MOST_WORKERS:,}")
     need(e.max_failures >= 0, "elastic.max_failures", e.max_failures, "must be >= 0")
     need(e.rescale_check_s > 0, "elastic.rescale_check_s", e.rescale_check_s, "must be > 0 seconds")
     need(e.hang_timeout_s > 0, "elastic.hang_timeout_s", e.hang_timeout_s, "must be > 0 seconds")
@@ -437,7 +604,8 @@ def _check_elastic(spec: JobSpec, need) -> None:
         for key, value in (("elastic.min_dp", lo), ("elastic.max_dp", hi)):
             need(value in valid, key, value,
                  f"train.global_batch {spec.train.global_batch} cannot be split over {value} "
-                 f"replicas under batch_policy {spec.batch_policy}; dp values that work: {valid}")
+                 f"replicas under batch_policy {spec.batch_policy}; dp values that work: "
+                 + (f"{valid}" if len(valid) <= 12 else f"{str(valid[:12])[:-1]}, ... ({len(valid)} in all)]"))
 
 
 def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:
@@ -498,6 +666,9 @@ def _check_pipeline(spec: JobSpec, source: str, need) -> None:
     need(interleaved or spec.chunks == 1, "parallel.chunks", p.chunks,
          f"only interleaved-1f1b runs several chunks per rank; {p.schedule} runs 1")
     stages = p.pp * spec.chunks
+    need(spec.microbatches * stages <= MOST_PASSES, "parallel.pp", p.pp,
+         f"{spec.microbatches:,} micro-batches x {stages:,} stages a step; at most "
+         f"{MOST_PASSES:,} (a step's schedule is built from them): use fewer, larger micro-batches")
     layers = layer_count(spec.model)
     what = f"{p.pp} stages x {spec.chunks} chunks" if spec.chunks > 1 else f"{p.pp} stages"
     need(layers >= stages, "parallel.pp", p.pp,

@@ -34,7 +34,7 @@ def test_registry_names():
     assert check_model_name("gpt") is None and check_model_name("mlp") is None
     assert check_model_name("baton.models.gpt:build_gpt") is None
     assert "use one of" in check_model_name("resnet")
-    assert "cannot load" in check_model_name("baton.models.gpt:nope")
+    assert "module 'baton.models.gpt' has no 'nope'" == check_model_name("baton.models.gpt:nope")
 
 
 def test_lr_schedule_warms_up_then_decays_to_min():

@@ -239,8 +239,9 @@ def test_validate_shows_the_largest_pipeline_stage_share(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("width,heads,hint", [
-    (31, 2, "; try 1"), (48, 5, "; try 4"), (10**12 + 1, 4, "; try 1"), (10**12 + 1, 140, "; try 137"),
-    (2**61 - 1, 10**6, ""),  # a prime: its divisors 1 and itself are far from 10^6
+    (31, 2, "; try 1"), (48, 5, "; try 4"), (130_000, 140, "; try 130"),
+    (2**17 - 1, 4, "; try 1"),  # a prime
+    (10**12 + 1, 140, None), (2**61 - 1, 10**6, None),  # past the bounds: refused for that
 ])
 def test_a_width_the_heads_do_not_divide_is_refused_at_once(tmp_path, width, heads, hint):
     raw = tiny_spec(tmp_path, tmp_path, model={"name": "gpt", "layers": 2, "width": width,
@@ -249,5 +250,8 @@ def test_a_width_the_heads_do_not_divide_is_refused_at_once(tmp_path, width, hea
     with pytest.raises(SpecError) as e:
         spec_from_dict(raw, "job.yaml")
     assert time.perf_counter() - t0 < 1.0  # was minutes for 10^12 + 1 (a scan up to the width)
-    assert str(e.value) == (f"job.yaml: model.heads: {heads} is invalid; must divide model.width "
-                            f"({width}){hint}")
+    if hint is None:
+        assert str(e.value) == f"job.yaml: model.width: {width} is invalid; at most 131,072 (16 times GPT-3's)"
+    else:
+        assert str(e.value) == (f"job.yaml: model.heads: {heads} is invalid; must divide model.width "
+                                f"({width}){hint}")

@@ -149,15 +149,27 @@ def forget_meshes() -> None:
     are keyed by meshes, which compare equal across worlds of one shape while each rank's
     group names differ between worlds, so in a re-formed world they would hand a collective a
     group this rank no longer has ("Could not resolve the process group registered under the
-    name 8", seen after a hybrid-sharded recovery). The next steps refill them."""
+    name 8", seen after a hybrid-sharded recovery). The next steps refill them.
+
+    These are torch internals (as of 2.13) and every worker leaving a world runs this: each
+    is looked up and skipped where a torch version lacks it, so that no other version's
+    layout turns every recovery into an AttributeError."""
+    for clear in mesh_cache_clears():
+        clear()
+
+
+def mesh_cache_clears() -> list:
+    """The functions that empty DTensor's mesh-keyed caches, those this torch has."""
     from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    clears = [getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+              getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None),
+              getattr(getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None), "cache_clear", None),
+              getattr(_redistribute, "clear_redistribute_planner_cache", None),
+              getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)]
+    return [clear for clear in clears if callable(clear)]
 
 
 class PlannedSave:

@@ -30,6 +30,8 @@ def _mlp(spec) -> nn.Module:
 
 
 MODELS: dict[str, Callable] = {"gpt": _gpt, "mlp": _mlp}
+# the options each built-in model takes: name -> (least, most)
+OPTIONS: dict[str, dict[str, tuple[int, int]]] = {"gpt": {}, "mlp": {"embed_dim": (1, 4096)}}
 _USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
@@ -39,11 +41,45 @@ def check_model_name(name: str) -> Optional[str]:
         return None
     if not _USER_BUILDER.fullmatch(name):
         return f"use one of {', '.join(MODELS)} or 'package.module:function'"
-    try:
-        _user_builder(name)
-    except (ImportError, AttributeError) as e:
-        return f"cannot load the builder ({e}); check the module is importable"
+    module, _, func = name.partition(":")
+    try:  # the module's own code runs here: anything may come out of it
+        builder = getattr(importlib.import_module(module), func)
+    except AttributeError:
+        return f"module {module!r} has no {func!r}"
+    except (Exception, SystemExit) as e:
+        return f"cannot load the builder: importing {module!r} raised {_one_line(e)}"
+    if not callable(builder):
+        return f"{name} is {type(builder).__name__}, not a function"
     return None
+
+
+def options_problem(spec, on_meta: bool) -> Optional[str]:
+    """Why the model cannot be built from `spec` (None: it can): a built-in model's options
+    are checked by name and range; a user's builder, when `on_meta` (baton builds it there
+    anyway to cut or wrap it), is run on the meta device (shapes only), with any exception
+    turned into one line. Not otherwise: a builder that works on CPU may not on meta."""
+    if spec.name in OPTIONS:
+        allowed = OPTIONS[spec.name]
+        for key, value in spec.options.items():
+            if key not in allowed:
+                return (f"{spec.name} takes no option {key!r}" +
+                        (f"; it takes {', '.join(allowed)}" if allowed else "; it takes none"))
+            least, most = allowed[key]
+            if not (isinstance(value, int) and not isinstance(value, bool) and least <= value <= most):
+                return f"{key} must be an integer in [{least}, {most}], not {value!r}"[:200]
+        return None
+    if not on_meta:
+        return None
+    try:
+        _on_meta(spec)
+    except Exception as e:
+        return f"the builder {spec.name} failed on these settings: {_one_line(e)}"
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
 
 
 def _user_builder(name: str) -> Callable:
