@@ -103,6 +103,9 @@ def _remote_parsers(sub) -> None:
     sm.add_argument("--root", help="the folder to upload (default: the current one)")
     sm.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                     help="leave out files matching a .gitignore pattern (repeatable)")
+    sm.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                    help="send credentials files matching this .gitignore pattern, which are "
+                    "left out otherwise (.env, *.pem, *.key, id_rsa*, .netrc, .aws/, ...)")
     sm.add_argument("--max-upload-mb", type=float, default=100.0,
                     help="refuse a larger upload (default 100)")
     sm.add_argument("--storage", help="a folder every node mounts: the job's relative data, "
@@ -285,7 +288,10 @@ def _report(args: argparse.Namespace) -> int:
 def _cluster(args: argparse.Namespace):
     from baton.submit import Cluster
 
-    return Cluster(args.address, args.token_file)
+    cluster = Cluster(args.address, args.token_file)
+    if cluster.warning:
+        print(f"baton: warning: {cluster.warning}", file=sys.stderr)
+    return cluster
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -295,19 +301,22 @@ def _submit(args: argparse.Namespace) -> int:
     spec = load_spec(args.job, args.set)  # a bad job file is refused before anything is sent
     env = dict(_key_value(item, "--env") for item in args.env)
     sub = submit.prepare(spec, args.job, args.set, root=args.root, excludes=tuple(args.exclude),
-                         max_upload_mb=args.max_upload_mb, storage=args.storage, env=env,
-                         submission_id=args.id)
-    for warning in sub.warnings:
-        print(f"baton: note: {warning}", file=sys.stderr)
-    pkg = sub.package
-    print(f"package: {len(pkg.files)} files, {pkg.size_bytes / 2**20:.2f} MiB from {pkg.root}")
-    if args.dry_run:
-        print("\n".join(f"  {rel}" for rel in pkg.files))
-        print(f"entrypoint: {sub.entrypoint}")
-        print(f"runtime_env: {json.dumps(sub.runtime_env)}")
-        return 0
-    cluster = _cluster(args)
-    job_id = submit.submit(cluster, sub, spec, args.job)
+                         includes=tuple(args.include), max_upload_mb=args.max_upload_mb,
+                         storage=args.storage, env=env, submission_id=args.id)
+    try:
+        for warning in sub.warnings:
+            print(f"baton: note: {warning}", file=sys.stderr)
+        pkg = sub.package
+        print(f"package: {len(pkg.files)} files, {pkg.size_bytes / 2**20:.2f} MiB from {pkg.root}")
+        if args.dry_run:
+            print("\n".join(f"  {rel}" for rel in pkg.files))
+            print(f"entrypoint: {sub.entrypoint}")
+            print(f"runtime_env: {json.dumps(sub.runtime_env)}")
+            return 0
+        cluster = _cluster(args)
+        job_id = submit.submit(cluster, sub, spec, args.job)
+    finally:
+        sub.discard()  # the zip is uploaded (or was never to be)
     print(f"submitted {job_id} to {cluster.address}: {sub.entrypoint}")
     if args.no_wait:
         print(f"follow it with: baton logs {job_id} --follow")

@@ -39,3 +39,17 @@ class WorkerLost(WorkerError):
 
 class ClusterError(BatonError):
     """A remote Ray cluster cannot be reached, refuses the request, or does not know the job."""
+
+
+def raised_cause(error: BaseException) -> str:
+    """What a worker's exception was: "timeout" for a collective that timed out in
+    torch.distributed's backends: a RuntimeError (gloo's, measured on torch 2.13: a plain one
+    whose message starts "[.../gloo/transport/...] Timed out waiting") or a DistBackendError
+    (a RuntimeError) with NCCL's watchdog message;
+    "exception" for everything else: the job's own code, whatever its message says (a
+    `TimeoutError` or a "timeout" in a user's message is its own bug, which the repeat rule
+    must see)."""
+    text = str(error)
+    backend = text.startswith("[") and "gloo" in text.split("]", 1)[0] or "NCCL" in text
+    timed_out = "timed out" in text.lower() or "Watchdog caught collective operation timeout" in text
+    return "timeout" if isinstance(error, RuntimeError) and backend and timed_out else "exception"

@@ -9,12 +9,16 @@ runtime environment works as well).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import secrets
 import shlex
+import shutil
+import subprocess
 import tempfile
 import zipfile
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -29,6 +33,11 @@ DEFAULT_MAX_UPLOAD_MB = 100.0
 ALWAYS_EXCLUDED = (".git/", ".venv/", "venv/", "__pycache__/", "*.pyc", ".pytest_cache/",
                    "*.egg-info/", "mlruns/", "mlartifacts/", "mlflow.db", "mlflow.db-journal")
 IGNORE_FILES = (".gitignore", ".rayignore")
+# Credentials a project folder may hold: never sent unless --include names them (a Ray job's
+# working directory is readable by every job on the cluster, and kept in its GCS).
+SECRETS = (".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_dsa*",
+           "id_ecdsa*", "id_ed25519*", ".netrc", ".pgpass", ".git-credentials", ".aws/", ".ssh/",
+           ".kube/", ".ray/", ".gnupg/", ".docker/")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
@@ -53,6 +62,22 @@ def resolve_address(address: Optional[str]) -> str:
     if not address.startswith(("http://", "https://")):
         raise ClusterError(f"{source} {address!r}: use http:// or https://")
     return address.rstrip("/")
+
+
+def plain_http_warning(address: str) -> Optional[str]:
+    """A warning when a token would cross the network unencrypted: http:// to a host that is
+    not this machine (a port-forward to 127.0.0.1 is fine)."""
+    parts = urlsplit(address)
+    host = parts.hostname or ""
+    if parts.scheme != "http" or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (f"the Ray token goes to {host} over plain http://, readable on the way: use "
+            "https://, or a port-forward or SSH tunnel to 127.0.0.1")
 
 
 @dataclass(frozen=True)
@@ -96,19 +121,25 @@ class Package:
     files: list[str] = field(default_factory=list)  # relative posix paths
     size_bytes: int = 0
     zip_path: Optional[Path] = None
+    secrets: list[str] = field(default_factory=list)  # credentials left out (SECRETS)
+    links: list[str] = field(default_factory=list)  # symlinks not followed, and why
 
 
-def collect(root: Path, excludes: tuple[str, ...] = ()) -> Package:
+def collect(root: Path, excludes: tuple[str, ...] = (), includes: tuple[str, ...] = ()) -> Package:
     """The files of `root` to send: everything but what its .gitignore/.rayignore files (at any
-    depth, as git reads them), .git/info/exclude, `ALWAYS_EXCLUDED` and `excludes` (gitignore
-    patterns relative to root) leave out."""
+    depth, as git reads them), .git/info/exclude, git's global excludes file,
+    `ALWAYS_EXCLUDED` and `excludes` (gitignore patterns relative to root) leave out; and
+    never `SECRETS` unless `includes` names them. Symlinks are sent only as files inside root:
+    a link out of root (to ~/.ssh, say) or to a folder (which may loop: `sub/up -> ..`) is not
+    followed, and listed in `Package.links`."""
     from pathspec import GitIgnoreSpec
 
     root = root.resolve()
     pkg = Package(root)
     info_exclude = root / ".git" / "info" / "exclude"  # git's own per-clone ignore file
     local = info_exclude.read_text().splitlines() if info_exclude.is_file() else []
-    base = GitIgnoreSpec.from_lines([*ALWAYS_EXCLUDED, *local, *excludes])
+    base = GitIgnoreSpec.from_lines([*ALWAYS_EXCLUDED, *global_excludes(), *local, *excludes])
+    secret, wanted = GitIgnoreSpec.from_lines(SECRETS), GitIgnoreSpec.from_lines(includes)
     # (folder relative to root, its spec): patterns of a nested ignore file are relative to it
     specs: list[tuple[str, GitIgnoreSpec]] = [("", base)]
 
@@ -130,8 +161,24 @@ def collect(root: Path, excludes: tuple[str, ...] = ()) -> Package:
                 added += 1
         for entry in sorted(folder.iterdir(), key=lambda p: p.name):
             rel = f"{rel_folder}{entry.name}"
-            if entry.is_symlink() and not entry.exists():
-                continue  # a dangling link cannot be packaged
+            if entry.is_symlink():
+                if not entry.exists():
+                    continue  # a dangling link cannot be packaged
+                target = entry.resolve()
+                if root not in target.parents:
+                    pkg.links.append(f"{rel} -> {target} (outside {root})")
+                    continue
+                if target.is_dir():
+                    pkg.links.append(f"{rel} -> {target} (a folder: sent under its own path)")
+                    continue
+                aim = target.relative_to(root).as_posix()  # a link to .env is .env
+                if secret.match_file(aim) and not wanted.match_file(aim):
+                    pkg.secrets.append(f"{rel} -> {aim}")
+                    continue
+            sub = rel + ("/" if entry.is_dir() else "")
+            if secret.match_file(sub) and not wanted.match_file(sub):
+                pkg.secrets.append(sub)
+                continue
             if entry.is_dir():
                 if not ignored(rel, True):
                     walk(entry, rel + "/")
@@ -142,6 +189,25 @@ def collect(root: Path, excludes: tuple[str, ...] = ()) -> Package:
 
     walk(root, "")
     return pkg
+
+
+def global_excludes() -> list[str]:
+    """The lines of git's global excludes file (core.excludesFile, else
+    $XDG_CONFIG_HOME/git/ignore or ~/.config/git/ignore), as git itself honours them."""
+    path = None
+    try:
+        out = subprocess.run(["git", "config", "--global", "--get", "core.excludesFile"],
+                             capture_output=True, text=True, timeout=10)
+        path = out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if path is None:
+        config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        path = os.path.join(config, "git", "ignore")
+    try:
+        return Path(path).expanduser().read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
 
 
 def job_excludes(spec: JobSpec, root: Path, job_file: Path) -> tuple[str, ...]:
@@ -211,6 +277,7 @@ class Cluster:
             logging.getLogger(name).setLevel(logging.WARNING)  # "Uploading package ..." lines
         self.address = resolve_address(address)
         self.token = resolve_token(token_file)
+        self.warning = plain_http_warning(self.address) if self.token else None
         from ray.job_submission import JobSubmissionClient
 
         # The token goes as an explicit header: Ray's client adds one only when this machine's
@@ -301,10 +368,18 @@ class Submission:
     package: Package
     runtime_env: dict
     warnings: list[str] = field(default_factory=list)
+    scratch: Optional[Path] = None  # the temporary folder holding the zip, removed by discard
+
+    def discard(self) -> None:
+        """Remove the zip's temporary folder (after the upload, or a dry run)."""
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
 
 def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optional[str] = None,
-            excludes: tuple[str, ...] = (), max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB,
+            excludes: tuple[str, ...] = (), includes: tuple[str, ...] = (),
+            max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB,
             storage: Optional[str] = None, env: Optional[dict] = None,
             submission_id: Optional[str] = None, out_dir: Optional[Path] = None) -> Submission:
     """Everything `submit` sends, built and checked locally before the cluster is contacted."""
@@ -312,7 +387,7 @@ def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optiona
     job_path = Path(job_file).resolve()
     if not root_path.is_dir():
         raise ClusterError(f"--root {root_path} is not a folder")
-    pkg = collect(root_path, tuple(excludes) + job_excludes(spec, root_path, job_path))
+    pkg = collect(root_path, tuple(excludes) + job_excludes(spec, root_path, job_path), tuple(includes))
     if root_path not in job_path.parents:
         raise ClusterError(f"{job_file} lies outside the folder to upload ({root_path}); run "
                            "baton submit from the project folder or pass --root")
@@ -321,10 +396,15 @@ def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optiona
         raise ClusterError(f"{job_file} is left out of the upload by an ignore rule; the cluster "
                            "needs it: un-ignore it or move it")
     check_size(pkg, max_upload_mb)
-    write_zip(pkg, out_dir or Path(tempfile.mkdtemp(prefix="baton-submit-")))
+    scratch = None if out_dir else Path(tempfile.mkdtemp(prefix="baton-submit-"))
+    write_zip(pkg, out_dir or scratch)
 
     env_vars = dict(env or {})
     warnings = []
+    if pkg.secrets:
+        warnings.append(f"left out as credentials (--include PATTERN sends one): {', '.join(pkg.secrets)}")
+    if pkg.links:
+        warnings.append(f"symlinks not followed: {'; '.join(pkg.links)}")
     if storage:
         if "://" in storage:
             raise ClusterError(f"--storage {storage!r}: give a folder that every node mounts "
@@ -341,7 +421,7 @@ def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optiona
     return Submission(
         submission_id=submission_id or f"baton-{spec.name}-{secrets.token_hex(4)}",
         entrypoint=entrypoint(job_rel, overrides), package=pkg, runtime_env=runtime_env,
-        warnings=warnings)
+        warnings=warnings, scratch=scratch)
 
 
 def _is_relative_local(path: str) -> bool:

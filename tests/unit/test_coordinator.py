@@ -15,7 +15,7 @@ from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.data import EpochOrder
 from baton.data.feed import Batch
 from baton.data.manifest import FileEntry, Manifest
-from baton.errors import SpecError, WorkerError, WorkerLost
+from baton.errors import SpecError, WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.progress import Progress
 from baton.spec import spec_from_dict
@@ -41,6 +41,24 @@ def test_an_exception_repeating_at_the_same_step_gives_up_at_once():
     assert policy.decide(Failure(3, "actor_died", "ValueError: bad batch")).recover  # not user code
     decision = policy.decide(Failure(3, "exception", "ValueError: bad batch"))
     assert not decision.recover and "came back at step 3" in decision.reason
+
+
+def test_a_worker_error_is_a_timeout_only_when_a_collective_timed_out():
+    """Classified by what raised it, not by a word in the text: v0.5 took any message holding
+    "timeout" for a collective's timeout, which the repeat rule did not cover, so a user's
+    deterministic bug was retried max_failures times. The gloo message is the one torch 2.13
+    raised for a 2-second all_reduce timeout, measured."""
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                        "Timed out waiting 2000ms for recv operation to complete")
+    assert raised_cause(gloo) == "timeout"
+    assert raised_cause(RuntimeError("[Rank 1] Watchdog caught collective operation timeout: "
+                                     "WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for 600000 ms")) == "timeout"
+    for mine in (TimeoutError("timed out reading my table"), RuntimeError("request timeout in my loader"),
+                 ValueError("[gloo] timed out"), RuntimeError("my step timed out")):
+        assert raised_cause(mine) == "exception", mine
+    policy = FailurePolicy(max_failures=10)
+    assert policy.decide(Failure(5, "timeout", "rank 0 timed out: X")).recover
+    assert not policy.decide(Failure(5, "timeout", "rank 0 timed out: X")).recover  # repeats: give up
 
 
 def test_without_a_budget_the_failure_is_the_message():

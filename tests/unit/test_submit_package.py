@@ -154,3 +154,64 @@ def test_baton_storage_roots_relative_paths(tmp_path, monkeypatch):
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert default_uri() == "sqlite:////mnt/shared/mlflow.db"
+
+
+def test_credentials_and_links_out_of_the_project_are_never_sent(tmp_path, monkeypatch):
+    """v0.5 packaged a key behind a symlink to a folder outside the project, `.env`, `id_rsa`,
+    `key.pem`, `.netrc`, `.aws/credentials` and `.kube/config`, and one `sub/up -> ..` loop added
+    398 duplicate files. Each is left out now and named in a warning; --include brings one back;
+    git's global excludes file is honoured."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    (home / ".config" / "git").mkdir(parents=True)
+    (home / ".config" / "git" / "ignore").write_text("*.log\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    root = _project(tmp_path / "p")
+    secrets = {".env": "TOKEN=1", "id_rsa": "key", "key.pem": "key", ".netrc": "machine x",
+               ".aws/credentials": "[default]", ".kube/config": "token", "run.log": "log"}
+    for rel, text in secrets.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "keys").symlink_to(home / ".ssh")  # a folder outside the project
+    (root / "pkg" / "up").symlink_to("..")  # a loop
+    (root / "settings").symlink_to(".env")  # a link to a secret inside it
+    (root / "again.py").symlink_to("train.py")  # a link to a plain file inside it: sent
+    monkeypatch.chdir(root)
+    spec = load_spec(root / "jobs" / "demo.yaml")
+    sub = submit.prepare(spec, "jobs/demo.yaml", [], out_dir=tmp_path / "out")
+    assert sub.package.files == [".gitignore", ".rayignore", "again.py", "jobs/demo.yaml",
+                                 "pkg/.gitignore", "pkg/model.py", "train.py"]
+    with zipfile.ZipFile(sub.package.zip_path) as z:
+        assert not any(b"KEY" in z.read(name) or b"TOKEN" in z.read(name) for name in z.namelist())
+    assert sub.package.secrets == [".aws/", ".env", ".kube/", ".netrc", "id_rsa", "key.pem",
+                                   "settings -> .env"]
+    assert [line.split(" -> ")[0] for line in sub.package.links] == ["keys", "pkg/up"]
+    notes = " | ".join(sub.warnings)
+    assert "left out as credentials (--include PATTERN sends one): .aws/, .env" in notes
+    assert f"keys -> {home / '.ssh'} (outside {root})" in notes and "pkg/up -> " in notes
+    again = submit.prepare(spec, "jobs/demo.yaml", [], includes=(".env",), out_dir=tmp_path / "out")
+    assert ".env" in again.package.files and "id_rsa" not in again.package.files
+
+
+def test_the_upload_zip_is_removed_after_a_dry_run(tmp_path, monkeypatch, capsys):
+    """v0.5 left every upload's zip in a temporary folder, --dry-run included."""
+    from baton import cli
+
+    root = _project(tmp_path / "p")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    monkeypatch.chdir(root)
+    assert cli.main(["submit", "jobs/demo.yaml", "--dry-run", "--address", "http://127.0.0.1:1"]) == 0
+    assert "runtime_env" in capsys.readouterr().out
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_token_over_plain_http_to_another_host_is_warned():
+    assert "over plain http://" in submit.plain_http_warning("http://10.1.2.3:8265")
+    assert "ray-head.example" in submit.plain_http_warning("http://ray-head.example:8265")
+    for fine in ("http://127.0.0.1:8265", "http://localhost:8265", "http://[::1]:8265",
+                 "https://ray-head.example:8265"):
+        assert submit.plain_http_warning(fine) is None

@@ -11,6 +11,7 @@ from typing import Optional
 
 # what a failure was, as the coordinator saw it
 CAUSES = ("actor_died", "node_died", "hang", "exception", "timeout")
+REPEATABLE = ("exception", "timeout")  # raised by the job's own processes: may be its own bug
 
 
 @dataclass(frozen=True)
@@ -33,17 +34,18 @@ class Decision:
 
 @dataclass
 class FailurePolicy:
-    """Recover up to `max_failures` times. An exception that repeats at the same step with the
-    same message is the job's own bug, not bad luck: the second time, give up at once."""
+    """Recover up to `max_failures` times. An exception (or a collective's timeout) that
+    repeats at the same step with the same message is the job's own bug, not bad luck: the
+    second time, give up at once."""
 
     max_failures: int
     seen: list[Failure] = field(default_factory=list)
 
     def decide(self, failure: Failure) -> Decision:
-        repeats = [f for f in self.seen if f.cause == "exception" and f.step == failure.step
+        repeats = [f for f in self.seen if f.cause in REPEATABLE and f.step == failure.step
                    and f.message == failure.message]
         self.seen.append(failure)
-        if failure.cause == "exception" and repeats:
+        if failure.cause in REPEATABLE and repeats:
             return Decision(False, f"giving up: the same error came back at step {failure.step} "
                                    f"after a recovery: {failure.message}")
         if self.max_failures == 0:  # no recovery asked for: the failure is the whole story

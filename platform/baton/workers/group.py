@@ -18,7 +18,7 @@ from typing import Any, Optional
 import ray
 
 from baton.checkpoint import CheckpointStore, sharded
-from baton.errors import WorkerError, WorkerLost
+from baton.errors import WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
 from baton.workers.worker import Worker
@@ -223,7 +223,7 @@ class WorkerGroup:
         if gone:
             return WorkerLost(f"worker rank(s) {list(gone)} lost while {what} (rank {rank}: {line})",
                               "actor_died", gone)
-        if "timed out" in line.lower() or "timeout" in line.lower():  # a collective that hung
+        if raised_cause(cause) == "timeout":  # a collective that hung
             return WorkerLost(f"worker rank {rank} timed out while {what}: {line}", "timeout", (rank,))
         return WorkerLost(f"worker rank {rank} failed while {what}: {line}", "exception", (rank,))
 
