@@ -15,6 +15,8 @@ whose predicted state fits `--budget-mib` per worker for a few steps, and report
 workers measured (a prediction that the measurement contradicts fails the script).
 
     python benchmarks/sharding.py                      # CPU: dp 1, 2, 4; budget 16 MiB at dp 4
+    python benchmarks/sharding.py --dps 2 4 --levels none full --unit-mibs 0 16 --skip-budget
+                                   # FSDP units: each block alone (0) against blocks grouped to 16 MiB
     python benchmarks/sharding.py --device cuda --dps 1 --budget-dp 1   # one GPU: see README
 """
 
@@ -40,7 +42,7 @@ LEVELS = ("none", "optimizer", "grads", "full")
 
 
 def job(args, data: str, tmp: str, *, dp: int, level: str, width: int, layers: int,
-        steps: int) -> dict:
+        steps: int, unit_mib: float | None = None) -> dict:
     cuda = args.device == "cuda"
     return {
         "name": f"bench-shard-{level}-{dp}-{width}",
@@ -50,7 +52,8 @@ def job(args, data: str, tmp: str, *, dp: int, level: str, width: int, layers: i
         "train": {"steps": steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
                   "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2,
                   "precision": "bf16" if cuda else "fp32"},
-        "parallel": {"dp": dp, "shard": level},
+        "parallel": {"dp": dp, "shard": level,
+                     **({"shard_unit_mib": unit_mib} if unit_mib is not None else {})},
         "resources": {"cpus_per_worker": 0.01 if not cuda else 1, "gpus_per_worker": 1 if cuda else 0,
                       "threads_per_worker": args.threads},
         "checkpoint": {"path": f"{tmp}/ckpt", "every_steps": 10_000, "keep": 1},
@@ -67,10 +70,11 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
-def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps: int) -> dict:
+def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps: int,
+        unit_mib: float | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec = spec_from_dict(job(args, data, tmp, dp=dp, level=level, width=width,
-                                  layers=layers, steps=steps))
+                                  layers=layers, steps=steps, unit_mib=unit_mib))
         rss: dict[int, int] = {}
 
         def sample(c) -> None:
@@ -81,6 +85,7 @@ def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps:
         assert result.state == "finished", result.state
     state = max(result.state_bytes, key=lambda b: sum(b.values()))
     return {"level": level, "dp": dp, "width": width, "layers": layers,
+            "unit_mib": spec.parallel.shard_unit_mib if level in ("grads", "full") else None,
             "params": sum(layer_params(spec.model)),
             "state_mib": {k: round(v / 2**20, 3) for k, v in state.items()},
             "state_total_mib": round(sum(state.values()) / 2**20, 3),
@@ -91,20 +96,22 @@ def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps:
 def memory_and_speed(args, data: str) -> list[dict]:
     """Each round runs every level at each dp back to back, in an order that rotates from round
     to round; a ratio is the median over rounds of that round's ratio to DDP (paired)."""
-    runs: dict[tuple[str, int], list[dict]] = {}
+    runs: dict[tuple[str, float | None, int], list[dict]] = {}
+    variants = [("none", None)] + [(level, unit) for level in args.levels if level != "none"
+                                   for unit in (args.unit_mibs if level in ("grads", "full") else [None])]
     for r in range(args.rounds):
         for dp in args.dps:
-            levels = LEVELS if dp > 1 else ("none",)
-            for level in levels[r % len(levels):] + levels[:r % len(levels)]:
+            order = variants if dp > 1 else variants[:1]
+            for level, unit in order[r % len(order):] + order[:r % len(order)]:
                 row = run(args, data, dp=dp, level=level, width=args.width, layers=args.layers,
-                          steps=args.steps)
-                runs.setdefault((level, dp), []).append(row)
-                print(f"  round {r + 1}: {level:9s} dp={dp}: state {row['state_total_mib']:8.2f} "
-                      f"MiB/worker, RSS {row['rss_mib']} MiB, {row['tokens_per_s']:9.1f} tokens/s",
-                      flush=True)
+                          steps=args.steps, unit_mib=unit)
+                runs.setdefault((level, unit, dp), []).append(row)
+                print(f"  round {r + 1}: {level:9s} {'' if unit is None else f'unit {unit:g} MiB':13s} "
+                      f"dp={dp}: state {row['state_total_mib']:8.2f} MiB/worker, RSS "
+                      f"{row['rss_mib']} MiB, {row['tokens_per_s']:9.1f} tokens/s", flush=True)
     rows = []
-    for (level, dp), rs in runs.items():
-        ddp = runs[("none", dp)]
+    for (level, unit, dp), rs in runs.items():
+        ddp = runs[("none", None, dp)]
         rows.append({**rs[-1], "rss_mib": max(x["rss_mib"] or 0 for x in rs),
                      "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
                      "tokens_per_s_rounds": [x["tokens_per_s"] for x in rs],
@@ -162,6 +169,10 @@ def main() -> int:
     p.add_argument("--budget-steps", type=int, default=3)
     p.add_argument("--widths", type=int, nargs="+", default=[128, 192, 256, 320, 384, 448, 512])
     p.add_argument("--out", default=None)
+    p.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
+    p.add_argument("--unit-mibs", type=float, nargs="+", default=[16.0],
+                   help="parallel.shard_unit_mib for grads and full, each run side by side")
+    p.add_argument("--skip-budget", action="store_true", help="table 1 only")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,15 +184,18 @@ def main() -> int:
         print(f"table 1: GPT {args.layers} x {args.width}, seq {args.seq_len}, global batch "
               f"{args.global_batch}, {args.steps} steps ({args.device})")
         table = memory_and_speed(args, data)
-        print(f"table 2: the widest GPT ({args.layers} layers) whose state fits "
-              f"{args.budget_mib} MiB per worker at dp {args.budget_dp}")
-        budget = largest_under_budget(args, data)
+        budget = []
+        if not args.skip_budget:
+            print(f"table 2: the widest GPT ({args.layers} layers) whose state fits "
+                  f"{args.budget_mib} MiB per worker at dp {args.budget_dp}")
+            budget = largest_under_budget(args, data)
         ray.shutdown()
 
-    print("\n| level | dp | state MiB/worker | vs DDP | RSS MiB | tokens/s | vs DDP |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| level | unit MiB | dp | state MiB/worker | vs DDP | RSS MiB | tokens/s | vs DDP |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in table:
-        print(f"| {r['level']} ({NAMES[r['level']]}) | {r['dp']} | {r['state_total_mib']:.2f} | "
+        unit = "" if r["unit_mib"] is None else f"{r['unit_mib']:g}"
+        print(f"| {r['level']} ({NAMES[r['level']]}) | {unit} | {r['dp']} | {r['state_total_mib']:.2f} | "
               # tokens/s: the median over rounds
               f"{r['state_vs_ddp']:.2f}x | {r['rss_mib']} | {r['tokens_per_s']:.0f} | "
               f"{r['tokens_per_s_vs_ddp']:.2f}x |")

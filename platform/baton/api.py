@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from typing import Callable, Optional
 
-from baton import storage
+from baton import interrupts, storage
 from baton.checkpoint import CheckpointStore
 from baton.coordinator import Coordinator, RunResult
 from baton.data import corpus
@@ -135,14 +133,18 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         started_ray = True
         ray.data.DataContext.get_current().enable_progress_bars = False
         _quiet_library_logs()
-        previous_sigterm = _sigterm_as_interrupt()
+        # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
+        # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
+        # Installed after ray.init, which replaces SIGTERM's handler with one that only dumps
+        # a stack; both wait for a write to the run's record to finish (interrupts.py).
+        previous_handlers = interrupts.install()
     try:
         if address is not None:
             res = ray.cluster_resources()
             check_fits(spec, res.get("CPU", 0), res.get("GPU", 0), source, f"the cluster at {address}")
         if resume_meta:
             log(f"resuming {spec.name} from step {resume_meta['step']} "
-                f"(checkpoint in {spec.checkpoint_dir})")
+                f"(checkpoint in {storage.redact(spec.checkpoint_dir)})")
         coordinator = Coordinator(spec, make_tracker(spec.tracking), resume_meta=resume_meta,
                                   record_samples=record_samples, show_progress=show_progress,
                                   on_step=on_step, manifest=manifest)
@@ -150,8 +152,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
     finally:
         if started_ray:
             ray.shutdown()
-            if previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, previous_sigterm)
+            interrupts.restore(previous_handlers)
 
 
 def cluster_address_from_env() -> Optional[str]:
@@ -160,19 +161,6 @@ def cluster_address_from_env() -> Optional[str]:
     address for job submission (`baton submit`), not one to join, and is left alone."""
     value = os.environ.get("RAY_ADDRESS", "").strip()
     return value if value and not value.startswith(("http://", "https://")) else None
-
-
-def _sigterm_as_interrupt():
-    """SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers are shut
-    down, the MLflow run is marked KILLED, the last checkpoint stays for a resume. Installed
-    after ray.init, which replaces SIGTERM's handler with one that only dumps a stack."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def interrupt(signum: int, frame) -> None:
-        raise KeyboardInterrupt(signum)
-
-    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _quiet_library_logs() -> None:

@@ -163,13 +163,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     from baton.errors import BatonError
+    from baton.storage import redact
 
     try:
         return _dispatch(args)
     except BatonError as e:
         if os.environ.get("BATON_DEBUG"):
             raise
-        print(f"baton: error: {e}", file=sys.stderr)
+        print(f"baton: error: {redact(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         signum = e.args[0] if e.args else signal.SIGINT  # api.run raises SIGTERM this way
@@ -259,8 +260,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         result = api.run(spec, source=args.job, address=args.address,
                          resume=True if args.resume else None, rebase_data=args.rebase_data,
                          show_progress=not args.quiet)
+        from baton.storage import redact
+
         print(f"{result.job}: finished at step {result.step}, loss {result.loss:.4f}, "
-              f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {result.checkpoint}; "
+              f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {redact(result.checkpoint)}; "
               f"MLflow run {result.run_id}")
         return 0
     raise AssertionError(args.command)
@@ -297,6 +300,7 @@ def _cluster(args: argparse.Namespace):
 def _submit(args: argparse.Namespace) -> int:
     from baton import submit
     from baton.spec import load_spec
+    from baton.storage import redact
 
     spec = load_spec(args.job, args.set)  # a bad job file is refused before anything is sent
     env = dict(_key_value(item, "--env") for item in args.env)
@@ -310,14 +314,14 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"package: {len(pkg.files)} files, {pkg.size_bytes / 2**20:.2f} MiB from {pkg.root}")
         if args.dry_run:
             print("\n".join(f"  {rel}" for rel in pkg.files))
-            print(f"entrypoint: {sub.entrypoint}")
-            print(f"runtime_env: {json.dumps(sub.runtime_env)}")
+            print(f"entrypoint: {redact(sub.entrypoint)}")
+            print(f"runtime_env: {redact(json.dumps(sub.runtime_env))}")
             return 0
         cluster = _cluster(args)
         job_id = submit.submit(cluster, sub, spec, args.job)
     finally:
         sub.discard()  # the zip is uploaded (or was never to be)
-    print(f"submitted {job_id} to {cluster.address}: {sub.entrypoint}")
+    print(f"submitted {job_id} to {cluster.address}: {redact(sub.entrypoint)}")
     if args.no_wait:
         print(f"follow it with: baton logs {job_id} --follow")
         return 0

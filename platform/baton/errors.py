@@ -50,6 +50,6 @@ def raised_cause(error: BaseException) -> str:
     `TimeoutError` or a "timeout" in a user's message is its own bug, which the repeat rule
     must see)."""
     text = str(error)
-    backend = text.startswith("[") and "gloo" in text.split("]", 1)[0] or "NCCL" in text
+    backend = "gloo/" in text or "NCCL" in text or "ProcessGroupGloo" in text
     timed_out = "timed out" in text.lower() or "Watchdog caught collective operation timeout" in text
     return "timeout" if isinstance(error, RuntimeError) and backend and timed_out else "exception"

@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Optional, TextIO
 
+from baton.storage import redact
+
 
 def _clock(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -45,5 +47,5 @@ class Progress:
     def note(self, text: str) -> None:
         """A line about an event (a failure, a recovery, a resize), between progress lines."""
         if self.enabled:
-            self.stream.write(("\n" if self.tty else "") + text + "\n")
+            self.stream.write(("\n" if self.tty else "") + redact(text) + "\n")
             self.stream.flush()

@@ -83,6 +83,9 @@ class ParallelSpec:
     # hybrid: shard within groups of this many replicas, replicate across the groups (so a
     # lost worker's shard survives in another group); null: shard across all of dp
     shard_group: Optional[int] = None
+    # FSDP (grads, full) gathers consecutive blocks together until they hold this many MiB of
+    # fp32 parameters: fewer, larger collectives for small blocks; 0: every block alone
+    shard_unit_mib: float = 16.0
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,11 @@ class JobSpec:
         return {"name": d["name"], "model": d["model"], "data": d["data"], "train": train}
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.recipe(), sort_keys=True).encode()).hexdigest()[:16]
+        """The recipe's hash, without the credentials of its URIs (as the checkpoint records
+        the recipe): a rotated key resumes the same job."""
+        from baton.storage import redact
+
+        return hashlib.sha256(json.dumps(redact(self.recipe()), sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def checkpoint_dir(self) -> str:
@@ -509,6 +516,7 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(p.dp * p.pp <= MOST_WORKERS, "parallel.dp", p.dp,
          f"dp x pp = {p.dp * p.pp:,} workers; at most {MOST_WORKERS:,}")
     need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
+    need(p.shard_unit_mib >= 0, "parallel.shard_unit_mib", p.shard_unit_mib, "must be >= 0 MiB")
     _check_batching(spec, need)
     if p.shard != "none" or p.shard_group is not None:
         _check_sharding(spec, need, one_world)
@@ -553,6 +561,7 @@ MOST: dict[str, tuple[float, str]] = {
     "parallel.microbatches": (2**17, "micro-batches a step"),
     "parallel.chunks": (2**10, "chunks a pipeline rank"),
     "parallel.shard_group": (2**16, "replicas"),
+    "parallel.shard_unit_mib": (2**20, "MiB"),
     "parallel.timeout_s": _SECONDS,
     "resources.cpus_per_worker": (2**10, "CPUs"),
     "resources.gpus_per_worker": (64, "GPUs on one node"),

@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import os
+import re
+from typing import Any
 
 import pyarrow.fs as pafs
 
 
 STORAGE_ENV = "BATON_STORAGE"
+
+
+# the user and password of a URI (s3://KEY:SECRET@bucket, https://user:pass@host), and query
+# parameters that carry a secret (?secret_key=..., &session_token=..., ?sig=...)
+_USERINFO = re.compile(r"(?<=://)[^\s'\"]*@")  # to the last @: an AWS secret may hold a raw /
+_SECRET_PARAM = re.compile(r"(?i)(?<=[?&;])((?:[a-z_]*(?:secret|password|passwd|token|key|credential|"
+                           r"signature)[a-z_]*|sig)=)[^&#\s'\"]*")
+
+
+def redact(value: Any) -> Any:
+    """`value` with the credentials of every URI in it replaced by ***: a string (a URI, or a
+    message naming one), or the strings inside a dict or list. What baton records or prints
+    (MLflow params and tags, events, checkpoint metadata, errors) goes through here; the
+    credentials stay usable only where they are needed, in the spec in memory."""
+    if isinstance(value, str):
+        if "://" not in value and "=" not in value:
+            return value
+        return _SECRET_PARAM.sub(r"\1***", _USERINFO.sub("***@", value))
+    if isinstance(value, dict):
+        return {k: redact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
 
 
 def local_root() -> str:

@@ -46,6 +46,7 @@ from baton.parallel.partition import plan_stages
 from baton.progress import Progress
 from baton.spec import JobSpec
 from baton.status import STATUS_LINE
+from baton.storage import redact
 from baton.tracking import timeline
 from baton.tracking.metrics import LiveMetrics
 from baton.training import lr_at
@@ -610,10 +611,10 @@ class Coordinator:
         """The metadata of a checkpoint of the current step. `rng`: the workers' RNG files it
         holds (all of them, or none for one written from the survivors of a failure)."""
         return {"job": self.spec.name, "step": self.step, "cursor": cursor,
-                "fingerprint": self.base.fingerprint(), "recipe": self.base.recipe(),
+                "fingerprint": self.base.fingerprint(), "recipe": redact(self.base.recipe()),
                 "layout": self._layout(), "data": self.manifest.summary(),
                 "manifest": self.manifest.to_json(),
-                "mlflow_run_id": self.run_id, "tracking_uri": self.tracker.uri,
+                "mlflow_run_id": self.run_id, "tracking_uri": redact(self.tracker.uri),
                 "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
                 "rng": rng, "loss": self.last_loss, "baton_version": __version__,
                 "time": time.time()}
@@ -641,7 +642,7 @@ class Coordinator:
         if not self.prepared:
             return  # refused before it began (bad data, no MLflow run): it leaves nothing behind
         now = self.status_at = time.monotonic()
-        status = self.status() | ({"error": error[:2000]} if error else {})
+        status = redact(self.status() | ({"error": error[:2000]} if error else {}))
         try:
             self.store.write_status(status)
         except OSError:

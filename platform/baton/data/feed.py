@@ -198,6 +198,12 @@ class _Read:
         self.cancelled = True
         if self.executor is not None and not self.finished:
             self.executor.shutdown(force=True)
+        # Waited for (a read here ends within one row group, a stopped execution at once), so
+        # that the thread never calls Ray after the run has shut it down: Ray's calls start a
+        # new Ray when there is none (ray.init by its auto-init), which a fault test's
+        # cluster then refused to shut down under (seen in CI: Ray Data's executor,
+        # stopped, cancelling its tasks after the test's ray.shutdown)
+        self._thread.join(timeout=60)
 
 
 class DataFeed:
@@ -303,6 +309,8 @@ def _read_here(root: str, units: list[Unit], columns: Columns, read: _Read) -> I
         if read.cancelled:
             return
         table = read_unit(root, unit, columns)
+        if read.cancelled:  # closed meanwhile: Ray may be gone, and ray.put would start it again
+            return
         yield [ray.put(table)], table.num_rows
         del table
 

@@ -58,6 +58,28 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
+# The least fp32 parameter memory one FSDP unit gathers (parallel.shard_unit_mib's default):
+# consecutive blocks smaller than this are grouped into one unit (FSDP2 takes a list of
+# modules), so a small model pays a few collectives a micro-batch instead of a few per block;
+# a block this large or larger is a unit of its own, as torchtitan wraps them. The idea of
+# FSDP1's size-based wrap policy; measured in benchmarks/sharding.py (--unit-mibs).
+UNIT_MIB = 16.0
+
+
+def units(model: nn.Module, unit_mib: float = UNIT_MIB) -> list[list[nn.Module]]:
+    """`blocks(model)` in groups of consecutive blocks, each group closed once it holds
+    `unit_mib` of fp32 parameters (the last may hold less)."""
+    out: list[list[nn.Module]] = []
+    size = 0.0
+    for block in blocks(model):
+        if not out or size >= unit_mib:
+            out.append([])
+            size = 0.0
+        out[-1].append(block)
+        size += sum(p.numel() for p in block.parameters()) * 4 / 2**20
+    return out
+
+
 def wrap_problem(model: nn.Module, name: str) -> Optional[str]:
     """Why FSDP cannot wrap `model` unit by unit (None when it can)."""
     if len(blocks(model)) >= 2:
@@ -107,7 +129,8 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                    zero.load_full, zero.load_sharded)
 
 
-def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool) -> None:
+def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool,
+                unit_mib: float) -> None:
     """FSDP2 on each of `module`'s blocks, then on `module` itself as a root, over the dp
     axes of the mesh (of this rank's pipeline stage, when pp > 1)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -118,15 +141,16 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     # train.precision: bf16 asks for it)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if train.precision == "bf16" else MixedPrecisionPolicy())
-    for unit in blocks(module):
-        shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    for group in units(module, unit_mib):
+        shard(group if len(group) > 1 else group[0], mesh=dp_mesh,
+              reshard_after_forward=reshard_after_forward, mp_policy=mp)
     # the root holds what no unit does; it is needed again at once by the backward
     shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
 
 
 def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
-                reshard_after_forward: bool) -> Replica:
-    _shard_root(module, mesh, train, reshard_after_forward)
+                reshard_after_forward: bool, unit_mib: float = UNIT_MIB) -> Replica:
+    _shard_root(module, mesh, train, reshard_after_forward, unit_mib)
     optimizer = make_optimizer(module, train)
 
     @contextlib.contextmanager
@@ -148,22 +172,22 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
-    "none": replicate,
-    "optimizer": lambda *a: replicate(*a, shard_optimizer=True),
-    "grads": lambda *a: fully_shard(*a, reshard_after_forward=False),
-    "full": lambda *a: fully_shard(*a, reshard_after_forward=True),
+    "none": lambda *a, unit_mib=None: replicate(*a),
+    "optimizer": lambda *a, unit_mib=None: replicate(*a, shard_optimizer=True),
+    "grads": lambda *a, unit_mib=UNIT_MIB: fully_shard(*a, reshard_after_forward=False, unit_mib=unit_mib),
+    "full": lambda *a, unit_mib=UNIT_MIB: fully_shard(*a, reshard_after_forward=True, unit_mib=unit_mib),
 }
 
 
 def shard_stages(chunks: list[nn.Module], mesh, train: TrainSpec,
-                 reshard_after_forward: bool) -> Callable[[int, bool], None]:
+                 reshard_after_forward: bool, unit_mib: float = UNIT_MIB) -> Callable[[int, bool], None]:
     """FSDP2 inside pipeline stages, as torchtitan does: each of this rank's chunks (its
     stages) is a root of its own over the stage's dp axes, its blocks wrapped one by one.
     Returns `sync(chunk, last)`, which the pipeline runtime calls before each backward:
     gradients are reduced once per step, at each chunk's last backward, not once per
     micro-batch (and ZeRO-2 keeps parameters whole until then)."""
     for chunk in chunks:
-        _shard_root(chunk, mesh, train, reshard_after_forward)
+        _shard_root(chunk, mesh, train, reshard_after_forward, unit_mib)
 
     def sync(c: int, last: bool) -> None:
         chunks[c].set_requires_gradient_sync(last)
@@ -184,9 +208,9 @@ def reshard(chunks: list[nn.Module]) -> None:
 
 # the levels that compose with pipelines (ZeRO-1's ZeroRedundancyOptimizer steps through DDP)
 STAGE_WRAPPINGS: dict[str, Callable[..., Optional[Callable[[int, bool], None]]]] = {
-    "none": lambda *a: None,
-    "grads": lambda *a: shard_stages(*a, reshard_after_forward=False),
-    "full": lambda *a: shard_stages(*a, reshard_after_forward=True),
+    "none": lambda *a, unit_mib=None: None,
+    "grads": lambda *a, unit_mib=UNIT_MIB: shard_stages(*a, reshard_after_forward=False, unit_mib=unit_mib),
+    "full": lambda *a, unit_mib=UNIT_MIB: shard_stages(*a, reshard_after_forward=True, unit_mib=unit_mib),
 }
 
 

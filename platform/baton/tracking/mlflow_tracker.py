@@ -8,14 +8,16 @@ the steps after its checkpoint; those already logged are skipped, so every step 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from baton import storage
+from baton import interrupts, storage
 from baton.spec import TrackingSpec
+from baton.storage import redact
 
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 STEP_METRIC = "loss"  # logged at every step: its last step says how far a run's record goes
@@ -36,9 +38,19 @@ def _artifact_root(uri: str, experiment: str) -> Optional[str]:
     return (db.parent / "mlartifacts" / experiment).as_uri()
 
 
+def _shielded(method):
+    """A write to the store that Ctrl-C or SIGTERM does not cut in half (interrupts.py)."""
+    @functools.wraps(method)
+    def write(*args, **kwargs):
+        with interrupts.shielded():
+            return method(*args, **kwargs)
+    return write
+
+
 class MLflowTracker:
     """Nothing touches the store before `start`; after a failure earlier than that, every
-    other method is a no-op, so the error that stopped the run is the one the user sees."""
+    other method is a no-op, so the error that stopped the run is the one the user sees.
+    Every write is shielded from interrupts."""
 
     def __init__(self, spec: TrackingSpec):
         self.uri = spec.uri or default_uri()
@@ -50,6 +62,7 @@ class MLflowTracker:
         self._last_flush = time.monotonic()
         self._logged_through = 0  # steps up to this one are already in the run
 
+    @_shielded
     def start(self, run_name: str, params: dict[str, Any], run_id: Optional[str] = None) -> str:
         """Open a new run, or continue `run_id` (a resumed job keeps its run)."""
         from mlflow.tracking import MlflowClient
@@ -76,7 +89,7 @@ class MLflowTracker:
 
         new, changed = [], []
         for k, v in params.items():
-            text = str(v)[:6000]
+            text = redact(str(v))[:6000]  # a URI's credentials are never recorded
             if k not in known:
                 new.append(Param(k, text))
             elif known[k] != text:  # params are immutable in MLflow: record the change as a tag
@@ -99,6 +112,7 @@ class MLflowTracker:
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
+    @_shielded
     def flush(self) -> None:
         if not self.run_id:
             return
@@ -107,21 +121,25 @@ class MLflowTracker:
         self._buffer = []
         self._last_flush = time.monotonic()
 
+    @_shielded
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
         if not self.run_id:
             return
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.client.log_batch(self.run_id, tags=[RunTag(k, redact(str(v))) for k, v in tags.items()])
 
+    @_shielded
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
         if self.run_id:
             self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
+    @_shielded
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         if self.run_id:
-            self.client.log_dict(self.run_id, obj, artifact_file)
+            self.client.log_dict(self.run_id, redact(obj), artifact_file)
 
+    @_shielded
     def finish(self, status: str) -> None:
         """status: FINISHED, FAILED or KILLED. The run's pictures (`baton report`) go in first
         as report/ artifacts; a report that cannot be drawn is a warning, never the error."""

@@ -66,7 +66,8 @@ class DataParallelEngine(_Engine):
         self.module = build_model(spec.model, spec.train.seed).to(device)
         level = spec.parallel.shard
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s) if level != "none" else None
-        self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device)
+        self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device,
+                                        unit_mib=spec.parallel.shard_unit_mib)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
 
@@ -122,7 +123,8 @@ class PipelineEngine(_Engine):
         self.shard_group = mesh["dp_shard"].get_group()
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
         # this engine all-reduces over the stage's replicas
-        sync = STAGE_WRAPPINGS[spec.parallel.shard](chunks, mesh, spec.train)
+        sync = STAGE_WRAPPINGS[spec.parallel.shard](chunks, mesh, spec.train,
+                                                    unit_mib=spec.parallel.shard_unit_mib)
         self.sharded = sync is not None
         self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank), v,
                                        device, spec.train.precision == "bf16", self.pp_group,

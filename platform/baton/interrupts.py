@@ -1,0 +1,58 @@
+"""Ctrl-C and SIGTERM end a run as a KeyboardInterrupt, but never half-way through a write to
+the run's record.
+
+Raised at any bytecode, the interrupt once landed inside MLflow's sqlite store, between a
+transaction's write and its commit: the dangling transaction kept the database locked, and
+the handler that marks the run KILLED then failed with "database is locked" (seen in a CI run,
+`test_interrupted_run_is_marked_killed_and_keeps_its_checkpoint[SIGTERM]`). Writes to the
+store run `shielded()`: a signal that arrives meanwhile is held and raised as the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Callable, Iterator, Optional
+
+_depth = 0  # shielded blocks open on the main thread
+_pending: Optional[int] = None  # a signal that arrived inside one
+
+
+def _interrupt(signum: int, frame) -> None:
+    global _pending
+    if _depth:
+        _pending = signum
+        return
+    raise KeyboardInterrupt(signum)
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Hold an interrupt until the block ends (on the main thread; elsewhere signals are not
+    delivered anyway)."""
+    global _depth, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if not _depth and _pending is not None:
+            signum, _pending = _pending, None
+            raise KeyboardInterrupt(signum)
+
+
+def install() -> dict[int, Callable]:
+    """Make SIGINT and SIGTERM interrupts that wait for shielded blocks; returns the handlers
+    they replace (for `restore`). A no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def restore(previous: dict[int, Callable]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)

@@ -1,0 +1,49 @@
+"""Ctrl-C and SIGTERM wait for a write to the run's record to finish (baton.interrupts).
+
+A SIGTERM that landed inside MLflow's sqlite write once left the store locked, and the run
+could not be marked KILLED (a CI failure of
+test_interrupted_run_is_marked_killed_and_keeps_its_checkpoint[SIGTERM])."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from baton import interrupts
+
+
+@pytest.fixture
+def handlers():
+    previous = interrupts.install()
+    yield
+    interrupts.restore(previous)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_inside_a_shielded_write_is_raised_when_it_ends(handlers, signum):
+    finished = []
+    with pytest.raises(KeyboardInterrupt) as e:
+        with interrupts.shielded():
+            os.kill(os.getpid(), signum)
+            time.sleep(0.05)  # the handler runs here, and holds the interrupt
+            finished.append("the write")
+        finished.append("after the block")
+    assert finished == ["the write"] and e.value.args == (signum,)
+
+
+def test_a_signal_outside_is_raised_at_once_and_nested_blocks_wait_for_the_outermost(handlers):
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        raise AssertionError("not interrupted")
+    order = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.shielded():
+            with interrupts.shielded():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+            order.append("inner ended, outer still writing")
+    assert order == ["inner ended, outer still writing"]
