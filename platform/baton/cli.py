@@ -142,7 +142,9 @@ def _remote_parsers(sub) -> None:
     k.add_argument("--checkpoint-uri", help="checkpoints to object storage, e.g. s3://bucket/baton")
     k.add_argument("--s3-secret", help="Secret holding AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     k.add_argument("--token-secret", default="baton-ray-token",
-                   help="Secret holding Ray's auth_token ('' turns token auth off)")
+                   help="Secret holding Ray's auth_token (key auth_token)")
+    k.add_argument("--no-auth", action="store_true",
+                   help="no token authentication: anyone who reaches the dashboard runs code")
     k.add_argument("--gcs-redis", help="external Redis host:port: the cluster survives losing its head")
     k.add_argument("--redis-secret", help="Secret holding that Redis's password (key: password)")
     k.add_argument("--mlflow-uri", help="MLflow tracking server (default: sqlite on the claim)")
@@ -404,11 +406,16 @@ def _k8s(args: argparse.Namespace) -> int:
     from baton.spec import load_spec
 
     spec = load_spec(args.job, args.set)
+    if not args.no_auth and not args.token_secret.strip():
+        print("baton: error: --token-secret is empty: name the Secret holding Ray's token (key "
+              "auth_token), or pass --no-auth to render a cluster without authentication",
+              file=sys.stderr)
+        return 2
     opts = k8s.K8sOptions(
         kind=args.kind, name=args.name, namespace=args.namespace,
         image=args.image or k8s.K8sOptions.image, pvc=args.pvc or None,
         checkpoint_uri=args.checkpoint_uri, s3_secret=args.s3_secret,
-        token_secret=args.token_secret or None, redis_address=args.gcs_redis,
+        token_secret=None if args.no_auth else args.token_secret, redis_address=args.gcs_redis,
         redis_secret=args.redis_secret, mlflow_uri=args.mlflow_uri,
         worker_memory=args.worker_memory, min_workers=args.min_workers,
         max_workers=args.max_workers, backoff_limit=args.backoff_limit)

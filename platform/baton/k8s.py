@@ -7,12 +7,18 @@ worker's GPUs (tolerating the GPU taint, selecting GPU nodes); autoscaling betwe
 smallest and largest world; shared checkpoint storage on every pod (a ReadWriteMany volume at
 /mnt/baton, which `BATON_STORAGE` points relative paths at, or an s3:// URI with credentials
 from a Secret); Ray's metrics on port 8080 for Prometheus; token authentication from a Secret.
+Least privilege: every pod runs as the image's non-root user with no privilege escalation, no
+capabilities, the runtime's default seccomp profile and a read-only root (Ray writes its
+session, logs and unpacked working directories under /tmp, an emptyDir, where HOME points
+too); a NetworkPolicy admits traffic to the cluster's pods only from each other, the RayJob's
+submitter and the KubeRay operator (the dashboard's port), and Prometheus (the metrics port).
 Every rendered object is checked against the rules KubeRay enforces in its controller
 (`kuberay_errors`) before it is printed.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass
@@ -32,6 +38,12 @@ SUBMISSION_MODES = ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 POD_LABELS = {"app.kubernetes.io/name": "baton"}  # k8s/podmonitor.yaml selects these pods
 MAX_NAME = {"RayJob": 47, "RayCluster": 63}  # KubeRay derives longer names from these
+# the image's user (rayproject/ray: ray, uid 1000, group users 100)
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsGroup": 100,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "privileged": False,
+                      "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+SCRATCH = "/tmp"  # the one writable place besides the storage volume: Ray's temp dir, HOME
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,7 @@ def render(spec: JobSpec, job_path: str, overrides: list[str] = (),
                                                      "app.kubernetes.io/instance": name}}
     if opts.namespace:
         meta["namespace"] = opts.namespace
-    cluster = _cluster_spec(spec, opts)
+    cluster = _cluster_spec(spec, opts, name)
     if opts.kind == "RayCluster":
         obj = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta, "spec": cluster}
     else:
@@ -90,7 +102,33 @@ def render(spec: JobSpec, job_path: str, overrides: list[str] = (),
     errors = kuberay_errors(obj)
     if errors:
         raise SpecError(f"{job_path}: the {opts.kind} would be refused: {'; '.join(errors)}")
-    return [obj]
+    return [obj, _network_policy(name, opts)]
+
+
+def _network_policy(name: str, opts: K8sOptions) -> dict:
+    """Ingress to the job's pods: from each other (any port: GCS, object transfer, gloo,
+    NCCL), from the RayJob's submitter and the KubeRay operator to the dashboard's job API,
+    and from Prometheus to the metrics port. `kubectl port-forward` does not pass through
+    NetworkPolicies: the README's way in still works."""
+    mine = {"app.kubernetes.io/instance": name}
+    meta: dict[str, Any] = {"name": f"{name}-ray", "labels": {"app.kubernetes.io/name": "baton",
+                                                              "app.kubernetes.io/instance": name}}
+    if opts.namespace:
+        meta["namespace"] = opts.namespace
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
+            "spec": {"podSelector": {"matchLabels": dict(mine)}, "policyTypes": ["Ingress"],
+                     "ingress": [
+                         {"from": [{"podSelector": {"matchLabels": dict(mine)}}]},
+                         {"from": [{"podSelector": {"matchLabels": {
+                             "ray.io/originated-from-crd": "RayJob",
+                             "ray.io/originated-from-cr-name": name}}},
+                                   {"namespaceSelector": {}, "podSelector": {"matchLabels": {
+                                       "app.kubernetes.io/name": "kuberay-operator"}}}],
+                          "ports": [{"protocol": "TCP", "port": 8265}]},
+                         {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+                             "app.kubernetes.io/name": "prometheus"}}}],
+                          "ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
+                     ]}}
 
 
 def _entrypoint(job_path: str, overrides: list[str], opts: K8sOptions) -> str:
@@ -114,7 +152,7 @@ def _env_vars(opts: K8sOptions) -> dict[str, str]:
     return env
 
 
-def _cluster_spec(spec: JobSpec, opts: K8sOptions) -> dict:
+def _cluster_spec(spec: JobSpec, opts: K8sOptions, name: str) -> dict:
     r, pp = spec.resources, spec.parallel.pp
     lo, hi = spec.dp_range
     low = lo * pp if opts.min_workers is None else opts.min_workers
@@ -133,11 +171,14 @@ def _cluster_spec(spec: JobSpec, opts: K8sOptions) -> dict:
                                       "effect": "NoSchedule"}]
         worker_pod["nodeSelector"] = {"nvidia.com/gpu.present": "true"}
     _add_storage(worker_pod, opts)
+    _harden(worker_pod)
     head_resources = {"cpu": "2", "memory": "8Gi"}
     head_pod: dict[str, Any] = {"containers": [_container(
         "ray-head", opts, {"requests": dict(head_resources), "limits": dict(head_resources)},
         [("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), ("metrics", METRICS_PORT)])]}
     _add_storage(head_pod, opts)
+    _harden(head_pod)
+    labels = {**POD_LABELS, "app.kubernetes.io/instance": name}  # the NetworkPolicy's selector
     cluster: dict[str, Any] = {
         "rayVersion": RAY_VERSION,
         "enableInTreeAutoscaling": True,
@@ -147,7 +188,7 @@ def _cluster_spec(spec: JobSpec, opts: K8sOptions) -> dict:
             # num-cpus 0: no training work on the head; the driver (num_cpus 0) still runs there
             "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
                                "metrics-export-port": str(METRICS_PORT)},
-            "template": {"metadata": {"labels": dict(POD_LABELS)}, "spec": head_pod},
+            "template": {"metadata": {"labels": dict(labels)}, "spec": head_pod},
         },
         "workerGroupSpecs": [{
             "groupName": "gpu-workers" if gpus else "cpu-workers",
@@ -155,7 +196,7 @@ def _cluster_spec(spec: JobSpec, opts: K8sOptions) -> dict:
             "minReplicas": low,
             "maxReplicas": high,
             "rayStartParams": {"metrics-export-port": str(METRICS_PORT)},
-            "template": {"metadata": {"labels": dict(POD_LABELS)}, "spec": worker_pod},
+            "template": {"metadata": {"labels": dict(labels)}, "spec": worker_pod},
         }],
     }
     if opts.token_secret:
@@ -188,6 +229,17 @@ def _add_storage(pod: dict, opts: K8sOptions) -> None:
         return
     pod["volumes"] = [{"name": "baton-storage", "persistentVolumeClaim": {"claimName": opts.pvc}}]
     pod["containers"][0]["volumeMounts"] = [{"name": "baton-storage", "mountPath": STORAGE_MOUNT}]
+
+
+def _harden(pod: dict) -> None:
+    """Least privilege (the Pod Security Standards' restricted profile, and a read-only root):
+    a writable emptyDir at /tmp for Ray's session folder and logs, with HOME pointed there."""
+    pod["securityContext"] = copy.deepcopy(POD_SECURITY)  # copies: YAML would alias shared ones
+    pod.setdefault("volumes", []).append({"name": "scratch", "emptyDir": {}})
+    for c in pod["containers"]:
+        c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
+        c.setdefault("volumeMounts", []).append({"name": "scratch", "mountPath": SCRATCH})
+        c.setdefault("env", []).append({"name": "HOME", "value": f"{SCRATCH}/home"})
 
 
 # --- the rules KubeRay checks in its controller, which no CRD schema carries -----------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -144,8 +145,10 @@ def test_every_manifest_in_k8s_is_valid(path):
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
 @pytest.mark.parametrize("kind", ["RayJob", "RayCluster"])
 def test_what_baton_k8s_renders_for_every_job_is_valid(job, kind):
-    for obj in rendered(job, kind):
-        assert crd_errors(obj) == []
+    objects = rendered(job, kind)
+    assert [o["kind"] for o in objects] == [kind, "NetworkPolicy"]
+    for obj in objects:
+        assert manifest_errors(obj) == [], obj["kind"]
 
 
 @pytest.mark.parametrize("path", [p for p in MANIFESTS if p.read_text().startswith("# Rendered by:")],
@@ -160,7 +163,7 @@ def test_rendered_manifests_in_k8s_are_current(path, capsys, monkeypatch):
 
 def test_the_worker_group_is_sized_from_parallel_and_elastic():
     spec = load_spec(REPO / "jobs" / "gpt-small-gpu.yaml", ["parallel.dp=2"])
-    [job] = k8s.render(spec, "jobs/gpt-small-gpu.yaml", ["parallel.dp=2"])
+    [job, _] = k8s.render(spec, "jobs/gpt-small-gpu.yaml", ["parallel.dp=2"])
     cluster = job["spec"]["rayClusterSpec"]
     [group] = cluster["workerGroupSpecs"]
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 1, 8)
@@ -179,6 +182,86 @@ def test_the_worker_group_is_sized_from_parallel_and_elastic():
         "spec"]["workerGroupSpecs"]
     assert group["replicas"] == pp.parallel.dp * pp.parallel.pp  # one pod per worker
     assert "nvidia.com/gpu" not in group["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def _pods(doc: dict) -> list[tuple[str, dict]]:
+    """(where, pod spec) of every pod template in a manifest."""
+    if doc["apiVersion"] == "ray.io/v1":
+        cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
+        groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster["workerGroupSpecs"]]
+        return [(name, g["template"]["spec"]) for name, g in groups]
+    if doc["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet"):
+        return [(doc["metadata"]["name"], doc["spec"]["template"]["spec"])]
+    return []
+
+
+def _every_manifest() -> list[tuple[str, dict]]:
+    docs = [(p.name, d) for p in MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    for job in JOBS:
+        for kind in ("RayJob", "RayCluster"):
+            docs += [(f"{job.name} ({kind})", d) for d in rendered(job, kind)]
+    return docs
+
+
+def test_every_pod_runs_with_least_privilege():
+    """Issue 17: non-root, no privilege escalation, no capabilities, the default seccomp
+    profile and a read-only root, in every container (init containers too) of every pod we
+    ship or render. Fails if one lacks it."""
+    pods = [(f"{name}: {where}", pod) for name, doc in _every_manifest() for where, pod in _pods(doc)]
+    assert len(pods) >= 2 * 2 * len(JOBS) + 1  # a head and a worker group each, and Redis
+    for where, pod in pods:
+        sc = pod.get("securityContext", {})
+        assert sc.get("runAsNonRoot") is True and sc.get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        for c in pod["containers"] + pod.get("initContainers", []):
+            csc = c.get("securityContext", {})
+            assert csc.get("allowPrivilegeEscalation") is False, where
+            assert csc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert csc.get("readOnlyRootFilesystem") is True, where
+            assert not csc.get("privileged"), where
+            writable = {m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+            assert writable, f"{where}: {c['name']} has nowhere to write"
+
+
+def test_a_network_policy_admits_only_the_clusters_own_pods_and_named_peers():
+    for name, doc in _every_manifest():
+        if doc["apiVersion"] != "ray.io/v1":
+            continue
+        instance = doc["metadata"]["name"]
+        cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
+        for _, group in [("head", cluster["headGroupSpec"])] + [(0, g) for g in cluster["workerGroupSpecs"]]:
+            assert group["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == instance
+        if name.endswith(")"):  # rendered: its policy comes with it
+            policies = [d for n, d in _every_manifest() if n == name and d["kind"] == "NetworkPolicy"]
+        else:
+            policies = [d for d in yaml.safe_load_all((REPO / "k8s" / name).read_text())
+                        if d and d["kind"] == "NetworkPolicy"]
+        [policy] = policies
+        spec = policy["spec"]
+        assert spec["podSelector"] == {"matchLabels": {"app.kubernetes.io/instance": instance}}
+        assert spec["policyTypes"] == ["Ingress"]
+        own, api, metrics = spec["ingress"]
+        assert own == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": instance}}}]}
+        assert [p["port"] for p in api["ports"]] == [8265] and [p["port"] for p in metrics["ports"]] == [8080]
+        assert all(peer.get("podSelector") for rule in spec["ingress"] for peer in rule["from"])
+
+
+def test_an_empty_token_secret_is_refused_not_taken_for_no_auth(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["k8s", "jobs/quickstart.yaml", "--token-secret", ""]) == 2
+    assert "--token-secret is empty" in capsys.readouterr().err
+    assert main(["k8s", "jobs/quickstart.yaml", "--no-auth"]) == 0
+    assert "authOptions" not in capsys.readouterr().out
+
+
+def test_no_secret_is_on_a_command_line():
+    """k8s/redis.yaml passed the Redis password as `--requirepass $(REDIS_PASSWORD)`, which the
+    kubelet expands into the process's arguments, visible in the process list."""
+    for name, doc in _every_manifest():
+        for where, pod in _pods(doc):
+            for c in pod["containers"] + pod.get("initContainers", []):
+                line = " ".join(c.get("command", []) + c.get("args", []))
+                # $(NAME) is expanded by the kubelet into the arguments; a password flag is one
+                assert not re.search(r"\$\([A-Za-z_][A-Za-z0-9_]*\)|--\w*pass", line), (name, where, line)
 
 
 def test_secrets_are_referenced_never_inline():
