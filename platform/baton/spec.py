@@ -364,8 +364,10 @@ def _check_tree(value: Any, where: str) -> None:
         for key, child in items:
             if isinstance(node, dict) and not isinstance(key, str):
                 raise SpecError(f"{where}{at}: the key {_show(key)} ({_kind(key)}) must be text")
-            name = f"{path}.{key}" if isinstance(node, dict) and path else \
-                (key if isinstance(node, dict) else f"{path}[{key}]")
+            if isinstance(node, list):
+                name = f"{path}[{key}]"
+            else:
+                name = f"{path}.{key}" if path else key
             stack.append((child, name, depth + 1, above + (id(node),)))
 
 
@@ -389,10 +391,10 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
         raise SpecError(f"{source}: {where}: expected a mapping, got {_kind(raw)} {_show(raw)}")
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields), key=str)  # keys of mixed types: no traceback
+    unknown = sorted(set(raw) - set(fields))  # all text: _check_tree saw the keys first
     if unknown:
-        key = _show(unknown[0]) if not isinstance(unknown[0], str) else _show(unknown[0])[1:-1]
-        close = difflib.get_close_matches(str(unknown[0]), fields, n=1)
+        key = unknown[0] if len(unknown[0]) <= 80 else _show(unknown[0])
+        close = difflib.get_close_matches(unknown[0], fields, n=1)
         fix = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(fields)}"
         raise SpecError(f"{source}: {prefix}{key}: unknown key; {fix}")
     values = {}
@@ -438,10 +440,8 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         return value
     if tp is float and not isinstance(value, bool):
         number = value
-        try:
-            if isinstance(value, int):
-                number = float(value)
-            elif isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            if isinstance(value, (int, str)):
                 number = float(value)
         except OverflowError:
             raise SpecError(f"{source}: {key}: {_show(value)} is too large for a number") from None

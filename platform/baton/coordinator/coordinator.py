@@ -148,7 +148,8 @@ class Coordinator:
         self.failure: Optional[Failure] = None
         self.failure_at = 0.0
         self.resumed: Optional[dict] = None  # the start, recovery or rescale awaiting its first step
-        self.start: dict = {}  # the start's phases (kept in the result once its first step is done)
+        # the start's phases, from here to the first step (finished and kept in the result then)
+        self.start: dict = {"kind": "start", "t0": time.monotonic(), "phases_s": {}}
         self.next_rescale_check = 0.0
         self.store = CheckpointStore(spec.checkpoint_dir)
         self.resume_meta = resume_meta
@@ -227,7 +228,7 @@ class Coordinator:
     def _prepare(self) -> State:
         # the workers' processes start now, while the first batch is read and MLflow opens
         # (measured on 2 cores: about 7 s and 5 s, one after the other before)
-        t0 = time.monotonic()
+        t0 = self.start["t0"] = time.monotonic()
         self.group = self.group_factory(self.base, self.dims)
         self.group.launch(self._workers_to_start())
         if self.manifest is None:
@@ -251,8 +252,7 @@ class Coordinator:
         self.run_id = run_id
         self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress)
         self.prepared = True
-        self.start = {"kind": "start", "t0": t0,
-                      "phases_s": {"data": t_read - t0, "tracking": time.monotonic() - t_read}}
+        self.start["phases_s"] |= {"data": t_read - t0, "tracking": time.monotonic() - t_read}
         return State.SCHEDULING
 
     def _workers_to_start(self) -> int:
@@ -277,7 +277,6 @@ class Coordinator:
         t_formed = time.monotonic()
         if self.resume_meta:
             self._load(self.resume_meta)
-        self.start = self.start or {"kind": "start", "t0": t0, "phases_s": {}}  # {}: prepared elsewhere
         self.start["phases_s"] |= {"workers": t_placed - t0, "form": t_formed - t_placed,
                                    "load": time.monotonic() - t_formed}
         return State.RUNNING
@@ -571,7 +570,7 @@ class Coordinator:
         if p.save_refs:
             self._commit(p.cursor, p.save_refs, p.digest_refs)
         for event in (self.start, self.resumed):
-            if event and "t0" in event:
+            if event and "t0" in event:  # not yet finished
                 self._finish_phases(event)
         self.resumed = None
 

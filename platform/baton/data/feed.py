@@ -156,15 +156,23 @@ class _Read:
         self._cond = threading.Condition()
         perm = feed.order.unit_order(epoch)[0]
         units = [feed.manifest.units[int(u)] for u in perm[first:last]]
-        root, columns = feed.manifest.root, feed.columns
-        self._blocks = (lambda: _read_here(root, units, columns, self)) if here else \
-            (lambda: self._read_by_ray_data(_read_units(root, units, columns)))
+        self._units, self._root, self._columns, self._here = units, feed.manifest.root, feed.columns, here
         self._thread = threading.Thread(target=self._run, name=f"baton-read-{epoch}-{first}",
                                         daemon=True)
         self._thread.start()
 
-    def _read_by_ray_data(self, dataset) -> Iterator[tuple[list, int]]:
-        bundles, self.executor = _execute(dataset)
+    def _blocks(self) -> Iterator[tuple[list, int]]:
+        """(block references, rows) of each unit, in order."""
+        if self._here:
+            import ray
+
+            for unit in self._units:
+                table = read_unit(self._root, unit, self._columns)
+                if self.cancelled:  # closed meanwhile: Ray may be gone, and ray.put would start it again
+                    return
+                yield [ray.put(table)], table.num_rows
+            return
+        bundles, self.executor = _execute(_read_units(self._root, self._units, self._columns))
         for bundle in bundles:
             yield list(bundle.block_refs), bundle.num_rows()
 
@@ -300,19 +308,6 @@ class DataFeed:
             read.cancel()
             self._rows_done += read.rows
         self.reads, self.next_epoch = [], None
-
-
-def _read_here(root: str, units: list[Unit], columns: Columns, read: _Read) -> Iterator[tuple[list, int]]:
-    import ray
-
-    for unit in units:
-        if read.cancelled:
-            return
-        table = read_unit(root, unit, columns)
-        if read.cancelled:  # closed meanwhile: Ray may be gone, and ray.put would start it again
-            return
-        yield [ray.put(table)], table.num_rows
-        del table
 
 
 def _execute(dataset) -> tuple[Iterator, object]:

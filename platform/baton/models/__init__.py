@@ -43,7 +43,7 @@ def check_model_name(name: str) -> Optional[str]:
         return f"use one of {', '.join(MODELS)} or 'package.module:function'"
     module, _, func = name.partition(":")
     try:  # the module's own code runs here: anything may come out of it
-        builder = getattr(importlib.import_module(module), func)
+        builder = _user_builder(name)
     except AttributeError:
         return f"module {module!r} has no {func!r}"
     except (Exception, SystemExit) as e:
