@@ -4,8 +4,12 @@ dir, so tests neither read nor write the user's ~/.ray and never join another Ra
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 _PRIVATE = tempfile.mkdtemp(prefix="baton-tests-")
@@ -41,3 +45,37 @@ def _no_leftover_runs():
     from helpers import kill_leftovers
 
     kill_leftovers()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory):
+    """moto's standalone S3 server on 127.0.0.1: a real endpoint that pyarrow talks HTTP to.
+    Keys are set for the module (moto accepts any; unsigned requests fail), no EC2 metadata."""
+    from helpers import free_ports
+
+    keys = {"AWS_ACCESS_KEY_ID": "baton-tests", "AWS_SECRET_ACCESS_KEY": "baton-tests",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+
+    port = free_ports(1)[0]
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
+    proc = subprocess.Popen([shutil.which("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "moto_server did not start"
+            time.sleep(0.2)
+    yield f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    proc.terminate()
+    proc.wait(timeout=10)
+    log.close()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

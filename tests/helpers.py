@@ -328,3 +328,47 @@ def stop_session(proc: subprocess.Popen, grace_s: float = 5) -> None:
             time.sleep(0.2)
     proc.poll()
 
+
+
+class SlowProxy:
+    """A TCP proxy on 127.0.0.1 in front of an HTTP store that holds each write request (PUT,
+    POST) `delay_s` before passing it on: a store slow to write to."""
+
+    def __init__(self, upstream_port: int, delay_s: float):
+        import threading
+
+        self.upstream, self.delay_s = upstream_port, delay_s
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.delayed_s = 0.0
+        self._threads = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            self._threads.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            self._threads.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if slow and chunk.startswith((b"PUT ", b"POST ")):
+                    time.sleep(self.delay_s)
+                    self.delayed_s += self.delay_s
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()

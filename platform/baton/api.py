@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from baton import interrupts, storage
 from baton.checkpoint import CheckpointStore
+from baton.checkpoint.lease import Lease
 from baton.coordinator import Coordinator, RunResult
 from baton.data import corpus
 from baton.data.manifest import Manifest
@@ -38,18 +39,25 @@ def stage_plan(spec: JobSpec) -> str:
     return str(plan_stages(spec, lambda: []))
 
 
-def plan_resume(spec: JobSpec, source: str, resume: Optional[bool]) -> Optional[dict]:
-    """The metadata of the checkpoint to resume from, or None for a fresh start.
+def plan_resume(spec: JobSpec, source: str,
+                resume: Optional[bool]) -> tuple[Optional[dict], list[tuple[int, str]]]:
+    """The metadata of the checkpoint to resume from (None for a fresh start), and the newer
+    committed checkpoints that failed verification (step, what failed): the run goes back
+    to the newest that verifies.
 
     resume=None resumes automatically when the job's checkpoint folder holds a committed
     checkpoint of this job; resume=True requires one."""
     store = CheckpointStore(spec.checkpoint_dir)
-    step = store.latest()
+    step, failed = store.latest_verified()
+    if step is None and failed:
+        what = "; ".join(f"checkpoint {s}: {why}" for s, why in failed)
+        raise CheckpointError(f"{source}: no checkpoint in {storage.redact(spec.checkpoint_dir)} "
+                              f"verifies ({what}); move the folder aside to start over")
     if step is None:
         if resume:
             raise CheckpointError(f"{source}: --resume given but {spec.checkpoint_dir} holds no "
                                   "committed checkpoint")
-        return None
+        return None, []
     meta = store.read_meta(step)
     if meta.get("job") != spec.name or meta.get("fingerprint") != spec.fingerprint():
         changed = _changed_keys(meta.get("recipe", {}), spec.recipe())
@@ -61,7 +69,7 @@ def plan_resume(spec: JobSpec, source: str, resume: Optional[bool]) -> Optional[
         raise CheckpointError(
             f"{source}: job {spec.name!r} already finished: its checkpoint is at step "
             f"{meta['step']} and train.steps is {spec.train.steps}; raise train.steps to train on")
-    return meta
+    return meta, failed
 
 
 def check_corpus(meta: dict, manifest: Manifest, source: str, rebase: bool) -> None:
@@ -114,7 +122,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         address = cluster_address_from_env()
         if address:
             log(f"joining the Ray cluster at {address} ($RAY_ADDRESS)")
-    resume_meta = plan_resume(spec, source, resume)
+    resume_meta, failed = plan_resume(spec, source, resume)
     if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
         check_fits(spec, os.cpu_count() or 1, _local_gpus(), source, "this machine")
     if needs_prepare(spec):
@@ -123,36 +131,43 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
     if resume_meta:
         check_corpus(resume_meta, manifest, source, rebase_data)
 
-    started_ray = False
-    if not ray.is_initialized():
-        local = {"num_cpus": os.cpu_count()} if address is None else {}
-        if address is None and os.environ.get("BATON_METRICS_PORT"):  # for Prometheus to scrape
-            local["_metrics_export_port"] = int(os.environ["BATON_METRICS_PORT"])
-        ray.init(address=address or "local", include_dashboard=False,
-                 logging_level=logging.WARNING, configure_logging=True, **local)
-        started_ray = True
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        _quiet_library_logs()
-        # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
-        # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
-        # Installed after ray.init, which replaces SIGTERM's handler with one that only dumps
-        # a stack; both wait for a write to the run's record to finish (interrupts.py).
-        previous_handlers = interrupts.install()
-    try:
-        if address is not None:
-            res = ray.cluster_resources()
-            check_fits(spec, res.get("CPU", 0), res.get("GPU", 0), source, f"the cluster at {address}")
-        if resume_meta:
-            log(f"resuming {spec.name} from step {resume_meta['step']} "
-                f"(checkpoint in {storage.redact(spec.checkpoint_dir)})")
-        coordinator = Coordinator(spec, make_tracker(spec.tracking), resume_meta=resume_meta,
-                                  record_samples=record_samples, show_progress=show_progress,
-                                  on_step=on_step, manifest=manifest)
-        return coordinator.run()
-    finally:
-        if started_ray:
-            ray.shutdown()
-            interrupts.restore(previous_handlers)
+    # refused here, before Ray starts, while another run writes this job; held to the end
+    with Lease(spec.checkpoint_dir, warn=log) as lease:
+        back_to = f"checkpoint {resume_meta['step']}" if resume_meta else "step 0"
+        for step, why in failed:
+            log(f"warning: checkpoint {step} failed verification ({why}); it is set aside and "
+                f"the run goes back to {back_to}")
+            CheckpointStore(spec.checkpoint_dir).reject(step, why)
+        started_ray = False
+        if not ray.is_initialized():
+            local = {"num_cpus": os.cpu_count()} if address is None else {}
+            if address is None and os.environ.get("BATON_METRICS_PORT"):  # for Prometheus to scrape
+                local["_metrics_export_port"] = int(os.environ["BATON_METRICS_PORT"])
+            ray.init(address=address or "local", include_dashboard=False,
+                     logging_level=logging.WARNING, configure_logging=True, **local)
+            started_ray = True
+            ray.data.DataContext.get_current().enable_progress_bars = False
+            _quiet_library_logs()
+            # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
+            # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
+            # Installed after ray.init, which replaces SIGTERM's handler with one that only dumps
+            # a stack; both wait for a write to the run's record to finish (interrupts.py).
+            previous_handlers = interrupts.install()
+        try:
+            if address is not None:
+                res = ray.cluster_resources()
+                check_fits(spec, res.get("CPU", 0), res.get("GPU", 0), source, f"the cluster at {address}")
+            if resume_meta:
+                log(f"resuming {spec.name} from step {resume_meta['step']} "
+                    f"(checkpoint in {storage.redact(spec.checkpoint_dir)})")
+            coordinator = Coordinator(spec, make_tracker(spec.tracking), resume_meta=resume_meta,
+                                      record_samples=record_samples, show_progress=show_progress,
+                                      on_step=on_step, manifest=manifest, lease=lease)
+            return coordinator.run()
+        finally:
+            if started_ray:
+                ray.shutdown()
+                interrupts.restore(previous_handlers)
 
 
 def cluster_address_from_env() -> Optional[str]:

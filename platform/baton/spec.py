@@ -101,6 +101,7 @@ class CheckpointSpec:
     path: str = "checkpoints"  # local folder or a pyarrow filesystem URI; the job name is appended
     every_steps: int = 50
     keep: int = 2
+    timeout_s: float = 600.0  # a save or load (a slow store is slow, not failed: not parallel.timeout_s)
 
 
 @dataclass(frozen=True)
@@ -531,6 +532,7 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(bool(c.path), "checkpoint.path", c.path, "give a folder or URI")
     need(c.every_steps >= 1, "checkpoint.every_steps", c.every_steps, "must be at least 1")
     need(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
+    need(c.timeout_s > 0, "checkpoint.timeout_s", c.timeout_s, "must be > 0 seconds")
     need(tr.flush_every_s > 0, "tracking.flush_every_s", tr.flush_every_s, "must be > 0")
     need(bool(tr.experiment), "tracking.experiment", tr.experiment, "name an MLflow experiment")
     need(tr.cpu_peak_tflops is None or tr.cpu_peak_tflops > 0, "tracking.cpu_peak_tflops",
@@ -568,6 +570,7 @@ MOST: dict[str, tuple[float, str]] = {
     "resources.threads_per_worker": (2**10, "threads"),
     "checkpoint.every_steps": (10**12, "steps"),
     "checkpoint.keep": (10**6, "checkpoints"),
+    "checkpoint.timeout_s": _SECONDS,
     "tracking.flush_every_s": _SECONDS,
     "tracking.trace_step": (10**12, "steps"),
     "tracking.cpu_peak_tflops": (10**6, "TFLOP/s"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from typing import Any
@@ -64,6 +65,55 @@ def exists(fs: pafs.FileSystem, path: str) -> bool:
 def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     with fs.open_output_stream(path) as f:
         f.write(data)
+
+
+def is_local(fs: pafs.FileSystem) -> bool:
+    return isinstance(fs, pafs.LocalFileSystem)
+
+
+def write_durably(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """`data` at `path`, whole or not at all, and on the disk when this returns: on a local
+    disk written under a temporary name, fsynced, renamed, and the folder fsynced; on object
+    storage one PUT, which stores the object whole or not at all."""
+    if not is_local(fs):
+        return write_bytes(fs, path, data)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(fs, os.path.dirname(path))
+
+
+def fsync_dir(fs: pafs.FileSystem, path: str) -> None:
+    """Make a local folder's entries (files created or renamed in it) durable."""
+    if is_local(fs):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_record(fs: pafs.FileSystem, path: str) -> dict:
+    """{"size", "sha256"} of a file, read in 8 MiB pieces."""
+    h, size = hashlib.sha256(), 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def size_of(fs: pafs.FileSystem, path: str) -> int:
+    """A file's size in bytes; -1 when it does not exist."""
+    info = fs.get_file_info(path)
+    return -1 if info.type == pafs.FileType.NotFound else info.size
 
 
 def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:

@@ -109,6 +109,14 @@ def test_interrupted_run_is_marked_killed_and_keeps_its_checkpoint(tmp_path, sig
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
+    # a second run of the job while this one trains: refused before Ray starts, naming it
+    second = start_baton(["run", str(job), "--quiet"], tmp_path)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 2, out
+    assert re.fullmatch(rf"baton: error: {re.escape(str(tmp_path / 'ckpt' / 'stopped'))} is in use "
+                        rf"by another run of this job \(host [^,]+, pid {proc.pid}, since [-0-9 :]+ "
+                        r"UTC\): one run writes a job's checkpoints at a time; wait for it to end, "
+                        r"or stop it", out.strip().splitlines()[-1]), out
     os.kill(proc.pid, signum)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, out

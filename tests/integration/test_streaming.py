@@ -7,9 +7,7 @@ This module starts its own Ray with a small object store (OBJECT_STORE_MIB)."""
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,7 +21,7 @@ from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.errors import CheckpointError, DataError
 from baton.spec import spec_from_dict
-from helpers import SLOW_MODEL, assert_params_close, free_ports, reference_run, start_baton, tiny_spec, write_dataset
+from helpers import SLOW_MODEL, assert_params_close, reference_run, start_baton, tiny_spec, write_dataset
 
 OBJECT_STORE_MIB = 100
 BIG_MIB = 400  # the generated corpus: 4x the object store
@@ -49,27 +47,6 @@ def small_store_ray():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory):
-    """moto's standalone S3 server on 127.0.0.1: a real endpoint that pyarrow talks HTTP to."""
-    port = free_ports(1)[0]
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    proc = subprocess.Popen([shutil.which("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.2)
-    yield f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-    proc.terminate()
-    proc.wait(timeout=10)
-    log.close()
 
 
 def _write_random_corpus(folder: Path, mib: int, seq_len: int, files: int = 4) -> Path:
@@ -401,3 +378,35 @@ def test_credentials_in_uris_are_written_nowhere(tmp_path, s3_endpoint, capfd):
         assert text not in printed.out + printed.err
         leaks = [str(p) for p, data in written.items() if text.encode() in data]
         assert not leaks, leaks
+
+
+def test_a_slow_store_makes_a_slow_save_not_a_failure(tmp_path, s3_endpoint):
+    """Sharded checkpoints to S3 that holds each write request 0.7 s, with
+    parallel.timeout_s at 2 s: a sharded save takes several seconds, during which one rank
+    waits for the other to finish writing (DCP's last round, the index). Under the collective
+    timeout that wait failed the save, and every retry. Saves and loads are timed by
+    checkpoint.timeout_s instead (their own process group)."""
+    import pyarrow.fs as pafs
+
+    from helpers import SlowProxy
+
+    port = int(re.search(r"127\.0\.0\.1:(\d+)", s3_endpoint).group(1))
+    proxy = SlowProxy(port, delay_s=0.7)
+    slow = s3_endpoint.replace(f"127.0.0.1:{port}", f"127.0.0.1:{proxy.port}")
+    fs, _ = pafs.FileSystem.from_uri(f"s3://slow?{s3_endpoint}&allow_bucket_creation=true")
+    fs.create_dir("slow")
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="slow-store", train={"steps": 2},
+        parallel={"dp": 2, "shard": "full", "timeout_s": 2},
+        elastic={"max_failures": 0},  # any failure ends the run
+        checkpoint={"path": f"s3://slow/ckpt?{slow}", "every_steps": 2}))
+    try:
+        t0 = time.monotonic()
+        result = api.run(spec, show_progress=False)
+    finally:
+        proxy.close()
+    assert result.state == "finished" and result.step == 2 and not result.events
+    store = CheckpointStore(f"s3://slow/ckpt/slow-store?{s3_endpoint}")
+    assert store.latest_verified() == (2, [])
+    print(f"run {time.monotonic() - t0:.1f} s, writes held {proxy.delayed_s:.1f} s in all")

@@ -14,8 +14,9 @@ from baton.errors import CheckpointError
 
 def _save(store, step, keep=2, value=0.0):
     store.begin(step)
-    store.write_tensors(step, "model.pt", {"w": torch.full((3,), value)})
-    return store.commit(step, {"step": step}, keep=keep)
+    parts = [store.write_tensors(step, "model-0000.pt", {"w": torch.full((3,), value)}),
+             store.write_tensors(step, "optim-0000.pt", {"state": {}, "param_groups": []})]
+    return store.commit(step, {"step": step}, keep=keep, parts=parts)
 
 
 def test_commit_then_load(tmp_path):
@@ -23,18 +24,18 @@ def test_commit_then_load(tmp_path):
     assert store.latest() is None
     path = _save(store, 5, value=1.5)
     assert path.endswith("step_00000005") and store.latest() == 5
-    assert store.read_meta(5) == {"step": 5}
-    assert torch.equal(store.read_tensors(5, "model.pt")["w"], torch.full((3,), 1.5))
+    assert store.read_meta(5)["step"] == 5
+    assert torch.equal(store.read_tensors(5, "model-0000.pt")["w"], torch.full((3,), 1.5))
 
 
 def test_torn_checkpoint_is_never_loaded(tmp_path):
     store = CheckpointStore(str(tmp_path / "job"))
     _save(store, 5)
     store.begin(10)  # a crash after writing part of step 10, before the marker
-    store.write_tensors(10, "model.pt", {"w": torch.zeros(3)})
+    store.write_tensors(10, "model-0000.pt", {"w": torch.zeros(3)})
     assert store.latest() == 5
     with pytest.raises(CheckpointError, match="not committed"):
-        store.read_tensors(10, "model.pt")
+        store.read_tensors(10, "model-0000.pt")
     _save(store, 10, value=2.0)  # a retry at the same step replaces the torn folder
     assert store.latest() == 10
 
@@ -58,9 +59,9 @@ def test_loading_refuses_arbitrary_pickles(tmp_path):
 
     buf = io.BytesIO()
     torch.save({"w": Evil()}, buf, pickle_protocol=pickle.DEFAULT_PROTOCOL)
-    (tmp_path / "job" / "step_00000001" / "model.pt").write_bytes(buf.getvalue())
+    (tmp_path / "job" / "step_00000001" / "model-0000.pt").write_bytes(buf.getvalue())
     with pytest.raises(pickle.UnpicklingError):
-        store.read_tensors(1, "model.pt")
+        store.read_tensors(1, "model-0000.pt")
 
 
 def test_resume_refuses_another_recipe_and_names_what_changed(tmp_path):
@@ -71,11 +72,12 @@ def test_resume_refuses_another_recipe_and_names_what_changed(tmp_path):
     spec = spec_from_dict(tiny_spec(tmp_path, tmp_path, train={"steps": 10}))
     store = CheckpointStore(spec.checkpoint_dir)
     store.begin(4)
+    parts = [store.write_tensors(4, f"{kind}-0000.pt", {}) for kind in ("model", "optim")]
     store.commit(4, {"job": "tiny", "step": 4, "fingerprint": spec.fingerprint(),
-                     "recipe": spec.recipe()}, keep=2)
-    assert plan_resume(spec, "job.yaml", None)["step"] == 4
+                     "recipe": spec.recipe()}, keep=2, parts=parts)
+    assert plan_resume(spec, "job.yaml", None)[0]["step"] == 4
     longer = spec_from_dict(tiny_spec(tmp_path, tmp_path, train={"steps": 20}, parallel={"dp": 1}))
-    assert plan_resume(longer, "job.yaml", None)["step"] == 4  # steps and layout may change
+    assert plan_resume(longer, "job.yaml", None)[0]["step"] == 4  # steps and layout may change
     other = spec_from_dict(tiny_spec(tmp_path, tmp_path, model={"width": 64},
                                      train={"steps": 10, "lr": 0.02}))
     with pytest.raises(CheckpointError) as e:

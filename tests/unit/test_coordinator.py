@@ -5,6 +5,7 @@ workers die, and whose cluster shrinks and grows, on a script."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 
@@ -97,7 +98,8 @@ def test_survivors_are_committed_when_every_shard_has_one(tmp_path, left, writer
 
         def write_kept(self, ranks, root, step):
             self.written = [ranks, step]
-            return True
+            return written_parts(CheckpointStore(root), step, ["shards/.metadata"] + [
+                f"shards/__{r}_0.distcp" for r in ranks])
     store, group = CheckpointStore(str(tmp_path / "ckpt")), Writes()
     committed = Commits(store, NullTracker(), None, keep=2).commit_survivors(
         group, ParallelDims(dp=4, dp_shard=2), 5, left, {"step": 5})
@@ -177,10 +179,10 @@ class FakeGroup:
     def submit(self, method, *args):
         return [(rank, method, args) for rank in range(len(self.actors))]
 
-    def call(self, method, *args, what=""):
+    def call(self, method, *args, what="", checkpoint=False):
         return self.wait(self.submit(method, *args), what or method)
 
-    def wait(self, refs, what, ranks=None):
+    def wait(self, refs, what, ranks=None, checkpoint=False):
         out = []
         for rank, method, args in refs:
             self.calls.append((method, rank))
@@ -205,6 +207,10 @@ class FakeGroup:
                 self.done[rank] = args[1]
             elif method == "digest":
                 out.append("same")
+            elif method == "save":  # what a worker writes (Worker.save)
+                dp_rank, pp_rank = self.dims.coords(rank)
+                out.append(written_parts(CheckpointStore(args[0]), args[1], [f"rng-rank{rank:04d}.pt"] + (
+                    [f"model-{pp_rank:04d}.pt", f"optim-{pp_rank:04d}.pt"] if dp_rank == 0 else [])))
             else:
                 out.append(None)
         return out
@@ -217,7 +223,8 @@ class FakeGroup:
 
     def write_kept(self, ranks, root, step):
         self.kept_written.append((ranks, step))
-        return True
+        return written_parts(CheckpointStore(root), step, [
+            f"{kind}-{self.dims.coords(r)[1]:04d}.pt" for r in ranks for kind in ("model", "optim")])
 
     def kill(self, ranks):
         pass
@@ -234,6 +241,14 @@ class FakeGroup:
     def shutdown(self):
         self.cluster.free += len(self.actors) - len(self.dead)
         self.actors = []
+
+
+def written_parts(store, step, names):
+    """Small real files under `names` in checkpoint `step`, and their records, as workers
+    return them."""
+    for name in names:
+        os.makedirs(os.path.dirname(f"{store.step_dir(step)}/{name}"), exist_ok=True)
+    return [store.write_tensors(step, name, {"name": name}) for name in names]
 
 
 class OrderOnlyFeed:
@@ -396,3 +411,26 @@ def test_growing_twice_in_a_row_records_both_rescales(tmp_path):
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert [dp for _, dp in c.dp_history] == [1, 2, 4]
     assert [e["kind"] for e in c.events] == ["rescale", "rescale"]
+
+
+def test_a_recovery_skips_a_checkpoint_that_fails_verification(tmp_path):
+    """Checkpoint 6 is damaged on disk after its commit (one byte of a part flipped); the
+    failure at step 7 leaves no survivor state newer than it, so the recovery loads a
+    checkpoint: 6 fails its checksum, is set aside, and the run goes back to 4."""
+    cluster = FakeCluster(free=2)
+    cluster.failures[7] = ("actor_died", 1, False)
+    c = _coordinator(tmp_path, cluster)
+    _tick_until(c, lambda c: c.store.latest() == 6)
+    part = tmp_path / "ckpt" / "fake" / "step_00000006" / "model-0000.pt"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    _tick_until(c, lambda c: c.state is State.RECOVERING)
+    c.tick()
+    assert c.state is State.RUNNING and c.step == 4
+    rejected = [e for e in c.events if e["kind"] == "checkpoint_rejected"]
+    assert [(e["step"], e["why"]) for e in rejected] == [
+        (6, "part model-0000.pt does not match its checksum (corrupted)")]
+    assert c.store.committed_steps() == [4]  # 6 stays on disk (REJECTED), never loaded
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert c.store.latest() == 8 and c.store.verify(6) is None  # step 6 written again, whole

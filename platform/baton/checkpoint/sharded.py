@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pickle
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import pyarrow.fs as pafs
@@ -58,10 +58,14 @@ class _Unpickler(pickle.Unpickler):
 
 @dataclass(frozen=True)
 class Location:
-    """Where a sharded checkpoint is: a pyarrow filesystem (local, s3://, gs://) and a path in it."""
+    """Where a sharded checkpoint is: a pyarrow filesystem (local, s3://, gs://) and a path in
+    it; and the process group DCP coordinates a save or load over (None: the default group).
+    Workers give it a group of their own whose timeout is checkpoint.timeout_s: a rank waiting
+    for a peer still writing to a slow store must not time out at parallel.timeout_s."""
 
     fs: pafs.FileSystem
     path: str
+    group: Any = field(default=None, compare=False)
 
     @property
     def local(self) -> bool:
@@ -110,10 +114,23 @@ class ArrowFileSystem(FileSystemBase):
 
 
 class _Writer(dcp.FileSystemWriter):
+    """DCP's writer, on any pyarrow filesystem, remembering the files it wrote (the commit
+    records each one's size and checksum)."""
+
     def __init__(self, where: Location):
         super().__init__(where.path, sync_files=where.local)
         if not where.local:
             self.fs, self.path = ArrowFileSystem(where.fs), where.path
+        self.written: list[str] = []  # file names in the checkpoint's folder
+
+    def write_data(self, plan, planner):
+        done = super().write_data(plan, planner)  # written by the time it returns
+        self.written += sorted({r.storage_data.relative_path for r in done.wait()})
+        return done
+
+    def finish(self, metadata, results) -> None:  # the index, on the coordinating rank
+        super().finish(metadata, results)
+        self.written.append(METADATA)
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -139,9 +156,12 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def save(state: dict, where: Location) -> None:
-    """Write this worker's shards of `state` (every worker of the world calls it)."""
-    dcp.save(state, storage_writer=_Writer(where))
+def save(state: dict, where: Location) -> list[str]:
+    """Write this worker's shards of `state` (every worker of the world calls it); returns the
+    names of the files this worker wrote in `where` (the index too, on the coordinating rank)."""
+    writer = _Writer(where)
+    dcp.save(state, storage_writer=writer, process_group=where.group)
+    return writer.written
 
 
 def forget_meshes() -> None:
@@ -187,12 +207,11 @@ class PlannedSave:
     def plan(self) -> SavePlan:
         return self.writer.prepare_local_plan(self.planner.create_local_plan())
 
-    def write(self, plan: SavePlan) -> list:
-        """Write this worker's part of the global plan; the results go to `plan_globally`'s
-        `finish`."""
+    def write(self, plan: SavePlan) -> tuple[list, list[str]]:
+        """Write this worker's part of the global plan. Returns the results, for
+        `plan_globally`'s `finish`, and the names of the files written."""
         writes = self.writer.write_data(self.planner.finish_plan(plan), self.planner)
-        writes.wait()
-        return writes.value()
+        return writes.wait(), self.writer.written
 
 
 def plan_globally(where: Location, plans: list[SavePlan]) -> tuple[list[SavePlan], Callable]:
@@ -207,7 +226,7 @@ def plan_globally(where: Location, plans: list[SavePlan]) -> tuple[list[SavePlan
 def load(state: dict, where: Location) -> None:
     """Fill `state`'s tensors in place from a sharded checkpoint (every worker calls it)."""
     keys(where)
-    dcp.load(state, storage_reader=SafeReader(where))
+    dcp.load(state, storage_reader=SafeReader(where), process_group=where.group)
 
 
 def keys(where: Location) -> set[str]:
@@ -237,7 +256,7 @@ def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, where:
     with_optim = has_optimizer_state(where)
     if with_optim:
         state["optim"] = optim_state["state"]
-    dcp.load(state, storage_reader=SafeReader(where))
+    dcp.load(state, storage_reader=SafeReader(where), process_group=where.group)
     if not with_optim:
         # a checkpoint of step 0 (no step taken): get_state_dict "initialised" Adam with a
         # zero step; the fresh optimizer is the right one

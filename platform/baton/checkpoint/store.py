@@ -11,11 +11,18 @@ Layout of one checkpoint:
                           can read any other's: read_model merges them)
         optim-0000.pt     optimizer state keyed by parameter name, likewise
         rng-rank0000.pt   each worker's RNG state
-        meta.json         step, data cursor, MLflow run id, spec fingerprint, layout (coordinator)
+        meta.json         step, data cursor, MLflow run id, spec fingerprint, layout, and every
+                          part's size and SHA-256 (coordinator)
         COMMITTED         written last, by the coordinator, once every part is in place
+        REJECTED          written into a committed checkpoint that later failed verification
 
-A folder without COMMITTED is torn (a crash mid-write) and is never loaded. Tensors are stored
-with torch.save and read back with weights_only=True: no unrestricted unpickling.
+A folder without COMMITTED is torn (a crash mid-write) and is never loaded. On a local disk
+every file is written under a temporary name, fsynced and renamed, and its folder fsynced
+(`storage.write_durably`; DCP fsyncs its own files); object storage stores each object whole or
+not at all. A commit is refused when a part the layout needs is missing or is not the size its
+writer recorded; a load verifies every part against its checksum first (`latest_verified`),
+and a checkpoint that fails goes to the previous one. Tensors are stored with torch.save and
+read back with weights_only=True: no unrestricted unpickling.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from baton.spec import join_path
 from baton.errors import CheckpointError
 
 MARKER = "COMMITTED"
+REJECTED = "REJECTED"
+META = "meta.json"
 SHARDS = "shards"  # a sharded checkpoint's folder (torch.distributed.checkpoint)
 STATUS = "status.json"  # beside the step folders: the coordinator's state, for `baton status`
 _STEP_DIR = re.compile(r"step_(\d{8})")
@@ -41,6 +50,7 @@ class CheckpointStore:
     def __init__(self, root: str):
         self.root = root
         self.fs, self.path = storage.resolve(root)
+        self.status_written = False
 
     def step_dir(self, step: int) -> str:
         return f"{self.path}/step_{step:08d}"
@@ -63,7 +73,9 @@ class CheckpointStore:
         for name in storage.list_dirs(self.fs, self.path):
             m = _STEP_DIR.fullmatch(name)
             if m:
-                committed = storage.exists(self.fs, f"{self.path}/{name}/{MARKER}")
+                d = f"{self.path}/{name}"
+                committed = (storage.exists(self.fs, f"{d}/{MARKER}")
+                             and not storage.exists(self.fs, f"{d}/{REJECTED}"))
                 out.append((int(m.group(1)), committed))
         return out
 
@@ -77,37 +89,101 @@ class CheckpointStore:
     # -- writing ------------------------------------------------------------------------------
 
     def begin(self, step: int) -> None:
-        """Make a clean folder for `step` (a torn attempt at the same step is discarded)."""
+        """Make a clean folder for `step` (a torn or rejected attempt at the step is discarded)."""
         d = self.step_dir(step)
         if storage.exists(self.fs, d):
-            if storage.exists(self.fs, f"{d}/{MARKER}"):
+            if step in self.committed_steps():
                 raise CheckpointError(f"checkpoint {d} is already committed")
             self.fs.delete_dir(d)
         self.fs.create_dir(d, recursive=True)
 
-    def write_tensors(self, step: int, name: str, obj: Any) -> None:
+    def write_tensors(self, step: int, name: str, obj: Any) -> dict:
+        """Write one part; returns its record for the commit (name, size, SHA-256 of the bytes
+        written)."""
         buf = io.BytesIO()
         torch.save(obj, buf)
-        storage.write_bytes(self.fs, f"{self.step_dir(step)}/{name}", buf.getvalue())
+        data = buf.getvalue()
+        storage.write_durably(self.fs, f"{self.step_dir(step)}/{name}", data)
+        return {"name": name, "size": len(data), "sha256": storage.checksum(data)}
 
-    def commit(self, step: int, meta: dict, keep: int) -> str:
-        """Write the metadata, then the marker; then drop all but the newest `keep` committed
-        checkpoints and any torn folder older than this one."""
+    def records(self, step: int, names: list[str]) -> list[dict]:
+        """The records of parts written by another writer (DCP's files), read back."""
         d = self.step_dir(step)
-        storage.write_bytes(self.fs, f"{d}/meta.json", json.dumps(meta, indent=2).encode())
-        storage.write_bytes(self.fs, f"{d}/{MARKER}", b"")
+        return [{"name": n, **storage.file_record(self.fs, f"{d}/{n}")} for n in names]
+
+    def commit(self, step: int, meta: dict, keep: int, parts: list[dict]) -> str:
+        """Check that every part the checkpoint needs is there at the size its writer recorded;
+        write the metadata (with every part's size and checksum), then the marker; then drop
+        all but the newest `keep` committed checkpoints and any torn or rejected folder older
+        than this one. Refused (CheckpointError, nothing committed) when a part is missing."""
+        d = self.step_dir(step)
+        recorded = {p["name"]: {"size": p["size"], "sha256": p["sha256"]} for p in parts}
+        problem = _missing(meta, recorded) or self._wrong_size(step, recorded)
+        if problem:
+            raise CheckpointError(f"checkpoint {step} not committed: {problem}")
+        storage.fsync_dir(self.fs, d)
+        storage.write_durably(self.fs, f"{d}/{META}",
+                              json.dumps({**meta, "parts": recorded}, indent=2).encode())
+        storage.write_durably(self.fs, f"{d}/{MARKER}", b"")
         committed = sorted(self.committed_steps())
         for s, ok in self._steps():
             if (ok and s in committed[:-keep]) or (not ok and s < step):
                 self.fs.delete_dir(self.step_dir(s))
         return d if "://" not in self.root else join_path(self.root, f"step_{step:08d}")
 
+    # -- verifying ------------------------------------------------------------------------------
+
+    def verify(self, step: int) -> Optional[str]:
+        """None when checkpoint `step` is whole: its metadata readable and every part it records
+        present, at its size and checksum; else what is wrong, in a few words. A checkpoint
+        written before parts were recorded (baton 0.6.0) has only its metadata checked."""
+        d = self.step_dir(step)
+        try:
+            meta = json.loads(storage.read_bytes(self.fs, f"{d}/{META}"))
+            parts = meta.get("parts", {}) if isinstance(meta, dict) else None
+            if not isinstance(parts, dict) or "step" not in meta:
+                return f"{META} is not a checkpoint's metadata"
+            problem = self._wrong_size(step, parts)
+            if problem:
+                return problem + " (truncated or lost)"
+            for name, rec in sorted(parts.items()):
+                if storage.file_record(self.fs, f"{d}/{name}")["sha256"] != rec["sha256"]:
+                    return f"part {name} does not match its checksum (corrupted)"
+        except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: JSON's errors
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _wrong_size(self, step: int, parts: dict) -> Optional[str]:
+        for name, rec in sorted(parts.items()):
+            got = storage.size_of(self.fs, f"{self.step_dir(step)}/{name}")
+            if got != rec["size"]:
+                return (f"part {name} is {got} bytes, {rec['size']} when written" if got >= 0
+                        else f"part {name} is missing")
+        return None
+
+    def latest_verified(self) -> tuple[Optional[int], list[tuple[int, str]]]:
+        """The newest committed checkpoint that verifies, and the newer ones that did not
+        (step, what failed), newest first. Reads only: `reject` marks the failed ones."""
+        failed = []
+        for step in sorted(self.committed_steps(), reverse=True):
+            problem = self.verify(step)
+            if problem is None:
+                return step, failed
+            failed.append((step, problem))
+        return None, failed
+
+    def reject(self, step: int, why: str) -> None:
+        """Mark a committed checkpoint that failed verification: never loaded again, and
+        replaced when training reaches its step again (kept until then, for a post-mortem)."""
+        storage.write_durably(self.fs, f"{self.step_dir(step)}/{REJECTED}", why.encode())
+
     def write_status(self, status: dict) -> None:
-        """The running job's state for `baton status` (written by the coordinator)."""
-        self.fs.create_dir(self.path, recursive=True)
-        tmp = f"{self.path}/.{STATUS}.tmp"  # then a rename: a reader never sees half a file
-        storage.write_bytes(self.fs, tmp, json.dumps(status, indent=1).encode())
-        self.fs.move(tmp, f"{self.path}/{STATUS}")
+        """The running job's state for `baton status` (written by the coordinator), whole or
+        not at all (on object storage without the copy a rename costs there)."""
+        if not self.status_written:
+            self.fs.create_dir(self.path, recursive=True)
+            self.status_written = True
+        storage.write_durably(self.fs, f"{self.path}/{STATUS}", json.dumps(status, indent=1).encode())
 
     def read_status(self) -> Optional[dict]:
         if not storage.exists(self.fs, f"{self.path}/{STATUS}"):
@@ -123,7 +199,7 @@ class CheckpointStore:
         return d
 
     def read_meta(self, step: int) -> dict:
-        return json.loads(storage.read_bytes(self.fs, f"{self._committed_dir(step)}/meta.json"))
+        return json.loads(storage.read_bytes(self.fs, f"{self._committed_dir(step)}/{META}"))
 
     def read_tensors(self, step: int, name: str) -> Any:
         data = storage.read_bytes(self.fs, f"{self._committed_dir(step)}/{name}")
@@ -147,6 +223,19 @@ class CheckpointStore:
         """The whole optimizer state, keyed by parameter name, merged from per-stage files."""
         return merge_optim_states([self.read_tensors(step, f"optim-{i:04d}.pt")
                                    for i in range(shards)])
+
+
+def _missing(meta: dict, parts: dict) -> Optional[str]:
+    """The first part a checkpoint of `meta`'s layout needs and `parts` lacks."""
+    if not parts:
+        return "no parts were written"
+    if any(name.startswith(f"{SHARDS}/") for name in parts):
+        need = [f"{SHARDS}/.metadata"]
+    else:
+        pp = meta.get("layout", {}).get("pp", 1)
+        need = [f"{kind}-{i:04d}.pt" for i in range(pp) for kind in ("model", "optim")]
+    need += meta.get("rng", [])
+    return next((f"part {name} is missing" for name in need if name not in parts), None)
 
 
 def merge_optim_states(parts: list[dict]) -> dict:

@@ -13,26 +13,29 @@ import time
 from typing import Optional
 
 from baton.checkpoint import CheckpointStore
+from baton.checkpoint.lease import Lease
 from baton.errors import WorkerError
 from baton.parallel import ParallelDims
 
 
 class Commits:
-    def __init__(self, store: CheckpointStore, tracker, live, keep: int):
+    def __init__(self, store: CheckpointStore, tracker, live, keep: int, lease: Optional[Lease] = None):
         self.store, self.tracker, self.live, self.keep = store, tracker, live, keep
+        self.lease = lease  # held for the run (api.run): nothing is written without it
         self.last: Optional[str] = None  # where the newest checkpoint this run committed is
         self.replica_digests: list[str] = []  # each worker's parameter digest at that commit
 
     def queue(self, group, step: int) -> tuple[list, list]:
         """Start checkpoint `step`: a clean folder, and each worker's save and parameter digest
         queued behind the step in flight. Returns (save refs, digest refs) for `commit`."""
-        self.store.begin(step)
+        self._begin(step)
         return group.submit("save", self.store.root, step), group.submit("digest")
 
     def commit(self, group, dims: ParallelDims, step: int, meta: dict, save_refs: list,
                digest_refs: list) -> None:
         t0 = time.perf_counter()  # the saves were queued behind the step just completed
-        group.wait(save_refs, f"saving checkpoint {step}")
+        parts = [p for written in group.wait(save_refs, f"saving checkpoint {step}", checkpoint=True)
+                 for p in written]
         digests = group.wait(digest_refs, f"hashing parameters for checkpoint {step}")
         # an invariant of data parallelism, worth the milliseconds: the copies of each stage
         # (of each shard, when sharded) hold the same parameters
@@ -42,7 +45,7 @@ class Commits:
                 raise WorkerError(f"replicas of ranks {ranks} diverged at step {step}: "
                                   f"parameter digests {replicas}")
         self.replica_digests = digests
-        self._commit(step, meta)
+        self._commit(step, meta, parts)
         self.live.checkpoint_saved(time.perf_counter() - t0)
 
     def commit_survivors(self, group, dims: ParallelDims, step: int, left: dict[int, int],
@@ -62,15 +65,23 @@ class Commits:
                 writers.setdefault((dims.coords(rank)[1], dims.shard_of(rank)), rank)
         if len(writers) < dims.pp * dims.dp_shard:
             return False
-        self.store.begin(step)
-        if not group.write_kept(sorted(writers.values()), self.store.root, step):
+        self._begin(step)
+        parts = group.write_kept(sorted(writers.values()), self.store.root, step)
+        if parts is None:
             return False
-        self._commit(step, meta)
+        self._commit(step, meta, parts)
         return True
 
-    def _commit(self, step: int, meta: dict) -> None:
+    def _begin(self, step: int) -> None:
+        if self.lease is not None:
+            self.lease.check()
+        self.store.begin(step)
+
+    def _commit(self, step: int, meta: dict, parts: list[dict]) -> None:
+        if self.lease is not None:
+            self.lease.check()
         # Metrics first, then the marker: a crash between the two replays steps whose metrics
         # are already logged, and the tracker skips those; the other order could lose them.
         self.tracker.flush()
-        self.last = self.store.commit(step, meta, self.keep)
+        self.last = self.store.commit(step, meta, self.keep, parts)
         self.tracker.set_tags({"checkpoint.latest": self.last})

@@ -33,6 +33,7 @@ import numpy as np
 
 from baton import __version__
 from baton.checkpoint import CheckpointStore
+from baton.checkpoint.lease import Lease
 from baton.data import Cursor, EpochOrder
 from baton.data.feed import DataFeed
 from baton.data.manifest import Manifest
@@ -133,7 +134,7 @@ class Coordinator:
                  record_samples: bool = False, show_progress: bool = True,
                  on_step: Optional[Callable[["Coordinator"], None]] = None,
                  group_factory: Callable[..., WorkerGroup] = WorkerGroup,
-                 manifest: Optional[Manifest] = None):
+                 manifest: Optional[Manifest] = None, lease: Optional[Lease] = None):
         self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
         self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
@@ -180,7 +181,7 @@ class Coordinator:
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
         self.live = LiveMetrics(spec.name)
-        self.commits = Commits(self.store, tracker, self.live, spec.checkpoint.keep)
+        self.commits = Commits(self.store, tracker, self.live, spec.checkpoint.keep, lease)
         self.flops_per_token = model_flops_per_token(spec.model)
         self.peak_flops: Optional[float] = None  # of the current world's devices
         self.run_id: Optional[str] = None
@@ -440,7 +441,8 @@ class Coordinator:
         every_rng = len(meta.get("rng", [])) == old["dp"] * old["pp"]
         t0 = time.perf_counter()
         self.group.call("load", self.store.root, meta["step"], old,
-                        old == self._layout() and every_rng, what="loading the checkpoint")
+                        old == self._layout() and every_rng, what="loading the checkpoint",
+                        checkpoint=True)
         self.live.checkpoint_loaded(time.perf_counter() - t0)
         self.step = self.submitted = meta["step"]
         self.cursor.load_state_dict(self._cursor_of(meta))
@@ -455,7 +457,12 @@ class Coordinator:
         return rebased(meta["cursor"])
 
     def _load_latest(self) -> None:
-        latest = self.store.latest()
+        latest, failed = self.store.latest_verified()
+        for step, why in failed:
+            self.store.reject(step, why)
+            self._record({"kind": "checkpoint_rejected", "step": step, "why": why})
+            print(f"warning: checkpoint {step} failed verification ({why}); it is set aside",
+                  flush=True)
         if latest is not None:
             self._load(self.store.read_meta(latest))
         else:  # no checkpoint yet: start over (setup built the models from the seed)

@@ -18,6 +18,8 @@ from typing import Any, Optional
 import ray
 
 from baton.checkpoint import CheckpointStore, sharded
+from baton.checkpoint.sharded import METADATA
+from baton.checkpoint.store import SHARDS
 from baton.errors import WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
@@ -147,16 +149,21 @@ class WorkerGroup:
         """Queue `method(*args)` on every rank without waiting; actors run calls in order."""
         return [getattr(a, method).remote(*args) for a in self.actors]
 
-    def call(self, method: str, *args: Any, what: str = "") -> list:
+    def call(self, method: str, *args: Any, what: str = "", checkpoint: bool = False) -> list:
         """Call `method(*args)` on every rank; results in rank order."""
-        return self.wait(self.submit(method, *args), what or method)
+        return self.wait(self.submit(method, *args), what or method, checkpoint=checkpoint)
 
-    def wait(self, refs: list, what: str, ranks: Optional[list[int]] = None) -> list:
+    def wait(self, refs: list, what: str, ranks: Optional[list[int]] = None,
+             checkpoint: bool = False) -> list:
         """The results of `refs` (one per rank, or of `ranks`), watching the workers meanwhile.
-        The first failure ends the wait: no waiting out a collective whose peer is gone."""
+        The first failure ends the wait: no waiting out a collective whose peer is gone.
+        A checkpoint's save or load may take checkpoint.timeout_s, anything else
+        parallel.timeout_s + 30 (a stuck collective fails first)."""
         ranks = list(range(len(refs))) if ranks is None else ranks
         remaining = dict(zip(refs, ranks))
-        deadline = time.monotonic() + self.timeout_s + 30  # a stuck collective fails first
+        limit, setting = ((self.spec.checkpoint.timeout_s, "checkpoint.timeout_s") if checkpoint
+                          else (self.timeout_s + 30, "parallel.timeout_s + 30"))
+        deadline = time.monotonic() + limit
         while remaining:
             ready, _ = ray.wait(list(remaining), num_returns=len(remaining), timeout=BEAT_S)
             for ref in ready:
@@ -170,8 +177,8 @@ class WorkerGroup:
             if remaining:
                 self.check_health(what)
                 if time.monotonic() > deadline:
-                    raise WorkerLost(f"workers did not finish {what} within {self.timeout_s + 30:g} s "
-                                     "(parallel.timeout_s + 30)", "timeout")
+                    raise WorkerLost(f"workers did not finish {what} within {limit:g} s ({setting})",
+                                     "timeout")
         return ray.get(refs)
 
     # -- health -------------------------------------------------------------------------------
@@ -243,22 +250,25 @@ class WorkerGroup:
                 pass
         return dict(sorted(left.items()))
 
-    def write_kept(self, ranks: list[int], root: str, step: int) -> bool:
-        """Have `ranks` (after `leave`) write the state they kept as checkpoint `step`'s parts.
-        Sharded state is written through DCP in two rounds, this process carrying the plans
-        that a process group would. False if any of them fails: the caller falls back to the
-        last committed checkpoint."""
+    def write_kept(self, ranks: list[int], root: str, step: int) -> Optional[list[dict]]:
+        """Have `ranks` (after `leave`) write the state they kept as checkpoint `step`'s parts;
+        returns their records. Sharded state is written through DCP in two rounds, this
+        process carrying the plans that a process group would. None if any of them fails: the
+        caller falls back to the last committed checkpoint."""
         actors = [self.actors[r] for r in ranks]
         try:
-            plans = ray.get([a.write_kept.remote(root, step) for a in actors], timeout=self.timeout_s)
-            if all(p is None for p in plans):  # whole stages, written
-                return True
-            parts, finish = sharded.plan_globally(CheckpointStore(root).shards(step), plans)
-            finish(ray.get([a.write_kept_shards.remote(p) for a, p in zip(actors, parts)],
-                           timeout=self.timeout_s))
-            return True
+            timeout = self.spec.checkpoint.timeout_s
+            kept = ray.get([a.write_kept.remote(root, step) for a in actors], timeout=timeout)
+            if all("parts" in k for k in kept):  # whole stages, written
+                return [p for k in kept for p in k["parts"]]
+            store = CheckpointStore(root)
+            plans, finish = sharded.plan_globally(store.shards(step), [k["plan"] for k in kept])
+            written = ray.get([a.write_kept_shards.remote(root, step, p) for a, p in zip(actors, plans)],
+                              timeout=timeout)
+            finish([results for results, _ in written])
+            return [p for _, parts in written for p in parts] + store.records(step, [f"{SHARDS}/{METADATA}"])
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, OSError, ValueError):
-            return False  # ValueError: DCP found the plans inconsistent
+            return None  # ValueError: DCP found the plans inconsistent
 
     def kill(self, ranks: list[int]) -> None:
         for r in ranks:

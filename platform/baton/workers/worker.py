@@ -10,8 +10,8 @@ rank in a new world and `setup` joins it (on a fresh port), without a new proces
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import socket
 import time
 from datetime import timedelta
 from typing import Optional
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from baton.checkpoint import CheckpointStore, sharded
+from baton.checkpoint.store import SHARDS
 from baton.data.feed import Batch
 from baton.data.rows import UnitRows
 from baton.models import IGNORE, build_model
@@ -38,7 +39,7 @@ class Worker:
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
         torch.set_num_threads(spec.resources.threads_per_worker)
         self.ledger: Optional[list] = None
-        self.engine = None
+        self.engine = self.checkpoint_group = None
         self.kept = None  # (step, pp_rank, sharded, model state, optimizer state) kept by `leave`
         self.kept_save = None  # a sharded `write_kept` between its two rounds
         self.last_step = 0
@@ -48,6 +49,7 @@ class Worker:
         """Take `rank` in a world of `dims` (before `setup`)."""
         self.spec, self.dims, self.rank = spec, dims, rank
         self.dp_rank, self.pp_rank = dims.coords(rank)
+        self.master_store = None  # the group's store, hosted by rank 0 (rendezvous_address)
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
@@ -69,17 +71,18 @@ class Worker:
             self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
                          *self.engine.state_dicts())
             kept_step = self.last_step
-        self.engine = None
+        self.engine = self.checkpoint_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
         sharded.forget_meshes()  # DTensor's caches would hand the next world this one's groups
         return kept_step
 
-    def write_kept(self, root: str, step: int) -> Optional[object]:
-        """Write the state kept by `leave` as its part of checkpoint `step`: its stage's files,
-        or, when sharded, its shards through DCP, whose plans go through the coordinator (the
-        survivors have no process group): this returns the local plan, and
-        `write_kept_shards` writes this worker's part of the global plan."""
+    def write_kept(self, root: str, step: int) -> dict:
+        """Write the state kept by `leave` as its part of checkpoint `step`: its stage's files
+        ({"parts": their records}), or, when sharded, its shards through DCP, whose plans go
+        through the coordinator (the survivors have no process group): this returns
+        {"plan": the local plan}, and `write_kept_shards` writes this worker's part of the
+        global plan."""
         kept_step, pp_rank, is_sharded, model_state, optim_state = self.kept
         if kept_step != step:
             raise RuntimeError(f"this worker kept the state of step {kept_step}, not {step}")
@@ -87,23 +90,28 @@ class Worker:
         if is_sharded:
             self.kept_save = sharded.PlannedSave({"model": model_state, "optim": optim_state["state"]},
                                                  store.shards(step))
-            return self.kept_save.plan()
-        store.write_tensors(step, f"model-{pp_rank:04d}.pt", model_state)
-        store.write_tensors(step, f"optim-{pp_rank:04d}.pt", optim_state)
-        return None
+            return {"plan": self.kept_save.plan()}
+        return {"parts": [store.write_tensors(step, f"model-{pp_rank:04d}.pt", model_state),
+                          store.write_tensors(step, f"optim-{pp_rank:04d}.pt", optim_state)]}
 
-    def write_kept_shards(self, plan) -> list:
+    def write_kept_shards(self, root: str, step: int, plan) -> tuple[list, list[dict]]:
+        """This worker's part of the global plan: DCP's results, and the records of its files."""
         try:
-            return self.kept_save.write(plan)
+            results, names = self.kept_save.write(plan)
         finally:
             self.kept_save = None
+        return results, CheckpointStore(root).records(step, [f"{SHARDS}/{n}" for n in names])
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's IP and a free port, for rank 0 to host the group's store."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """This node's IP and the port of the group's store, which rank 0 hosts: bound here to
+        a port the system picks and held open until `setup` joins through it. (Binding port 0,
+        closing it and handing the number on, as before, let another process take the port in
+        between, and the world failed to form.)"""
+        ip = ray.util.get_node_ip_address()
+        self.master_store = dist.TCPStore(ip, 0, self.dims.world_size, is_master=True,
+                                          timeout=timedelta(seconds=self.spec.parallel.timeout_s),
+                                          wait_for_workers=False)
+        return ip, self.master_store.port
 
     def profile_layers(self, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward of each layer on one micro-batch (median of
@@ -119,10 +127,17 @@ class Worker:
               stage_layers: Optional[list[int]] = None) -> dict:
         """Join the process group, build this rank's part of the model and its optimizer."""
         spec = self.spec
-        dist.init_process_group(
-            "nccl" if self.use_cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
-            rank=self.rank, world_size=self.dims.world_size,
-            timeout=timedelta(seconds=spec.parallel.timeout_s))
+        timeout = timedelta(seconds=spec.parallel.timeout_s)
+        store, self.master_store = self.master_store, None  # rank 0's, from rendezvous_address
+        if store is None:
+            store = dist.TCPStore(master[0], master[1], self.dims.world_size, is_master=False,
+                                  timeout=timeout)
+        dist.init_process_group("nccl" if self.use_cuda else "gloo", store=store, rank=self.rank,
+                                world_size=self.dims.world_size, timeout=timeout)
+        # sharded checkpoints' coordination (DCP), timed by checkpoint.timeout_s: a save to a
+        # slow store is slow, not a failure
+        self.checkpoint_group = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=spec.checkpoint.timeout_s))
         self.rows = UnitRows(spec.model.seq_len + 1)  # the units of each step's batch
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         self.state_reported = False
@@ -193,27 +208,35 @@ class Worker:
 
     # -- checkpoints: one file per pipeline rank, keyed by parameter name -----------------------
 
-    def save(self, root: str, step: int) -> None:
+    def save(self, root: str, step: int) -> list[dict]:
+        """Write this worker's parts of checkpoint `step`; returns their records (name, size,
+        SHA-256) for the commit."""
         store = CheckpointStore(root)
+        parts = []
         if self.engine.sharded:  # every worker writes its shards, in parallel
             model_state, optim_state = self.engine.state_dicts()
-            sharded.save({"model": model_state, "optim": optim_state["state"]}, store.shards(step))
+            names = sharded.save({"model": model_state, "optim": optim_state["state"]}, self._shards(store, step))
+            parts += store.records(step, [f"{SHARDS}/{n}" for n in names])  # read back: DCP wrote them
         elif self.dp_rank == 0:  # replicas are identical: one copy of each stage is enough
             model_state, optim_state = self.engine.state_dicts()
-            store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state)
+            parts.append(store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state))
             time.sleep(float(os.environ.get("BATON_FAULT_SAVE_PAUSE_S", 0)))  # fault tests' window
-            store.write_tensors(step, f"optim-{self.pp_rank:04d}.pt", optim_state)
+            parts.append(store.write_tensors(step, f"optim-{self.pp_rank:04d}.pt", optim_state))
         rng = {"cpu": torch.get_rng_state()}
         if self.use_cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
-        store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)
+        parts.append(store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng))
+        return parts
+
+    def _shards(self, store: CheckpointStore, step: int) -> sharded.Location:
+        return dataclasses.replace(store.shards(step), group=self.checkpoint_group)
 
     def load(self, root: str, step: int, layout: dict, restore_rng: bool) -> None:
         """Load parameters and optimizer state, whatever the layout (dp, pp, shard level) the
         checkpoint was written at: by name from per-stage files, or through DCP from shards."""
         store = CheckpointStore(root)
         if store.is_sharded(step):
-            self.engine.load_sharded(store.shards(step))
+            self.engine.load_sharded(self._shards(store, step))
         else:
             pp = layout["pp"]
             self.engine.load_state_dicts(store.read_model(step, pp), store.read_optim(step, pp))

@@ -1,0 +1,202 @@
+"""Checkpoints that never lose work: commits that list and check their parts, verification
+on load with a fall-back to the previous checkpoint, and one writer per job (the lease), on a
+local disk and on a real S3 endpoint (moto's server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from baton.checkpoint import CheckpointStore
+from baton.checkpoint.lease import Lease
+from baton.errors import CheckpointError
+
+
+def _write(store, step, pp=1, value=0.0):
+    store.begin(step)
+    return [store.write_tensors(step, f"{kind}-{i:04d}.pt", {"w": torch.full((64,), value + i)})
+            for i in range(pp) for kind in ("model", "optim")]
+
+
+def _meta(step, pp=1):
+    return {"step": step, "layout": {"dp": 1, "pp": pp}}
+
+
+def test_a_commit_names_every_part_and_refuses_one_missing(tmp_path):
+    store = CheckpointStore(str(tmp_path / "job"))
+    store.begin(1)
+    with pytest.raises(CheckpointError, match="checkpoint 1 not committed: no parts were written"):
+        store.commit(1, _meta(1), keep=1, parts=[])
+    parts = _write(store, 2, pp=2)
+    with pytest.raises(CheckpointError, match="part optim-0001.pt is missing"):  # the layout needs it
+        store.commit(2, _meta(2, pp=2), keep=1, parts=parts[:3])
+    (tmp_path / "job" / "step_00000002" / "model-0001.pt").unlink()  # listed, but gone
+    with pytest.raises(CheckpointError, match="part model-0001.pt is missing"):
+        store.commit(2, _meta(2, pp=2), keep=1, parts=parts)
+    parts = _write(store, 3)
+    with open(tmp_path / "job" / "step_00000003" / "optim-0000.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CheckpointError, match=r"part optim-0000.pt is \d+ bytes, \d+ when written"):
+        store.commit(3, _meta(3), keep=1, parts=parts)
+    assert store.latest() is None  # nothing was committed
+    parts = _write(store, 4)
+    store.commit(4, _meta(4), keep=1, parts=parts)
+    recorded = store.read_meta(4)["parts"]
+    assert sorted(recorded) == ["model-0000.pt", "optim-0000.pt"]
+    assert recorded["model-0000.pt"]["size"] == os.path.getsize(
+        tmp_path / "job" / "step_00000004" / "model-0000.pt")
+    assert not [p for p in (tmp_path / "job" / "step_00000004").iterdir() if ".tmp" in p.name]
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda d: os.truncate(d / "model-0000.pt", 100), r"part model-0000.pt is 100 bytes, \d+ when written"),
+    (lambda d: _flip(d / "optim-0000.pt"), "part optim-0000.pt does not match its checksum"),
+    (lambda d: (d / "model-0000.pt").unlink(), "part model-0000.pt is missing"),
+    (lambda d: (d / "meta.json").write_text("{not json"), "JSONDecodeError"),
+])
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, why):
+    store = CheckpointStore(str(tmp_path / "job"))
+    for step in (5, 10):
+        store.commit(step, _meta(step), keep=2, parts=_write(store, step, value=step))
+    damage(tmp_path / "job" / "step_00000010")
+    step, failed = store.latest_verified()
+    assert step == 5 and len(failed) == 1 and failed[0][0] == 10
+    assert re.search(why, failed[0][1]), failed[0][1]
+    store.reject(10, failed[0][1])
+    assert store.committed_steps() == [5] and store.latest() == 5
+    assert torch.equal(store.read_tensors(5, "model-0000.pt")["w"], torch.full((64,), 5.0))
+    # training reaches step 10 again: the rejected folder is replaced by a whole checkpoint
+    store.commit(10, _meta(10), keep=2, parts=_write(store, 10, value=10))
+    assert store.latest_verified() == (10, [])
+
+
+def test_keep_1_never_deletes_the_only_good_checkpoint(tmp_path):
+    """v0.5 committed a checkpoint with no parts and, at keep 1, deleted the good one."""
+    store = CheckpointStore(str(tmp_path / "job"))
+    store.commit(5, _meta(5), keep=1, parts=_write(store, 5))
+    store.begin(10)
+    with pytest.raises(CheckpointError):
+        store.commit(10, _meta(10), keep=1, parts=[])
+    assert store.latest_verified() == (5, [])
+
+
+def test_resume_goes_back_past_damage_and_refuses_when_nothing_verifies(tmp_path):
+    from baton.api import plan_resume
+    from baton.spec import spec_from_dict
+    from helpers import tiny_spec
+
+    spec = spec_from_dict(tiny_spec(tmp_path, tmp_path, train={"steps": 20}))
+    store = CheckpointStore(spec.checkpoint_dir)
+    for step in (4, 8):
+        meta = {"job": "tiny", "step": step, "fingerprint": spec.fingerprint(), "layout": {"pp": 1}}
+        store.commit(step, meta, keep=2, parts=_write(store, step))
+    os.truncate(f"{store.step_dir(8)}/optim-0000.pt", 10)
+    meta, failed = plan_resume(spec, "job.yaml", None)
+    assert meta["step"] == 4 and [s for s, _ in failed] == [8]
+    os.truncate(f"{store.step_dir(4)}/optim-0000.pt", 10)
+    with pytest.raises(CheckpointError, match=r"job.yaml: no checkpoint in .* verifies \(checkpoint 8: "
+                                              r"part optim-0000.pt is 10 bytes.*checkpoint 4: .*move the "
+                                              r"folder aside to start over"):
+        plan_resume(spec, "job.yaml", None)
+
+
+# -- one writer per job ---------------------------------------------------------------------
+
+_HOLD = """
+import sys, time
+from baton.checkpoint.lease import Lease
+lease = Lease(sys.argv[1], settle_s=0.2, heartbeat_s=0.2)
+lease.acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(root):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, root], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path):
+    root = str(tmp_path / "job")
+    proc = _holder(root)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError) as e:
+            Lease(root).acquire()
+        assert time.monotonic() - t0 < 1  # refused at once, not after a wait
+        assert f"host {socket.gethostname()}, pid {proc.pid}, since 20" in str(e.value)
+        assert "in use by another run of this job" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with Lease(root) as lease:  # the kernel dropped the dead holder's lock: free at once
+        assert json.loads((tmp_path / "job" / "LEASE").read_text())["pid"] == os.getpid()
+        with pytest.raises(CheckpointError):
+            Lease(root).acquire()
+        lease.check()
+    assert (tmp_path / "job" / "LEASE").read_text() == ""  # released: no holder named
+
+
+def test_the_lease_on_object_storage(tmp_path, s3_endpoint):
+    """On a real S3 endpoint: a second writer is refused; a holder that stops renewing is taken
+    over after ttl_s, with a warning; the old holder then finds it has lost the lease and
+    refuses to commit."""
+    fs, _ = pafs.FileSystem.from_uri(f"s3://leases?{s3_endpoint}&allow_bucket_creation=true")
+    fs.create_dir("leases")
+    root = f"s3://leases/job?{s3_endpoint}"
+    first = Lease(root, ttl_s=1.5, heartbeat_s=0.2, settle_s=0.2)
+    first.acquire()
+    with pytest.raises(CheckpointError, match=f"in use by another run of this job .*pid {os.getpid()}"):
+        Lease(root, settle_s=0.2).acquire()
+    first.stop.set()  # the holder freezes: no more heartbeats
+    first.beat.join()
+    time.sleep(1.6)
+    warnings = []
+    second = Lease(root, ttl_s=1.5, heartbeat_s=0.2, settle_s=0.2, warn=warnings.append)
+    second.acquire()
+    assert len(warnings) == 1 and "taking over the lease" in warnings[0] and "no heartbeat for" in warnings[0]
+    assert first.renew() is False  # the frozen holder wakes: its heartbeat finds the new holder
+    with pytest.raises(CheckpointError, match="lost the lease on .* to host"):
+        first.check()
+    second.release()
+    assert not any(i.base_name == "LEASE" for i in fs.get_file_info(pafs.FileSelector("leases/job")))
+
+
+def test_the_rendezvous_port_is_held_from_its_choice_to_the_group_forming(tmp_path):
+    """Rank 0 used to bind port 0, close it and hand the number on: another process could take
+    the port before the group formed. Now the group's store holds it from the start."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from baton.spec import spec_from_dict
+    from baton.workers.worker import Worker
+    from helpers import tiny_spec, write_dataset
+
+    spec = spec_from_dict(tiny_spec(tmp_path, write_dataset(tmp_path / "data", 8, 32)))
+    worker = Worker(spec, spec.dims(), 0)
+    ip, port = worker.rendezvous_address()
+    with socket.socket() as other, pytest.raises(OSError, match="in use"):
+        other.bind((ip, port))  # what a process racing for the port would do
+    # rank 1 joins through it, as Worker.setup does (setup itself needs a Ray actor)
+    peer = dist.TCPStore(ip, port, 2, is_master=False, timeout=timedelta(seconds=10))
+    peer.set("joined", "1")
+    assert worker.master_store.get("joined") == b"1"
