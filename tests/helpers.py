@@ -372,3 +372,19 @@ class SlowProxy:
 
     def close(self) -> None:
         self.server.close()
+
+
+def pause_between_checkpoint_parts() -> None:
+    """A Ray `worker_process_setup_hook` for the fault tests: in each worker process, every
+    model part of a checkpoint is followed by a 0.5 s pause, so that a test can kill a worker
+    while its checkpoint is half written. Injected by the test, not a hook in baton."""
+    from baton.checkpoint import store
+
+    write = store.CheckpointStore.write_tensors
+
+    def write_then_pause(self, step, name, obj):
+        record = write(self, step, name, obj)
+        if name.startswith("model-"):
+            time.sleep(0.5)
+        return record
+    store.CheckpointStore.write_tensors = write_then_pause

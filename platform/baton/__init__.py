@@ -1,3 +1,3 @@
 """baton: elastic training for PyTorch on Ray."""
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"

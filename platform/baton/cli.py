@@ -130,6 +130,8 @@ def _remote_parsers(sub) -> None:
             p.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
     cluster_args(sub.add_parser("list", help="the cluster's jobs"))
 
+    from baton.k8s import MLFLOW_SERVICE
+
     k = sub.add_parser("k8s", help="print a KubeRay RayJob (or RayCluster) for a job")
     k.add_argument("job", help="the job's YAML file, relative to the project folder")
     k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -147,7 +149,9 @@ def _remote_parsers(sub) -> None:
                    help="no token authentication: anyone who reaches the dashboard runs code")
     k.add_argument("--gcs-redis", help="external Redis host:port: the cluster survives losing its head")
     k.add_argument("--redis-secret", help="Secret holding that Redis's password (key: password)")
-    k.add_argument("--mlflow-uri", help="MLflow tracking server (default: sqlite on the claim)")
+    k.add_argument("--mlflow-uri", default=MLFLOW_SERVICE,
+                   help=f"MLflow tracking server (default: k8s/mlflow.yaml's, {MLFLOW_SERVICE}); "
+                        "'sqlite' for a database file on the claim (one job at a time)")
     k.add_argument("--worker-memory", help="memory per worker pod (default 16Gi GPU, 4Gi CPU)")
     k.add_argument("--min-workers", type=int, help="fewest worker pods (default: min_dp x pp)")
     k.add_argument("--max-workers", type=int, help="most worker pods (default: max_dp x pp)")
@@ -416,7 +420,7 @@ def _k8s(args: argparse.Namespace) -> int:
         image=args.image or k8s.K8sOptions.image, pvc=args.pvc or None,
         checkpoint_uri=args.checkpoint_uri, s3_secret=args.s3_secret,
         token_secret=None if args.no_auth else args.token_secret, redis_address=args.gcs_redis,
-        redis_secret=args.redis_secret, mlflow_uri=args.mlflow_uri,
+        redis_secret=args.redis_secret, mlflow_uri=None if args.mlflow_uri == "sqlite" else args.mlflow_uri,
         worker_memory=args.worker_memory, min_workers=args.min_workers,
         max_workers=args.max_workers, backoff_limit=args.backoff_limit)
     import shlex

@@ -34,6 +34,7 @@ RAY_VERSION = "2.60.0"
 APP_DIR = "/home/ray/baton"  # where k8s/Dockerfile puts the project (jobs/, user code)
 STORAGE_MOUNT = "/mnt/baton"
 METRICS_PORT = 8080  # Ray's --metrics-export-port on every pod; the PodMonitor scrapes it
+MLFLOW_SERVICE = "http://mlflow:5000"  # the tracking server of k8s/mlflow.yaml, in the namespace
 SUBMISSION_MODES = ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 POD_LABELS = {"app.kubernetes.io/name": "baton"}  # k8s/podmonitor.yaml selects these pods
@@ -58,7 +59,8 @@ class K8sOptions:
     token_secret: Optional[str] = "baton-ray-token"  # Secret with key auth_token; None: no auth
     redis_address: Optional[str] = None  # external Redis for GCS fault tolerance
     redis_secret: Optional[str] = None  # Secret with key password for that Redis
-    mlflow_uri: Optional[str] = None  # default: sqlite on the shared volume
+    # the tracking server k8s/mlflow.yaml runs; None: sqlite on the shared volume (one job)
+    mlflow_uri: Optional[str] = MLFLOW_SERVICE
     worker_memory: Optional[str] = None  # default 16Gi per GPU worker, 4Gi per CPU worker
     min_workers: Optional[int] = None  # worker pods; default: min_dp x pp
     max_workers: Optional[int] = None  # default: max_dp x pp

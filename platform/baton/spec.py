@@ -8,6 +8,7 @@ valid, before any Ray work starts and before anything is written.
 from __future__ import annotations
 
 import dataclasses
+import copy
 import difflib
 import functools
 import hashlib
@@ -102,6 +103,9 @@ class CheckpointSpec:
     every_steps: int = 50
     keep: int = 2
     timeout_s: float = 600.0  # a save or load (a slow store is slow, not failed: not parallel.timeout_s)
+    # `async` in a job file (a Python keyword): write checkpoints on a thread of each worker
+    # while training goes on, from a copy of the state taken between two steps
+    async_: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ class JobSpec:
     batch_policy: Literal["keep_global", "scale_lr"] = "keep_global"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return _as_dict(self)
 
     def flat(self) -> dict[str, Any]:
         """The spec as dotted keys, e.g. {"train.lr": 0.003}: MLflow params."""
@@ -391,7 +395,7 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: {where}: expected a mapping, got {_kind(raw)} {_show(raw)}")
     hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))  # all text: _check_tree saw the keys first
     if unknown:
         key = unknown[0] if len(unknown[0]) <= 80 else _show(unknown[0])
@@ -401,10 +405,26 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     values = {}
     for name, f in fields.items():
         if name in raw:
-            values[name] = _coerce(hints[name], raw[name], f"{prefix}{name}", source)
+            values[f.name] = _coerce(hints[f.name], raw[name], f"{prefix}{name}", source)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise SpecError(f"{source}: {prefix}{name}: required key is missing")
     return cls(**values)
+
+
+def _key(f: dataclasses.Field) -> str:
+    """A field's key in a job file (its name, unless that is a Python keyword)."""
+    return f.metadata.get("key", f.name)
+
+
+def _as_dict(value: Any) -> Any:
+    """A spec (or a section) as the job file's keys and plain values."""
+    if dataclasses.is_dataclass(value):
+        return {_key(f): _as_dict(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_dict(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _as_dict(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
 
 _hints = functools.cache(typing.get_type_hints)  # 3/4 of the time of building a spec, uncached

@@ -54,6 +54,8 @@ def describe(s: dict) -> list[str]:
     lines.append(f"  world: dp {s['dp']} x pp {s['pp']} = {s['world_size']} workers, "
                  f"{s['workers_alive']} alive")
     lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
+    if s.get("tracking"):  # absent from older status files
+        lines.append(f"  tracking: {s['tracking']}")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
     lines.append(f"  failures: {s['failures']}" + (f" ({causes})" if causes else "")
                  + f"; rescales: {s['rescales']}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import threading
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -72,17 +74,52 @@ def is_local(fs: pafs.FileSystem) -> bool:
 
 
 def write_durably(fs: pafs.FileSystem, path: str, data: bytes) -> None:
-    """`data` at `path`, whole or not at all, and on the disk when this returns: on a local
-    disk written under a temporary name, fsynced, renamed, and the folder fsynced; on object
-    storage one PUT, which stores the object whole or not at all."""
-    if not is_local(fs):
-        return write_bytes(fs, path, data)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    """`data` at `path`, whole or not at all, and on the disk when this returns (see
+    `durable_writer`)."""
+    with durable_writer(fs, path) as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+class HashingWriter:
+    """A binary file's writer that counts and hashes (SHA-256) what goes through it, so a
+    part's record comes with its one write, without a second pass or a copy in memory."""
+
+    def __init__(self, f):
+        self.f, self.size, self.hash = f, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        self.f.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def record(self) -> dict:
+        return {"size": self.size, "sha256": self.hash.hexdigest()}
+
+
+@contextlib.contextmanager
+def durable_writer(fs: pafs.FileSystem, path: str):
+    """A `HashingWriter` whose content is at `path` whole or not at all, and on the disk, once
+    the block ends without an error: on a local disk written under a temporary name,
+    fsynced, renamed, and the folder fsynced; on object storage one upload, which stores the
+    object whole or not at all."""
+    if not is_local(fs):
+        with fs.open_output_stream(path) as f:
+            yield HashingWriter(f)
+        return
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as f:
+            yield HashingWriter(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     fsync_dir(fs, os.path.dirname(path))
 
 
@@ -94,10 +131,6 @@ def fsync_dir(fs: pafs.FileSystem, path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def checksum(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def file_record(fs: pafs.FileSystem, path: str) -> dict:

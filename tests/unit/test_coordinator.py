@@ -144,6 +144,7 @@ class FakeGroup:
         self.dead: set[int] = set()
         self.done: dict[int, int] = {}  # rank -> last step completed (the state it holds)
         self.kept_written: list[tuple[list[int], int]] = []
+        self.writing: dict[int, list] = {}  # rank -> a background save's parts
         self.calls: list[tuple[str, int]] = []
         self.ledgers: dict[int, list] = {}
 
@@ -209,11 +210,20 @@ class FakeGroup:
                 out.append("same")
             elif method == "save":  # what a worker writes (Worker.save)
                 dp_rank, pp_rank = self.dims.coords(rank)
-                out.append(written_parts(CheckpointStore(args[0]), args[1], [f"rng-rank{rank:04d}.pt"] + (
-                    [f"model-{pp_rank:04d}.pt", f"optim-{pp_rank:04d}.pt"] if dp_rank == 0 else [])))
+                parts = written_parts(CheckpointStore(args[0]), args[1], [f"rng-rank{rank:04d}.pt"] + (
+                    [f"model-{pp_rank:04d}.pt", f"optim-{pp_rank:04d}.pt"] if dp_rank == 0 else []))
+                if args[2]:  # in the background: the records come from `written`
+                    self.writing[rank] = parts
+                    parts = None
+                out.append(parts)
+            elif method == "written":
+                out.append(self.writing.pop(rank))
             else:
                 out.append(None)
         return out
+
+    def finished(self, refs):
+        return True
 
     def probe(self, timeout_s):
         return {r: "dead" if r in self.dead else "ok" for r in range(len(self.actors))}
@@ -430,7 +440,19 @@ def test_a_recovery_skips_a_checkpoint_that_fails_verification(tmp_path):
     assert c.state is State.RUNNING and c.step == 4
     rejected = [e for e in c.events if e["kind"] == "checkpoint_rejected"]
     assert [(e["step"], e["why"]) for e in rejected] == [
-        (6, "part model-0000.pt does not match its checksum (corrupted)")]
+        (6, "part model-0000.pt does not match its checksum")]
     assert c.store.committed_steps() == [4]  # 6 stays on disk (REJECTED), never loaded
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert c.store.latest() == 8 and c.store.verify(6) is None  # step 6 written again, whole
+
+
+def test_background_saves_commit_at_the_next_boundary_and_the_end_waits_for_the_last(tmp_path):
+    """checkpoint.async: each save returns at once and is committed from `written` at the
+    next step boundary; the run's last checkpoint is committed before it finishes."""
+    c = _coordinator(tmp_path, FakeCluster(free=2))
+    c.commits.background = True
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    saves = [(m, r) for m, r in c.group.calls if m in ("save", "written")]
+    assert saves == [(m, r) for _ in (2, 4, 6, 8) for m in ("save", "written") for r in (0, 1)]
+    assert c.store.committed_steps() == [6, 8] and c.store.verify(8) is None
+    assert c.commits.pending is None and c.commits.last.endswith("step_00000008")

@@ -152,7 +152,11 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path):
         with pytest.raises(CheckpointError):
             Lease(root).acquire()
         lease.check()
-    assert (tmp_path / "job" / "LEASE").read_text() == ""  # released: no holder named
+    assert not (tmp_path / "job" / "LEASE").exists()  # released
+    lease = Lease(str(tmp_path / "fresh" / "job"))
+    lease.acquire()
+    lease.release()
+    assert not (tmp_path / "fresh").exists()  # folders it created, left empty, go too
 
 
 def test_the_lease_on_object_storage(tmp_path, s3_endpoint):

@@ -175,7 +175,8 @@ def test_the_worker_group_is_sized_from_parallel_and_elastic():
     assert cluster["enableInTreeAutoscaling"] is True
     assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["backoffLimit"] > 0
     assert job["spec"]["entrypoint"] == "baton run /home/ray/baton/jobs/gpt-small-gpu.yaml --set parallel.dp=2"
-    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"env_vars": {"BATON_STORAGE": "/mnt/baton"}}
+    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"env_vars": {
+        "BATON_STORAGE": "/mnt/baton", "MLFLOW_TRACKING_URI": "http://mlflow:5000"}}  # k8s/mlflow.yaml
 
     pp = load_spec(REPO / "jobs" / "gpt-dp-pp.yaml")
     [group] = k8s.render(pp, "jobs/gpt-dp-pp.yaml", [], k8s.K8sOptions(kind="RayCluster"))[0][

@@ -6,9 +6,9 @@ its torn folders, and both log the same steps to one MLflow run. The second run 
 one line naming the holder, before Ray starts.
 
 On a local or shared disk (NFS included) the lease is an exclusive `flock` on the folder's
-`LEASE` file, whose content names the holder. The kernel drops the lock when the holding
-process ends, however it ends (SIGKILL included), so a lease whose holder is gone is free at
-once and nothing has to expire.
+`LEASE` file, whose content names the holder; the holder deletes the file as it lets go. The
+kernel drops the lock when the holding process ends, however it ends (SIGKILL included), so a
+lease whose holder is gone is free at once and nothing has to expire.
 
 Object storage has no locks and pyarrow no conditional writes, so there the lease is a record
 (holder, a random token, a heartbeat time) that the holder rewrites every `heartbeat_s`; it is
@@ -30,6 +30,8 @@ import threading
 import time
 import uuid
 from typing import Callable, Optional
+
+import pyarrow.fs as pafs
 
 from baton import storage
 from baton.errors import CheckpointError
@@ -88,6 +90,11 @@ class Lease:
             "one run writes a job's checkpoints at a time; wait for it to end, or stop it")
 
     def acquire(self) -> None:
+        self.made = []  # the folders this creates, deepest first: removed again if left empty
+        folder = self.path
+        while folder and not storage.exists(self.fs, folder):
+            self.made.append(folder)
+            folder = os.path.dirname(folder)
         self.fs.create_dir(self.path, recursive=True)
         if storage.is_local(self.fs):
             self._lock()
@@ -102,29 +109,46 @@ class Lease:
                 f"sent no heartbeat for {self.ttl_s:.0f} s and another run took the job over")
 
     def release(self) -> None:
+        """Let go; a folder this lease created and nothing else wrote to goes too, so a run
+        refused after taking it (the cluster too small) leaves nothing behind."""
         if self.fd is not None:
-            os.ftruncate(self.fd, 0)  # no holder named; the lock goes with the descriptor
+            os.unlink(self.file)  # while still locked: see _lock
             os.close(self.fd)
             self.fd = None
-        if self.beat is not None:
+        elif self.beat is not None:
             self.stop.set()
             self.beat.join()
             self.beat = None
             if self.lost is None and (self._read() or {}).get("token") == self.me["token"]:
                 self.fs.delete_file(self.file)
+        else:
+            return
+        for folder in self.made:
+            if self.fs.get_file_info(pafs.FileSelector(folder)):
+                break
+            self.fs.delete_dir(folder)
 
     # -- a local or shared disk: flock ----------------------------------------------------------
 
     def _lock(self) -> None:
         import fcntl
 
-        fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            record = _parse(os.pread(fd, 1 << 16, 0))
+        while True:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                record = _parse(os.pread(fd, 1 << 16, 0))
+                os.close(fd)
+                raise self.refusal(record) from None
+            # a holder unlinks the file as it lets go: a lock taken on a file no longer at
+            # the path is no lease (another run may be creating the next one); try again
+            try:
+                if os.stat(self.file).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            raise self.refusal(record) from None
         data = json.dumps(self.me).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)

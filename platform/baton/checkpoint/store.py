@@ -100,11 +100,9 @@ class CheckpointStore:
     def write_tensors(self, step: int, name: str, obj: Any) -> dict:
         """Write one part; returns its record for the commit (name, size, SHA-256 of the bytes
         written)."""
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = buf.getvalue()
-        storage.write_durably(self.fs, f"{self.step_dir(step)}/{name}", data)
-        return {"name": name, "size": len(data), "sha256": storage.checksum(data)}
+        with storage.durable_writer(self.fs, f"{self.step_dir(step)}/{name}") as f:
+            torch.save(obj, f)
+        return {"name": name, **f.record()}
 
     def records(self, step: int, names: list[str]) -> list[dict]:
         """The records of parts written by another writer (DCP's files), read back."""
@@ -136,7 +134,7 @@ class CheckpointStore:
     def verify(self, step: int) -> Optional[str]:
         """None when checkpoint `step` is whole: its metadata readable and every part it records
         present, at its size and checksum; else what is wrong, in a few words. A checkpoint
-        written before parts were recorded (baton 0.6.0) has only its metadata checked."""
+        written before parts were recorded (before baton 0.7) has only its metadata checked."""
         d = self.step_dir(step)
         try:
             meta = json.loads(storage.read_bytes(self.fs, f"{d}/{META}"))
@@ -145,10 +143,10 @@ class CheckpointStore:
                 return f"{META} is not a checkpoint's metadata"
             problem = self._wrong_size(step, parts)
             if problem:
-                return problem + " (truncated or lost)"
+                return problem
             for name, rec in sorted(parts.items()):
                 if storage.file_record(self.fs, f"{d}/{name}")["sha256"] != rec["sha256"]:
-                    return f"part {name} does not match its checksum (corrupted)"
+                    return f"part {name} does not match its checksum"
         except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: JSON's errors
             return f"{type(e).__name__}: {e}"
         return None

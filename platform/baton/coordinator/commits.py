@@ -3,6 +3,14 @@
 A checkpoint is queued behind the step it captures (the workers run calls in order, so the
 save sees exactly the state after that step), then committed once every part is written and
 the replicas are seen to agree: metadata first, the marker last (`CheckpointStore.commit`).
+
+Synchronous saves write before the workers take the next step. Background saves
+(`checkpoint.async`) only copy the state before the next step (a snapshot in host memory),
+write it on a thread of each worker while training goes on, and are committed at the first
+step boundary after every part is written: at most one is in flight (queueing the next waits
+for it), the run's end and a rescale wait for it, and a failure abandons it (its folder stays
+torn, never loaded; the survivors' state or the previous checkpoint serve the recovery).
+
 After a failure, the survivors' in-memory state of the last completed step may be committed
 instead of training again from the last checkpoint.
 """
@@ -10,6 +18,7 @@ instead of training again from the last checkpoint.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from baton.checkpoint import CheckpointStore
@@ -18,35 +27,78 @@ from baton.errors import WorkerError
 from baton.parallel import ParallelDims
 
 
+@dataclass
+class Save:
+    """A checkpoint queued on the workers, from queueing to commit."""
+
+    step: int
+    dims: ParallelDims  # the world that writes it
+    save_refs: list  # each worker's save: its parts' records (sync) or None (background)
+    digest_refs: list  # each worker's parameter digest at that step
+    background: bool
+    meta: Optional[dict] = None  # when its step has completed
+    written_refs: Optional[list] = None  # background: each worker's parts, once written
+
+
 class Commits:
-    def __init__(self, store: CheckpointStore, tracker, live, keep: int, lease: Optional[Lease] = None):
+    def __init__(self, store: CheckpointStore, tracker, live, keep: int,
+                 lease: Optional[Lease] = None, background: bool = False):
         self.store, self.tracker, self.live, self.keep = store, tracker, live, keep
         self.lease = lease  # held for the run (api.run): nothing is written without it
+        self.background = background  # checkpoint.async
+        self.pending: Optional[Save] = None  # a background save being written
         self.last: Optional[str] = None  # where the newest checkpoint this run committed is
         self.replica_digests: list[str] = []  # each worker's parameter digest at that commit
 
-    def queue(self, group, step: int) -> tuple[list, list]:
+    def queue(self, group, dims: ParallelDims, step: int, background: Optional[bool] = None) -> Save:
         """Start checkpoint `step`: a clean folder, and each worker's save and parameter digest
-        queued behind the step in flight. Returns (save refs, digest refs) for `commit`."""
+        queued behind the step in flight. A save still being written is committed first."""
+        self.drain(group)
         self._begin(step)
-        return group.submit("save", self.store.root, step), group.submit("digest")
+        background = self.background if background is None else background
+        return Save(step, dims, group.submit("save", self.store.root, step, background),
+                    group.submit("digest"), background)
 
-    def commit(self, group, dims: ParallelDims, step: int, meta: dict, save_refs: list,
-               digest_refs: list) -> None:
-        t0 = time.perf_counter()  # the saves were queued behind the step just completed
-        parts = [p for written in group.wait(save_refs, f"saving checkpoint {step}", checkpoint=True)
-                 for p in written]
-        digests = group.wait(digest_refs, f"hashing parameters for checkpoint {step}")
+    def staged(self, group, save: Save, meta: dict) -> None:
+        """`save`'s step has completed: commit it now (sync), or once written (background)."""
+        t0 = time.perf_counter()  # what the workers wait for before their next step
+        save.meta = meta
+        done = group.wait(save.save_refs, f"saving checkpoint {save.step}", checkpoint=True)
+        if save.background:
+            self.live.checkpoint_saved(time.perf_counter() - t0)  # the snapshot: the stall
+            save.written_refs = group.submit("written", save.step)
+            self.pending = save
+            return
+        self._finish(group, save, done)
+        self.live.checkpoint_saved(time.perf_counter() - t0)
+
+    def poll(self, group) -> None:
+        """Commit the background save if every part of it is written (does not wait)."""
+        if self.pending is not None and group.finished(self.pending.written_refs):
+            self.drain(group)
+
+    def drain(self, group) -> None:
+        """Wait for the background save in flight, and commit it."""
+        save, self.pending = self.pending, None
+        if save is not None:
+            self._finish(group, save, group.wait(save.written_refs, f"writing checkpoint {save.step}",
+                                                 checkpoint=True))
+
+    def abandon(self) -> None:
+        """A failure: the save in flight is never committed (its folder stays torn)."""
+        self.pending = None
+
+    def _finish(self, group, save: Save, written: list) -> None:
+        digests = group.wait(save.digest_refs, f"hashing parameters for checkpoint {save.step}")
         # an invariant of data parallelism, worth the milliseconds: the copies of each stage
         # (of each shard, when sharded) hold the same parameters
-        for ranks in dims.replica_groups():
+        for ranks in save.dims.replica_groups():
             replicas = [digests[r] for r in ranks]
             if len(set(replicas)) != 1:
-                raise WorkerError(f"replicas of ranks {ranks} diverged at step {step}: "
+                raise WorkerError(f"replicas of ranks {ranks} diverged at step {save.step}: "
                                   f"parameter digests {replicas}")
         self.replica_digests = digests
-        self._commit(step, meta, parts)
-        self.live.checkpoint_saved(time.perf_counter() - t0)
+        self._commit(save.step, save.meta, [p for parts in written for p in parts])
 
     def commit_survivors(self, group, dims: ParallelDims, step: int, left: dict[int, int],
                          meta: dict) -> bool:

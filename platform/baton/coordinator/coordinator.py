@@ -39,7 +39,7 @@ from baton.data.feed import DataFeed
 from baton.data.manifest import Manifest
 from baton.data.order import rebased
 from baton.data.source import columns
-from baton.coordinator.commits import Commits
+from baton.coordinator.commits import Commits, Save
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.errors import WorkerError, WorkerLost
 from baton.models.flops import job_peak_flops, model_flops_per_token
@@ -82,12 +82,12 @@ class _Pending:
     refs: list
     cursor: dict  # the data cursor after this step
     ledger_refs: Optional[list] = None
-    save_refs: Optional[list] = None
-    digest_refs: Optional[list] = None
+    save: Optional[Save] = None  # a checkpoint of this step, queued behind it
     traced: bool = False
 
     def all_refs(self) -> list:
-        return [*self.refs, *(self.ledger_refs or []), *(self.save_refs or []), *(self.digest_refs or [])]
+        saving = [*self.save.save_refs, *self.save.digest_refs] if self.save else []
+        return [*self.refs, *(self.ledger_refs or []), *saving]
 
 
 class State(enum.Enum):
@@ -181,7 +181,8 @@ class Coordinator:
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
         self.live = LiveMetrics(spec.name)
-        self.commits = Commits(self.store, tracker, self.live, spec.checkpoint.keep, lease)
+        self.commits = Commits(self.store, tracker, self.live, spec.checkpoint.keep, lease,
+                               background=spec.checkpoint.async_)
         self.flops_per_token = model_flops_per_token(spec.model)
         self.peak_flops: Optional[float] = None  # of the current world's devices
         self.run_id: Optional[str] = None
@@ -292,6 +293,7 @@ class Coordinator:
         while self.submitted < self.spec.train.steps and len(self.inflight) < PIPELINE_DEPTH:
             self.inflight.append(self._submit(self.submitted))
         if not self.inflight:
+            self.commits.drain(self.group)  # the last checkpoint, if written in the background
             self.tracker.finish("FINISHED")
             return State.FINISHED
         self._complete(self.inflight[0])  # left queued if it fails: recovery cancels it
@@ -316,6 +318,7 @@ class Coordinator:
         # 1. stop the old world: drop queued calls, keep whoever still answers and gets out
         stale = [ref for p in self.inflight for ref in p.all_refs()]
         self.group.cancel(stale)
+        self.commits.abandon()
         self.inflight.clear()
         state = self.group.probe(2.0)
         # ranks named by a death or a silence go; ranks that raised (their own code, a
@@ -528,7 +531,7 @@ class Coordinator:
             pending.ledger_refs = self.group.submit("take_ledger")
         done = step + 1
         if done % self.spec.checkpoint.every_steps == 0 or done == t.steps:
-            pending.save_refs, pending.digest_refs = self.commits.queue(self.group, done)
+            pending.save = self.commits.queue(self.group, self.dims, done)
         self.submitted += 1
         return pending
 
@@ -574,8 +577,9 @@ class Coordinator:
             for rank, entries in enumerate(self.group.wait(p.ledger_refs, "reading the ledger")):
                 self.ledger += [(step, rank, ids) for step, ids in entries]
         self.done_cursor = p.cursor
-        if p.save_refs:
-            self._commit(p.cursor, p.save_refs, p.digest_refs)
+        if p.save:
+            self._commit(p.cursor, p.save)
+        self.commits.poll(self.group)  # a background save, written by now
         for event in (self.start, self.resumed):
             if event and "t0" in event:  # not yet finished
                 self._finish_phases(event)
@@ -607,11 +611,12 @@ class Coordinator:
 
     def _checkpoint_now(self) -> None:
         """A checkpoint of the current step, between steps (before a resize)."""
-        self._commit(self.cursor.state_dict(), *self.commits.queue(self.group, self.step))
+        self._commit(self.cursor.state_dict(),
+                     self.commits.queue(self.group, self.dims, self.step, background=False))
 
-    def _commit(self, cursor: dict, save_refs: list, digest_refs: list) -> None:
+    def _commit(self, cursor: dict, save: Save) -> None:
         meta = self._meta(cursor, rng=[f"rng-rank{r:04d}.pt" for r in range(self.dims.world_size)])
-        self.commits.commit(self.group, self.dims, self.step, meta, save_refs, digest_refs)
+        self.commits.staged(self.group, save, meta)
 
     def _meta(self, cursor: dict, rng: list[str]) -> dict:
         """The metadata of a checkpoint of the current step. `rng`: the workers' RNG files it
@@ -637,7 +642,7 @@ class Coordinator:
                 "last_checkpoint": self.commits.last, "failures": sum(causes.values()),
                 "failures_by_cause": dict(causes), "rescales": sum(
                     e["kind"] == "rescale" for e in self.events),
-                "mlflow_run_id": self.run_id, "pid": os.getpid(),
+                "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}
 

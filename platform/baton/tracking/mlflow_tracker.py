@@ -4,6 +4,16 @@ Metrics are buffered and sent in batches (one batch call instead of one call per
 MLflow's own advice, and 35x faster on sqlite). The buffer is flushed before every checkpoint
 commit, at the end, and at most every `tracking.flush_every_s` seconds. A resumed run replays
 the steps after its checkpoint; those already logged are skipped, so every step is logged once.
+
+Tracking never stops training. Once the run is open, a store that fails (a server gone, a
+locked database) puts the tracker in a degraded state: one warning, `tracking: degraded` in
+`baton status`, and every later write kept in memory (metrics in order, the newest value of
+each tag and artifact) and tried again with a backoff of 1 s doubling to 60 s. When the store
+answers again, what was kept is delivered, each step's metrics once, and a line says so. A
+checkpoint commit no longer waits on the store. MLflow's HTTP client would retry each call
+for minutes first: baton sets it to one try of at most 10 s, unless the environment says
+otherwise. The run's end waits up to 60 s for a store still away, then says how much could
+not be delivered (and leaves the run RUNNING: `baton run` again marks it when it resumes).
 """
 
 from __future__ import annotations
@@ -21,6 +31,10 @@ from baton.storage import redact
 
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 STEP_METRIC = "loss"  # logged at every step: its last step says how far a run's record goes
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0  # backoff while the store is away
+FINISH_WAIT_S = 60.0  # how long the run's end waits for a store that is away
+# MLflow's HTTP client: one try, at most 10 s (its defaults retry 7 times over minutes)
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 def default_uri() -> str:
@@ -61,6 +75,20 @@ class MLflowTracker:
         self._buffer: list = []
         self._last_flush = time.monotonic()
         self._logged_through = 0  # steps up to this one are already in the run
+        self._tags: dict[str, str] = {}  # not yet delivered (the newest value of each)
+        self._dicts: dict[str, Any] = {}  # artifact file -> the newest content not delivered
+        self.degraded_since: Optional[float] = None  # wall time the store stopped answering
+        self._retry_at, self._backoff = 0.0, RETRY_FIRST_S
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+
+    @property
+    def state(self) -> str:
+        """For `baton status`: ok, or degraded (since when, how much is waiting)."""
+        if self.degraded_since is None:
+            return "ok"
+        return (f"degraded since {time.strftime('%H:%M:%S', time.localtime(self.degraded_since))}"
+                f" ({len(self._buffer)} metric values waiting)")
 
     @_shielded
     def start(self, run_name: str, params: dict[str, Any], run_id: Optional[str] = None) -> str:
@@ -110,49 +138,95 @@ class MLflowTracker:
         now = int(time.time() * 1000)
         self._buffer += [Metric(k, float(v), now, step) for k, v in metrics.items()]
         if time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush()
+            self._deliver()
 
-    @_shielded
     def flush(self) -> None:
-        if not self.run_id:
-            return
-        for i in range(0, len(self._buffer), MAX_BATCH):
-            self.client.log_batch(self.run_id, metrics=self._buffer[i:i + MAX_BATCH])
-        self._buffer = []
-        self._last_flush = time.monotonic()
+        """Deliver what is waiting (or, while the store is away, try again when due)."""
+        self._deliver()
 
-    @_shielded
     def set_tags(self, tags: dict[str, Any]) -> None:
-        from mlflow.entities import RunTag
+        self._tags.update({k: redact(str(v)) for k, v in tags.items()})
+        self._deliver()
 
-        if not self.run_id:
-            return
-        self.client.log_batch(self.run_id, tags=[RunTag(k, redact(str(v))) for k, v in tags.items()])
+    def log_dict(self, obj: Any, artifact_file: str) -> None:
+        self._dicts[artifact_file] = redact(obj)
+        self._deliver()
 
     @_shielded
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
-        if self.run_id:
-            self.client.log_artifacts(self.run_id, local_dir, artifact_path)
+        """Files of the moment (a pipeline timeline): sent now, or not at all."""
+        if self.run_id and self._deliver():
+            self._try(lambda: self.client.log_artifacts(self.run_id, local_dir, artifact_path))
 
-    @_shielded
-    def log_dict(self, obj: Any, artifact_file: str) -> None:
-        if self.run_id:
-            self.client.log_dict(self.run_id, redact(obj), artifact_file)
-
-    @_shielded
     def finish(self, status: str) -> None:
         """status: FINISHED, FAILED or KILLED. The run's pictures (`baton report`) go in first
         as report/ artifacts; a report that cannot be drawn is a warning, never the error."""
-        if self.run_id:
-            self.flush()
-            from baton.tracking import report
+        if not self.run_id:
+            return
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while not self._deliver() and time.monotonic() < deadline:
+            time.sleep(max(0.0, min(self._retry_at, deadline) - time.monotonic()))
+        if self.degraded_since is not None:
+            print(f"baton: warning: the MLflow store at {redact(self.uri)} is still away: "
+                  f"{len(self._buffer)} metric values, {len(self._tags)} tags and "
+                  f"{len(self._dicts)} artifacts of run {self.run_id} were not delivered, and the "
+                  f"run is left RUNNING", file=sys.stderr)
+            return
+        from baton.tracking import report
 
-            try:
-                report.log_to_run(self.client, self.run_id)
-            except Exception as e:  # noqa: BLE001 - the run's own outcome matters more
-                print(f"baton: warning: no report for MLflow run {self.run_id}: "
-                      f"{type(e).__name__}: {e}", file=sys.stderr)
-            self.client.set_terminated(self.run_id, status=status)
+        try:
+            report.log_to_run(self.client, self.run_id)
+        except Exception as e:  # noqa: BLE001 - the run's own outcome matters more
+            print(f"baton: warning: no report for MLflow run {self.run_id}: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr)
+        self._try(lambda: self.client.set_terminated(self.run_id, status=status))
+
+    # -- delivery -------------------------------------------------------------------------------
+
+    @_shielded
+    def _deliver(self) -> bool:
+        """Send what is waiting, oldest first; True when nothing is left. While the store is
+        away, only once its retry is due."""
+        if not self.run_id:
+            return True
+        if self.degraded_since is not None and time.monotonic() < self._retry_at:
+            return False
+        from mlflow.entities import RunTag
+
+        def send() -> None:
+            while self._buffer:  # each batch leaves the buffer once the store took it
+                self.client.log_batch(self.run_id, metrics=self._buffer[:MAX_BATCH])
+                del self._buffer[:MAX_BATCH]
+            if self._tags:
+                self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self._tags.items()])
+                self._tags = {}
+            for name in list(self._dicts):
+                self.client.log_dict(self.run_id, self._dicts[name], name)
+                del self._dicts[name]
+        ok = self._try(send)
+        if ok:
+            self._last_flush = time.monotonic()
+        return ok
+
+    def _try(self, call) -> bool:
+        """One call to the store. A failure degrades the tracker (warned once) instead of
+        raising; the next success restores it."""
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - any store error: the server, the network, sqlite
+            if self.degraded_since is None:
+                self.degraded_since = time.time()
+                print(f"baton: warning: the MLflow store at {redact(self.uri)} failed "
+                      f"({type(e).__name__}: {redact(str(e))[:300]}); training goes on, and "
+                      "metrics wait in memory until it is back", file=sys.stderr, flush=True)
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(RETRY_MAX_S, self._backoff * 2)
+            return False
+        if self.degraded_since is not None:
+            print(f"baton: the MLflow store is back after {time.time() - self.degraded_since:.0f} s; "
+                  "what waited is delivered", file=sys.stderr, flush=True)
+            self.degraded_since, self._backoff = None, RETRY_FIRST_S
+        return True
 
 
 class NullTracker:
@@ -160,6 +234,7 @@ class NullTracker:
 
     uri = None
     run_id = None
+    state = "off"
 
     def start(self, run_name: str, params: dict, run_id: Optional[str] = None) -> Optional[str]:
         return None

@@ -25,7 +25,7 @@ from baton.parallel import ParallelDims
 from baton.spec import JobSpec
 from baton.workers.worker import Worker
 
-RemoteWorker = ray.remote(concurrency_groups={"health": 1})(Worker)
+RemoteWorker = ray.remote(concurrency_groups={"health": 1, "io": 1})(Worker)
 
 BEAT_S = 0.5  # how often a waiting coordinator sends each worker a heartbeat
 
@@ -148,6 +148,10 @@ class WorkerGroup:
     def submit(self, method: str, *args: Any) -> list:
         """Queue `method(*args)` on every rank without waiting; actors run calls in order."""
         return [getattr(a, method).remote(*args) for a in self.actors]
+
+    def finished(self, refs: list) -> bool:
+        """Whether every one of `refs` has finished (without waiting)."""
+        return len(ray.wait(list(refs), num_returns=len(refs), timeout=0)[0]) == len(refs)
 
     def call(self, method: str, *args: Any, what: str = "", checkpoint: bool = False) -> list:
         """Call `method(*args)` on every rank; results in rank order."""

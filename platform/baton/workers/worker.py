@@ -10,8 +10,11 @@ rank in a new world and `setup` joins it (on a fresh port), without a new proces
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import dataclasses
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Optional
@@ -42,6 +45,15 @@ class Worker:
         self.engine = self.checkpoint_group = None
         self.kept = None  # (step, pp_rank, sharded, model state, optimizer state) kept by `leave`
         self.kept_save = None  # a sharded `write_kept` between its two rounds
+        # background saves (checkpoint.async): one writing thread; step -> its write
+        self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-save",
+                                                            initializer=_yield_to_training)
+        self.writes: dict[int, concurrent.futures.Future] = {}
+        self.writes_changed = threading.Condition()
+        self.world_left = 0  # how many times this worker has left a world
+        # host memory a background save copies the state into, kept for the next one (filling
+        # buffers already mapped is several times faster than allocating new ones)
+        self.snapshot, self.last_write = None, None
         self.last_step = 0
         self.assign(spec, dims, rank)
 
@@ -67,6 +79,7 @@ class Worker:
         the survivors' state can be written as a checkpoint (`write_kept`). A sharded worker
         keeps its shards: with another replica group alive, every shard has a survivor."""
         self.kept, kept_step = None, -1
+        self._settle_writes()
         if self.engine is not None:
             self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
                          *self.engine.state_dicts())
@@ -76,6 +89,15 @@ class Worker:
             dist.destroy_process_group()
         sharded.forget_meshes()  # DTensor's caches would hand the next world this one's groups
         return kept_step
+
+    def _settle_writes(self) -> None:
+        """Let background writes finish (bounded: files, no collectives) and forget them: a
+        save in flight when the world breaks is never committed."""
+        with self.writes_changed:
+            writes, self.writes = list(self.writes.values()), {}
+            self.world_left += 1  # a `written` still waiting gives up
+            self.writes_changed.notify_all()
+        concurrent.futures.wait(writes, timeout=self.spec.checkpoint.timeout_s)
 
     def write_kept(self, root: str, step: int) -> dict:
         """Write the state kept by `leave` as its part of checkpoint `step`: its stage's files
@@ -208,23 +230,58 @@ class Worker:
 
     # -- checkpoints: one file per pipeline rank, keyed by parameter name -----------------------
 
-    def save(self, root: str, step: int) -> list[dict]:
+    def save(self, root: str, step: int, background: bool = False) -> Optional[list[dict]]:
         """Write this worker's parts of checkpoint `step`; returns their records (name, size,
-        SHA-256) for the commit."""
+        SHA-256) for the commit. `background`: copy the state (host memory) and return None at
+        once; a thread writes the copy, and `written(step)` returns the records. Sharded state
+        is written here either way (DCP's rounds are collectives; in the background they would
+        race the failure handling that tears the group down)."""
         store = CheckpointStore(root)
-        parts = []
-        if self.engine.sharded:  # every worker writes its shards, in parallel
-            model_state, optim_state = self.engine.state_dicts()
-            names = sharded.save({"model": model_state, "optim": optim_state["state"]}, self._shards(store, step))
-            parts += store.records(step, [f"{SHARDS}/{n}" for n in names])  # read back: DCP wrote them
-        elif self.dp_rank == 0:  # replicas are identical: one copy of each stage is enough
-            model_state, optim_state = self.engine.state_dicts()
-            parts.append(store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state))
-            time.sleep(float(os.environ.get("BATON_FAULT_SAVE_PAUSE_S", 0)))  # fault tests' window
-            parts.append(store.write_tensors(step, f"optim-{self.pp_rank:04d}.pt", optim_state))
         rng = {"cpu": torch.get_rng_state()}
         if self.use_cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
+        state = self.engine.state_dicts() if self.engine.sharded or self.dp_rank == 0 else None
+        if not background or self.engine.sharded:
+            parts = self._write(store, step, state, rng)
+            if not background:
+                return parts
+            write = concurrent.futures.Future()
+            write.set_result(parts)
+        else:
+            if self.last_write is not None:
+                concurrent.futures.wait([self.last_write])  # its buffers are free again
+            self.snapshot = _copy_into(self.snapshot, state, pin=self.use_cuda)
+            if self.use_cuda:
+                torch.cuda.synchronize()  # the copies into page-locked memory have landed
+            write = self.last_write = self.writer.submit(self._write, store, step, self.snapshot, rng)
+        with self.writes_changed:
+            self.writes[step] = write
+            self.writes_changed.notify_all()
+        return None
+
+    @ray.method(concurrency_group="io")
+    def written(self, step: int) -> list[dict]:
+        """The records of background save `step`'s parts, once written (on a thread of its
+        own, so training calls queued meanwhile are not held up)."""
+        with self.writes_changed:
+            world = self.world_left
+            self.writes_changed.wait_for(lambda: step in self.writes or self.world_left != world,
+                                         timeout=self.spec.checkpoint.timeout_s)
+            write = self.writes.pop(step, None)
+        if write is None:
+            raise RuntimeError(f"checkpoint {step} was abandoned: this worker left its world")
+        return write.result()
+
+    def _write(self, store: CheckpointStore, step: int, state: Optional[tuple], rng: dict) -> list[dict]:
+        parts = []
+        if self.engine.sharded:  # every worker writes its shards, in parallel
+            model_state, optim_state = state
+            names = sharded.save({"model": model_state, "optim": optim_state["state"]}, self._shards(store, step))
+            parts += store.records(step, [f"{SHARDS}/{n}" for n in names])  # read back: DCP wrote them
+        elif state is not None:  # replicas are identical: one copy of each stage is enough
+            model_state, optim_state = state
+            parts.append(store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state))
+            parts.append(store.write_tensors(step, f"optim-{self.pp_rank:04d}.pt", optim_state))
         parts.append(store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng))
         return parts
 
@@ -261,6 +318,34 @@ class Worker:
 
     def shutdown(self) -> None:
         self.leave()
+
+
+def _yield_to_training() -> None:
+    """The background writer's thread runs at nice 10 (Linux sets it per thread): on a CPU
+    the training threads need, a save in the background takes the cores they leave."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # another system: the default priority
+        pass
+
+
+def _copy_into(buffers, tree, pin: bool = False):
+    """`tree` (a state: dicts and lists of tensors and plain values) copied into host memory,
+    reusing `buffers` (the previous copy) wherever a tensor's shape and dtype still match.
+    `pin`: page-locked buffers, which a GPU copies into without staging."""
+    if isinstance(tree, torch.Tensor):
+        if not (isinstance(buffers, torch.Tensor) and buffers.shape == tree.shape
+                and buffers.dtype == tree.dtype):
+            buffers = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=pin)
+        buffers.copy_(tree.detach(), non_blocking=pin)
+        return buffers
+    if isinstance(tree, dict):
+        old = buffers if isinstance(buffers, dict) else {}
+        return {k: _copy_into(old.get(k), v, pin) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        old = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(tree) else [None] * len(tree)
+        return type(tree)(_copy_into(b, v, pin) for b, v in zip(old, tree))
+    return copy.deepcopy(tree)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

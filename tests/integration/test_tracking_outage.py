@@ -1,0 +1,91 @@
+"""Tracking never stops training: a real MLflow tracking server (`mlflow server`, its own
+process) is killed mid-run and started again on the same database a few steps later. The run
+goes on, commits its checkpoints meanwhile, and every step's metrics reach the run once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from baton import api
+from baton.checkpoint import CheckpointStore
+from baton.spec import spec_from_dict
+from helpers import free_ports, tiny_spec, write_dataset
+
+
+class TrackingServer:
+    def __init__(self, db: str, port: int, log):
+        self.db, self.port, self.log, self.proc = db, port, log, None
+
+    def start(self) -> None:
+        mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
+        self.proc = subprocess.Popen(
+            [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.db}", "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
+                    return
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "no MLflow server"
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def server(tmp_path):
+    with open(tmp_path / "mlflow-server.log", "w") as log:
+        s = TrackingServer(str(tmp_path / "tracking.db"), free_ports(1)[0], log)
+        s.start()
+        yield s
+        if s.proc.poll() is None:
+            s.kill()
+
+
+def test_a_tracking_server_that_goes_away_and_returns_loses_no_step(tmp_path, local_ray, server,
+                                                                      capfd):
+    data = write_dataset(tmp_path / "data", num_samples=96, seq_len=32)
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="outage", parallel={"dp": 1},
+        train={"steps": 12, "global_batch": 4, "micro_batch": 4},
+        checkpoint={"every_steps": 2},
+        tracking={"uri": f"http://127.0.0.1:{server.port}", "experiment": "outage", "flush_every_s": 0.01}))
+    seen: dict[int, tuple] = {}
+
+    def outage(c) -> None:
+        if c.step == 3:
+            server.kill()
+        if 3 <= c.step < 8:
+            time.sleep(0.7)  # the outage spans seconds, as a real one does: retries fail
+        if c.step in (5, 7):  # the store is away: checkpoints are committed all the same
+            seen[c.step] = (c.status()["tracking"], c.store.latest())
+        if c.step == 8:
+            server.start()  # on the same database
+    result = api.run(spec, show_progress=False, on_step=outage)
+
+    assert result.state == "finished" and result.step == 12
+    assert seen[5][0].startswith("degraded since ")  # what `baton status` shows
+    assert (seen[5][1], seen[7][1]) == (4, 6)
+    err = capfd.readouterr().err
+    assert err.count("baton: warning: the MLflow store at http://127.0.0.1") == 1, err
+    assert "training goes on, and metrics wait in memory until it is back" in err
+    assert err.count("baton: the MLflow store is back after") == 1, err
+    assert CheckpointStore(spec.checkpoint_dir).latest_verified() == (12, [])
+    client = MlflowClient(f"http://127.0.0.1:{server.port}")
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(result.run_id, "loss"))
+    assert steps == list(range(1, 13))  # every step once: none lost, none twice
+    assert run.data.tags["checkpoint.latest"].endswith("step_00000012")
