@@ -388,3 +388,54 @@ def pause_between_checkpoint_parts() -> None:
             time.sleep(0.5)
         return record
     store.CheckpointStore.write_tensors = write_then_pause
+
+
+class Chaos:
+    """Faults of mixed kinds at seeded random steps of a run on a simulated cluster
+    (`ray.cluster_utils.Cluster`), injected from the run's `on_step` hook, as the fault tests
+    do one at a time: a worker SIGKILLed (`kill`), a worker's node removed and a fresh node
+    added (`node`), a worker frozen with SIGSTOP (`stop`, declared dead after
+    elastic.hang_timeout_s), and a worker killed half-way through writing a checkpoint
+    (`saving`: needs `pause_between_checkpoint_parts` in the workers). `injected` records what
+    was done, at which step and wall time."""
+
+    KINDS = ("kill", "node", "stop", "saving")
+
+    def __init__(self, cluster, *, faults: int, steps: int, every_steps: int, seed: int,
+                 checkpoint_dir: str):
+        rng = np.random.default_rng(seed)
+        kinds = [self.KINDS[i % len(self.KINDS)] for i in range(faults)]
+        rng.shuffle(kinds)
+        self.schedule: dict[int, str] = {}
+        step = 2
+        for kind in kinds:  # at least 3 steps apart; `saving` just before a checkpoint
+            step += int(rng.integers(3, 5))
+            if kind == "saving":
+                step += (every_steps - 1 - step) % every_steps
+            self.schedule[step] = kind
+        assert max(self.schedule) < steps - 1, f"{faults} faults do not fit {steps} steps"
+        self.cluster, self.checkpoint_dir, self.rng = cluster, checkpoint_dir, rng
+        self.injected: list[dict] = []
+
+    def __call__(self, c) -> None:
+        kind = self.schedule.pop(c.step, None)
+        if kind is None:
+            return
+        rank = 0 if kind == "saving" else int(self.rng.integers(len(c.workers)))
+        pid = c.workers[rank]["pid"]
+        self.injected.append({"step": c.step, "kind": kind, "rank": rank, "at": time.time()})
+        if kind == "kill":
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(pid, signal.SIGSTOP)
+        elif kind == "node":
+            (node,) = [n for n in self.cluster.list_all_nodes() if n.node_id == c.workers[rank]["node"]]
+            self.cluster.remove_node(node)
+            self.cluster.add_node(num_cpus=1)
+        else:  # the next step's checkpoint: once its first part is written, kill its writer
+            part = f"{self.checkpoint_dir}/step_{c.step + 1:08d}/model-0000.pt"
+            deadline = time.monotonic() + 60
+            while not os.path.exists(part):
+                assert time.monotonic() < deadline, f"no {part}"
+                time.sleep(0.005)
+            os.kill(pid, signal.SIGKILL)

@@ -54,13 +54,13 @@ def describe(s: dict) -> list[str]:
     lines.append(f"  world: dp {s['dp']} x pp {s['pp']} = {s['world_size']} workers, "
                  f"{s['workers_alive']} alive")
     lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
-    if s.get("tracking"):  # absent from older status files
-        lines.append(f"  tracking: {s['tracking']}")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
     lines.append(f"  failures: {s['failures']}" + (f" ({causes})" if causes else "")
                  + f"; rescales: {s['rescales']}")
     if s.get("mlflow_run_id"):
-        lines.append(f"  MLflow run: {s['mlflow_run_id']}")
+        degraded = s.get("tracking", "ok") != "ok"  # absent from older status files
+        lines.append(f"  MLflow run: {s['mlflow_run_id']}"
+                     + (f" (tracking {s['tracking']})" if degraded else ""))
     if s.get("error"):
         lines.append(f"  error: {s['error'].splitlines()[0]}")
     return lines

@@ -79,6 +79,8 @@ def test_a_tracking_server_that_goes_away_and_returns_loses_no_step(tmp_path, lo
     assert seen[5][0].startswith("degraded since ")  # what `baton status` shows
     assert (seen[5][1], seen[7][1]) == (4, 6)
     err = capfd.readouterr().err
+    with capfd.disabled():  # `pytest -s` shows what the user saw
+        print("\n".join(line for line in err.splitlines() if "MLflow store" in line))
     assert err.count("baton: warning: the MLflow store at http://127.0.0.1") == 1, err
     assert "training goes on, and metrics wait in memory until it is back" in err
     assert err.count("baton: the MLflow store is back after") == 1, err

@@ -113,3 +113,15 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
     store.write_status(s)
     assert status.local("j", str(tmp_path / "ckpt")) == s and store.committed_steps() == []
     assert status.local("other", str(tmp_path / "ckpt")) is None
+
+
+def test_baton_status_says_when_tracking_is_degraded():
+    from baton import status
+
+    s = {"job": "j", "state": "running", "updated_at": __import__("time").time(), "pid": 1,
+         "host": "elsewhere", "step": 3, "steps": 9, "dp": 2, "pp": 1, "world_size": 2,
+         "workers_alive": 2, "last_checkpoint": None, "failures": 0, "failures_by_cause": {},
+         "rescales": 0, "mlflow_run_id": "abc", "tracking": "ok"}
+    assert status.describe(s)[-1] == "  MLflow run: abc"
+    s["tracking"] = "degraded since 10:01:02, 12 metric values waiting"
+    assert status.describe(s)[-1] == "  MLflow run: abc (tracking degraded since 10:01:02, 12 metric values waiting)"

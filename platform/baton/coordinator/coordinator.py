@@ -537,6 +537,11 @@ class Coordinator:
 
     def _complete(self, p: "_Pending") -> None:
         results = self.group.wait(p.refs, f"training step {p.step + 1}")  # steps count from 1
+        # the ledger too before the step counts as done: a failure between the two used to
+        # leave the step counted but the cursor a batch behind, and the survivors' checkpoint
+        # of that step then trained one batch twice and shifted every later epoch (found by
+        # benchmarks/chaos.py: a worker frozen while its ledger was read)
+        entries = self.group.wait(p.ledger_refs, "reading the ledger") if p.ledger_refs else []
         now = time.perf_counter()
         step_time_s = now - max(p.submitted_at, self.last_done_at)  # queued steps start when the previous ends
         self.last_done_at = now
@@ -545,7 +550,7 @@ class Coordinator:
         if not math.isfinite(self.last_loss):
             raise WorkerError(f"the loss is {self.last_loss} at step {p.step + 1}; lower train.lr "
                               "or set train.grad_clip (the last checkpoint is kept)")
-        self.step = p.step + 1
+        self.step, self.done_cursor = p.step + 1, p.cursor  # together: see above
         tps = tokens / step_time_s
         self.tokens_per_s.append(tps)
         self.step_times_s.append(step_time_s)
@@ -573,10 +578,8 @@ class Coordinator:
                        data_wait=metrics.get("data_wait_fraction"), mfu=metrics.get("mfu"),
                        bubble=metrics.get("pipeline_bubble"))
         self.progress.update(self.step, self.last_loss, tps)
-        if p.ledger_refs:
-            for rank, entries in enumerate(self.group.wait(p.ledger_refs, "reading the ledger")):
-                self.ledger += [(step, rank, ids) for step, ids in entries]
-        self.done_cursor = p.cursor
+        for rank, taken in enumerate(entries):
+            self.ledger += [(step, rank, ids) for step, ids in taken]
         if p.save:
             self._commit(p.cursor, p.save)
         self.commits.poll(self.group)  # a background save, written by now

@@ -88,7 +88,7 @@ class MLflowTracker:
         if self.degraded_since is None:
             return "ok"
         return (f"degraded since {time.strftime('%H:%M:%S', time.localtime(self.degraded_since))}"
-                f" ({len(self._buffer)} metric values waiting)")
+                f", {len(self._buffer)} metric values waiting")
 
     @_shielded
     def start(self, run_name: str, params: dict[str, Any], run_id: Optional[str] = None) -> str:
