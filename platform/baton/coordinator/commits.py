@@ -64,12 +64,11 @@ class Commits:
         t0 = time.perf_counter()  # what the workers wait for before their next step
         save.meta = meta
         done = group.wait(save.save_refs, f"saving checkpoint {save.step}", checkpoint=True)
-        if save.background:
-            self.live.checkpoint_saved(time.perf_counter() - t0)  # the snapshot: the stall
+        if save.background:  # what was waited for is the copy; the write goes on
             save.written_refs = group.submit("written", save.step)
             self.pending = save
-            return
-        self._finish(group, save, done)
+        else:
+            self._finish(group, save, done)
         self.live.checkpoint_saved(time.perf_counter() - t0)
 
     def poll(self, group) -> None:
