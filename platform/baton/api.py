@@ -17,15 +17,15 @@ from baton.checkpoint.lease import Lease
 from baton.coordinator import Coordinator, RunResult
 from baton.data import corpus
 from baton.data.manifest import Manifest
-from baton.data.source import needs_prepare, preflight
+from baton.data.source import JobData, needs_prepare, preflight
 from baton.errors import CheckpointError
 from baton.spec import JobSpec, check_fits, load_spec
 from baton.tracking import make_tracker
 
 
-def validate(path: str, overrides: list[str] = ()) -> tuple[JobSpec, Optional[Manifest]]:
-    """Load and check a job file without starting anything; the data is checked, and its
-    manifest returned, if it is there (the built-in corpus is prepared on first run)."""
+def validate(path: str, overrides: list[str] = ()) -> tuple[JobSpec, Optional[JobData]]:
+    """Load and check a job file without starting anything; the data is checked, and what the
+    run would read returned, if it is there (built-in data is prepared on first run)."""
     spec = load_spec(path, overrides)
     return spec, None if needs_prepare(spec) else preflight(spec, str(path))
 
@@ -100,10 +100,20 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> str:
     return ", ".join(out)
 
 
-def prepare_stdlib_data(spec: JobSpec, log: Callable[[str], None]) -> None:
+def prepare_data(spec: JobSpec, log: Callable[[str], None]) -> None:
+    """Write the built-in data a job names into its data.path."""
+    out = storage.local_path(spec.data.path)
+    if spec.data.source == "digits":
+        from baton.data.digits import prepare_digits
+
+        log(f"preparing the digits dataset (scikit-learn's bundled copy) into {spec.data.path} ...")
+        info = prepare_digits(out)
+        log(f"  {info['samples']:,} images of {info['features']} pixels, {info['classes']} classes, "
+            f"{info['row_groups']} row groups")
+        return
     log(f"preparing the built-in corpus (Python standard library, seq_len "
         f"{spec.model.seq_len}) into {spec.data.path} ...")
-    info = corpus.prepare_stdlib(storage.local_path(spec.data.path), spec.model.seq_len)
+    info = corpus.prepare_stdlib(out, spec.model.seq_len)
     log(f"  {info['files']} files, {info['tokens']:,} tokens, {info['samples']:,} samples")
 
 
@@ -126,10 +136,10 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
     if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
         check_fits(spec, os.cpu_count() or 1, _local_gpus(), source, "this machine")
     if needs_prepare(spec):
-        prepare_stdlib_data(spec, log)
-    manifest = preflight(spec, source)
+        prepare_data(spec, log)
+    data = preflight(spec, source)
     if resume_meta:
-        check_corpus(resume_meta, manifest, source, rebase_data)
+        check_corpus(resume_meta, data.manifest, source, rebase_data)
 
     # refused here, before Ray starts, while another run writes this job; held to the end
     with Lease(spec.checkpoint_dir, warn=log) as lease:
@@ -162,7 +172,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                     f"(checkpoint in {storage.redact(spec.checkpoint_dir)})")
             coordinator = Coordinator(spec, make_tracker(spec.tracking), resume_meta=resume_meta,
                                       record_samples=record_samples, show_progress=show_progress,
-                                      on_step=on_step, manifest=manifest, lease=lease)
+                                      on_step=on_step, data=data, lease=lease)
             return coordinator.run()
         finally:
             if started_ray:

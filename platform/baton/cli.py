@@ -44,10 +44,11 @@ def _parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    prep = data_sub.add_parser("prepare", help="tokenise text into Parquet token rows")
-    prep.add_argument("corpus", choices=["stdlib", "text"],
+    prep = data_sub.add_parser("prepare", help="write built-in data, or tokenise text, into Parquet")
+    prep.add_argument("corpus", choices=["stdlib", "text", "digits"],
                       help="stdlib: the Python standard library's sources; text: your documents "
-                           "(--input)")
+                           "(--input); digits: scikit-learn's bundled digits (a classification "
+                           "table: pixels, label)")
     prep.add_argument("--out", required=True, help="folder to create")
     prep.add_argument("--seq-len", type=int, default=128,
                       help="tokens of context per sample (rows hold seq_len + 1 tokens)")
@@ -213,17 +214,28 @@ def _dispatch(args: argparse.Namespace) -> int:
     from baton import api
 
     if args.command == "validate":
-        spec, manifest = api.validate(args.job, args.set)
+        spec, data = api.validate(args.job, args.set)
         d = spec.parallel
-        print(f"{args.job}: ok ({spec.name}: {spec.model.name}, dp={d.dp} pp={d.pp}, "
+        task = f"{spec.task}, " if spec.task != "language_model" else ""
+        print(f"{args.job}: ok ({spec.name}: {task}{spec.model.name}, dp={d.dp} pp={d.pp}, "
               f"{spec.train.steps} steps of {spec.train.global_batch} samples)")
-        if manifest is not None:
-            m = manifest.summary()
+        if data is not None:
+            m = data.manifest.summary()
             blocks = -(-m["samples"] // spec.data.shuffle_block)
             print(f"  data: {m['samples']:,} samples in {m['row_groups']} row groups of "
                   f"{m['files']} files ({m['bytes'] / 2**20:,.1f} MiB), manifest {m['digest']}; "
                   + ("a full permutation each epoch" if blocks == 1 else
                      f"shuffled in {blocks} blocks of {spec.data.shuffle_block:,} samples"))
+            if spec.task != "language_model":
+                print("  columns: " + ", ".join(
+                    f"{f.name} <- {'+'.join(f.sources)} ({f.dtype}{list(f.shape) if f.shape else ''})"
+                    for f in data.columns.fields))
+            if data.eval_manifest is not None:
+                e = spec.eval
+                print(f"  eval: {data.eval_samples:,} held-out samples "
+                      + (f"({len(data.eval_uids)} of {m['row_groups']} row groups, eval.seed {e.seed})"
+                         if e.fraction else f"from {e.path}")
+                      + (f", every {e.every_steps} steps and" if e.every_steps else "") + " at the end")
         if d.pp > 1:
             print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
                   f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
@@ -246,6 +258,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.corpus == "text":
             return _prepare_text(args)
         try:
+            if args.corpus == "digits":
+                from baton.data.digits import prepare_digits
+
+                info = prepare_digits(args.out)
+                print(f"wrote {info['samples']:,} images of {info['features']} pixels "
+                      f"({info['classes']} classes, {info['row_groups']} row groups) to {args.out}")
+                return 0
             info = prepare_stdlib(args.out, args.seq_len)
         except FileExistsError:
             print(f"baton: error: {args.out} already exists; choose a new --out", file=sys.stderr)
@@ -269,8 +288,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from baton.storage import redact
 
         print(f"{result.job}: finished at step {result.step}, loss {result.loss:.4f}, "
-              f"{result.tokens_per_s:,.0f} tokens/s; checkpoint {redact(result.checkpoint)}; "
-              f"MLflow run {result.run_id}")
+              f"{result.tokens_per_s:,.0f} {'tokens' if spec.task == 'language_model' else 'samples'}/s; "
+              + "".join(f"{k} {v:.4g}; " for k, v in result.eval.items() if k != "eval_samples")
+              + f"checkpoint {redact(result.checkpoint)}; MLflow run {result.run_id}")
         return 0
     raise AssertionError(args.command)
 

@@ -18,8 +18,8 @@ def _clock(seconds: float) -> str:
 
 class Progress:
     def __init__(self, total: int, start: int = 0, stream: Optional[TextIO] = None,
-                 enabled: bool = True, every_s: float = 10.0):
-        self.total, self.start_step = total, start
+                 enabled: bool = True, every_s: float = 10.0, unit: str = "tok"):
+        self.total, self.start_step, self.unit = total, start, unit
         self.stream, self.enabled, self.every_s = stream or sys.stderr, enabled, every_s
         self.tty = enabled and self.stream.isatty()
         self.t0 = time.monotonic()
@@ -35,7 +35,7 @@ class Progress:
         width = 24
         filled = int(width * step / self.total)
         line = (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} "
-                f"loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | {_clock(elapsed)} < {_clock(eta)}")
+                f"loss {loss:.4f} | {tokens_per_s:,.0f} {self.unit}/s | {_clock(elapsed)} < {_clock(eta)}")
         if self.tty:
             self.stream.write("\r" + line + ("\n" if step == self.total else ""))
             self.stream.flush()

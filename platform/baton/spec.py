@@ -42,9 +42,13 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class DataSpec:
-    source: Literal["stdlib", "parquet"] = "stdlib"
+    # stdlib and digits: built-in data, prepared into data.path on first run
+    source: Literal["stdlib", "digits", "parquet"] = "stdlib"
     path: str = "data/stdlib"  # local folder or a pyarrow filesystem URI (s3://, gs://)
-    token_column: str = "tokens"
+    token_column: str = "tokens"  # what a language model reads
+    # what other tasks read: batch key -> a Parquet column, or a list of them concatenated
+    # (inputs: [pixels] and label: label for classification; any keys for a user's task)
+    columns: dict = field(default_factory=dict)
     id_column: Optional[str] = "sample_id"  # null: the row's position in the dataset is its id
     # samples shuffled together: row groups are permuted, then samples shuffled within blocks
     # of this many (a corpus this small or smaller gets a full permutation). Ray Data holds
@@ -119,6 +123,22 @@ class TrackingSpec:
 
 
 @dataclass(frozen=True)
+class EvalSpec:
+    """Held-out evaluation: the task's loss and metrics, logged as eval_*. On when fraction > 0
+    or path is set."""
+
+    every_steps: int = 0  # 0: at the end only
+    # row groups of data.path held out, chosen by eval.seed: never trained on
+    fraction: float = 0.0
+    path: Optional[str] = None  # or a dataset of its own (same columns)
+    seed: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.fraction > 0 or self.path is not None
+
+
+@dataclass(frozen=True)
 class ElasticSpec:
     """How the run lives through failures and a changing cluster. Without this section the
     world is fixed at parallel.dp and the first failure ends the run."""
@@ -133,6 +153,8 @@ class ElasticSpec:
 @dataclass(frozen=True)
 class JobSpec:
     name: str
+    # what a batch is for: language_model | classification | "package.module:function"
+    task: str = "language_model"
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
@@ -141,6 +163,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
     elastic: ElasticSpec = field(default_factory=ElasticSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
     # when dp changes: keep_global keeps train.global_batch (each replica takes a larger or
     # smaller share, so the loss curve is unchanged); scale_lr keeps each replica's share and
     # scales global_batch and lr with dp
@@ -203,7 +226,12 @@ class JobSpec:
         may change on resume."""
         d = self.to_dict()
         train = {k: v for k, v in d["train"].items() if k not in ("steps", "micro_batch")}
-        return {"name": d["name"], "model": d["model"], "data": d["data"], "train": train}
+        data = {k: v for k, v in d["data"].items() if k != "columns" or v}
+        # the task and the held-out split only where set: v0.5's checkpoints keep their recipe
+        extra = {**({"task": self.task} if self.task != "language_model" else {}),
+                 **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}
+                    if self.eval.fraction else {})}
+        return {"name": d["name"], "model": d["model"], "data": data, "train": train, **extra}
 
     def fingerprint(self) -> str:
         """The recipe's hash, without the credentials of its URIs (as the checkpoint records
@@ -501,14 +529,14 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(len(tr.experiment) <= 500, "tracking.experiment", tr.experiment, "use at most 500 characters")
     need(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", spec.name)), "name", spec.name,
          "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    from baton.models import OPTIONS, check_model_name, options_problem
+    from baton.models import OPTIONS, REQUIRED, check_model_name, options_problem
 
     problem = check_model_name(m.name)
     need(problem is None, "model.name", m.name, problem or "")
     for key in ("layers", "width", "heads", "seq_len", "vocab_size", "context"):
         need(getattr(m, key) >= 1, f"model.{key}", getattr(m, key), "must be at least 1")
     need(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)")
-    if m.options or m.name not in OPTIONS:  # (after the sizes: a user's builder may run here)
+    if m.options or m.name not in OPTIONS or m.name in REQUIRED:  # (after the sizes: a user's builder may run here)
         problem = options_problem(m, on_meta=p.pp > 1 or p.shard in ("grads", "full"))
         need(problem is None, "model.options" if m.options else "model.name",
              m.options if m.options else m.name, problem or "")
@@ -519,6 +547,7 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
     need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
+    _check_task(spec, need)
 
     for key in ("steps", "global_batch"):
         need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")
@@ -599,6 +628,8 @@ MOST: dict[str, tuple[float, str]] = {
     "elastic.max_failures": (10**6, "failures"),
     "elastic.rescale_check_s": _SECONDS,
     "elastic.hang_timeout_s": _SECONDS,
+    "eval.every_steps": (10**12, "steps"),
+    "eval.seed": (2**32 - 1, "a 32-bit seed"),
 }
 MOST_WORKERS = 2**16  # replicas x pipeline stages
 MOST_PASSES = 2**16  # micro-batches x pipeline stages of one step: a schedule is built from them
@@ -618,6 +649,41 @@ def path_problem(path: str) -> Optional[str]:
     if too_long:
         return f"a name in it is longer than file systems allow (255 bytes): {_show(too_long[0], 40)}"
     return None
+
+
+def _check_task(spec: JobSpec, need) -> None:
+    from baton.tasks import make_task, task_problem
+
+    d, e = spec.data, spec.eval
+    problem = task_problem(spec.task)
+    need(problem is None, "task", spec.task, problem or "")
+    for key, value in d.columns.items():
+        names = value if isinstance(value, list) else [value]
+        need(bool(re.fullmatch(r"[A-Za-z_]\w{0,62}", key)) and key != "valid", f"data.columns.{key}",
+             key, "name a batch entry with a Python identifier other than 'valid'")
+        need(bool(names) and all(isinstance(n, str) and n and len(n) <= 255 for n in names),
+             f"data.columns.{key}", value, "give a column name or a list of column names")
+    if spec.task == "language_model":
+        need(not d.columns, "data.columns", d.columns, "a language model reads "
+             "data.token_column; data.columns is for task: classification or a task of your own")
+    else:
+        need(d.source != "stdlib", "data.source", d.source, f"the built-in corpus is token rows "
+             f"for a language model; task {spec.task} needs data.source: parquet (or digits)")
+        missing = [k for k in make_task(spec).needs if k not in d.columns]
+        need(not missing, "data.columns", d.columns,
+             f"task {spec.task} reads {' and '.join(missing)}: map "
+             + ", ".join(f"{k}: COLUMN" for k in missing) + " (e.g. inputs: [pixels], label: label)")
+    need(e.every_steps >= 0, "eval.every_steps", e.every_steps, "must be >= 0 (0: at the end only)")
+    need(0 <= e.fraction < 1, "eval.fraction", e.fraction, "must be in [0, 1), e.g. 0.1")
+    need(not (e.fraction and e.path), "eval.path", e.path,
+         "give eval.fraction (held out of data.path) or eval.path (a dataset of its own), not both")
+    need(e.seed >= 0, "eval.seed", e.seed, "must be >= 0")
+    if e.path is not None:
+        problem = path_problem(e.path)
+        need(problem is None and bool(e.path), "eval.path", e.path, problem or "give a folder or URI")
+    need(not e.enabled or spec.parallel.pp == 1, "eval.fraction" if e.fraction else "eval.path",
+         e.fraction or e.path, f"evaluation with pipelines (parallel.pp = {spec.parallel.pp}) "
+         "is not supported yet; use pp: 1 or turn eval off")
 
 
 def _check_elastic(spec: JobSpec, need) -> None:

@@ -16,6 +16,7 @@ from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.data import EpochOrder
 from baton.data.feed import Batch
 from baton.data.manifest import FileEntry, Manifest
+from baton.data.source import JobData, columns
 from baton.errors import SpecError, WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.progress import Progress
@@ -175,7 +176,7 @@ class FakeGroup:
         ranks = range(len(self.actors)) if ranks is None else ranks
         return [(self.actors[r], self.infos[r]) for r in ranks]
 
-    def setup(self, record_samples, stage_layers):
+    def setup(self, record_samples, stage_layers, columns=None):
         return [{"rank": r, **info} for r, info in enumerate(self.infos)]
 
     def submit(self, method, *args):
@@ -288,6 +289,7 @@ def _coordinator(tmp_path, cluster, **elastic):
                     group_factory=lambda s, d: FakeGroup(s, d, cluster))
     # what _prepare does with Ray and the data, stood in for: 12 samples, 3 steps an epoch
     c.manifest = Manifest(str(tmp_path), [FileEntry("part-0.parquet", 100, (5, 7))])
+    c.data = JobData(c.manifest, columns(spec))
     c.order, c.num_samples, c.run_id = EpochOrder(c.manifest.unit_rows, 0), 12, None
     c.feed = OrderOnlyFeed(c.order)
     c.progress = Progress(spec.train.steps, enabled=False)

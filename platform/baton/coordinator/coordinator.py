@@ -38,8 +38,9 @@ from baton.data import Cursor, EpochOrder
 from baton.data.feed import DataFeed
 from baton.data.manifest import Manifest
 from baton.data.order import rebased
-from baton.data.source import columns
+from baton.data.source import JobData, preflight
 from baton.coordinator.commits import Commits, Save
+from baton.coordinator.evaluation import Evaluation, evaluation
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.errors import WorkerError, WorkerLost
 from baton.models.flops import job_peak_flops, model_flops_per_token
@@ -83,11 +84,13 @@ class _Pending:
     cursor: dict  # the data cursor after this step
     ledger_refs: Optional[list] = None
     save: Optional[Save] = None  # a checkpoint of this step, queued behind it
+    eval_refs: Optional[list] = None  # an evaluation pass after it: per batch, per worker
     traced: bool = False
 
     def all_refs(self) -> list:
         saving = [*self.save.save_refs, *self.save.digest_refs] if self.save else []
-        return [*self.refs, *(self.ledger_refs or []), *saving]
+        evaluating = [ref for refs in self.eval_refs or [] for ref in refs]
+        return [*self.refs, *(self.ledger_refs or []), *saving, *evaluating]
 
 
 class State(enum.Enum):
@@ -127,6 +130,7 @@ class RunResult:
     # and the first batch's rows; tracking: the MLflow run; workers: waiting for their
     # processes; form: the process group and the models; load: a checkpoint; first_step)
     start: dict = field(default_factory=dict)
+    eval: dict = field(default_factory=dict)  # the last evaluation's metrics (eval_loss, ...)
 
 
 class Coordinator:
@@ -134,7 +138,7 @@ class Coordinator:
                  record_samples: bool = False, show_progress: bool = True,
                  on_step: Optional[Callable[["Coordinator"], None]] = None,
                  group_factory: Callable[..., WorkerGroup] = WorkerGroup,
-                 manifest: Optional[Manifest] = None, lease: Optional[Lease] = None):
+                 data: Optional[JobData] = None, lease: Optional[Lease] = None):
         self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
         self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
@@ -154,8 +158,10 @@ class Coordinator:
         self.next_rescale_check = 0.0
         self.store = CheckpointStore(spec.checkpoint_dir)
         self.resume_meta = resume_meta
-        self.manifest = manifest  # read from the footers before Ray started (api.run), or in _prepare
+        self.data = data  # checked before Ray started (api.run), or in _prepare
+        self.manifest: Optional[Manifest] = None
         self.feed: Optional[DataFeed] = None
+        self.evaluation: Optional[Evaluation] = None
         self.record_samples = record_samples
         self.show_progress = show_progress
         self.state = State.PENDING
@@ -205,8 +211,9 @@ class Coordinator:
         finally:
             if self.group is not None:
                 self.group.shutdown()
-            if self.feed is not None:
-                self.feed.close()
+            for feed in (self.feed, self.evaluation):
+                if feed is not None:
+                    feed.close()
         return self._result()
 
     def tick(self) -> None:
@@ -233,12 +240,12 @@ class Coordinator:
         t0 = self.start["t0"] = time.monotonic()
         self.group = self.group_factory(self.base, self.dims)
         self.group.launch(self._workers_to_start())
-        if self.manifest is None:
-            self.manifest = Manifest.build(self.spec.data.path)
-        self.order = EpochOrder(self.manifest.unit_rows, self.spec.train.seed,
-                                self.spec.data.shuffle_block)
-        self.feed = DataFeed(self.manifest, self.order, columns(self.spec))
-        self.num_samples = self.manifest.num_samples
+        if self.data is None:
+            self.data = preflight(self.spec, self.spec.name)
+        self.manifest, self.order = self.data.manifest, self.data.order(self.spec)
+        self.feed = DataFeed(self.manifest, self.order, self.data.columns)
+        self.evaluation = evaluation(self.spec, self.data)
+        self.num_samples = self.order.num_samples  # training samples (held-out ones are not)
         meta = self.resume_meta
         if meta:
             self.step = self.submitted = meta["step"]
@@ -252,7 +259,8 @@ class Coordinator:
                                "checkpoint.dir": self.spec.checkpoint_dir,
                                **({"resumed_from_step": self.step} if meta else {})})
         self.run_id = run_id
-        self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress)
+        self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress,
+                                 unit="tok" if self.spec.task == "language_model" else "samples")
         self.prepared = True
         self.start["phases_s"] |= {"data": t_read - t0, "tracking": time.monotonic() - t_read}
         return State.SCHEDULING
@@ -424,11 +432,12 @@ class Coordinator:
         self.dims = self.spec.dims()
         self.group.form(members[:dp * self.pp], self.spec, self.dims)
         if self.stage_layers is None:
-            self.stage_layers = plan_stages(self.spec, lambda: self.group.call_one(0, "profile_layers"))
+            self.stage_layers = plan_stages(
+                self.spec, lambda: self.group.call_one(0, "profile_layers", self.data.columns))
             if self.pp > 1:
                 self.tracker.set_tags({"pipeline.layers_per_stage": self.stage_layers,
                                        "pipeline.schedule": self.spec.parallel.schedule})
-        self.workers = self.group.setup(self.record_samples, self.stage_layers)
+        self.workers = self.group.setup(self.record_samples, self.stage_layers, self.data.columns)
         self.peak_flops = job_peak_flops([w.get("device_name", "cpu") for w in self.workers],
                                          self.spec.train.precision,
                                          self.spec.tracking.cpu_peak_tflops)
@@ -532,6 +541,8 @@ class Coordinator:
         done = step + 1
         if done % self.spec.checkpoint.every_steps == 0 or done == t.steps:
             pending.save = self.commits.queue(self.group, self.dims, done)
+        if self.evaluation and self.evaluation.due(done):
+            pending.eval_refs = self.evaluation.submit(self.group, t.global_batch)
         self.submitted += 1
         return pending
 
@@ -580,6 +591,12 @@ class Coordinator:
         self.progress.update(self.step, self.last_loss, tps)
         for rank, taken in enumerate(entries):
             self.ledger += [(step, rank, ids) for step, ids in taken]
+        if p.eval_refs:
+            evaluated = self.evaluation.collect(self.group, p.eval_refs, self.step)
+            self.tracker.log_metrics(self.step, evaluated)
+            self.progress.note(f"step {self.step}: " + ", ".join(
+                f"{k} {v:.4g}" for k, v in evaluated.items() if k != "eval_samples")
+                + f" over {evaluated['eval_samples']:,} held-out samples")
         if p.save:
             self._commit(p.cursor, p.save)
         self.commits.poll(self.group)  # a background save, written by now
@@ -675,4 +692,5 @@ class Coordinator:
                          replica_digests=self.commits.replica_digests, ledger=self.ledger,
                          stage_layers=self.stage_layers, bubbles=self.bubbles, trace=self.trace,
                          pipeline_peaks=self.pipeline_peaks, events=self.events,
-                         dp_history=self.dp_history, state_bytes=self.state_bytes, start=self.start)
+                         dp_history=self.dp_history, state_bytes=self.state_bytes, start=self.start,
+                         eval=self.evaluation.last if self.evaluation else {})

@@ -20,6 +20,7 @@ replica trains on which sample would not be reproducible, and its iterators cann
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -58,48 +59,112 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class Field:
+    """One entry of a batch as the task sees it, read from one or more Parquet columns (several
+    are concatenated: features)."""
+
+    name: str
+    sources: tuple[str, ...]
+    shape: tuple[int, ...]  # of one row: () for a scalar, (n,) for n values
+    dtype: str  # "int64" | "float32"
+    high: Optional[int] = None  # values must lie in [0, high): token ids, class labels
+    key: str = ""  # the spec key that names it, for messages
+
+
+@dataclass(frozen=True)
 class Columns:
-    token: str
+    fields: tuple[Field, ...]
     id: Optional[str]
-    width: int  # tokens per row: seq_len + 1
-    vocab_size: int
+
+    def shapes(self) -> dict:
+        """name -> (row shape, torch dtype): what a padding row looks like."""
+        import torch
+
+        return {f.name: (f.shape, getattr(torch, f.dtype)) for f in self.fields}
+
+
+def token_columns(token: str, id_column: Optional[str], width: int, vocab_size: int) -> Columns:
+    """A language model's rows: `width` token ids each (seq_len + 1)."""
+    return Columns((Field(TOKENS, (token,), (width,), "int64", vocab_size, "data.token_column"),),
+                   id_column)
 
 
 def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
     """One row group, checked, with the columns renamed to what the workers read. Bad rows
     raise DataError naming the file and row group."""
     fs = storage.resolve(root)[0]
-    wanted = [columns.token] + ([columns.id] if columns.id else [])
+    wanted = list(dict.fromkeys([c for f in columns.fields for c in f.sources]
+                                + ([columns.id] if columns.id else [])))
+    width = max(1, sum(math.prod(f.shape) for f in columns.fields))
     with fs.open_input_file(unit.file) as f:
-        # in batches of about 1 MiB of tokens: decoding a list column a whole row group at a
+        # in batches of about 1 MiB of values: decoding a list column a whole row group at a
         # time takes 10-20 times the row group's size (measured: 49-85 MB of Arrow memory for
         # a 4.4 MB row group, 15 MB in batches of 1,024 rows, and faster)
         file = pq.ParquetFile(f)
-        batches = list(file.iter_batches(max(64, 2**20 // columns.width), row_groups=[unit.row_group],
+        batches = list(file.iter_batches(max(64, 2**20 // width), row_groups=[unit.row_group],
                                          columns=wanted, use_threads=False))
         table = pa.Table.from_batches(batches) if batches else \
             file.read_row_group(unit.row_group, columns=wanted)
     where = f"data.path: {unit.file} row group {unit.row_group}"
-    tokens = table.column(columns.token).combine_chunks()
-    if not pa.types.is_list(tokens.type) and not pa.types.is_fixed_size_list(tokens.type) \
-            and not pa.types.is_large_list(tokens.type):
-        raise DataError(f"{where}: data.token_column {columns.token!r} holds {tokens.type}, "
-                        "not lists of token ids")
-    lengths = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
-    if tokens.null_count or (lengths != columns.width).any():
-        raise DataError(f"{where}: every token row must hold {columns.width} tokens "
-                        f"(model.seq_len + 1); found lengths {sorted(set(lengths.tolist()))[:5]} "
-                        f"and {tokens.null_count} null rows")
-    values = tokens.flatten()
-    if len(values):
-        low, high = pc.min_max(values).values()
-        if low.as_py() < 0 or high.as_py() >= columns.vocab_size:
-            raise DataError(f"{where}: token ids lie in [{low}, {high}] but model.vocab_size is "
-                            f"{columns.vocab_size}; set model.vocab_size: {high.as_py() + 1} or more")
-    out = {TOKENS: tokens}
+    out = {f.name: _field(table, f, where) for f in columns.fields}
     if columns.id:
         out[IDS] = table.column(columns.id).combine_chunks()
     return pa.table(out)
+
+
+def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
+    """One field of a row group: a flat array (scalars) or fixed-size lists, checked."""
+    parts = []
+    for name in field.sources:
+        column = table.column(name).combine_chunks()
+        if column.null_count:
+            raise DataError(f"{where}: {field.key} {name!r} has {column.null_count} null rows")
+        if _is_list(column.type):
+            lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+            if field.name == TOKENS and (lengths != field.shape[0]).any():
+                raise DataError(f"{where}: every token row must hold {field.shape[0]} tokens "
+                                f"(model.seq_len + 1); found lengths "
+                                f"{sorted(set(lengths.tolist()))[:5]} and 0 null rows")
+            if len(lengths) and (lengths != lengths[0]).any():
+                raise DataError(f"{where}: {field.key} {name!r} holds lists of "
+                                f"{sorted(set(lengths.tolist()))[:5]} values; every row must hold "
+                                "as many")
+            values, per_row = column.flatten(), (int(lengths[0]) if len(lengths) else 0)
+        elif pa.types.is_integer(column.type) or pa.types.is_floating(column.type) \
+                or pa.types.is_boolean(column.type):
+            values, per_row = column, 1
+        else:
+            what = "lists of token ids" if field.name == TOKENS else "numbers or lists of numbers"
+            raise DataError(f"{where}: {field.key} {name!r} holds {column.type}, not {what}")
+        if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
+                or pa.types.is_boolean(values.type)):
+            raise DataError(f"{where}: {field.key} {name!r} holds lists of {values.type}, not numbers")
+        if values.null_count:
+            raise DataError(f"{where}: {field.key} {name!r} has {values.null_count} null values")
+        parts.append(values.to_numpy(zero_copy_only=False).reshape(len(column), per_row))
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    if data.shape[1] != max(1, math.prod(field.shape)):
+        raise DataError(f"{where}: {field.key} gives {data.shape[1]} values a row, not "
+                        f"{math.prod(field.shape)} as in the first row group (did the files change?)")
+    if field.high is not None and data.size:
+        if not np.issubdtype(data.dtype, np.integer):
+            raise DataError(f"{where}: {field.key} holds {data.dtype} values; it must hold integers")
+        low, high = int(data.min()), int(data.max())
+        if low < 0 or high >= field.high:
+            if field.name == TOKENS:
+                raise DataError(f"{where}: token ids lie in [{low}, {high}] but model.vocab_size "
+                                f"is {field.high}; set model.vocab_size: {high + 1} or more")
+            raise DataError(f"{where}: {field.key} values lie in [{low}, {high}] but the model has "
+                            f"{field.high} classes (model.options.classes); labels must lie in "
+                            f"[0, {field.high})")
+    if field.dtype == "float32":  # integers stay as stored (token ids in 16 bits stay so)
+        data = data.astype(np.float32, copy=False)
+    flat = pa.array(data.reshape(-1))
+    return flat if field.shape == () else pa.FixedSizeListArray.from_arrays(flat, data.shape[1])
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t)
 
 
 def _read_units(root: str, units: list[Unit], columns: Columns):
@@ -253,9 +318,9 @@ class DataFeed:
         return Batch(positions, units, frozenset(by_uid))
 
     def _span(self, cursor: Cursor, global_batch: int) -> tuple[int, int]:
-        stop = min(cursor.consumed + global_batch, self.manifest.num_samples)
+        stop = min(cursor.consumed + global_batch, self.order.num_samples)
         if self.next_epoch is None and \
-                self.manifest.num_samples - stop <= max(self.order.block_size // 2, global_batch):
+                self.order.num_samples - stop <= max(self.order.block_size // 2, global_batch):
             epoch = cursor.epoch + 1
             self.next_epoch = _Read(self, epoch, 0, self.order.block_units(epoch, 0)[1])
         return self.order.units_for(cursor.epoch, cursor.consumed, stop)
@@ -271,7 +336,7 @@ class DataFeed:
         while self.reads and self.reads[0].last <= first:
             self._rows_done += self.reads[0].rows
             self.reads.pop(0)
-        ahead = min(last + 1, len(self.manifest.units))  # the read after `last` starts now
+        ahead = min(last + 1, len(self.order.uids))  # the read after `last` starts now
         while self.reads[-1].last < ahead:
             k = self._block_of(epoch, self.reads[-1].last)
             self.reads.append(_Read(self, epoch, self.reads[-1].last, self.order.block_units(epoch, k)[1]))

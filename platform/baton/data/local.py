@@ -30,6 +30,10 @@ def read_corpus(path: str, token_column: str = "tokens",
 
 
 def job_order(spec, path: str | None = None) -> EpochOrder:
-    """The epoch order a job trains in (on its data.path, or `path`)."""
+    """The epoch order a job trains in (on its data.path, or `path`), held-out row groups
+    left out."""
+    from baton.data.source import held_out
+
     manifest = Manifest.build(path or spec.data.path)
-    return EpochOrder(manifest.unit_rows, spec.train.seed, spec.data.shuffle_block)
+    uids = held_out(manifest, spec.eval.fraction, spec.eval.seed, "")[0] if spec.eval.fraction else None
+    return EpochOrder(manifest.unit_rows, spec.train.seed, spec.data.shuffle_block, uids)

@@ -42,14 +42,18 @@ def _rng(*key: int) -> np.random.Generator:
 
 class EpochOrder:
     """`unit_rows`: rows of each unit in manifest order. Positions are manifest positions
-    (unit offset + row)."""
+    (unit offset + row). `uids`: the units the order covers (all of them by default; training
+    leaves out those held out for evaluation), positions still those of the whole manifest."""
 
-    def __init__(self, unit_rows: Sequence[int], seed: int, shuffle_block: int | None = None):
+    def __init__(self, unit_rows: Sequence[int], seed: int, shuffle_block: int | None = None,
+                 uids: Sequence[int] | None = None, shuffle: bool = True):
         self.unit_rows = np.asarray(unit_rows, dtype=np.int64)
-        self.num_samples = int(self.unit_rows.sum())
+        self.uids = (np.arange(len(self.unit_rows), dtype=np.int64) if uids is None
+                     else np.asarray(uids, dtype=np.int64))
+        self.num_samples = int(self.unit_rows[self.uids].sum())
         if self.num_samples < 1:
             raise ValueError("the dataset has no samples")
-        self.seed = seed
+        self.seed, self.shuffle = seed, shuffle  # shuffle False: manifest order (evaluation)
         self.block_size = min(shuffle_block or self.num_samples, self.num_samples)
         self.offsets = np.concatenate([[0], np.cumsum(self.unit_rows)[:-1]])
         self._perms: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -62,7 +66,8 @@ class EpochOrder:
     def unit_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """The units in this epoch's order, and where each starts in the unit sequence."""
         if epoch not in self._perms:
-            perm = _rng(self.seed, epoch).permutation(len(self.unit_rows))
+            perm = self.uids[_rng(self.seed, epoch).permutation(len(self.uids))] if self.shuffle \
+                else self.uids
             starts = np.concatenate([[0], np.cumsum(self.unit_rows[perm])[:-1]])
             if len(self._perms) >= 2:  # this epoch and the next, which the feed reads ahead
                 self._perms.pop(next(iter(self._perms)))
@@ -93,7 +98,8 @@ class EpochOrder:
             positions = np.concatenate(pieces)
             if len(self._blocks) >= 4:
                 self._blocks.pop(next(iter(self._blocks)))
-            self._blocks[key] = positions[_rng(self.seed, epoch, 1, block).permutation(len(positions))]
+            self._blocks[key] = positions[_rng(self.seed, epoch, 1, block).permutation(len(positions))] \
+                if self.shuffle else positions
         return self._blocks[key]
 
     def positions(self, epoch: int, start: int, stop: int) -> np.ndarray:

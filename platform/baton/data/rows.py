@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from baton.data.feed import IDS, TOKENS, Batch
+from baton.data.feed import IDS, Batch
 
 
 class UnitRows:
-    def __init__(self, width: int):
-        self.width = width  # tokens per row
+    def __init__(self, shapes: dict):
+        self.shapes = shapes  # column -> (row shape, torch dtype): what a batch holds
         self.wanted: dict[int, tuple[int, list]] = {}  # uid -> (offset, refs) of the current step
-        self.held: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # uid -> (ids, tokens)
+        self.held: dict[int, tuple] = {}  # uid -> (ids or None, {column: rows})
         self._offsets = np.zeros(0, dtype=np.int64)
         self._uids = np.zeros(0, dtype=np.int64)
 
@@ -26,24 +26,23 @@ class UnitRows:
         self._uids = np.array(order, dtype=np.int64)
         self._offsets = np.array([self.wanted[u][0] for u in order], dtype=np.int64)
 
-    def gather(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(sample ids, tokens (n, width)) of these positions."""
+    def gather(self, positions: np.ndarray) -> tuple[np.ndarray, dict]:
+        """(sample ids, {column: rows}) of these positions."""
         at = np.searchsorted(self._offsets, positions, side="right") - 1
         uids = self._uids[at]
         self._fetch(np.unique(uids).tolist())
         ids = np.empty(len(positions), dtype=np.int64)
-        tokens = None
+        out: dict[str, np.ndarray] = {}
         for uid in np.unique(uids).tolist():
             mask = uids == uid
             local = positions[mask] - self.wanted[uid][0]
-            unit_ids, unit_tokens = self.held[uid]
-            if tokens is None:
-                tokens = np.empty((len(positions), self.width), dtype=unit_tokens.dtype)
+            unit_ids, unit_columns = self.held[uid]
             ids[mask] = unit_ids[local] if unit_ids is not None else positions[mask]
-            tokens[mask] = unit_tokens[local]
-        if tokens is None:
-            tokens = np.zeros((0, self.width), dtype=np.int64)
-        return ids, tokens
+            for name, rows in unit_columns.items():
+                if name not in out:
+                    out[name] = np.empty((len(positions), *rows.shape[1:]), dtype=rows.dtype)
+                out[name][mask] = rows[local]
+        return ids, out
 
     def _fetch(self, uids: list[int]) -> None:
         import ray
@@ -55,15 +54,19 @@ class UnitRows:
         tables = iter(ray.get(refs))
         for u in missing:
             parts = [next(tables) for _ in self.wanted[u][1]]
-            self.held[u] = _arrays(parts, self.width)
+            self.held[u] = _arrays(parts, self.shapes)
 
 
-def _arrays(parts: list, width: int) -> tuple:
-    """(ids or None, tokens (rows, width)) of one unit's blocks, zero-copy where Arrow allows."""
+def _arrays(parts: list, shapes: dict) -> tuple:
+    """(ids or None, {column: rows}) of one unit's blocks, zero-copy where Arrow allows."""
     import pyarrow as pa
 
     table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-    tokens = table.column(TOKENS).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    columns = {}
+    for name, (shape, _) in shapes.items():
+        column = table.column(name).combine_chunks()
+        values = column.flatten() if shape else column
+        columns[name] = values.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
     ids = (table.column(IDS).to_numpy().astype(np.int64, copy=False)
            if IDS in table.column_names else None)
-    return ids, tokens.reshape(-1, width)
+    return ids, columns

@@ -1,4 +1,5 @@
-"""The dataset before Ray starts: it exists, its shape fits the model, and its manifest.
+"""The dataset before Ray starts: it exists, its shape fits the model and the task, its
+manifest, and the held-out evaluation split.
 
 Nothing here reads rows beyond the first one: the manifest comes from the Parquet footers, and
 the rows stream through Ray Data once the job runs (`feed.py`).
@@ -6,60 +7,193 @@ the rows stream through Ray Data once the job runs (`feed.py`).
 
 from __future__ import annotations
 
+import difflib
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from baton import storage
-from baton.data.feed import Columns
+from baton.data.feed import Columns, Field, token_columns
 from baton.data.manifest import Manifest
+from baton.data.order import EpochOrder
 from baton.errors import SpecError
 from baton.spec import JobSpec
 
 
+@dataclass
+class JobData:
+    """A job's data as checked before Ray starts: the training corpus's manifest, the columns
+    the workers read, and the held-out evaluation set (row groups of the corpus, or a
+    dataset of its own). Held-out row groups are never in the training order."""
+
+    manifest: Manifest
+    columns: Columns
+    train_uids: Optional[np.ndarray] = None  # None: every row group trains
+    eval_manifest: Optional[Manifest] = None
+    eval_uids: Optional[np.ndarray] = None
+
+    def order(self, spec: JobSpec) -> EpochOrder:
+        return EpochOrder(self.manifest.unit_rows, spec.train.seed, spec.data.shuffle_block,
+                          self.train_uids)
+
+    def eval_order(self, spec: JobSpec) -> Optional[EpochOrder]:
+        """Evaluation's order: every held-out sample once an epoch, in manifest order."""
+        if self.eval_manifest is None:
+            return None
+        return EpochOrder(self.eval_manifest.unit_rows, 0, spec.data.shuffle_block,
+                          self.eval_uids, shuffle=False)
+
+    @property
+    def eval_samples(self) -> int:
+        if self.eval_manifest is None:
+            return 0
+        uids = self.eval_uids if self.eval_uids is not None else slice(None)
+        return int(self.eval_manifest.unit_rows[uids].sum())
+
+
 def needs_prepare(spec: JobSpec) -> bool:
-    """True when the job uses the built-in corpus and it has not been prepared yet."""
+    """True when the job uses built-in data and it has not been prepared yet."""
     fs, path = storage.resolve(spec.data.path)
-    return spec.data.source == "stdlib" and not storage.exists(fs, path)
+    return spec.data.source in ("stdlib", "digits") and not storage.exists(fs, path)
 
 
-def preflight(spec: JobSpec, source: str) -> Manifest:
-    """Check the dataset exists and is shaped for the model, without Ray; return its manifest."""
-    d, want = spec.data, spec.model.seq_len + 1
-    fs, path = storage.resolve(d.path)
+def preflight(spec: JobSpec, source: str) -> JobData:
+    """Check the data exists and is shaped for the model and the task, without Ray; return
+    what the run reads."""
+    manifest, schema = _dataset(spec, spec.data.path, "data.path", source)
+    columns = job_columns(spec, schema, source, manifest)
+    data = JobData(manifest, columns)
+    e = spec.eval
+    if e.fraction:
+        data.train_uids, data.eval_uids = held_out(manifest, e.fraction, e.seed, source)
+        data.eval_manifest = manifest
+    elif e.path:
+        data.eval_manifest, eval_schema = _dataset(spec, e.path, "eval.path", source)
+        theirs = job_columns(spec, eval_schema, source, data.eval_manifest, key="eval.path")
+        if theirs != columns:
+            raise SpecError(f"{source}: eval.path: {e.path!r} holds other columns than data.path "
+                            "(names, types or sizes); evaluation reads what training reads")
+    return data
+
+
+def held_out(manifest: Manifest, fraction: float, seed: int, source: str) -> tuple:
+    """(training uids, held-out uids): round(fraction x row groups) row groups (at least one),
+    drawn by `seed`. By row group, not by row, so that an evaluation reads only its own part
+    of a corpus of any size."""
+    n = len(manifest.units)
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise SpecError(f"{source}: eval.fraction: {fraction} holds out {k} of the {n} row groups "
+                        f"of data.path, leaving none to train on; hold-out is by row group: "
+                        "write the data in more row groups, lower the fraction, or give eval.path")
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xE7A1])))
+    chosen = np.zeros(n, dtype=bool)
+    chosen[rng.permutation(n)[:k]] = True
+    return np.flatnonzero(~chosen), np.flatnonzero(chosen)
+
+
+def _dataset(spec: JobSpec, where: str, key: str, source: str) -> tuple[Manifest, pa.Schema]:
+    d = spec.data
+    fs, path = storage.resolve(where)
     if not storage.exists(fs, path):
         fix = ("run `baton data prepare stdlib --out DIR`, or use data.source: stdlib"
-               if d.source == "parquet" else "it is prepared on first run")
-        raise SpecError(f"{source}: data.path: {d.path!r} does not exist; {fix}")
+               if d.source == "parquet" or key != "data.path" else "it is prepared on first run")
+        raise SpecError(f"{source}: {key}: {where!r} does not exist; {fix}")
     try:
         ds = pads.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=False)
         schema = ds.schema
     except (pa.ArrowInvalid, OSError) as e:
-        raise SpecError(f"{source}: data.path: {d.path!r} is not a Parquet dataset ({e})") from None
-    for key, column in (("token_column", d.token_column), ("id_column", d.id_column)):
-        if column is not None and column not in schema.names:
-            raise SpecError(f"{source}: data.{key}: {column!r} is not a column of {d.path!r}; "
-                            f"columns: {', '.join(schema.names)}")
+        raise SpecError(f"{source}: {key}: {where!r} is not a Parquet dataset ({e})") from None
     try:
-        manifest = Manifest.build(d.path, ds)
+        manifest = Manifest.build(where, ds)
     except (pa.ArrowInvalid, OSError) as e:
-        raise SpecError(f"{source}: data.path: {d.path!r}: cannot read the Parquet footers ({e})") from None
+        raise SpecError(f"{source}: {key}: {where!r}: cannot read the Parquet footers ({e})") from None
     if manifest.num_samples == 0:
-        raise SpecError(f"{source}: data.path: {d.path!r} holds no rows")
-    # the first row of the first row group, read alone: a dataset scan (head) reads ahead
-    # through whole files, hundreds of MB of a large corpus
-    unit = next(u for u in manifest.units if u.rows)
-    with fs.open_input_file(unit.file) as f:
-        first = pq.ParquetFile(f).read_row_group(unit.row_group, columns=[d.token_column]).column(0)
-    length = len(first[0].values) if first[0].is_valid else 0
-    if length != want:
-        raise SpecError(
-            f"{source}: model.seq_len: {spec.model.seq_len} does not fit the data; rows of "
-            f"{d.path!r} hold {length} tokens, so set model.seq_len: {length - 1} or prepare "
-            f"data with --seq-len {spec.model.seq_len}")
-    return manifest
+        raise SpecError(f"{source}: {key}: {where!r} holds no rows")
+    return manifest, schema
+
+
+def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifest,
+                key: str = "data.path") -> Columns:
+    """What the workers read, checked against the schema: a language model's token rows of
+    seq_len + 1, or the task's `data.columns` (numbers, or lists of numbers of one length)."""
+    d = spec.data
+    where = spec.data.path if key == "data.path" else spec.eval.path
+    if d.id_column is not None and d.id_column not in schema.names:
+        raise SpecError(f"{source}: data.id_column: {d.id_column!r} is not a column of {where!r}; "
+                        f"columns: {', '.join(schema.names)}")
+    if spec.task == "language_model":
+        if d.token_column not in schema.names:
+            raise SpecError(f"{source}: data.token_column: {d.token_column!r} is not a column of "
+                            f"{where!r}; columns: {', '.join(schema.names)}")
+        want = spec.model.seq_len + 1
+        length = _first_length(manifest, d.token_column)
+        if length != want:
+            raise SpecError(
+                f"{source}: model.seq_len: {spec.model.seq_len} does not fit the data; rows of "
+                f"{where!r} hold {length} tokens, so set model.seq_len: {length - 1} or prepare "
+                f"data with --seq-len {spec.model.seq_len}")
+        return token_columns(d.token_column, d.id_column, want, spec.model.vocab_size)
+    fields = []
+    for name, value in d.columns.items():
+        sources = tuple(value if isinstance(value, list) else [value])
+        spec_key = f"data.columns.{name}"
+        width, integers = 0, True
+        for column in sources:
+            if column not in schema.names:
+                near = difflib.get_close_matches(column, schema.names, 1)
+                raise SpecError(f"{source}: {spec_key}: {column!r} is not a column of {where!r}"
+                                + (f"; did you mean {near[0]!r}?" if near else "")
+                                + f" (columns: {', '.join(schema.names)[:300]})")
+            t = schema.field(column).type
+            values = t.value_type if pa_list(t) else t
+            if not (pa.types.is_integer(values) or pa.types.is_floating(values)
+                    or pa.types.is_boolean(values)):
+                raise SpecError(f"{source}: {spec_key}: {column!r} holds {t}; the task reads "
+                                "numbers or lists of numbers of one length")
+            integers = integers and not pa.types.is_floating(values)
+            width += (t.list_size if pa.types.is_fixed_size_list(t)
+                      else _first_length(manifest, column) if pa_list(t) else 1)
+        scalar = len(sources) == 1 and not pa_list(schema.field(sources[0]).type)
+        high = None
+        if spec.task == "classification" and name == "label":
+            if not (scalar and integers):
+                raise SpecError(f"{source}: {spec_key}: classification needs one integer class "
+                                f"per row; {', '.join(sources)} is not")
+            high = spec.model.options.get("classes") if spec.model.name == "classifier" else None
+        # a classifier's features are floats whatever they are stored as; a user's task gets
+        # integers as integers (token ids, say)
+        dtype = "int64" if integers and not (spec.task == "classification" and name == "inputs") \
+            else "float32"
+        fields.append(Field(name, sources, () if scalar else (width,), dtype, high, spec_key))
+    if spec.model.name == "classifier" and "inputs" in d.columns:
+        features = next(f for f in fields if f.name == "inputs").shape or (1,)
+        if features[0] != spec.model.options.get("inputs"):
+            raise SpecError(f"{source}: model.options.inputs: {spec.model.options.get('inputs')} "
+                            f"does not fit the data; data.columns.inputs gives {features[0]} "
+                            f"values a row, so set model.options.inputs: {features[0]}")
+    return Columns(tuple(fields), d.id_column)
 
 
 def columns(spec: JobSpec) -> Columns:
+    """A language model's columns, from the spec alone (no schema to read)."""
     d = spec.data
-    return Columns(d.token_column, d.id_column, spec.model.seq_len + 1, spec.model.vocab_size)
+    return token_columns(d.token_column, d.id_column, spec.model.seq_len + 1, spec.model.vocab_size)
+
+
+def pa_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t)
+
+
+def _first_length(manifest: Manifest, column: str) -> int:
+    """Values in the first row of a list column: the first row of the first row group, read
+    alone (a dataset scan (head) reads ahead through whole files, hundreds of MB of a corpus)."""
+    fs = storage.resolve(manifest.root)[0]
+    unit = next(u for u in manifest.units if u.rows)
+    with fs.open_input_file(unit.file) as f:
+        first = pq.ParquetFile(f).read_row_group(unit.row_group, columns=[column]).column(0)
+    return len(first[0].values) if first[0].is_valid else 0

@@ -1,7 +1,10 @@
-"""The model registry: a name ("gpt", "mlp") or "package.module:function" gives a builder.
+"""The model registry: a name ("gpt", "mlp", "classifier") or "package.module:function" gives a
+builder.
 
-A model takes tokens (B, T) and returns logits (B, T, vocab). A user builder is called with the
-job's `ModelSpec` and returns an `nn.Module`; an `nn.Sequential` can later be cut into stages.
+A language model takes tokens (B, T) and returns logits (B, T, vocab); a classifier takes
+features (B, inputs) and returns logits (B, classes). A user builder is called with the job's
+`ModelSpec` and returns an `nn.Module` taking the task's `batch["inputs"]`; an `nn.Sequential`
+can later be cut into stages.
 """
 
 from __future__ import annotations
@@ -11,11 +14,11 @@ import re
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.models.gpt import build_gpt
-from baton.models.mlp import build_mlp
+from baton.models.mlp import build_classifier, build_mlp
+from baton.tasks import IGNORE, loss_sum  # noqa: F401 (their home before tasks existed)
 
 
 def _gpt(spec) -> nn.Module:
@@ -29,9 +32,17 @@ def _mlp(spec) -> nn.Module:
                      vocab_size=spec.vocab_size, **spec.options)
 
 
-MODELS: dict[str, Callable] = {"gpt": _gpt, "mlp": _mlp}
+def _classifier(spec) -> nn.Module:
+    return build_classifier(layers=spec.layers, width=spec.width, dropout=spec.dropout,
+                            **spec.options)
+
+
+MODELS: dict[str, Callable] = {"gpt": _gpt, "mlp": _mlp, "classifier": _classifier}
 # the options each built-in model takes: name -> (least, most)
-OPTIONS: dict[str, dict[str, tuple[int, int]]] = {"gpt": {}, "mlp": {"embed_dim": (1, 4096)}}
+OPTIONS: dict[str, dict[str, tuple[int, int]]] = {
+    "gpt": {}, "mlp": {"embed_dim": (1, 4096)},
+    "classifier": {"inputs": (1, 2**24), "classes": (2, 2**24)}}
+REQUIRED = {"classifier": ("inputs", "classes")}  # options a built-in model cannot do without
 _USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
@@ -60,6 +71,10 @@ def options_problem(spec, on_meta: bool) -> Optional[str]:
     turned into one line. Not otherwise: a builder that works on CPU may not on meta."""
     if spec.name in OPTIONS:
         allowed = OPTIONS[spec.name]
+        missing = [k for k in REQUIRED.get(spec.name, ()) if k not in spec.options]
+        if missing:
+            return (f"{spec.name} needs model.options {' and '.join(missing)} "
+                    f"(e.g. {{inputs: 64, classes: 10}}: features per sample, classes)")
         for key, value in spec.options.items():
             if key not in allowed:
                 return (f"{spec.name} takes no option {key!r}" +
@@ -120,13 +135,3 @@ def sequential(model: nn.Module, name: str) -> nn.Sequential:
         raise TypeError(f"model {name!r} is a {type(model).__name__}; pipeline stages cut an "
                         "nn.Sequential, so return one from the builder (or use parallel.pp: 1)")
     return model
-
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy; callers divide by the global token count, so a batch
-    split unevenly across replicas still averages exactly like one process would."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
-                           ignore_index=IGNORE)
-
-
-IGNORE = -100  # target of a padding position: no loss, no gradient

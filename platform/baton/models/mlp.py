@@ -23,12 +23,13 @@ class ContextEmbedding(nn.Module):
 
 
 class Dense(nn.Module):
-    def __init__(self, d_in: int, d_out: int):
+    def __init__(self, d_in: int, d_out: int, dropout: float = 0.0):
         super().__init__()
         self.fc = nn.Linear(d_in, d_out)
+        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.fc(x))
+        return F.dropout(F.gelu(self.fc(x)), self.dropout, self.training)
 
 
 def build_mlp(*, layers: int, width: int, context: int, vocab_size: int,
@@ -38,4 +39,14 @@ def build_mlp(*, layers: int, width: int, context: int, vocab_size: int,
         Dense(context * embed_dim, width),
         *[Dense(width, width) for _ in range(layers - 1)],
         nn.Linear(width, vocab_size),
+    )
+
+
+def build_classifier(*, layers: int, width: int, inputs: int, classes: int,
+                     dropout: float = 0.0) -> nn.Sequential:
+    """Features (B, inputs) to class logits (B, classes) through `layers` hidden layers."""
+    return nn.Sequential(
+        Dense(inputs, width, dropout),
+        *[Dense(width, width, dropout) for _ in range(layers - 1)],
+        nn.Linear(width, classes),
     )

@@ -119,7 +119,9 @@ class PipelineRuntime:
                 with self._count_saved(act_bytes, (a.mb, a.chunk)), self._autocast():
                     y = self.chunks[a.chunk](x)
                 if s == self.last:
-                    part = loss_fn(y, targets[a.mb].to(self.device))
+                    target = targets[a.mb]  # a tensor, or a task's batch (a dict of them)
+                    part = loss_fn(y, {k: t.to(self.device) for k, t in target.items()}
+                                   if isinstance(target, dict) else target.to(self.device))
                     trace.loss_sum += float(part.detach())
                     y = part * scale
                 else:

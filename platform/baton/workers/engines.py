@@ -16,16 +16,17 @@ import torch.distributed as dist
 from torch import nn
 
 from baton.checkpoint import sharded
-from baton.models import build_model, loss_sum, sequential
+from baton.models import build_model, sequential
 from baton.parallel import ParallelDims
 from baton.parallel import schedule as sched
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard, state_dicts
 from baton.spec import JobSpec
+from baton.tasks import Sums, Task, example_inputs, to_device
 from baton.training import clip_and_norm, local, make_optimizer, set_lr
 
-TokensFn = Callable[..., tuple]  # (rows, pad_to=None) -> (inputs, targets)
+BatchFn = Callable[..., dict]  # (rows, pad_to=None) -> the task's batch (tensors, VALID)
 
 
 class _Engine:
@@ -59,8 +60,8 @@ class _Engine:
 
 
 class DataParallelEngine(_Engine):
-    def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device):
-        self.spec, self.device = spec, device
+    def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
+        self.spec, self.device, self.task = spec, device, task
         self.bf16 = spec.train.precision == "bf16"
         self.dp = spec.parallel.dp
         self.module = build_model(spec.model, spec.train.seed).to(device)
@@ -80,23 +81,40 @@ class DataParallelEngine(_Engine):
     def load_sharded(self, where: sharded.Location) -> None:
         self.replica.load_sharded(where)
 
-    def forward_backward(self, micro: list[np.ndarray], tokens: TokensFn, scale: float,
+    def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
                          trace: bool) -> dict:
         """Gradients of this replica's micro-batches, summed over the replicas."""
-        total = torch.zeros((), device=self.device)
+        sums = Sums()
         for i, rows in enumerate(micro):
-            # every replica joins every all-reduce: an empty micro-batch runs one padded row,
-            # whose targets are ignored (zero loss, zero gradient)
-            inputs, targets = tokens(rows, pad_to=None if len(rows) else 1)
             sync = i == len(micro) - 1
             with contextlib.nullcontext() if sync else self.replica.no_sync():
-                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
-                    logits = self.wrapped(inputs.to(self.device))
-                ls = loss_sum(logits, targets.to(self.device))
+                ls = self._loss(batch_fn, rows, sums)
                 (ls * scale * self.dp).backward()  # DDP and FSDP average over dp; this undoes it
-            total += ls.detach()
-        seq_len = self.spec.model.seq_len
-        return {"loss_sum": float(total), "tokens": sum(map(len, micro)) * seq_len}
+        return sums.out()
+
+    def _loss(self, batch_fn: BatchFn, rows: np.ndarray, sums: Sums) -> torch.Tensor:
+        # every replica joins every collective: an empty micro-batch runs one padding row,
+        # which the task leaves out (zero loss, zero gradient)
+        batch = to_device(batch_fn(rows, pad_to=None if len(rows) else 1), self.device)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+            output = self.wrapped(self.task.inputs(batch))
+        ls, metrics = self.task.loss(output, batch)
+        sums.add(self.task, ls, metrics, batch)
+        return ls
+
+    def evaluate(self, micro: list[np.ndarray], batch_fn: BatchFn) -> dict:
+        sums = Sums()
+        was_training = self.wrapped.training
+        self.wrapped.eval()
+        try:
+            with torch.no_grad():
+                for rows in micro:
+                    self._loss(batch_fn, rows, sums)
+        finally:
+            self.wrapped.train(was_training)
+            if self.sharded:  # ZeRO-2 keeps what a forward gathered until a backward
+                reshard([self.wrapped])
+        return sums.out()
 
     def clip(self) -> float:
         return clip_and_norm(self.module, self.spec.train.grad_clip)
@@ -104,8 +122,8 @@ class DataParallelEngine(_Engine):
 
 class PipelineEngine(_Engine):
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
-                 stage_layers: list[int]):
-        self.spec, self.dims, self.device = spec, dims, device
+                 stage_layers: list[int], task: Task, shapes: dict):
+        self.spec, self.dims, self.device, self.task = spec, dims, device, task
         self.dp_rank, self.pp_rank = dims.coords(rank)
         p, v = dims.pp, spec.chunks
         full = sequential(build_model(spec.model, spec.train.seed), spec.model.name)
@@ -129,25 +147,30 @@ class PipelineEngine(_Engine):
         self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank), v,
                                        device, spec.train.precision == "bf16", self.pp_group,
                                        before_backward=sync)
-        example = torch.zeros(spec.micro_batch, spec.model.seq_len, dtype=torch.long)
-        self.runtime.agree_shapes(example)
+        self.runtime.agree_shapes(example_inputs(spec, shapes, spec.micro_batch))
         if self.sharded:  # the shape probe's forward left ZeRO-2's parameters gathered
             reshard(chunks)
         self.optimizer = make_optimizer(self.module, spec.train)
         self.actions = sched.build(spec.parallel.schedule, p, spec.microbatches, v)[self.pp_rank]
         self.first, self.last = self.pp_rank == 0, self.pp_rank == p - 1
 
-    def forward_backward(self, micro: list[np.ndarray], tokens: TokensFn, scale: float,
+    def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
                          trace: bool) -> dict:
         """Run the schedule; gradients end summed over this stage's replicas."""
-        # fixed-size micro-batches (short ones padded, padding ignored by the loss), so every
+        # fixed-size micro-batches (short ones padded, padding ignored by the task), so every
         # message between stages keeps the shape agreed at set-up
-        batches = ([tokens(rows, pad_to=self.spec.micro_batch) for rows in micro]
+        batches = ([batch_fn(rows, pad_to=self.spec.micro_batch) for rows in micro]
                    if self.first or self.last else None)
+        sums = Sums()
+
+        def loss_fn(output: torch.Tensor, batch: dict) -> torch.Tensor:
+            ls, metrics = self.task.loss(output, batch)
+            sums.add(self.task, ls, metrics, batch)
+            return ls
+
         # FSDP averages gradients over the stage's dp ranks; the scale undoes it
-        st = self.runtime.run(self.actions, batches and [b[0] for b in batches],
-                              batches and [b[1] for b in batches], loss_sum,
-                              scale * self.dims.dp if self.sharded else scale)
+        st = self.runtime.run(self.actions, batches and [self.task.inputs(b) for b in batches],
+                              batches, loss_fn, scale * self.dims.dp if self.sharded else scale)
         params = [q for q in self.module.parameters() if q.grad is not None]
         if self.dims.dp > 1 and not self.sharded:  # each stage's replicas sum their gradients
             grads = [q.grad for q in params]
@@ -155,8 +178,7 @@ class PipelineEngine(_Engine):
             dist.all_reduce(flat, group=self.dp_group)
             for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
-        seq_len = self.spec.model.seq_len
-        return {"loss_sum": st.loss_sum, "tokens": sum(map(len, micro)) * seq_len if self.last else 0,
+        return {**sums.out(),
                 "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
                          "activation_bytes": st.peak_activation_bytes, "live": st.peak_live},
                 "events": st.events if trace else None}

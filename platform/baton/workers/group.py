@@ -134,10 +134,11 @@ class WorkerGroup:
         ranks = range(len(self.actors)) if ranks is None else ranks
         return [(self.actors[r], self.infos[r]) for r in ranks]
 
-    def setup(self, record_samples: bool, stage_layers) -> list[dict]:
-        """Form the process group (on a fresh port) and build each worker's part of the model."""
+    def setup(self, record_samples: bool, stage_layers, columns=None) -> list[dict]:
+        """Form the process group (on a fresh port) and build each worker's part of the model;
+        `columns`: what the data's rows hold (None: a language model's token rows)."""
         master = self.call_one(0, "rendezvous_address")
-        return self.call("setup", master, record_samples, stage_layers,
+        return self.call("setup", master, record_samples, stage_layers, columns,
                          what="joining the group")
 
     # -- calls --------------------------------------------------------------------------------

@@ -26,12 +26,13 @@ import torch.distributed as dist
 
 from baton.checkpoint import CheckpointStore, sharded
 from baton.checkpoint.store import SHARDS
-from baton.data.feed import Batch
+from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
-from baton.models import IGNORE, build_model
+from baton.models import build_model
 from baton.parallel import ParallelDims
 from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
+from baton.tasks import VALID, example_inputs, make_task, padded
 from baton.training import param_digest
 from baton.workers.engines import DataParallelEngine, PipelineEngine
 
@@ -135,18 +136,18 @@ class Worker:
                                           wait_for_workers=False)
         return ip, self.master_store.port
 
-    def profile_layers(self, repeats: int = 3) -> list[float]:
+    def profile_layers(self, columns: Optional[Columns] = None, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward of each layer on one micro-batch (median of
         `repeats`): what parallel.partition = time balances."""
         from baton.models import sequential
         from baton.parallel.profile import layer_times
 
         model = sequential(build_model(self.spec.model, self.spec.train.seed), self.spec.model.name)
-        example = torch.zeros(self.spec.micro_batch, self.spec.model.seq_len, dtype=torch.long)
+        example = example_inputs(self.spec, _shapes(self.spec, columns), self.spec.micro_batch)
         return layer_times(model.to(self.device), example.to(self.device), repeats)
 
     def setup(self, master: tuple[str, int], record_samples: bool,
-              stage_layers: Optional[list[int]] = None) -> dict:
+              stage_layers: Optional[list[int]] = None, columns: Optional[Columns] = None) -> dict:
         """Join the process group, build this rank's part of the model and its optimizer."""
         spec = self.spec
         timeout = timedelta(seconds=spec.parallel.timeout_s)
@@ -160,13 +161,17 @@ class Worker:
         # slow store is slow, not a failure
         self.checkpoint_group = dist.new_group(
             backend="gloo", timeout=timedelta(seconds=spec.checkpoint.timeout_s))
-        self.rows = UnitRows(spec.model.seq_len + 1)  # the units of each step's batch
+        self.shapes = _shapes(spec, columns)  # each column's row: what padding looks like
+        self.task = make_task(spec)
+        self.rows = UnitRows(self.shapes)  # the units of each step's batch
+        self.eval_rows = UnitRows(self.shapes)  # and of evaluation's, kept apart
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         self.state_reported = False
         if self.dims.pp == 1:
-            self.engine = DataParallelEngine(spec, self.dims, self.device)
+            self.engine = DataParallelEngine(spec, self.dims, self.device, self.task)
         else:
-            self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers)
+            self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers,
+                                         self.task, self.shapes)
         torch.manual_seed(spec.train.seed * 100_003 + self.rank)  # dropout differs per replica
         self.ledger = [] if record_samples else None
         self.data_s = 0.0
@@ -183,7 +188,7 @@ class Worker:
         self.rows.use(batch)
         micro = self._micro_batches(batch.positions)
         self.data_s = 0.0
-        out = self.engine.forward_backward(micro, self._tokens, self._scale(batch), trace)
+        out = self.engine.forward_backward(micro, self._batch, self._scale(batch), trace)
         out["grad_norm"] = self.engine.apply(lr)
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
         if not self.state_reported:  # sizes are fixed within a world: measured once
@@ -198,7 +203,7 @@ class Worker:
         """This worker's gradients for `batch`, by parameter name, without stepping: what
         the equivalence tests compare with one process's."""
         self.rows.use(batch)
-        out = self.engine.forward_backward(self._micro_batches(batch.positions), self._tokens,
+        out = self.engine.forward_backward(self._micro_batches(batch.positions), self._batch,
                                            self._scale(batch), False)
         grads = {n: _whole(q.grad).detach().cpu().clone()
                  for n, q in self.engine.module.named_parameters()}
@@ -208,25 +213,30 @@ class Worker:
     def _micro_batches(self, batch: np.ndarray) -> list[np.ndarray]:
         return split_micro(self.dims.replica_part(batch, self.dp_rank), self.spec.microbatches)
 
-    def _scale(self, batch: Batch) -> float:
-        return 1.0 / (len(batch) * self.spec.model.seq_len)
+    def evaluate(self, batch: Batch) -> dict:
+        """The task's loss and metric sums over this replica's part of an evaluation batch,
+        without gradients; the model is left as it was."""
+        self.eval_rows.use(batch)
+        micro = self._micro_batches(batch.positions)
+        return self.engine.evaluate(micro, lambda rows, pad_to=None: self._batch(rows, pad_to,
+                                                                                  self.eval_rows))
 
-    def _tokens(self, rows: np.ndarray, pad_to: Optional[int] = None) -> tuple:
-        """(inputs, targets) of these rows; padded rows (to `pad_to`) have targets IGNORE."""
+    def _scale(self, batch: Batch) -> float:
+        return 1.0 / (len(batch) * self.task.per_sample)
+
+    def _batch(self, rows: np.ndarray, pad_to: Optional[int] = None,
+               source: Optional[UnitRows] = None) -> dict:
+        """These rows as the task's batch (a tensor per column, and VALID), padded with
+        invalid rows to `pad_to`."""
         t0 = time.perf_counter()
         try:
-            return self._rows(rows, pad_to)
+            columns = (source or self.rows).gather(rows)[1] if len(rows) else {}
+            batch = {name: torch.from_numpy(columns[name]).to(dtype)
+                     for name, (_, dtype) in self.shapes.items() if name in columns}
+            batch[VALID] = torch.ones(len(rows), dtype=torch.bool)
+            return padded(batch, pad_to, self.shapes) if pad_to else batch
         finally:
             self.data_s += time.perf_counter() - t0
-
-    def _rows(self, rows: np.ndarray, pad_to: Optional[int]) -> tuple:
-        data = torch.from_numpy(self.rows.gather(rows)[1]).to(torch.long)
-        if pad_to is not None and len(rows) < pad_to:
-            pad = torch.zeros(pad_to - len(rows), data.shape[1], dtype=torch.long)
-            targets = torch.cat([data[:, 1:], pad[:, 1:] + IGNORE])
-            data = torch.cat([data, pad])
-            return data[:, :-1], targets
-        return data[:, :-1], data[:, 1:]
 
     # -- checkpoints: one file per pipeline rank, keyed by parameter name -----------------------
 
@@ -351,3 +361,13 @@ def _copy_into(buffers, tree, pin: bool = False):
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A sharded tensor gathered whole (a collective: every worker calls it); a plain one."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _shapes(spec: JobSpec, columns: Optional[Columns]) -> dict:
+    """Each column's row (shape, dtype): from the job's data (`source.columns`, checked against
+    its schema before Ray starts), or a language model's token rows."""
+    if columns is None:
+        from baton.data.feed import token_columns
+
+        columns = token_columns("tokens", None, spec.model.seq_len + 1, spec.model.vocab_size)
+    return columns.shapes()

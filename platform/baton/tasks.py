@@ -1,0 +1,166 @@
+"""Tasks: what a batch is for. A task turns the model's output on a batch into a loss and named
+metrics; the engines (DDP, sharded, pipelines) only run the model and call the task.
+
+A batch is a dict of tensors, one per entry of `data.columns` (first dimension: samples), and
+`VALID`, a bool tensor that is False on padding rows (an engine pads a replica's empty
+micro-batch, and a pipeline's short ones, so that every collective and every message keeps its
+shape). The model's input is `batch["inputs"]` (`batch["tokens"][:, :-1]` for a language model).
+
+A task's loss and metrics are *sums* over the valid rows' terms (tokens for a language model,
+samples otherwise): baton divides them by the global count of terms, so a batch split unevenly
+across replicas averages exactly as one process would.
+
+A user's task is `package.module:function`, called as `function(output, batch)` and returning a
+dict of scalar tensors: "loss" (summed over the valid rows, differentiable) and any metric sums
+(accuracy: the number of correct rows). Its model's input is `batch["inputs"]`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+VALID = "valid"
+IGNORE = -100  # target of a padding position: no loss, no gradient
+
+
+class Task:
+    name = ""
+    needs: tuple[str, ...] = ("inputs",)  # data.columns keys the task reads
+    per_sample = 1  # loss terms a sample contributes
+
+    def inputs(self, batch: dict) -> torch.Tensor:
+        return batch["inputs"]
+
+    def loss(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(loss sum, {metric: sum}) over the batch's valid rows."""
+        raise NotImplementedError
+
+
+class LanguageModel(Task):
+    """Next-token prediction over rows of seq_len + 1 token ids."""
+
+    name, needs = "language_model", ("tokens",)
+
+    def __init__(self, seq_len: int):
+        self.per_sample = seq_len
+
+    def inputs(self, batch: dict) -> torch.Tensor:
+        return batch["tokens"][:, :-1]
+
+    def loss(self, output, batch):
+        targets = batch["tokens"][:, 1:].masked_fill(~batch[VALID][:, None], IGNORE)
+        return loss_sum(output, targets), {}
+
+
+class Classification(Task):
+    """Cross-entropy over class logits (samples, classes); accuracy."""
+
+    name, needs = "classification", ("inputs", "label")
+
+    def loss(self, output, batch):
+        valid = batch[VALID]
+        labels = batch["label"].masked_fill(~valid, IGNORE)
+        ls = F.cross_entropy(output.float(), labels, reduction="sum", ignore_index=IGNORE)
+        correct = ((output.argmax(-1) == labels) & valid).sum()
+        return ls, {"accuracy": correct.float()}
+
+
+class UserTask(Task):
+    def __init__(self, name: str):
+        self.name, self.fn = name, user_function(name)
+
+    def loss(self, output, batch):
+        out = self.fn(output, batch)
+        if not isinstance(out, dict) or not torch.is_tensor(out.get("loss")):
+            got = type(out).__name__ if not isinstance(out, dict) else f"keys {sorted(map(str, out))}"
+            raise TypeError(f"task {self.name} must return a dict with a tensor 'loss', got {got}")
+        return out["loss"], {k: v for k, v in out.items() if k != "loss"}
+
+
+BUILT_IN = ("language_model", "classification")
+_USER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def make_task(spec) -> Task:
+    if spec.task == "language_model":
+        return LanguageModel(spec.model.seq_len)
+    if spec.task == "classification":
+        return Classification()
+    return UserTask(spec.task)
+
+
+def user_function(name: str) -> Callable:
+    module, _, func = name.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def task_problem(name: str) -> Optional[str]:
+    """Why `name` names no task (None: it does). A user's module is imported here: its code runs."""
+    if name in BUILT_IN:
+        return None
+    if not _USER.fullmatch(name):
+        return f"use one of {', '.join(BUILT_IN)} or 'package.module:function'"
+    module, _, func = name.partition(":")
+    try:
+        fn = user_function(name)
+    except AttributeError:
+        return f"module {module!r} has no {func!r}"
+    except (Exception, SystemExit) as e:
+        lines = str(e).strip().splitlines()
+        return f"cannot load the task: importing {module!r} raised {type(e).__name__}" + \
+            (f": {lines[0][:300]}" if lines else "")
+    return None if callable(fn) else f"{name} is {type(fn).__name__}, not a function"
+
+
+def example_inputs(spec, shapes: dict, rows: int) -> torch.Tensor:
+    """The model's input for `rows` padding rows: what shape probes and profiles run."""
+    return make_task(spec).inputs(padded({}, rows, shapes))
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {name: t.to(device) for name, t in batch.items()}
+
+
+class Sums:
+    """A step's (or an evaluation's) loss and metric sums, and how many terms they sum over:
+    kept on the device until `out` (one read a step, not one a micro-batch)."""
+
+    def __init__(self):
+        self.loss = self.count = 0
+        self.metrics: dict = {}
+
+    def add(self, task: Task, loss: torch.Tensor, metrics: dict, batch: dict) -> None:
+        self.loss = self.loss + loss.detach()
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0) + v.detach()
+        self.count = self.count + batch[VALID].sum() * task.per_sample
+
+    def out(self) -> dict:
+        return {"loss_sum": float(self.loss), "tokens": int(self.count),
+                "metrics": {k: float(v) for k, v in self.metrics.items()}}
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy; callers divide by the global token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE)
+
+
+def padded(batch: dict, rows: int, shapes: dict) -> dict:
+    """`batch` with padding rows appended up to `rows` (zeros, VALID False); `shapes`: each
+    column's (row shape, dtype), for a batch with no rows at all."""
+    have = len(batch[VALID]) if VALID in batch else 0
+    if have >= rows:
+        return batch
+    out = {}
+    for name, (shape, dtype) in shapes.items():
+        pad = torch.zeros((rows - have, *shape), dtype=dtype)
+        out[name] = torch.cat([batch[name], pad]) if name in batch else pad
+    valid = batch.get(VALID, torch.zeros(0, dtype=torch.bool))
+    out[VALID] = torch.cat([valid, torch.zeros(rows - have, dtype=torch.bool)])
+    return out
