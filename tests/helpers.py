@@ -439,3 +439,62 @@ class Chaos:
                 assert time.monotonic() < deadline, f"no {part}"
                 time.sleep(0.005)
             os.kill(pid, signal.SIGKILL)
+
+
+# -- tasks (tests/integration/test_tasks.py) ----------------------------------------------------
+
+
+def write_table(folder: Path, num_samples: int = 96, features: int = 6, classes: int = 4,
+                row_group_rows: int = 8, seed: int = 0) -> Path:
+    """A classification and regression table: `vec` (features - 2 floats, a fixed-size list),
+    `a` and `b` (a float and an int feature), `label` (a class, learnable from the features),
+    `y` (a float target), `sample_id` from 5000; row groups of `row_group_rows`."""
+    rng = np.random.default_rng(seed)
+    vec = rng.normal(size=(num_samples, features - 2)).astype(np.float32)
+    a = rng.normal(size=num_samples).astype(np.float32)
+    b = rng.integers(0, 5, size=num_samples)
+    label = (np.argmax(vec[:, :classes], axis=1) + (b > 3)) % classes
+    y = vec.sum(1) + 0.5 * a - 0.1 * b
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({
+        "sample_id": np.arange(5000, 5000 + num_samples),
+        "vec": pa.FixedSizeListArray.from_arrays(pa.array(vec.reshape(-1)), features - 2),
+        "a": a, "b": b, "label": label, "y": y.astype(np.float32),
+        "name": [f"row-{i}" for i in range(num_samples)]}),
+        folder / "table.parquet", row_group_size=row_group_rows)
+    return folder
+
+
+def read_columns(folder: Path, columns: dict) -> tuple[np.ndarray, dict]:
+    """(ids, {key: rows}) of the whole table in manifest order, each key's columns
+    concatenated as a job's `data.columns` maps them (a reference reads what baton reads)."""
+    table = pq.read_table(folder)
+    out = {}
+    for key, names in columns.items():
+        parts = []
+        for name in names if isinstance(names, list) else [names]:
+            col = table.column(name).combine_chunks()
+            parts.append(col.flatten().to_numpy().reshape(len(col), -1)
+                         if pa.types.is_fixed_size_list(col.type) else col.to_numpy()[:, None])
+        joined = np.concatenate(parts, axis=1)
+        out[key] = joined[:, 0] if not isinstance(names, list) and joined.shape[1] == 1 else joined
+    return table.column("sample_id").to_numpy(), out
+
+
+def regression(output, batch):
+    """A user task (`helpers:regression`): squared error of a scalar output against `target`,
+    summed over the valid rows, and the absolute error as a metric."""
+    valid = batch["valid"].float()
+    err = output.squeeze(-1).float() - batch["target"]
+    return {"loss": (err ** 2 * valid).sum(), "abs_error": (err.abs() * valid).sum()}
+
+
+def no_loss_task(output, batch):
+    """A user task that forgot its loss (`helpers:no_loss_task`)."""
+    return {"mse": (output ** 2).sum()}
+
+
+def regressor(spec):
+    """A user model (`helpers:regressor`): features to one number."""
+    return torch.nn.Sequential(torch.nn.Linear(spec.options["inputs"], spec.width),
+                               torch.nn.Tanh(), torch.nn.Linear(spec.width, 1))

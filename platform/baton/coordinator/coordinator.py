@@ -582,6 +582,12 @@ class Coordinator:
             metrics.update(self._pipeline_metrics(results))
             if p.traced:
                 self._save_trace(results)
+        if p.eval_refs:  # logged with the step's metrics: a step is logged once
+            evaluated = self.evaluation.collect(self.group, p.eval_refs, self.step)
+            metrics.update(evaluated)
+            self.progress.note(f"step {self.step}: " + ", ".join(
+                f"{k} {v:.4g}" for k, v in evaluated.items() if k != "eval_samples")
+                + f" over {evaluated['eval_samples']:,} held-out samples")
         self.tracker.log_metrics(self.step, metrics)
         self.last_metrics = metrics  # for on_step observers
         self.live.step(step=self.step, loss=self.last_loss, lr=p.lr, tokens_per_s=tps,
@@ -591,12 +597,6 @@ class Coordinator:
         self.progress.update(self.step, self.last_loss, tps)
         for rank, taken in enumerate(entries):
             self.ledger += [(step, rank, ids) for step, ids in taken]
-        if p.eval_refs:
-            evaluated = self.evaluation.collect(self.group, p.eval_refs, self.step)
-            self.tracker.log_metrics(self.step, evaluated)
-            self.progress.note(f"step {self.step}: " + ", ".join(
-                f"{k} {v:.4g}" for k, v in evaluated.items() if k != "eval_samples")
-                + f" over {evaluated['eval_samples']:,} held-out samples")
         if p.save:
             self._commit(p.cursor, p.save)
         self.commits.poll(self.group)  # a background save, written by now

@@ -73,11 +73,48 @@ def preflight(spec: JobSpec, source: str) -> JobData:
         data.eval_manifest = manifest
     elif e.path:
         data.eval_manifest, eval_schema = _dataset(spec, e.path, "eval.path", source)
+        shared = {u.file for u in manifest.units} & {u.file for u in data.eval_manifest.units}
+        if shared:
+            raise SpecError(f"{source}: eval.path: {e.path!r} shares {len(shared)} file(s) with "
+                            f"data.path (e.g. {sorted(shared)[0]!r}): held-out data must never be "
+                            "trained on; give a dataset of its own, or eval.fraction")
         theirs = job_columns(spec, eval_schema, source, data.eval_manifest, key="eval.path")
         if theirs != columns:
             raise SpecError(f"{source}: eval.path: {e.path!r} holds other columns than data.path "
                             "(names, types or sizes); evaluation reads what training reads")
+    if spec.task != "language_model":
+        problem = task_problem_on_meta(spec, columns)
+        if problem:
+            raise SpecError(f"{source}: task: {spec.task}: {problem}")
     return data
+
+
+def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
+    """Why the task cannot train this model on these columns (None: it can): the model and
+    the task run on two padding rows on the meta device (shapes only, no memory, no time)."""
+    import torch
+
+    from baton.models import _on_meta
+    from baton.tasks import VALID, make_task, padded
+
+    task = make_task(spec)
+    try:
+        model = _on_meta(spec.model)
+        with torch.device("meta"):
+            batch = {k: v.to("meta") for k, v in padded({}, 2, columns.shapes()).items()}
+            batch[VALID] = torch.ones(2, dtype=torch.bool, device="meta")
+            output = model(task.inputs(batch))
+            loss, metrics = task.loss(output, batch)
+    except Exception as e:
+        lines = str(e).strip().splitlines()
+        return (f"the model's output on the data's inputs {list(columns.shapes().get('inputs', ((),))[0])} "
+                f"failed: {type(e).__name__}" + (f": {lines[0][:300]}" if lines else ""))
+    bad = [k for k, v in {"loss": loss, **metrics}.items()
+           if not torch.is_tensor(v) or v.dim() != 0]
+    if bad:
+        return (f"must return scalar tensors (sums over the batch's rows); {', '.join(bad)} "
+                "is not")
+    return None
 
 
 def held_out(manifest: Manifest, fraction: float, seed: int, source: str) -> tuple:

@@ -1,0 +1,146 @@
+"""Tasks and columns without Ray: what a job may ask of its data is checked against the
+schema before anything starts, one line each, nothing written; rows are read as the task
+needs them."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from baton.data.feed import DataError, read_unit
+from baton.data.manifest import Manifest
+from baton.data.rows import _arrays
+from baton.data.source import preflight
+from baton.errors import SpecError
+from baton.spec import spec_from_dict
+from baton.tasks import VALID, Classification, LanguageModel, padded
+from helpers import write_table
+
+CLASSIFY = {"inputs": ["vec", "a", "b"], "label": "label"}
+
+
+def _spec(tmp_path, data, **over) -> dict:
+    raw = {"name": "t", "task": "classification",
+           "model": {"name": "classifier", "layers": 1, "width": 8,
+                     "options": {"inputs": 6, "classes": 4}},
+           "data": {"source": "parquet", "path": str(data), "columns": CLASSIFY},
+           "checkpoint": {"path": str(tmp_path / "ckpt")}, "tracking": {"enabled": False}}
+    for key, value in over.items():
+        section, _, field = key.partition(".")
+        if field:
+            raw.setdefault(section, {})[field] = value
+        else:
+            raw[section] = value
+    return raw
+
+
+def _refused(tmp_path, data, **over) -> str:
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(SpecError) as e:
+        preflight(spec_from_dict(_spec(tmp_path, data, **over), "job.yaml"), "job.yaml")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("job.yaml: ")
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written
+    return message
+
+
+def test_columns_are_read_as_the_task_needs_them(tmp_path):
+    data = write_table(tmp_path / "data")
+    got = preflight(spec_from_dict(_spec(tmp_path, data)), "job.yaml")
+    fields = {f.name: (f.sources, f.shape, f.dtype) for f in got.columns.fields}
+    assert fields == {"inputs": (("vec", "a", "b"), (6,), "float32"),
+                      "label": (("label",), (), "int64")}
+    manifest = Manifest.build(str(data))
+    table = read_unit(str(data), manifest.units[1], got.columns)
+    ids, columns = _arrays([table], got.columns.shapes())
+    raw = pq.read_table(data).slice(8, 8)
+    want = np.concatenate([raw.column("vec").combine_chunks().flatten().to_numpy().reshape(8, 4),
+                           raw.column("a").to_numpy()[:, None], raw.column("b").to_numpy()[:, None]], 1)
+    np.testing.assert_array_equal(columns["inputs"], want.astype(np.float32))
+    np.testing.assert_array_equal(columns["label"], raw.column("label").to_numpy())
+    np.testing.assert_array_equal(ids, raw.column("sample_id").to_numpy())
+
+
+@pytest.mark.parametrize("over, expected", [
+    ({"data.columns": {"inputs": ["vec", "aa"], "label": "label"}},
+     "data.columns.inputs: 'aa' is not a column of"),  # and "did you mean 'a'?"
+    ({"data.columns": {"inputs": ["vec", "name"], "label": "label"}},
+     "data.columns.inputs: 'name' holds string; the task reads numbers"),
+    ({"data.columns": {"inputs": ["vec"], "label": "y"}},
+     "data.columns.label: classification needs one integer class per row"),
+    ({"data.columns": {"inputs": ["vec", "a"], "label": "label"}},
+     "model.options.inputs: 6 does not fit the data; data.columns.inputs gives 5 values a row"),
+    ({"task": "helpers:no_loss_task", "data.columns": {"inputs": ["vec", "a", "b"]}},
+     "must return a dict with a tensor 'loss'"),
+    ({"model": {"name": "gpt", "layers": 1, "width": 8, "heads": 2}},
+     "the model's output on the data's inputs [6] failed"),
+    ({"eval": {"fraction": 0.99}}, "eval.fraction: 0.99 holds out 12 of the 12 row groups"),
+])
+def test_a_job_its_data_cannot_serve_is_refused_in_one_line(tmp_path, over, expected):
+    data = write_table(tmp_path / "data")
+    message = _refused(tmp_path, data, **over)
+    assert expected in message, message
+    if "'aa'" in expected:
+        assert "did you mean 'a'?" in message
+
+
+def test_eval_data_that_is_training_data_is_refused(tmp_path):
+    data = write_table(tmp_path / "data")
+    message = _refused(tmp_path, data, eval={"path": str(data)})
+    assert "eval.path" in message and "shares 1 file(s) with data.path" in message
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"task": "classification", "data": {"source": "stdlib"}}, "data.source: 'stdlib' is invalid"),
+    ({"task": "classification", "data": {"source": "parquet", "columns": {"inputs": "x"}}},
+     "task classification reads label"),
+    ({"data": {"source": "parquet", "columns": {"inputs": "x"}}},
+     "a language model reads data.token_column"),
+    ({"task": "nope"}, "task: 'nope' is invalid; use one of language_model, classification"),
+    ({"task": "helpers:absent"}, "module 'helpers' has no 'absent'"),
+    ({"task": "classification", "model": {"name": "classifier"},
+      "data": {"source": "parquet", "columns": {"inputs": "x", "label": "y"}}},
+     "classifier needs model.options inputs and classes"),
+    ({"eval": {"fraction": 0.1, "path": "x"}}, "not both"),
+    ({"eval": {"fraction": 0.1}, "parallel": {"pp": 2}}, "evaluation with pipelines"),
+    ({"data": {"source": "parquet", "columns": {"valid": "x"}}, "task": "helpers:regression"},
+     "data.columns.valid"),
+])
+def test_spec_mistakes_about_tasks_are_one_line(raw, expected):
+    with pytest.raises(SpecError) as e:
+        spec_from_dict({"name": "t", **raw}, "job.yaml")
+    assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_labels_outside_the_classes_are_refused_naming_the_row_group(tmp_path):
+    data = write_table(tmp_path / "data")
+    spec = spec_from_dict(_spec(tmp_path, data, model={
+        "name": "classifier", "layers": 1, "width": 8, "options": {"inputs": 6, "classes": 2}}))
+    got = preflight(spec, "job.yaml")  # the schema fits: values are read with the rows
+    with pytest.raises(DataError, match=r"row group 0: data.columns.label values lie in \[0, 3\] "
+                                        r"but the model has 2 classes"):
+        read_unit(str(data), Manifest.build(str(data)).units[0], got.columns)
+
+
+def test_built_in_tasks_leave_padding_rows_out():
+    shapes = {"inputs": ((3,), torch.float32), "label": ((), torch.int64)}
+    batch = {"inputs": torch.randn(2, 3), "label": torch.tensor([1, 0]), VALID: torch.ones(2, dtype=torch.bool)}
+    logits = torch.randn(2, 4)
+    full = padded(batch, 5, shapes)
+    assert full[VALID].tolist() == [True, True, False, False, False]
+    task = Classification()
+    loss, metrics = task.loss(torch.cat([logits, torch.randn(3, 4)]), full)
+    want, want_metrics = task.loss(logits, batch)
+    torch.testing.assert_close(loss, want)  # the padding rows add nothing
+    assert metrics["accuracy"] == want_metrics["accuracy"]
+    lm = LanguageModel(seq_len=3)
+    tokens = {"tokens": torch.randint(0, 7, (2, 4)), VALID: torch.tensor([True, False])}
+    out = torch.randn(2, 3, 7)
+    one, _ = lm.loss(out, tokens)
+    alone, _ = lm.loss(out[:1], {"tokens": tokens["tokens"][:1], VALID: torch.tensor([True])})
+    torch.testing.assert_close(one, alone)
