@@ -1,3 +1,43 @@
-"""baton: elastic training for PyTorch on Ray."""
+"""baton: elastic training for PyTorch on Ray.
+
+From Python (a notebook, a script), without the CLI:
+
+    import baton
+
+    spec = baton.load("jobs/digits.yaml", ["train.steps=100"])  # a path, or a dict
+    result = baton.run(spec)              # an embedded local Ray, as `baton run` starts
+    result.loss, result.eval              # the last step's loss, the last evaluation
+    result.history("eval_accuracy")       # [(step, value), ...] from the run's MLflow record
+
+`baton.api.run` takes the rest of `baton run`'s options (address, resume, on_step, ...).
+"""
 
 __version__ = "0.7.0"
+
+
+def load(job, overrides=()):
+    """A job spec from a YAML file's path or a dict, checked as `baton validate` checks it;
+    `overrides` are "key.path=value" strings, as `--set` takes."""
+    from baton.spec import load_spec, spec_from_dict
+
+    if isinstance(job, dict):
+        import copy
+
+        from baton.spec import _apply_override
+
+        raw = copy.deepcopy(job)
+        for item in overrides:
+            _apply_override(raw, item, "<dict>")
+        return spec_from_dict(raw)
+    return load_spec(job, list(overrides))
+
+
+def run(job, overrides=(), **options):
+    """Train a job (a JobSpec, a path or a dict) to its last step; returns its RunResult.
+    `options` are `baton.api.run`'s (address, resume, show_progress, on_step, ...)."""
+    from baton import api
+    from baton.spec import JobSpec
+
+    spec = job if isinstance(job, JobSpec) and not overrides else load(
+        job.to_dict() if isinstance(job, JobSpec) else job, overrides)
+    return api.run(spec, **options)

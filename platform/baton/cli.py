@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a spec value, e.g. --set train.steps=20 (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress line")
 
+    init = sub.add_parser("init", help="print a commented job file to start from")
+    init.add_argument("task", choices=["language_model", "classification"])
+
     val = sub.add_parser("validate", help="check a job file without running anything")
     val.add_argument("job")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -213,6 +216,11 @@ def _sharding_line(spec) -> str:
 def _dispatch(args: argparse.Namespace) -> int:
     from baton import api
 
+    if args.command == "init":
+        from importlib.resources import files
+
+        sys.stdout.write((files("baton") / "templates" / f"{args.task}.yaml").read_text())
+        return 0
     if args.command == "validate":
         spec, data = api.validate(args.job, args.set)
         d = spec.parallel

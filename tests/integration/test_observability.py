@@ -3,12 +3,18 @@ pictures, `baton status`. One elastic pipeline job on a local Ray with metrics e
 it starts at dp 1 (a placement group holds the rest of the CPUs), grows to dp 2 when that is
 removed, and loses a worker (killed) that it replaces; so every series baton exports has
 something to show. The tests then scrape http://127.0.0.1:PORT/metrics for every name the
-dashboards query."""
+dashboards query, and a real Prometheus server (Debian's package), scraping the same endpoint
+through the run, answers every query of every dashboard with the run's values."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -26,6 +32,7 @@ from baton.tracking.metrics import METRICS, exported_names
 from helpers import free_ports, tiny_spec, write_dataset
 
 STEPS = 8
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +46,47 @@ def metrics_ray():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, metrics_ray):
+def prometheus(metrics_ray, tmp_path_factory):
+    """Debian's Prometheus, scraping Ray's metrics endpoint every second from before the run
+    starts; its HTTP API's address. Without the binary the Prometheus test is skipped, except
+    where BATON_REQUIRE_PROMETHEUS is set (.ci/run sets it: CI installs the package)."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        if os.environ.get("BATON_REQUIRE_PROMETHEUS"):
+            pytest.fail("BATON_REQUIRE_PROMETHEUS is set but there is no prometheus binary; "
+                        "apt-get install prometheus")
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("prometheus")
+    [port] = free_ports(1)
+    target = f"{ray.util.get_node_ip_address()}:{metrics_ray}"
+    (tmp / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: ray, static_configs: [{{targets: ['{target}']}}]}}]\n")
+    log = open(tmp / "prometheus.log", "w")
+    server = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{port}"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/-/ready", timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise AssertionError((tmp / "prometheus.log").read_text()[-2000:])
+            time.sleep(0.3)
+    yield url
+    server.terminate()
+    server.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, metrics_ray, prometheus):
     tmp = tmp_path_factory.mktemp("observed")
     data = write_dataset(tmp / "data", 40, 32)
     spec = spec_from_dict(tiny_spec(
@@ -118,6 +165,66 @@ def test_prometheus_shows_every_series_the_dashboards_query(run, metrics_ray):
     assert value("ray_baton_checkpoint_save_seconds_count") >= STEPS // 2
     assert value("ray_baton_checkpoint_load_seconds_count") >= 2  # the rescale and the recovery
     assert {want[s.name].name for s in ours} == set(METRICS)  # every metric, for this job
+
+
+def _query(url: str, promql: str) -> list:
+    q = urllib.parse.urlencode({"query": promql})
+    answer = json.loads(urllib.request.urlopen(f"{url}/api/v1/query?{q}", timeout=10).read())
+    assert answer["status"] == "success", (promql, answer)
+    return answer["data"]["result"]
+
+
+def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(run, prometheus):
+    if prometheus is None:
+        pytest.skip("Debian's prometheus is not installed (apt-get install prometheus; CI "
+                    "installs it and sets BATON_REQUIRE_PROMETHEUS, so there it cannot skip)")
+    spec, result, _ = run
+    # every sample Ray exported reaches the server within a few scrapes of its export
+    deadline = time.monotonic() + 90
+    while not any(float(r["value"][1]) == STEPS
+                  for r in _query(prometheus, f'ray_baton_step{{job_name="{spec.name}"}}')):
+        assert time.monotonic() < deadline, "Prometheus never saw the last step"
+        time.sleep(1)
+    # the whole run is inside the range of every rate() and increase(): Grafana's
+    # $__rate_interval is at least 4 scrape intervals; a run-long window shows every event
+    answers = {}
+    for file in sorted((REPO / "dashboards").glob("*.json")):
+        for panel in json.loads(file.read_text())["panels"]:
+            for target in panel.get("targets", []):
+                promql = target["expr"].replace("$__rate_interval", "10m") \
+                    .replace('=~"$job_name"', f'="{spec.name}"')
+                assert "$" not in promql, promql
+                series = _query(prometheus, promql)
+                values = [float(r["value"][1]) for r in series]
+                # each query returns data, and a number (a rate over a window with no event
+                # is 0, not NaN, when the series exists)
+                assert values and all(v == v for v in values), (file.name, panel.get("title"), promql, series)
+                answers[promql] = series
+
+    def one(promql, **labels):
+        [v] = [float(r["value"][1]) for r in answers[promql]
+               if labels.items() <= r["metric"].items()]
+        return v
+
+    job = f'job_name="{spec.name}"'
+    assert one(f"max by (job_name) (ray_baton_step{{{job}}})") == STEPS
+    assert one(f"max by (job_name) (ray_baton_dp{{{job}}})") == 2
+    assert one(f"max by (job_name) (ray_baton_world_size{{{job}}})") == 4
+    assert one(f"max by (job_name) (ray_baton_workers_alive{{{job}}})") == 4
+    assert one(f"sum by (job_name) (ray_baton_failures_total{{{job}}})") == 1
+    assert one(f"sum by (job_name) (ray_baton_recoveries_total{{{job}}})") == 1
+    assert one(f"sum by (job_name) (ray_baton_rescales_total{{{job}}})") == 1
+    assert one(f"max by (job_name) (ray_baton_loss{{{job}}})") == pytest.approx(result.loss)
+    assert 0 < one(f"max by (job_name) (ray_baton_mfu{{{job}}})") < 1
+    recovery = [e for e in result.events if e["kind"] == "recovery"][0]["total_s"]
+    assert one(f"sum by (job_name) (ray_baton_recovery_seconds_sum{{{job}}}) / "
+               f"sum by (job_name) (ray_baton_recovery_seconds_count{{{job}}})") == \
+        pytest.approx(recovery, rel=1e-3)
+    assert one(f"sum by (job_name, cause) (increase(ray_baton_failures_total{{{job}}}[10m]))",
+               cause="actor_died") > 0
+    median = one(f"histogram_quantile(0.5, sum by (job_name, le) "
+                 f"(rate(ray_baton_step_seconds_bucket{{{job}}}[10m])))")
+    assert 0 < median < 60  # a step of this run: seconds, not nothing and not forever
 
 
 def test_the_run_report_is_in_mlflow_and_baton_report_redraws_it(run, tmp_path, capsys):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import baton
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.data import Cursor
@@ -99,7 +100,7 @@ def test_classification_at_dp2_matches_one_process_and_evaluates_only_held_out_r
         data={"source": "parquet", "path": str(data), "columns": COLUMNS},
         train={"steps": 6, "global_batch": 16, "micro_batch": 4},
         eval={"fraction": 0.25, "every_steps": 2}, checkpoint={"every_steps": 6}))
-    result = api.run(spec, record_samples=True, show_progress=False)
+    result = baton.run(spec, record_samples=True, show_progress=False)  # the Python API
     assert result.state == "finished" and result.step == 6
 
     ids, table = read_columns(data, COLUMNS)
@@ -115,11 +116,11 @@ def test_classification_at_dp2_matches_one_process_and_evaluates_only_held_out_r
     # two halves, one process in one); the bound is torch's pipelining tests' (atol 4e-5)
     assert_params_close(CheckpointStore(spec.checkpoint_dir).read_model(6), want, rtol=1e-5, atol=4e-5)
     for key, ref in (("loss", losses), ("grad_norm", norms)):
-        got = _history(spec, result.run_id, key)
+        got = dict(result.history(key))
         np.testing.assert_allclose([got[s] for s in range(1, 7)], ref, rtol=1e-5, err_msg=key)
     assert sorted(evals) == [2, 4, 6]
     for key in ("eval_loss", "eval_accuracy"):
-        got = _history(spec, result.run_id, key)
+        got = dict(result.history(key))
         assert sorted(got) == [2, 4, 6], key
         # measured: eval_loss 5.8e-08 relative from the direct computation (sums in another
         # order), eval_accuracy exact; printed with pytest -s
@@ -158,3 +159,26 @@ def test_a_users_task_on_mapped_columns_with_an_eval_dataset_of_its_own(tmp_path
         np.testing.assert_allclose([got[2], got[4]], [evals[2][key], evals[4][key]], rtol=1e-5,
                                    err_msg=key)
     assert result.eval["eval_samples"] == 40
+
+
+def test_classification_through_a_pipeline_matches_one_process(tmp_path):
+    """The task runs on the last stage's output. 40 samples, 16 a step: the third step is the
+    epoch's last batch of 8, two micro-batches of 4 and two of padding only, which `valid`
+    leaves out."""
+    data = write_table(tmp_path / "data", num_samples=40)
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="classify-pp", task="classification",
+        model={"name": "classifier", "layers": 3, "width": 16, "options": {"inputs": 6, "classes": 4}},
+        data={"source": "parquet", "path": str(data), "columns": COLUMNS},
+        train={"steps": 3, "global_batch": 16, "micro_batch": 4},
+        parallel={"dp": 1, "pp": 2, "timeout_s": 60}, checkpoint={"every_steps": 3}))
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished"
+    want, losses, norms, _ = reference(spec, data, COLUMNS, classification, 3)
+    # measured: largest parameter difference 0 (one replica: the same sums in the same order)
+    assert_params_close(CheckpointStore(spec.checkpoint_dir).read_model(3), want, rtol=1e-5, atol=4e-5)
+    for key, ref in (("loss", losses), ("grad_norm", norms), ("train_accuracy", None)):
+        got = _history(spec, result.run_id, key)
+        assert sorted(got) == [1, 2, 3], key
+        if ref is not None:
+            np.testing.assert_allclose([got[s] for s in (1, 2, 3)], ref, rtol=1e-5, err_msg=key)

@@ -19,6 +19,7 @@ from baton.data.source import preflight
 from baton.errors import SpecError
 from baton.spec import spec_from_dict
 from baton.tasks import VALID, Classification, LanguageModel, padded
+from conftest import REPO
 from helpers import write_table
 
 CLASSIFY = {"inputs": ["vec", "a", "b"], "label": "label"}
@@ -144,3 +145,26 @@ def test_built_in_tasks_leave_padding_rows_out():
     one, _ = lm.loss(out, tokens)
     alone, _ = lm.loss(out[:1], {"tokens": tokens["tokens"][:1], VALID: torch.tensor([True])})
     torch.testing.assert_close(one, alone)
+
+
+def test_the_python_api_loads_a_path_or_a_dict_with_overrides(tmp_path):
+    import baton
+
+    spec = baton.load(REPO / "jobs" / "digits.yaml", ["train.steps=7", "eval.every_steps=0"])
+    assert (spec.task, spec.train.steps, spec.eval.every_steps, spec.eval.fraction) == \
+        ("classification", 7, 0, 0.2)
+    again = baton.load(spec.to_dict(), ["parallel.dp=1"])
+    assert again.parallel.dp == 1 and again.train.steps == 7 and spec.parallel.dp == 2
+    with pytest.raises(SpecError, match="train.steps"):
+        baton.load({"name": "x", "train": {"steps": 0}})
+
+
+@pytest.mark.parametrize("task", ["language_model", "classification"])
+def test_baton_init_writes_a_job_file_that_validates(task, tmp_path, capsys):
+    from baton import cli
+    from baton.spec import load_spec
+
+    assert cli.main(["init", task]) == 0
+    job = tmp_path / "job.yaml"
+    job.write_text(capsys.readouterr().out)
+    assert load_spec(job).task == task

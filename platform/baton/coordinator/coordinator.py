@@ -131,6 +131,16 @@ class RunResult:
     # processes; form: the process group and the models; load: a checkpoint; first_step)
     start: dict = field(default_factory=dict)
     eval: dict = field(default_factory=dict)  # the last evaluation's metrics (eval_loss, ...)
+    tracking_uri: Optional[str] = None  # the MLflow store the run is in
+
+    def history(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of a metric the run logged to MLflow ("loss", "eval_accuracy", ...)."""
+        from mlflow.tracking import MlflowClient
+
+        if self.run_id is None:
+            return []
+        client = MlflowClient(self.tracking_uri)
+        return sorted((m.step, m.value) for m in client.get_metric_history(self.run_id, key))
 
 
 class Coordinator:
@@ -570,6 +580,8 @@ class Coordinator:
             "tokens_per_s": tps, "samples_per_s": p.samples / step_time_s,
             "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size,
             "dp": self.dims.dp}
+        for key in {k for r in results for k in r.get("metrics", {})}:  # the task's (last stages')
+            metrics[f"train_{key}"] = sum(r["metrics"].get(key, 0.0) for r in results) / tokens
         if "state_bytes" in results[0]:  # the first step of each world
             self.state_bytes = [r["state_bytes"] for r in results]
             metrics["state_mib_per_worker"] = max(sum(b.values()) for b in self.state_bytes) / 2**20
@@ -693,4 +705,5 @@ class Coordinator:
                          stage_layers=self.stage_layers, bubbles=self.bubbles, trace=self.trace,
                          pipeline_peaks=self.pipeline_peaks, events=self.events,
                          dp_history=self.dp_history, state_bytes=self.state_bytes, start=self.start,
-                         eval=self.evaluation.last if self.evaluation else {})
+                         eval=self.evaluation.last if self.evaluation else {},
+                         tracking_uri=getattr(self.tracker, "uri", None))
