@@ -45,8 +45,17 @@ def mean(name: str, by: str = "job_name") -> str:
             f"sum by ({by}) (rate({m(name, '_count')}{SEL}[{RATE}]))")
 
 
-def increase(name: str, by: str) -> str:
-    return f"sum by (job_name, {by}) (increase({m(name, '_total')}{SEL}[{RATE}]))"
+# Rare events (failures, recoveries, rescales, checkpoint loads) are drawn over the whole run,
+# not as rates: Ray exports a series first with its first event, so a window never sees it
+# rise from 0 (increase() is 0 and a quantile of rate() NaN for the first failure of each
+# cause; found by a real Prometheus answering these queries in the tests)
+def quantile_so_far(q: float, name: str, by: str = "job_name") -> str:
+    return f"histogram_quantile({q}, sum by ({by}, le) ({m(name, '_bucket')}{SEL}))"
+
+
+def mean_so_far(name: str, by: str = "job_name") -> str:
+    return (f"sum by ({by}) ({m(name, '_sum')}{SEL}) / "
+            f"sum by ({by}) ({m(name, '_count')}{SEL})")
 
 
 def total(name: str, by: str) -> str:
@@ -169,34 +178,35 @@ def faults() -> dict:
         stat("Rescales", "Times the world was re-formed at another size.", f"sum by (job_name) "
              f"({m('baton_rescales', '_total')}{SEL})", decimals=0),
         stat("Data-parallel replicas", "dp of the current world.", gauge("baton_dp"), decimals=0),
-        stat("Mean recovery", "From a failure to the first step after it.",
+        stat("Mean recovery", "From a failure to the first step after it (Ray exports each "
+             "time at the middle of its histogram bucket: 2.65 s counts as 3.75).",
              f"sum by (job_name) ({m('baton_recovery_seconds', '_sum')}{SEL}) / sum by (job_name) "
              f"({m('baton_recovery_seconds', '_count')}{SEL})", unit="s"),
         stat("Checkpoint save", "Mean seconds to write and commit a checkpoint, lately.",
              mean("baton_checkpoint_save_seconds"), unit="s"),
-        timeseries("Failures by cause", "actor_died, node_died, hang, timeout, exception.",
-                   [(increase("baton_failures", "cause"), "{{job_name}} {{cause}}")], bars=True),
-        timeseries("Recoveries by cause", "Each failure recovered from, by what caused it.",
-                   [(increase("baton_recoveries", "cause"), "{{job_name}} {{cause}}")], bars=True),
-        timeseries("Recovery time", "Seconds from a failure to training again (90th "
-                   "percentile and mean).",
-                   [(quantile(0.9, "baton_recovery_seconds", "job_name, cause"),
+        timeseries("Failures by cause", "Failures so far: actor_died, node_died, hang, "
+                   "timeout, exception. A step up is a failure.",
+                   [(total("baton_failures", "cause"), "{{job_name}} {{cause}}")]),
+        timeseries("Recoveries by cause", "Failures recovered from so far, by what caused them.",
+                   [(total("baton_recoveries", "cause"), "{{job_name}} {{cause}}")]),
+        timeseries("Recovery time", "Seconds from a failure to training again, over the run "
+                   "so far (90th percentile and mean).",
+                   [(quantile_so_far(0.9, "baton_recovery_seconds", "job_name, cause"),
                      "{{job_name}} {{cause}} p90"),
-                    (mean("baton_recovery_seconds", "job_name, cause"),
+                    (mean_so_far("baton_recovery_seconds", "job_name, cause"),
                      "{{job_name}} {{cause}} mean")], unit="s"),
-        timeseries("Rescales", "World re-formed larger (up: room appeared) or smaller (down: "
-                   "after a failure with no room to replace the worker).",
-                   [(increase("baton_rescales", "direction"), "{{job_name}} {{direction}}")],
-                   bars=True),
+        timeseries("Rescales", "Times the world was re-formed larger (up: room appeared) or "
+                   "smaller (down: after a failure with no room to replace the worker), so far.",
+                   [(total("baton_rescales", "direction"), "{{job_name}} {{direction}}")]),
         timeseries("World size and replicas", "Workers in the world, alive, and data-parallel "
                    "replicas.",
                    [(gauge("baton_world_size"), "{{job_name}} world size"),
                     (gauge("baton_workers_alive"), "{{job_name}} alive"),
                     (gauge("baton_dp"), "{{job_name}} dp")]),
-        timeseries("Checkpoint save and load", "Mean seconds to write and commit a checkpoint, "
-                   "and to load one into the world.",
+        timeseries("Checkpoint save and load", "Mean seconds to write and commit a checkpoint "
+                   "(lately), and to load one into the world (over the run so far).",
                    [(mean("baton_checkpoint_save_seconds"), "{{job_name}} save"),
-                    (mean("baton_checkpoint_load_seconds"), "{{job_name}} load")], unit="s"),
+                    (mean_so_far("baton_checkpoint_load_seconds"), "{{job_name}} load")], unit="s"),
     ])
 
 
@@ -226,8 +236,8 @@ def pipeline() -> dict:
                    [(f"{gauge('baton_tokens_per_second')} / {gauge('baton_world_size')}",
                      "{{job_name}}")]),
         timeseries("Checkpoint load time", "p90 seconds to load a checkpoint (resume, "
-                   "recovery, rescale).",
-                   [(quantile(0.9, "baton_checkpoint_load_seconds"), "{{job_name}}")], unit="s"),
+                   "recovery, rescale), over the run so far.",
+                   [(quantile_so_far(0.9, "baton_checkpoint_load_seconds"), "{{job_name}}")], unit="s"),
         timeseries("Checkpoint save time", "p90 seconds to write and commit a checkpoint.",
                    [(quantile(0.9, "baton_checkpoint_save_seconds"), "{{job_name}}")], unit="s"),
     ])

@@ -28,7 +28,7 @@ from baton import api, cli, status
 from baton.checkpoint import CheckpointStore
 from baton.spec import spec_from_dict
 from baton.tracking import report
-from baton.tracking.metrics import METRICS, exported_names
+from baton.tracking.metrics import METRICS, SECONDS, exported_names
 from helpers import free_ports, tiny_spec, write_dataset
 
 STEPS = 8
@@ -187,7 +187,7 @@ def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(ru
         time.sleep(1)
     # the whole run is inside the range of every rate() and increase(): Grafana's
     # $__rate_interval is at least 4 scrape intervals; a run-long window shows every event
-    answers = {}
+    answers, empty = {}, []
     for file in sorted((REPO / "dashboards").glob("*.json")):
         for panel in json.loads(file.read_text())["panels"]:
             for target in panel.get("targets", []):
@@ -196,10 +196,12 @@ def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(ru
                 assert "$" not in promql, promql
                 series = _query(prometheus, promql)
                 values = [float(r["value"][1]) for r in series]
-                # each query returns data, and a number (a rate over a window with no event
-                # is 0, not NaN, when the series exists)
-                assert values and all(v == v for v in values), (file.name, panel.get("title"), promql, series)
+                # each query returns data, and numbers (not NaN: a quantile of a rate with no
+                # event in its window)
+                if not values or not all(v == v for v in values):
+                    empty.append((file.name, panel.get("title"), promql, series))
                 answers[promql] = series
+    assert not empty, "\n".join(f"{f} | {t} | {q} | {r}" for f, t, q, r in empty)
 
     def one(promql, **labels):
         [v] = [float(r["value"][1]) for r in answers[promql]
@@ -217,11 +219,18 @@ def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(ru
     assert one(f"max by (job_name) (ray_baton_loss{{{job}}})") == pytest.approx(result.loss)
     assert 0 < one(f"max by (job_name) (ray_baton_mfu{{{job}}})") < 1
     recovery = [e for e in result.events if e["kind"] == "recovery"][0]["total_s"]
+    # Ray 2.60's exporter records a histogram's observation at the middle of its bucket
+    # (ray/_private/telemetry/open_telemetry_metric_recorder.py): measured, a 2.65 s recovery
+    # has a _sum of 3.75, the middle of (2.5, 5]. So the mean is the bucket's middle.
+    upper = min(b for b in SECONDS if b >= recovery)
+    lower = max([0.0] + [b for b in SECONDS if b < recovery])
     assert one(f"sum by (job_name) (ray_baton_recovery_seconds_sum{{{job}}}) / "
                f"sum by (job_name) (ray_baton_recovery_seconds_count{{{job}}})") == \
-        pytest.approx(recovery, rel=1e-3)
-    assert one(f"sum by (job_name, cause) (increase(ray_baton_failures_total{{{job}}}[10m]))",
-               cause="actor_died") > 0
+        pytest.approx((lower + upper) / 2)
+    assert one(f"sum by (job_name, cause) (ray_baton_failures_total{{{job}}})", cause="actor_died") == 1
+    p90 = one(f"histogram_quantile(0.9, sum by (job_name, cause, le) "
+              f"(ray_baton_recovery_seconds_bucket{{{job}}}))", cause="actor_died")
+    assert recovery <= p90 <= 2 * recovery + 1  # inside the bucket that holds the one recovery
     median = one(f"histogram_quantile(0.5, sum by (job_name, le) "
                  f"(rate(ray_baton_step_seconds_bucket{{{job}}}[10m])))")
     assert 0 < median < 60  # a step of this run: seconds, not nothing and not forever
