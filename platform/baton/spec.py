@@ -681,9 +681,6 @@ def _check_task(spec: JobSpec, need) -> None:
     if e.path is not None:
         problem = path_problem(e.path)
         need(problem is None and bool(e.path), "eval.path", e.path, problem or "give a folder or URI")
-    need(not e.enabled or spec.parallel.pp == 1, "eval.fraction" if e.fraction else "eval.path",
-         e.fraction or e.path, f"evaluation with pipelines (parallel.pp = {spec.parallel.pp}) "
-         "is not supported yet; use pp: 1 or turn eval off")
 
 
 def _check_elastic(spec: JobSpec, need) -> None:

@@ -72,7 +72,8 @@ def reference(spec, folder, columns: dict, task, steps: int, eval_rows=None) -> 
         optimizer.step()
         optimizer.zero_grad()
         done = step + 1
-        if eval_rows is not None and (done % spec.eval.every_steps == 0 or done == steps):
+        every = spec.eval.every_steps
+        if eval_rows is not None and ((every and done % every == 0) or done == steps):
             _, rows_of = eval_rows
             held = {k: torch.from_numpy(v).float() if k != "label" else torch.from_numpy(v).long()
                     for k, v in rows_of.items()}
@@ -161,20 +162,26 @@ def test_a_users_task_on_mapped_columns_with_an_eval_dataset_of_its_own(tmp_path
     assert result.eval["eval_samples"] == 40
 
 
-def test_classification_through_a_pipeline_matches_one_process(tmp_path):
-    """The task runs on the last stage's output. 40 samples, 16 a step: the third step is the
+def test_classification_through_a_pipeline_matches_one_process_and_evaluates(tmp_path):
+    """The task runs on the last stage's output, evaluation on the schedule's forwards alone.
+    48 samples in 6 row groups, one held out: 40 train, 16 a step, so the third step is the
     epoch's last batch of 8, two micro-batches of 4 and two of padding only, which `valid`
-    leaves out."""
-    data = write_table(tmp_path / "data", num_samples=40)
+    leaves out (and so is the evaluation's one batch of 8)."""
+    data = write_table(tmp_path / "data", num_samples=48)
     spec = spec_from_dict(tiny_spec(
         tmp_path, data, name="classify-pp", task="classification",
         model={"name": "classifier", "layers": 3, "width": 16, "options": {"inputs": 6, "classes": 4}},
         data={"source": "parquet", "path": str(data), "columns": COLUMNS},
         train={"steps": 3, "global_batch": 16, "micro_batch": 4},
-        parallel={"dp": 1, "pp": 2, "timeout_s": 60}, checkpoint={"every_steps": 3}))
+        eval={"fraction": 0.2}, parallel={"dp": 1, "pp": 2, "timeout_s": 60},
+        checkpoint={"every_steps": 3}))
     result = api.run(spec, show_progress=False)
     assert result.state == "finished"
-    want, losses, norms, _ = reference(spec, data, COLUMNS, classification, 3)
+    ids, table = read_columns(data, COLUMNS)
+    [held] = held_out(Manifest.build(str(data)), 0.2, 0, "")[1]
+    rows = np.arange(held * 8, held * 8 + 8)
+    want, losses, norms, evals = reference(spec, data, COLUMNS, classification, 3,
+                                           eval_rows=(None, {k: v[rows] for k, v in table.items()}))
     # measured: largest parameter difference 0 (one replica: the same sums in the same order)
     assert_params_close(CheckpointStore(spec.checkpoint_dir).read_model(3), want, rtol=1e-5, atol=4e-5)
     for key, ref in (("loss", losses), ("grad_norm", norms), ("train_accuracy", None)):
@@ -182,3 +189,7 @@ def test_classification_through_a_pipeline_matches_one_process(tmp_path):
         assert sorted(got) == [1, 2, 3], key
         if ref is not None:
             np.testing.assert_allclose([got[s] for s in (1, 2, 3)], ref, rtol=1e-5, err_msg=key)
+    assert result.eval["eval_samples"] == 8
+    for key in ("eval_loss", "eval_accuracy"):
+        # measured: within 1e-7 relative of the direct computation
+        assert result.eval[key] == pytest.approx(evals[3][key], rel=1e-5), key

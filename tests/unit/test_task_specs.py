@@ -108,7 +108,6 @@ def test_eval_data_that_is_training_data_is_refused(tmp_path):
       "data": {"source": "parquet", "columns": {"inputs": "x", "label": "y"}}},
      "classifier needs model.options inputs and classes"),
     ({"eval": {"fraction": 0.1, "path": "x"}}, "not both"),
-    ({"eval": {"fraction": 0.1}, "parallel": {"pp": 2}}, "evaluation with pipelines"),
     ({"data": {"source": "parquet", "columns": {"valid": "x"}}, "task": "helpers:regression"},
      "data.columns.valid"),
 ])

@@ -24,32 +24,28 @@ import json
 import math
 import os
 import socket
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
-
 from baton import __version__
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.lease import Lease
-from baton.data import Cursor, EpochOrder
+from baton.data import Cursor
 from baton.data.feed import DataFeed
 from baton.data.manifest import Manifest
 from baton.data.order import rebased
 from baton.data.source import JobData, preflight
 from baton.coordinator.commits import Commits, Save
 from baton.coordinator.evaluation import Evaluation, evaluation
+from baton.coordinator.steps import StepStats
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.errors import WorkerError, WorkerLost
-from baton.models.flops import job_peak_flops, model_flops_per_token
 from baton.parallel.partition import plan_stages
 from baton.progress import Progress
 from baton.spec import JobSpec
 from baton.status import STATUS_LINE
 from baton.storage import redact
-from baton.tracking import timeline
 from baton.tracking.metrics import LiveMetrics
 from baton.training import lr_at
 from baton.workers import WorkerGroup
@@ -180,27 +176,19 @@ class Coordinator:
         self.done_cursor = self.cursor.state_dict()  # the cursor after the last completed step
         self.group: Optional[WorkerGroup] = None
         self.first_workers = 0  # how many workers the job starts with
-        self.last_loss = float("nan")
         self.last_metrics: dict = {}  # of the last completed step
-        self.tokens_per_s: list[float] = []
         self.inflight: collections.deque[_Pending] = collections.deque()
         self.submitted = 0  # steps handed to the workers
         self.last_done_at = 0.0
-        self.step_times_s: list[float] = []
         self.workers: list[dict] = []
         self.ledger: list = []
         self.stage_layers: Optional[list[int]] = None
-        self.bubbles: list[float] = []
-        self.pipeline_peaks: list[dict] = []
-        self.trace: Optional[dict] = None
-        self.state_bytes: list[dict] = []
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
         self.live = LiveMetrics(spec.name)
+        self.stats = StepStats(spec)  # what the steps measured
         self.commits = Commits(self.store, tracker, self.live, spec.checkpoint.keep, lease,
                                background=spec.checkpoint.async_)
-        self.flops_per_token = model_flops_per_token(spec.model)
-        self.peak_flops: Optional[float] = None  # of the current world's devices
         self.run_id: Optional[str] = None
         self.prepared = False  # data read and the MLflow run open: from here on, a status
         self.started_at = time.time()
@@ -448,9 +436,7 @@ class Coordinator:
                 self.tracker.set_tags({"pipeline.layers_per_stage": self.stage_layers,
                                        "pipeline.schedule": self.spec.parallel.schedule})
         self.workers = self.group.setup(self.record_samples, self.stage_layers, self.data.columns)
-        self.peak_flops = job_peak_flops([w.get("device_name", "cpu") for w in self.workers],
-                                         self.spec.train.precision,
-                                         self.spec.tracking.cpu_peak_tflops)
+        self.stats.world(self.workers, self.spec)
         self.live.world(alive=len(self.workers), world_size=self.dims.world_size, dp=dp)
         if self.dp_history:
             self.live.rescaled(self.dp_history[-1][1], dp)
@@ -566,34 +552,11 @@ class Coordinator:
         now = time.perf_counter()
         step_time_s = now - max(p.submitted_at, self.last_done_at)  # queued steps start when the previous ends
         self.last_done_at = now
-        tokens = sum(r["tokens"] for r in results)
-        self.last_loss = sum(r["loss_sum"] for r in results) / tokens
-        if not math.isfinite(self.last_loss):
-            raise WorkerError(f"the loss is {self.last_loss} at step {p.step + 1}; lower train.lr "
-                              "or set train.grad_clip (the last checkpoint is kept)")
+        metrics = self.stats.measure(p.step + 1, results, step_time_s, p.samples, p.lr,
+                                     p.cursor["epoch"], self.dims)  # raises on a NaN loss
         self.step, self.done_cursor = p.step + 1, p.cursor  # together: see above
-        tps = tokens / step_time_s
-        self.tokens_per_s.append(tps)
-        self.step_times_s.append(step_time_s)
-        metrics = {
-            "loss": self.last_loss, "lr": p.lr, "grad_norm": results[0]["grad_norm"],
-            "tokens_per_s": tps, "samples_per_s": p.samples / step_time_s,
-            "step_time_s": step_time_s, "epoch": p.cursor["epoch"], "world_size": self.dims.world_size,
-            "dp": self.dims.dp}
-        for key in {k for r in results for k in r.get("metrics", {})}:  # the task's (last stages')
-            metrics[f"train_{key}"] = sum(r["metrics"].get(key, 0.0) for r in results) / tokens
-        if "state_bytes" in results[0]:  # the first step of each world
-            self.state_bytes = [r["state_bytes"] for r in results]
-            metrics["state_mib_per_worker"] = max(sum(b.values()) for b in self.state_bytes) / 2**20
-        data_s = [r["data_s"] for r in results if "data_s" in r]
-        if data_s:
-            metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)
-        if self.peak_flops:
-            metrics["mfu"] = tps * self.flops_per_token / self.peak_flops
-        if self.dims.pp > 1:
-            metrics.update(self._pipeline_metrics(results))
-            if p.traced:
-                self._save_trace(results)
+        if p.traced:
+            self.stats.save_trace(self.step, results, self.spec, self.dims, self.tracker)
         if p.eval_refs:  # logged with the step's metrics: a step is logged once
             evaluated = self.evaluation.collect(self.group, p.eval_refs, self.step)
             metrics.update(evaluated)
@@ -602,11 +565,12 @@ class Coordinator:
                 + f" over {evaluated['eval_samples']:,} held-out samples")
         self.tracker.log_metrics(self.step, metrics)
         self.last_metrics = metrics  # for on_step observers
-        self.live.step(step=self.step, loss=self.last_loss, lr=p.lr, tokens_per_s=tps,
+        tps = metrics["tokens_per_s"]
+        self.live.step(step=self.step, loss=metrics["loss"], lr=p.lr, tokens_per_s=tps,
                        samples_per_s=metrics["samples_per_s"], step_s=step_time_s,
                        data_wait=metrics.get("data_wait_fraction"), mfu=metrics.get("mfu"),
                        bubble=metrics.get("pipeline_bubble"))
-        self.progress.update(self.step, self.last_loss, tps)
+        self.progress.update(self.step, metrics["loss"], tps)
         for rank, taken in enumerate(entries):
             self.ledger += [(step, rank, ids) for step, ids in taken]
         if p.save:
@@ -616,30 +580,6 @@ class Coordinator:
             if event and "t0" in event:  # not yet finished
                 self._finish_phases(event)
         self.resumed = None
-
-    def _pipeline_metrics(self, results: list[dict]) -> dict:
-        pipes = [[results[r]["pipe"] for r in self.dims.pp_group(d)] for d in range(self.dims.dp)]
-        self.bubbles.append(timeline.bubble(pipes))
-        if not self.pipeline_peaks:
-            self.pipeline_peaks = [{"activation_bytes": 0, "live": 0} for _ in results]
-        for peak, r in zip(self.pipeline_peaks, results):
-            for key in peak:
-                peak[key] = max(peak[key], r["pipe"][key])
-        most = max(r["pipe"]["activation_bytes"] for r in results)
-        return {"pipeline_bubble": self.bubbles[-1], "activation_peak_mb": most / 2**20}
-
-    def _save_trace(self, results: list[dict]) -> None:
-        """The traced step's timeline, as MLflow artifacts: a Chrome trace and a swimlane."""
-        lanes = [(*self.dims.coords(rank), r["events"]) for rank, r in enumerate(results)]
-        self.trace = {"step": self.step, "lanes": lanes}
-        p = self.spec.parallel
-        title = (f"{self.spec.name} step {self.step}: {p.schedule}, pp={self.dims.pp}, "
-                 f"dp={self.dims.dp}, {self.spec.microbatches} micro-batches, "
-                 f"bubble {self.bubbles[-1]:.1%}")
-        with tempfile.TemporaryDirectory() as tmp:
-            timeline.write_json(timeline.chrome_trace(lanes, self.step), f"{tmp}/trace.json")
-            timeline.swimlane_png(lanes, f"{tmp}/swimlane.png", title)
-            self.tracker.log_artifacts(tmp, f"pipeline/step_{self.step:06d}")
 
     def _checkpoint_now(self) -> None:
         """A checkpoint of the current step, between steps (before a resize)."""
@@ -659,7 +599,7 @@ class Coordinator:
                 "manifest": self.manifest.to_json(),
                 "mlflow_run_id": self.run_id, "tracking_uri": redact(self.tracker.uri),
                 "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
-                "rng": rng, "loss": self.last_loss, "baton_version": __version__,
+                "rng": rng, "loss": self.stats.last_loss, "baton_version": __version__,
                 "time": time.time()}
 
     def status(self) -> dict:
@@ -669,8 +609,8 @@ class Coordinator:
                 "steps": self.spec.train.steps, "dp": self.dims.dp, "pp": self.dims.pp,
                 "world_size": self.dims.world_size,
                 "workers_alive": len(self.group.actors) if self.group else 0,
-                "loss": None if math.isnan(self.last_loss) else round(self.last_loss, 6),
-                "tokens_per_s": round(self.tokens_per_s[-1], 1) if self.tokens_per_s else None,
+                "loss": None if math.isnan(self.stats.last_loss) else round(self.stats.last_loss, 6),
+                "tokens_per_s": round(self.stats.tokens_per_s[-1], 1) if self.stats.tokens_per_s else None,
                 "last_checkpoint": self.commits.last, "failures": sum(causes.values()),
                 "failures_by_cause": dict(causes), "rescales": sum(
                     e["kind"] == "rescale" for e in self.events),
@@ -695,15 +635,12 @@ class Coordinator:
             print(f"{STATUS_LINE}{json.dumps(status)}", flush=True)
 
     def _result(self) -> RunResult:
-        recent = self.tokens_per_s[len(self.tokens_per_s) // 2:]  # past the warm-up steps
         return RunResult(job=self.spec.name, state=self.state.value, step=self.step,
-                         loss=self.last_loss, run_id=self.run_id, checkpoint=self.commits.last,
+                         run_id=self.run_id, checkpoint=self.commits.last,
                          resumed_from=self.resume_meta["step"] if self.resume_meta else None,
-                         tokens_per_s=float(np.median(recent)) if recent else 0.0,
-                         step_times_s=self.step_times_s, workers=self.workers,
-                         replica_digests=self.commits.replica_digests, ledger=self.ledger,
-                         stage_layers=self.stage_layers, bubbles=self.bubbles, trace=self.trace,
-                         pipeline_peaks=self.pipeline_peaks, events=self.events,
-                         dp_history=self.dp_history, state_bytes=self.state_bytes, start=self.start,
+                         workers=self.workers, replica_digests=self.commits.replica_digests,
+                         ledger=self.ledger, stage_layers=self.stage_layers, events=self.events,
+                         dp_history=self.dp_history, start=self.start,
                          eval=self.evaluation.last if self.evaluation else {},
-                         tracking_uri=getattr(self.tracker, "uri", None))
+                         tracking_uri=getattr(self.tracker, "uri", None),
+                         **self.stats.result_fields())

@@ -159,18 +159,10 @@ class PipelineEngine(_Engine):
         """Run the schedule; gradients end summed over this stage's replicas."""
         # fixed-size micro-batches (short ones padded, padding ignored by the task), so every
         # message between stages keeps the shape agreed at set-up
-        batches = ([batch_fn(rows, pad_to=self.spec.micro_batch) for rows in micro]
-                   if self.first or self.last else None)
         sums = Sums()
-
-        def loss_fn(output: torch.Tensor, batch: dict) -> torch.Tensor:
-            ls, metrics = self.task.loss(output, batch)
-            sums.add(self.task, ls, metrics, batch)
-            return ls
-
         # FSDP averages gradients over the stage's dp ranks; the scale undoes it
-        st = self.runtime.run(self.actions, batches and [self.task.inputs(b) for b in batches],
-                              batches, loss_fn, scale * self.dims.dp if self.sharded else scale)
+        st = self._run(self.actions, micro, batch_fn, sums,
+                       scale * self.dims.dp if self.sharded else scale)
         params = [q for q in self.module.parameters() if q.grad is not None]
         if self.dims.dp > 1 and not self.sharded:  # each stage's replicas sum their gradients
             grads = [q.grad for q in params]
@@ -182,6 +174,36 @@ class PipelineEngine(_Engine):
                 "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
                          "activation_bytes": st.peak_activation_bytes, "live": st.peak_live},
                 "events": st.events if trace else None}
+
+    def _run(self, actions, micro: list[np.ndarray], batch_fn: BatchFn, sums: Sums, scale: float):
+        batches = ([batch_fn(rows, pad_to=self.spec.micro_batch) for rows in micro]
+                   if self.first or self.last else None)
+
+        def loss_fn(output: torch.Tensor, batch: dict) -> torch.Tensor:
+            ls, metrics = self.task.loss(output, batch)
+            sums.add(self.task, ls, metrics, batch)
+            return ls
+
+        return self.runtime.run(actions, batches and [self.task.inputs(b) for b in batches],
+                                batches, loss_fn, scale)
+
+    def evaluate(self, micro: list[np.ndarray], batch_fn: BatchFn) -> dict:
+        """The schedule's forwards alone, without gradients: the last stage's task sums."""
+        sums = Sums()
+        forwards = [a for a in self.actions if a.kind == "F"]  # in the schedule's order
+        chunks = self.runtime.chunks
+        was_training = [c.training for c in chunks]
+        for c in chunks:
+            c.eval()
+        try:
+            with torch.no_grad():
+                self._run(forwards, micro, batch_fn, sums, 1.0)
+        finally:
+            for c, mode in zip(chunks, was_training):
+                c.train(mode)
+            if self.sharded:  # ZeRO-2 keeps what a forward gathered until a backward
+                reshard(chunks)
+        return sums.out()
 
     def state_dicts(self) -> tuple[dict, dict]:
         return state_dicts(self.module, self.optimizer)

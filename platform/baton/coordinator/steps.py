@@ -1,0 +1,96 @@
+"""What the completed steps measured: the coordinator's collaborator that turns the workers'
+results of a step into its metrics (for MLflow, the live metrics and the progress line) and
+keeps what the run's result reports: throughput, step times, pipeline bubbles and activation
+peaks, the traced step's timeline, the workers' state bytes."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from typing import Optional
+
+import numpy as np
+
+from baton.errors import WorkerError
+from baton.models.flops import job_peak_flops, model_flops_per_token
+from baton.tracking import timeline
+
+
+class StepStats:
+    def __init__(self, spec):
+        self.last_loss = float("nan")
+        self.tokens_per_s: list[float] = []
+        self.step_times_s: list[float] = []
+        self.bubbles: list[float] = []  # measured idle fraction of each pipeline step
+        self.pipeline_peaks: list[dict] = []  # per rank: activation_bytes, live
+        self.trace: Optional[dict] = None  # the traced step's timeline: {"step", "lanes"}
+        self.state_bytes: list[dict] = []  # per worker, at the first step of the last world
+        self.flops_per_token = model_flops_per_token(spec.model)
+        self.peak_flops: Optional[float] = None  # of the current world's devices
+
+    def world(self, workers: list[dict], spec) -> None:
+        """A world was formed on these workers: their devices' summed peak, for MFU."""
+        self.peak_flops = job_peak_flops([w.get("device_name", "cpu") for w in workers],
+                                         spec.train.precision, spec.tracking.cpu_peak_tflops)
+
+    def measure(self, step: int, results: list[dict], step_time_s: float, samples: int,
+                lr: float, epoch: int, dims) -> dict:
+        """Step `step`'s metrics (1-based) from every worker's result; a loss that is not a
+        number stops the run."""
+        tokens = sum(r["tokens"] for r in results)
+        self.last_loss = sum(r["loss_sum"] for r in results) / tokens
+        if not math.isfinite(self.last_loss):
+            raise WorkerError(f"the loss is {self.last_loss} at step {step}; lower train.lr "
+                              "or set train.grad_clip (the last checkpoint is kept)")
+        tps = tokens / step_time_s
+        self.tokens_per_s.append(tps)
+        self.step_times_s.append(step_time_s)
+        metrics = {
+            "loss": self.last_loss, "lr": lr, "grad_norm": results[0]["grad_norm"],
+            "tokens_per_s": tps, "samples_per_s": samples / step_time_s,
+            "step_time_s": step_time_s, "epoch": epoch, "world_size": dims.world_size, "dp": dims.dp}
+        for key in {k for r in results for k in r.get("metrics", {})}:  # the task's (last stages')
+            metrics[f"train_{key}"] = sum(r["metrics"].get(key, 0.0) for r in results) / tokens
+        if "state_bytes" in results[0]:  # the first step of each world
+            self.state_bytes = [r["state_bytes"] for r in results]
+            metrics["state_mib_per_worker"] = max(sum(b.values()) for b in self.state_bytes) / 2**20
+        data_s = [r["data_s"] for r in results if "data_s" in r]
+        if data_s:
+            metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)
+        if self.peak_flops:
+            metrics["mfu"] = tps * self.flops_per_token / self.peak_flops
+        if dims.pp > 1:
+            metrics.update(self._pipeline(results, dims))
+        return metrics
+
+    def _pipeline(self, results: list[dict], dims) -> dict:
+        pipes = [[results[r]["pipe"] for r in dims.pp_group(d)] for d in range(dims.dp)]
+        self.bubbles.append(timeline.bubble(pipes))
+        if not self.pipeline_peaks:
+            self.pipeline_peaks = [{"activation_bytes": 0, "live": 0} for _ in results]
+        for peak, r in zip(self.pipeline_peaks, results):
+            for key in peak:
+                peak[key] = max(peak[key], r["pipe"][key])
+        most = max(r["pipe"]["activation_bytes"] for r in results)
+        return {"pipeline_bubble": self.bubbles[-1], "activation_peak_mb": most / 2**20}
+
+    def save_trace(self, step: int, results: list[dict], spec, dims, tracker) -> None:
+        """The traced step's timeline, as MLflow artifacts: a Chrome trace and a swimlane."""
+        lanes = [(*dims.coords(rank), r["events"]) for rank, r in enumerate(results)]
+        self.trace = {"step": step, "lanes": lanes}
+        p = spec.parallel
+        title = (f"{spec.name} step {step}: {p.schedule}, pp={dims.pp}, dp={dims.dp}, "
+                 f"{spec.microbatches} micro-batches, bubble {self.bubbles[-1]:.1%}")
+        with tempfile.TemporaryDirectory() as tmp:
+            timeline.write_json(timeline.chrome_trace(lanes, step), f"{tmp}/trace.json")
+            timeline.swimlane_png(lanes, f"{tmp}/swimlane.png", title)
+            tracker.log_artifacts(tmp, f"pipeline/step_{step:06d}")
+
+    def median_tokens_per_s(self) -> float:
+        recent = self.tokens_per_s[len(self.tokens_per_s) // 2:]  # past the warm-up steps
+        return float(np.median(recent)) if recent else 0.0
+
+    def result_fields(self) -> dict:
+        return {"loss": self.last_loss, "tokens_per_s": self.median_tokens_per_s(),
+                "step_times_s": self.step_times_s, "bubbles": self.bubbles, "trace": self.trace,
+                "pipeline_peaks": self.pipeline_peaks, "state_bytes": self.state_bytes}

@@ -1,0 +1,75 @@
+"""Hugging Face transformers models by configuration: `model.name: hf:TYPE` (any model type
+transformers knows: gpt2, llama, bert, ...) with `model.config` (that type's configuration
+keys), built from the configuration with parameters drawn from the job's seed, no weights
+downloaded (no hub is reachable from most clusters' nodes, and none from here). A causal
+language model by default; `model.options: {head: sequence_classification}` builds the
+type's sequence classifier (`config.num_labels` classes) for `task: classification` over
+token-id inputs. `model.init_from`: a local `save_pretrained` folder to take the weights from.
+
+An optional extra: `pip install 'baton[hf]'`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+PREFIX = "hf:"
+HEADS = ("causal_lm", "sequence_classification")
+
+
+class HFModel(nn.Module):
+    """A transformers model as baton runs one: token ids (B, T) in, logits out ((B, T, vocab)
+    for a language model, (B, classes) for a classifier)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids.long(), use_cache=False).logits
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("hf: models need transformers: pip install 'baton[hf]'") from None
+    return transformers
+
+
+def problem(spec) -> Optional[str]:
+    """Why `spec` names no buildable Hugging Face model (None: it does)."""
+    kind = spec.name[len(PREFIX):]
+    try:
+        transformers = _transformers()
+    except ImportError as e:
+        return str(e)
+    known = transformers.CONFIG_MAPPING.keys()
+    if kind not in known:
+        near = [k for k in sorted(known) if k.startswith(kind[:3])][:5]
+        return (f"transformers has no model type {kind!r}"
+                + (f"; near: {', '.join(near)}" if near else ""))
+    head = spec.options.get("head", "causal_lm")
+    if set(spec.options) - {"head"} or head not in HEADS:
+        return f"hf: models take one option, head: {' | '.join(HEADS)}"
+    try:
+        _config(spec)
+    except Exception as e:
+        return f"model.config is not a {kind} configuration: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def _config(spec):
+    kind = spec.name[len(PREFIX):]
+    return _transformers().AutoConfig.for_model(kind, **{"vocab_size": spec.vocab_size, **spec.config})
+
+
+def build_hf(spec) -> nn.Module:
+    transformers = _transformers()
+    head = spec.options.get("head", "causal_lm")
+    auto = (transformers.AutoModelForCausalLM if head == "causal_lm"
+            else transformers.AutoModelForSequenceClassification)
+    if spec.init_from:
+        return HFModel(auto.from_pretrained(spec.init_from, local_files_only=True))
+    return HFModel(auto.from_config(_config(spec)))
