@@ -29,7 +29,7 @@ from baton.errors import SpecError
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str = "gpt"  # a registered model (gpt, mlp) or "package.module:function"
+    name: str = "gpt"  # gpt, mlp, classifier, "hf:TYPE" or "package.module:function"
     layers: int = 4  # transformer blocks (gpt) or hidden layers (mlp)
     width: int = 128  # embedding width (gpt) or hidden width (mlp)
     heads: int = 4  # attention heads (gpt only)
@@ -38,6 +38,8 @@ class ModelSpec:
     context: int = 8  # previous tokens an MLP position sees (mlp only)
     dropout: float = 0.0
     options: dict = field(default_factory=dict)  # passed to a user builder as keyword arguments
+    config: dict = field(default_factory=dict)  # hf: models: the transformers configuration
+    init_from: Optional[str] = None  # hf: models: a local save_pretrained folder's weights
 
 
 @dataclass(frozen=True)
@@ -540,6 +542,16 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
         problem = options_problem(m, on_meta=p.pp > 1 or p.shard in ("grads", "full"))
         need(problem is None, "model.options" if m.options else "model.name",
              m.options if m.options else m.name, problem or "")
+    hf = m.name.startswith("hf:")
+    need(hf or not m.config, "model.config", m.config, "only hf: models take a configuration; "
+         "a builder of your own reads model.options")
+    need(hf or m.init_from is None, "model.init_from", m.init_from,
+         "only hf: models load weights this way (a local save_pretrained folder)")
+    if m.init_from is not None:
+        problem = path_problem(m.init_from)
+        need(problem is None, "model.init_from", m.init_from, problem or "")
+    need(not hf or p.pp == 1, "parallel.pp", p.pp, "hf: models are not an nn.Sequential of "
+         "layers to cut into stages; use pp: 1 (data parallel or sharded)")
     if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)
         near = _divisor_near(m.width, m.heads)
         need(False, "model.heads", m.heads,

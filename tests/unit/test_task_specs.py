@@ -167,3 +167,33 @@ def test_baton_init_writes_a_job_file_that_validates(task, tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text(capsys.readouterr().out)
     assert load_spec(job).task == task
+
+
+HF = {"name": "hf:gpt2", "seq_len": 32, "vocab_size": 256,
+      "config": {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32}}
+
+
+@pytest.mark.parametrize("model, parallel, expected", [
+    ({**HF, "name": "hf:gtp2"}, {}, "transformers has no model type 'gtp2'"),
+    ({**HF, "seq_len": 64}, {}, "model.seq_len 64 is more than the 32 positions"),
+    ({**HF, "options": {"head": "lm"}}, {}, "hf: models take one option, head: causal_lm"),
+    (HF, {"pp": 2}, "hf: models are not an nn.Sequential"),
+    ({"name": "gpt", "config": {"n_layer": 2}}, {}, "only hf: models take a configuration"),
+])
+def test_hf_models_are_checked_in_one_line(model, parallel, expected):
+    pytest.importorskip("transformers")  # CI installs it (the test extra)
+    with pytest.raises(SpecError) as e:
+        spec_from_dict({"name": "t", "model": model, "parallel": parallel}, "job.yaml")
+    assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_hf_model_is_built_from_its_configuration_and_seed():
+    pytest.importorskip("transformers")
+    from baton.models import build_model
+
+    spec = spec_from_dict({"name": "t", "model": HF})
+    a, b = build_model(spec.model, 3), build_model(spec.model, 3)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    logits = a(torch.randint(0, 256, (2, 32)))
+    assert logits.shape == (2, 32, 256)
+    assert sum(p.numel() for p in a.parameters()) < 200_000  # 2 x 32, not GPT-2's 124M

@@ -202,10 +202,9 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
                 raise SpecError(f"{source}: {spec_key}: classification needs one integer class "
                                 f"per row; {', '.join(sources)} is not")
             high = spec.model.options.get("classes") if spec.model.name == "classifier" else None
-        # a classifier's features are floats whatever they are stored as; a user's task gets
-        # integers as integers (token ids, say)
-        dtype = "int64" if integers and not (spec.task == "classification" and name == "inputs") \
-            else "float32"
+        # integers stay integers (token ids for a transformer); the classifier model reads
+        # integer features as floats
+        dtype = "int64" if integers else "float32"
         fields.append(Field(name, sources, () if scalar else (width,), dtype, high, spec_key))
     if spec.model.name == "classifier" and "inputs" in d.columns:
         features = next(f for f in fields if f.name == "inputs").shape or (1,)

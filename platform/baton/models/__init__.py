@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from baton.models import hf
 from baton.models.gpt import build_gpt
 from baton.models.mlp import build_classifier, build_mlp
 from baton.tasks import IGNORE, loss_sum  # noqa: F401 (their home before tasks existed)
@@ -48,8 +49,8 @@ _USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 def check_model_name(name: str) -> Optional[str]:
     """None when `name` names a builder, else what would be valid."""
-    if name in MODELS:
-        return None
+    if name in MODELS or name.startswith(hf.PREFIX):
+        return None  # (an hf: model's type and configuration: options_problem)
     if not _USER_BUILDER.fullmatch(name):
         return f"use one of {', '.join(MODELS)} or 'package.module:function'"
     module, _, func = name.partition(":")
@@ -69,6 +70,8 @@ def options_problem(spec, on_meta: bool) -> Optional[str]:
     are checked by name and range; a user's builder, when `on_meta` (baton builds it there
     anyway to cut or wrap it), is run on the meta device (shapes only), with any exception
     turned into one line. Not otherwise: a builder that works on CPU may not on meta."""
+    if spec.name.startswith(hf.PREFIX):
+        return hf.problem(spec)
     if spec.name in OPTIONS:
         allowed = OPTIONS[spec.name]
         missing = [k for k in REQUIRED.get(spec.name, ()) if k not in spec.options]
@@ -98,6 +101,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def _user_builder(name: str) -> Callable:
+    if name.startswith(hf.PREFIX):
+        return hf.build_hf
     module, _, func = name.partition(":")
     return getattr(importlib.import_module(module), func)
 

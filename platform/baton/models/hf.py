@@ -54,15 +54,25 @@ def problem(spec) -> Optional[str]:
     if set(spec.options) - {"head"} or head not in HEADS:
         return f"hf: models take one option, head: {' | '.join(HEADS)}"
     try:
-        _config(spec)
+        config = _config(spec)
     except Exception as e:
         return f"model.config is not a {kind} configuration: {type(e).__name__}: {str(e)[:200]}"
+    most = getattr(config, "max_position_embeddings", None)
+    if head == "causal_lm" and isinstance(most, int) and spec.seq_len > most:
+        return (f"model.seq_len {spec.seq_len} is more than the {most} positions of this "
+                f"configuration; raise it in model.config (max_position_embeddings, or the "
+                f"type's own name for it) or lower model.seq_len")
     return None
 
 
 def _config(spec):
+    """The type's configuration: model.vocab_size, then model.config. Special token ids the
+    job does not set are none (the type's defaults, GPT-2's 50256, lie outside a smaller
+    vocabulary; baton trains on the token rows it is given and generates nothing)."""
     kind = spec.name[len(PREFIX):]
-    return _transformers().AutoConfig.for_model(kind, **{"vocab_size": spec.vocab_size, **spec.config})
+    unset = {k: None for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k not in spec.config}
+    return _transformers().AutoConfig.for_model(kind, **{"vocab_size": spec.vocab_size, **unset,
+                                                         **spec.config})
 
 
 def build_hf(spec) -> nn.Module:

@@ -29,6 +29,8 @@ class Dense(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():  # integer features (pixel values, counts)
+            x = x.to(self.fc.weight.dtype)
         return F.dropout(F.gelu(self.fc(x)), self.dropout, self.training)
 
 
