@@ -34,7 +34,9 @@ STEP_METRIC = "loss"  # logged at every step: its last step says how far a run's
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0  # backoff while the store is away
 FINISH_WAIT_S = 60.0  # how long the run's end waits for a store that is away
 # MLflow's HTTP client: one try, at most 10 s (its defaults retry 7 times over minutes)
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+                 # the run report reads events.json back: no tqdm bar in baton's console
+                 "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
 def default_uri() -> str:
