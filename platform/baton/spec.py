@@ -59,6 +59,11 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class Every:
+    every: int  # every this many blocks
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     steps: int = 100
     global_batch: int = 32  # samples per optimizer step, across all replicas
@@ -74,6 +79,11 @@ class TrainSpec:
     grad_clip: float = 1.0  # 0 turns clipping off
     seed: int = 0
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast matmuls; weights stay fp32
+    # lamb: AdamW's direction scaled per tensor by ||x|| / ||update|| (large batches)
+    optimizer: Literal["adamw", "lamb"] = "adamw"
+    # recompute activations in the backward instead of keeping them: none | blocks (every
+    # repeated block) | {every: N} (every Nth): memory for time, the same gradients
+    activation_checkpointing: Union[Literal["none", "blocks"], Every] = "none"
 
 
 @dataclass(frozen=True)
@@ -227,7 +237,9 @@ class JobSpec:
         recipe. Steps, layout (including micro-batching), resources, checkpointing and tracking
         may change on resume."""
         d = self.to_dict()
-        train = {k: v for k, v in d["train"].items() if k not in ("steps", "micro_batch")}
+        train = {k: v for k, v in d["train"].items()
+                 if k not in ("steps", "micro_batch", "activation_checkpointing")
+                 and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items() if k != "columns" or v}
         # the task and the held-out split only where set: v0.5's checkpoints keep their recipe
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
@@ -471,9 +483,15 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
             return _coerce(options[0], value, key, source)
-        # several shapes (e.g. a name or a list): the one whose container type matches
+        # several shapes (a name, a list, a mapping): the one whose container type matches
+        def shape(option):
+            if typing.get_origin(option) is list:
+                return list
+            return dict if dataclasses.is_dataclass(option) or option is dict else None
+
+        mine = list if isinstance(value, list) else dict if isinstance(value, dict) else None
         for option in options:
-            if isinstance(value, list) == (typing.get_origin(option) is list):
+            if shape(option) is mine:
                 return _coerce(option, value, key, source)
         raise SpecError(f"{source}: {key}: unexpected {_kind(value)} {_show(value)}")
     if origin is Literal:
@@ -572,6 +590,10 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", t.betas,
          "give two numbers in [0, 1), e.g. [0.9, 0.95]")
     need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 turns clipping off)")
+    ac = t.activation_checkpointing
+    need(isinstance(ac, str) or 1 <= ac.every <= MOST["model.layers"][0],
+         "train.activation_checkpointing.every", getattr(ac, "every", ac),
+         f"must be in [1, {MOST['model.layers'][0]}] blocks")
 
     need(p.dp >= 1, "parallel.dp", p.dp, "must be at least 1")
     need(p.pp >= 1, "parallel.pp", p.pp, "must be at least 1")

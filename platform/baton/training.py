@@ -20,9 +20,18 @@ def param_groups(model: nn.Module, train: TrainSpec) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def optimizer_class(train: TrainSpec) -> tuple[type, dict]:
+    """train.optimizer's class and its arguments besides the parameters."""
+    if train.optimizer == "lamb":
+        from baton.optim import Lamb
+
+        return Lamb, {"lr": train.lr, "betas": tuple(train.betas)}
+    return torch.optim.AdamW, {"lr": train.lr, "betas": tuple(train.betas), "foreach": False}
+
+
 def make_optimizer(model: nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, train), lr=train.lr, betas=tuple(train.betas),
-                             foreach=False)
+    cls, kwargs = optimizer_class(train)
+    return cls(param_groups(model, train), **kwargs)
 
 
 def lr_at(step: int, train: TrainSpec) -> float:

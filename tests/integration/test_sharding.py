@@ -134,3 +134,17 @@ def test_checkpoints_load_at_any_layout(tmp_path, data):
     # measured: 1.1e-5 after 6 steps through six layouts, 3.9e-6 after 8 through eight (the key
     # bias left out: helpers.assert_params_close); the equivalence bound holds
     assert_params_close(got, want, rtol=1e-5, atol=4e-5)
+
+
+@pytest.mark.parametrize("level,dp,group", [("optimizer", 2, None), ("full", 4, 2)],
+                         ids=["zero1-dp2", "zero3-hybrid-2x2"])
+def test_lamb_sharded_matches_one_process(tmp_path, data, level, dp, group):
+    """LAMB's trust ratio needs each tensor's whole norm: across ZeRO-1's rank-owned tensors,
+    and across ZeRO-3's shards in a hybrid (replicate x shard) mesh."""
+    raw = _spec(tmp_path, data, f"lamb-{level}", 3, dp=dp, shard=level, shard_group=group).to_dict()
+    raw["train"]["optimizer"] = "lamb"
+    spec = spec_from_dict(raw)
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished"
+    # measured: largest parameter difference LAMB_MEASURED; the default bound holds
+    assert_like_one_process(spec, data, result, steps=3)

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from baton.checkpoint import filter_optim_state, sharded
 from baton.spec import TrainSpec
-from baton.training import make_optimizer, param_groups
+from baton.training import make_optimizer, optimizer_class, param_groups
 
 
 NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "ZeRO-3"}
@@ -120,10 +120,9 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                        lambda where: sharded.load_into(wrapped, optimizer, where))
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    optimizer = ZeroRedundancyOptimizer(param_groups(module, train),
-                                        optimizer_class=torch.optim.AdamW,
-                                        process_group=mesh["dp_shard"].get_group(),
-                                        lr=train.lr, betas=tuple(train.betas), foreach=False)
+    cls, kwargs = optimizer_class(train)
+    optimizer = ZeroRedundancyOptimizer(param_groups(module, train), optimizer_class=cls,
+                                        process_group=mesh["dp_shard"].get_group(), **kwargs)
     zero = _ZeroState(module, optimizer)
     return Replica(module, wrapped, optimizer, wrapped.no_sync, True, zero.state_dicts,
                    zero.load_full, zero.load_sharded)
