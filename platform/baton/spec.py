@@ -103,6 +103,8 @@ class ParallelSpec:
     # FSDP (grads, full) gathers consecutive blocks together until they hold this many MiB of
     # fp32 parameters: fewer, larger collectives for small blocks; 0: every block alone
     shard_unit_mib: float = 16.0
+    # what replicas send each other: fp32 | bf16 (half the bytes) | powersgd (low-rank, DDP)
+    grad_comm: Literal["fp32", "bf16", "powersgd"] = "fp32"
 
 
 @dataclass(frozen=True)
@@ -601,6 +603,9 @@ def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
          f"dp x pp = {p.dp * p.pp:,} workers; at most {MOST_WORKERS:,}")
     need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
     need(p.shard_unit_mib >= 0, "parallel.shard_unit_mib", p.shard_unit_mib, "must be >= 0 MiB")
+    need(p.grad_comm != "powersgd" or (p.pp == 1 and p.shard in ("none", "optimizer")),
+         "parallel.grad_comm", p.grad_comm, "PowerSGD runs through DDP's communication hook: "
+         "use it with parallel.shard none or optimizer and pp 1 (bf16 works everywhere)")
     _check_batching(spec, need)
     if p.shard != "none" or p.shard_group is not None:
         _check_sharding(spec, need, one_world)

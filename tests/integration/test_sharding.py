@@ -110,13 +110,14 @@ def _assert_memory(state_bytes: list[dict], params: dict, level: str, shards: in
 
 def test_checkpoints_load_at_any_layout(tmp_path, data):
     """One job, resumed at a new layout after every step: sharded to a pipeline, to ZeRO-1 at
-    dp 3, to DDP, to ZeRO-2, to ZeRO-3 at dp 3, to ZeRO-3 inside pipeline stages, to DDP. It
+    dp 3, to DDP, to a world of one, to ZeRO-2, to ZeRO-3 at dp 3, to ZeRO-3 inside pipeline stages, to DDP. It
     ends where the uninterrupted run ends."""
     chain = [
         ({"dp": 2, "shard": "full"}, "a sharded checkpoint (DCP) is written"),
         ({"dp": 1, "pp": 2, "microbatches": 2}, "DCP -> pipeline stages"),
         ({"dp": 3, "shard": "optimizer"}, "per-stage files -> ZeRO-1"),
         ({"dp": 2}, "DCP (ZeRO-1's) -> DDP"),
+        ({"dp": 1}, "DDP -> a world of one (no DDP wrapper)"),
         ({"dp": 2, "shard": "grads"}, "per-stage files (v0.5's format) -> FSDP"),
         ({"dp": 3, "shard": "full"}, "DCP at dp 2 -> DCP at dp 3"),
         ({"dp": 2, "pp": 2, "microbatches": 2, "shard": "full"}, "DCP -> sharded stages"),
@@ -129,6 +130,9 @@ def test_checkpoints_load_at_any_layout(tmp_path, data):
         result = api.run(spec, show_progress=False)
         assert result.state == "finished" and result.step == steps, why
         assert result.resumed_from == (steps - 1 if steps > 1 else None), why
+        if "shard" not in parallel and "pp" not in parallel:  # DDP, or a world of one without it
+            wrappers = {w["wrapper"] for w in result.workers}
+            assert wrappers == {"Sequential" if parallel["dp"] == 1 else "DistributedDataParallel"}, why
     got = CheckpointStore(spec.checkpoint_dir).read_model(len(chain))
     want, _, _ = reference_run(spec, data, steps=len(chain))
     # measured: 1.1e-5 after 6 steps through six layouts, 3.9e-6 after 8 through eight (the key

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
 from baton.checkpoint import filter_optim_state, sharded
+from baton.parallel import comm
 from baton.spec import TrainSpec
 from baton.training import make_optimizer, optimizer_class, param_groups
 
@@ -104,17 +106,22 @@ class Replica:
 
 
 def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
-              shard_optimizer: bool = False) -> Replica:
+              shard_optimizer: bool = False, grad_comm: str = "fp32") -> Replica:
     """DDP over the stage's dp ranks; with `shard_optimizer`, ZeRO-1 over the dp_shard ranks."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # DDP overlaps the gradient all-reduce with the backward pass (bucketed), and its
     # constructor broadcasts rank 0's parameters, so replicas start identical.
-    # The data-parallel engine runs one stage (pp = 1): its dp group is the whole world.
-    wrapped = DDP(module, device_ids=[0] if device.type == "cuda" else None)
+    # The data-parallel engine runs one stage (pp = 1): its dp group is the whole world. A
+    # world of one runs the model itself: no wrapper, no all-reduce, nothing to keep in sync.
+    alone = not shard_optimizer and dist.get_world_size() == 1
+    wrapped = module if alone else DDP(module, device_ids=[0] if device.type == "cuda" else None)
+    if not alone:
+        comm.register(wrapped, grad_comm)
     if not shard_optimizer:
+        no_sync = contextlib.nullcontext if alone else wrapped.no_sync
         optimizer = make_optimizer(wrapped, train)
-        return Replica(module, wrapped, optimizer, wrapped.no_sync, False,
+        return Replica(module, wrapped, optimizer, no_sync, False,
                        lambda: state_dicts(wrapped, optimizer),
                        lambda m, o: load_full(module, wrapped, optimizer, m, o),
                        lambda where: sharded.load_into(wrapped, optimizer, where))
@@ -129,17 +136,17 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 
 def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool,
-                unit_mib: float) -> None:
+                unit_mib: float, grad_comm: str = "fp32") -> None:
     """FSDP2 on each of `module`'s blocks, then on `module` itself as a root, over the dp
     axes of the mesh (of this rank's pipeline stage, when pp > 1)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"]
-    # bf16 compute with fp32 master weights and fp32 gradient reduction (on CPU too, where
-    # train.precision: bf16 asks for it)
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if train.precision == "bf16" else MixedPrecisionPolicy())
+    # bf16 compute with fp32 master weights (on CPU too, where train.precision: bf16 asks for
+    # it); gradients reduced in fp32 unless parallel.grad_comm: bf16
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if train.precision == "bf16" else None,
+                              reduce_dtype=comm.reduce_dtype(grad_comm))
     for group in units(module, unit_mib):
         shard(group if len(group) > 1 else group[0], mesh=dp_mesh,
               reshard_after_forward=reshard_after_forward, mp_policy=mp)
@@ -148,8 +155,9 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
 
 
 def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
-                reshard_after_forward: bool, unit_mib: float = UNIT_MIB) -> Replica:
-    _shard_root(module, mesh, train, reshard_after_forward, unit_mib)
+                reshard_after_forward: bool, unit_mib: float = UNIT_MIB,
+                grad_comm: str = "fp32") -> Replica:
+    _shard_root(module, mesh, train, reshard_after_forward, unit_mib, grad_comm)
     optimizer = make_optimizer(module, train)
 
     @contextlib.contextmanager
@@ -171,22 +179,25 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
-    "none": lambda *a, unit_mib=None: replicate(*a),
-    "optimizer": lambda *a, unit_mib=None: replicate(*a, shard_optimizer=True),
-    "grads": lambda *a, unit_mib=UNIT_MIB: fully_shard(*a, reshard_after_forward=False, unit_mib=unit_mib),
-    "full": lambda *a, unit_mib=UNIT_MIB: fully_shard(*a, reshard_after_forward=True, unit_mib=unit_mib),
+    "none": lambda *a, unit_mib=None, grad_comm="fp32": replicate(*a, grad_comm=grad_comm),
+    "optimizer": lambda *a, unit_mib=None, grad_comm="fp32": replicate(
+        *a, shard_optimizer=True, grad_comm=grad_comm),
+    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32": fully_shard(
+        *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm),
+    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32": fully_shard(
+        *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm),
 }
 
 
-def shard_stages(chunks: list[nn.Module], mesh, train: TrainSpec,
-                 reshard_after_forward: bool, unit_mib: float = UNIT_MIB) -> Callable[[int, bool], None]:
+def shard_stages(chunks: list[nn.Module], mesh, train: TrainSpec, reshard_after_forward: bool,
+                 unit_mib: float = UNIT_MIB, grad_comm: str = "fp32") -> Callable[[int, bool], None]:
     """FSDP2 inside pipeline stages, as torchtitan does: each of this rank's chunks (its
     stages) is a root of its own over the stage's dp axes, its blocks wrapped one by one.
     Returns `sync(chunk, last)`, which the pipeline runtime calls before each backward:
     gradients are reduced once per step, at each chunk's last backward, not once per
     micro-batch (and ZeRO-2 keeps parameters whole until then)."""
     for chunk in chunks:
-        _shard_root(chunk, mesh, train, reshard_after_forward, unit_mib)
+        _shard_root(chunk, mesh, train, reshard_after_forward, unit_mib, grad_comm)
 
     def sync(c: int, last: bool) -> None:
         chunks[c].set_requires_gradient_sync(last)
@@ -207,9 +218,11 @@ def reshard(chunks: list[nn.Module]) -> None:
 
 # the levels that compose with pipelines (ZeRO-1's ZeroRedundancyOptimizer steps through DDP)
 STAGE_WRAPPINGS: dict[str, Callable[..., Optional[Callable[[int, bool], None]]]] = {
-    "none": lambda *a, unit_mib=None: None,
-    "grads": lambda *a, unit_mib=UNIT_MIB: shard_stages(*a, reshard_after_forward=False, unit_mib=unit_mib),
-    "full": lambda *a, unit_mib=UNIT_MIB: shard_stages(*a, reshard_after_forward=True, unit_mib=unit_mib),
+    "none": lambda *a, unit_mib=None, grad_comm="fp32": None,
+    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32": shard_stages(
+        *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm),
+    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32": shard_stages(
+        *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm),
 }
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from baton.checkpoint import sharded
 from baton.models import build_model, sequential
 from baton.parallel import ParallelDims
+from baton.parallel import comm
 from baton.parallel import schedule as sched
 from baton.parallel.activations import checkpoint_activations
 from baton.parallel.partition import bounds
@@ -70,7 +71,8 @@ class DataParallelEngine(_Engine):
         level = spec.parallel.shard
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s) if level != "none" else None
         self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device,
-                                        unit_mib=spec.parallel.shard_unit_mib)
+                                        unit_mib=spec.parallel.shard_unit_mib,
+                                        grad_comm=spec.parallel.grad_comm)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
 
@@ -145,7 +147,8 @@ class PipelineEngine(_Engine):
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
         # this engine all-reduces over the stage's replicas
         sync = STAGE_WRAPPINGS[spec.parallel.shard](chunks, mesh, spec.train,
-                                                    unit_mib=spec.parallel.shard_unit_mib)
+                                                    unit_mib=spec.parallel.shard_unit_mib,
+                                                    grad_comm=spec.parallel.grad_comm)
         self.sharded = sync is not None
         self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank), v,
                                        device, spec.train.precision == "bf16", self.pp_group,
@@ -170,7 +173,7 @@ class PipelineEngine(_Engine):
         if self.dims.dp > 1 and not self.sharded:  # each stage's replicas sum their gradients
             grads = [q.grad for q in params]
             flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
+            comm.all_reduce(flat, self.dp_group, self.spec.parallel.grad_comm)
             for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
         return {**sums.out(),

@@ -178,7 +178,8 @@ class Worker:
         return {"rank": self.rank, "device": str(self.device), "backend": dist.get_backend(),
                 "device_name": torch.cuda.get_device_name(self.device) if self.use_cuda else "cpu",
                 "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "layers": self.engine.layer_names()}
+                "layers": self.engine.layer_names(),
+                "wrapper": type(getattr(self.engine, "wrapped", self.engine.module)).__name__}
 
     def train_step(self, step: int, batch: Batch, lr: float, trace: bool = False) -> dict:
         """One optimizer step on this replica's part of the global batch `batch`. The loss is
