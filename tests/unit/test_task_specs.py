@@ -197,3 +197,15 @@ def test_an_hf_model_is_built_from_its_configuration_and_seed():
     logits = a(torch.randint(0, 256, (2, 32)))
     assert logits.shape == (2, 32, 256)
     assert sum(p.numel() for p in a.parameters()) < 200_000  # 2 x 32, not GPT-2's 124M
+
+
+def test_an_hf_model_takes_its_weights_from_a_local_folder(tmp_path):
+    pytest.importorskip("transformers")
+    from baton.models import build_model
+
+    trained = build_model(spec_from_dict({"name": "t", "model": HF}).model, 11)
+    trained.model.save_pretrained(tmp_path / "gpt2-tiny")
+    spec = spec_from_dict({"name": "t", "model": {**HF, "init_from": str(tmp_path / "gpt2-tiny")}})
+    loaded = build_model(spec.model, 0)  # the seed does not matter: the weights are the folder's
+    for (n, a), b in zip(trained.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), n
