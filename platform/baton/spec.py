@@ -51,6 +51,9 @@ class DataSpec:
     # what other tasks read: batch key -> a Parquet column, or a list of them concatenated
     # (inputs: [pixels] and label: label for classification; any keys for a user's task)
     columns: dict = field(default_factory=dict)
+    # batch key -> N: that column holds lists of any length up to N, padded with 0, and the
+    # batch gets KEY_mask (True on the values)
+    pad: dict = field(default_factory=dict)
     id_column: Optional[str] = "sample_id"  # null: the row's position in the dataset is its id
     # samples shuffled together: row groups are permuted, then samples shuffled within blocks
     # of this many (a corpus this small or smaller gets a full permutation). Ray Data holds
@@ -242,7 +245,7 @@ class JobSpec:
         train = {k: v for k, v in d["train"].items()
                  if k not in ("steps", "micro_batch", "activation_checkpointing")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
-        data = {k: v for k, v in d["data"].items() if k != "columns" or v}
+        data = {k: v for k, v in d["data"].items() if k not in ("columns", "pad") or v}
         # the task and the held-out split only where set: v0.5's checkpoints keep their recipe
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
                  **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}
@@ -702,6 +705,11 @@ def _check_task(spec: JobSpec, need) -> None:
              key, "name a batch entry with a Python identifier other than 'valid'")
         need(bool(names) and all(isinstance(n, str) and n and len(n) <= 255 for n in names),
              f"data.columns.{key}", value, "give a column name or a list of column names")
+    for key, most in d.pad.items():
+        need(key in d.columns, f"data.pad.{key}", most, f"pads a key of data.columns "
+             f"({', '.join(d.columns) or 'none given'})")
+        need(isinstance(most, int) and not isinstance(most, bool) and 1 <= most <= 2**20,
+             f"data.pad.{key}", most, "give the most values a row holds, 1 to 1,048,576")
     if spec.task == "language_model":
         need(not d.columns, "data.columns", d.columns, "a language model reads "
              "data.token_column; data.columns is for task: classification or a task of your own")

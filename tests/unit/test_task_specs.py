@@ -25,11 +25,11 @@ from helpers import write_table
 CLASSIFY = {"inputs": ["vec", "a", "b"], "label": "label"}
 
 
-def _spec(tmp_path, data, **over) -> dict:
+def _spec(tmp_path, path, **over) -> dict:
     raw = {"name": "t", "task": "classification",
            "model": {"name": "classifier", "layers": 1, "width": 8,
                      "options": {"inputs": 6, "classes": 4}},
-           "data": {"source": "parquet", "path": str(data), "columns": CLASSIFY},
+           "data": {"source": "parquet", "path": str(path), "columns": CLASSIFY},
            "checkpoint": {"path": str(tmp_path / "ckpt")}, "tracking": {"enabled": False}}
     for key, value in over.items():
         section, _, field = key.partition(".")
@@ -40,10 +40,10 @@ def _spec(tmp_path, data, **over) -> dict:
     return raw
 
 
-def _refused(tmp_path, data, **over) -> str:
+def _refused(tmp_path, path, **over) -> str:
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(SpecError) as e:
-        preflight(spec_from_dict(_spec(tmp_path, data, **over), "job.yaml"), "job.yaml")
+        preflight(spec_from_dict(_spec(tmp_path, path, **over), "job.yaml"), "job.yaml")
     message = str(e.value)
     assert "\n" not in message and message.startswith("job.yaml: ")
     assert sorted(os.listdir(tmp_path)) == before  # nothing written
@@ -209,3 +209,82 @@ def test_an_hf_model_takes_its_weights_from_a_local_folder(tmp_path):
     loaded = build_model(spec.model, 0)  # the seed does not matter: the weights are the folder's
     for (n, a), b in zip(trained.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+def _ragged_table(folder, longest: int = 5):
+    """`ids`: token lists of 1..longest values; `image`: a 2 x 3 Arrow tensor per row."""
+    rng = np.random.default_rng(0)
+    lengths = [1 + i % longest for i in range(24)]
+    ids = [rng.integers(1, 50, n).tolist() for n in lengths]
+    images = rng.normal(size=(24, 2, 3)).astype(np.float32)
+    tensor = pa.ExtensionArray.from_storage(
+        pa.fixed_shape_tensor(pa.float32(), (2, 3)),
+        pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), 6))
+    folder.mkdir(parents=True)
+    pq.write_table(pa.table({"ids": pa.array(ids, pa.list_(pa.int32())), "image": tensor,
+                             "y": rng.normal(size=24).astype(np.float32)}),
+                   folder / "t.parquet", row_group_size=8)
+    return folder, ids, images
+
+
+def test_variable_length_lists_are_padded_with_a_mask_and_tensors_keep_their_shape(tmp_path):
+    data, ids, images = _ragged_table(tmp_path / "data")
+    spec = spec_from_dict(_spec(tmp_path, data, task="helpers:regression",
+                                model={"name": "helpers:regressor", "width": 4, "options": {"inputs": 6}},
+                                **{"data": {"source": "parquet", "path": str(data), "id_column": None,
+                                      "columns": {"inputs": "image", "tokens": "ids", "target": "y"},
+                                      "pad": {"tokens": 6}}}))
+    with pytest.raises(SpecError, match="the model's output on the data's inputs"):
+        preflight(spec, "job.yaml")  # a Linear(6) cannot take (2, 3) images: found on meta
+    raw = spec.to_dict()
+    raw["data"]["columns"]["inputs"] = ["image", "y"]  # with other columns: flat features
+    raw["model"]["options"]["inputs"] = 7
+    got = preflight(spec_from_dict(raw), "job.yaml")
+    shapes = got.columns.shapes()
+    assert shapes["inputs"] == ((7,), torch.float32) and shapes["tokens"] == ((6,), torch.int64)
+    assert shapes["tokens_mask"] == ((6,), torch.bool)
+    unit = Manifest.build(str(data)).units[1]
+    table = read_unit(str(data), unit, got.columns)
+    _, columns = _arrays([table], got.columns.shapes())
+    for row in range(8):
+        want = ids[8 + row]
+        assert columns["tokens"][row, :len(want)].tolist() == want
+        assert columns["tokens"][row, len(want):].tolist() == [0] * (6 - len(want))
+        assert columns["tokens_mask"][row].tolist() == [True] * len(want) + [False] * (6 - len(want))
+    y = pq.read_table(data).column("y").to_numpy()[8:16]
+    np.testing.assert_array_equal(columns["inputs"], np.concatenate([images[8:16].reshape(8, 6), y[:, None]], 1))
+
+
+def test_a_tensor_column_alone_keeps_its_shape_and_long_rows_are_refused(tmp_path):
+    data, _, images = _ragged_table(tmp_path / "data", longest=9)
+    spec = spec_from_dict(_spec(tmp_path, data, task="helpers:regression",
+                                model={"name": "helpers:regressor", "width": 4, "options": {"inputs": 3}},
+                                **{"data": {"source": "parquet", "path": str(data), "id_column": None,
+                                      "columns": {"inputs": "image", "tokens": "ids", "target": "y"},
+                                      "pad": {"tokens": 8}}}))
+    got = preflight(spec, "job.yaml")  # Linear(3) over the last dimension of (2, 3) images
+    assert {f.name: f.shape for f in got.columns.fields}["inputs"] == (2, 3)
+    manifest = Manifest.build(str(data))
+    _, columns = _arrays([read_unit(str(data), manifest.units[0], got.columns)], got.columns.shapes())
+    np.testing.assert_array_equal(columns["inputs"], images[:8])
+    with pytest.raises(DataError, match=r"row group 1: data.columns.tokens 'ids' has a row of 9 values, "
+                                        r"more than data.pad.tokens = 8"):
+        read_unit(str(data), manifest.units[1], got.columns)
+
+
+@pytest.mark.parametrize("pad, expected", [
+    ({"target": 4}, "data.pad.target: pads one column of lists of any length"),
+])
+def test_padding_what_is_not_a_list_is_refused(tmp_path, pad, expected):
+    data, _, _ = _ragged_table(tmp_path / "data")
+    message = _refused(tmp_path, data, task="helpers:regression",
+                       model={"name": "helpers:regressor", "width": 4, "options": {"inputs": 3}},
+                       **{"data": {"source": "parquet", "path": str(data), "id_column": None,
+                             "columns": {"inputs": "image", "tokens": "ids", "target": "y"}, "pad": pad}})
+    assert expected in message, message
+
+
+def test_a_pad_for_no_column_is_a_spec_error():
+    with pytest.raises(SpecError, match="data.pad.x: 4 is invalid; pads a key of data.columns"):
+        spec_from_dict({"name": "t", "task": "helpers:regression",
+                        "data": {"source": "parquet", "columns": {"inputs": "a"}, "pad": {"x": 4}}})

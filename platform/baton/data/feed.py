@@ -65,10 +65,11 @@ class Field:
 
     name: str
     sources: tuple[str, ...]
-    shape: tuple[int, ...]  # of one row: () for a scalar, (n,) for n values
+    shape: tuple[int, ...]  # of one row: () for a scalar, (n,) for n values, a tensor's shape
     dtype: str  # "int64" | "float32"
     high: Optional[int] = None  # values must lie in [0, high): token ids, class labels
     key: str = ""  # the spec key that names it, for messages
+    padded: bool = False  # lists of any length up to shape[0], padded with 0; NAME_mask says which
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,12 @@ class Columns:
         """name -> (row shape, torch dtype): what a padding row looks like."""
         import torch
 
-        return {f.name: (f.shape, getattr(torch, f.dtype)) for f in self.fields}
+        out = {}
+        for f in self.fields:
+            out[f.name] = (f.shape, getattr(torch, f.dtype))
+            if f.padded:
+                out[f"{f.name}_mask"] = (f.shape, torch.bool)
+        return out
 
 
 def token_columns(token: str, id_column: Optional[str], width: int, vocab_size: int) -> Columns:
@@ -106,7 +112,9 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
         table = pa.Table.from_batches(batches) if batches else \
             file.read_row_group(unit.row_group, columns=wanted)
     where = f"data.path: {unit.file} row group {unit.row_group}"
-    out = {f.name: _field(table, f, where) for f in columns.fields}
+    out = {}
+    for f in columns.fields:
+        out.update(_padded(table, f, where) if f.padded else {f.name: _field(table, f, where)})
     if columns.id:
         out[IDS] = table.column(columns.id).combine_chunks()
     return pa.table(out)
@@ -117,6 +125,8 @@ def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
     parts = []
     for name in field.sources:
         column = table.column(name).combine_chunks()
+        if isinstance(column.type, pa.BaseExtensionType):  # an Arrow tensor: its fixed-size lists
+            column = column.storage
         if column.null_count:
             raise DataError(f"{where}: {field.key} {name!r} has {column.null_count} null rows")
         if _is_list(column.type):
@@ -143,7 +153,7 @@ def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
             raise DataError(f"{where}: {field.key} {name!r} has {values.null_count} null values")
         parts.append(values.to_numpy(zero_copy_only=False).reshape(len(column), per_row))
     data = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-    if data.shape[1] != max(1, math.prod(field.shape)):
+    if data.shape[1] != math.prod(field.shape):
         raise DataError(f"{where}: {field.key} gives {data.shape[1]} values a row, not "
                         f"{math.prod(field.shape)} as in the first row group (did the files change?)")
     if field.high is not None and data.size:
@@ -161,6 +171,28 @@ def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
         data = data.astype(np.float32, copy=False)
     flat = pa.array(data.reshape(-1))
     return flat if field.shape == () else pa.FixedSizeListArray.from_arrays(flat, data.shape[1])
+
+
+def _padded(table: pa.Table, field: Field, where: str) -> dict:
+    """A list column of any lengths up to `field.shape[0]`, padded with 0, and its mask."""
+    [name] = field.sources
+    column = table.column(name).combine_chunks()
+    if column.null_count:
+        raise DataError(f"{where}: {field.key} {name!r} has {column.null_count} null rows")
+    most = field.shape[0]
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    if len(lengths) and lengths.max() > most:
+        raise DataError(f"{where}: {field.key} {name!r} has a row of {int(lengths.max())} values, "
+                        f"more than data.pad.{field.name} = {most}; raise it")
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    if field.high is not None and values.size and (values.min() < 0 or values.max() >= field.high):
+        raise DataError(f"{where}: {field.key} values lie in [{values.min()}, {values.max()}], "
+                        f"outside [0, {field.high})")
+    mask = np.arange(most)[None, :] < lengths[:, None]
+    rows = np.zeros((len(lengths), most), dtype=np.float32 if field.dtype == "float32" else values.dtype)
+    rows[mask] = values
+    return {field.name: pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), most),
+            f"{field.name}_mask": pa.FixedSizeListArray.from_arrays(pa.array(mask.reshape(-1)), most)}
 
 
 def _is_list(t: pa.DataType) -> bool:

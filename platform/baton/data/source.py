@@ -179,7 +179,7 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
     for name, value in d.columns.items():
         sources = tuple(value if isinstance(value, list) else [value])
         spec_key = f"data.columns.{name}"
-        width, integers = 0, True
+        width, integers, tensor = 0, True, None
         for column in sources:
             if column not in schema.names:
                 near = difflib.get_close_matches(column, schema.names, 1)
@@ -187,15 +187,25 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
                                 + (f"; did you mean {near[0]!r}?" if near else "")
                                 + f" (columns: {', '.join(schema.names)[:300]})")
             t = schema.field(column).type
+            if isinstance(t, pa.FixedShapeTensorType):  # an Arrow tensor: its shape per row
+                tensor, t = tuple(t.shape), t.storage_type
             values = t.value_type if pa_list(t) else t
             if not (pa.types.is_integer(values) or pa.types.is_floating(values)
                     or pa.types.is_boolean(values)):
                 raise SpecError(f"{source}: {spec_key}: {column!r} holds {t}; the task reads "
-                                "numbers or lists of numbers of one length")
+                                "numbers, lists of numbers or Arrow tensors")
             integers = integers and not pa.types.is_floating(values)
-            width += (t.list_size if pa.types.is_fixed_size_list(t)
-                      else _first_length(manifest, column) if pa_list(t) else 1)
-        scalar = len(sources) == 1 and not pa_list(schema.field(sources[0]).type)
+            if name in d.pad:
+                if len(sources) > 1 or not pa_list(t) or pa.types.is_fixed_size_list(t):
+                    raise SpecError(f"{source}: data.pad.{name}: pads one column of lists of "
+                                    f"any length; {', '.join(sources)} is not one")
+                width += d.pad[name]
+            else:
+                width += (t.list_size if pa.types.is_fixed_size_list(t)
+                          else _first_length(manifest, column) if pa_list(t) else 1)
+        scalar = len(sources) == 1 and not pa_list(t)
+        if tensor is not None and len(sources) > 1:
+            tensor = None  # tensors concatenated with other columns: flat features
         high = None
         if spec.task == "classification" and name == "label":
             if not (scalar and integers):
@@ -205,7 +215,8 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
         # integers stay integers (token ids for a transformer); the classifier model reads
         # integer features as floats
         dtype = "int64" if integers else "float32"
-        fields.append(Field(name, sources, () if scalar else (width,), dtype, high, spec_key))
+        shape = () if scalar else tensor or (width,)
+        fields.append(Field(name, sources, shape, dtype, high, spec_key, padded=name in d.pad))
     if spec.model.name == "classifier" and "inputs" in d.columns:
         features = next(f for f in fields if f.name == "inputs").shape or (1,)
         if features[0] != spec.model.options.get("inputs"):
