@@ -1,0 +1,139 @@
+"""From the command to the first completed training step: `baton run` against Ray Train's
+`TorchTrainer`, the quick-start model on 2 workers, side by side in alternating rounds.
+
+baton: `baton run jobs/quickstart.yaml --set train.steps=2` in a fresh folder each round (a
+new user: a new MLflow store, the corpus already prepared), timed from the process's launch
+to the "start: first step done" line, with the phases that line gives (from the run's start:
+data, tracking, workers, form, load, first_step; the rest is Python's and baton's imports and
+`ray.init`).
+
+Ray Train: a fresh Python process that imports Ray and torch, starts a local Ray (2 CPUs, no
+dashboard, as baton's embedded one), and fits a TorchTrainer of 2 workers whose loop builds
+the same model, wraps it with `prepare_model` (DDP over gloo), reads its first batch from the
+same Parquet corpus and takes one optimizer step; timed from the launch to that step's end
+(a timestamp the loop writes).
+
+    python benchmarks/start.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from results_io import write_result  # noqa: E402
+
+PHASES = re.compile(r"after ([\d.]+) s \((.*)\)")
+
+
+def baton_start(data: str, work: Path) -> dict:
+    work.mkdir()
+    job = work / "job.yaml"
+    job.write_text((REPO / "jobs" / "quickstart.yaml").read_text())
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["baton", "run", str(job), "--set", "train.steps=2", "--set",
+                             f"data.path={data}"], cwd=work, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out = {}
+    for line in proc.stdout:
+        if line.startswith("start:") and "to_first_step_s" not in out:
+            out["to_first_step_s"] = round(time.monotonic() - t0, 2)
+            total, phases = PHASES.search(line).groups()
+            out["run_s"] = float(total)
+            out["phases_s"] = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", phases)}
+    proc.wait()
+    assert proc.returncode == 0 and out, f"baton run failed ({proc.returncode})"
+    out["before_run_s"] = round(out["to_first_step_s"] - out["run_s"], 2)  # imports, ray.init
+    return out
+
+
+RAY_TRAIN_CHILD = r'''
+import sys, time
+import ray, torch, torch.nn.functional as F
+import pyarrow.parquet as pq
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer, prepare_model
+from baton.models import build_model
+from baton.spec import load_spec
+
+data, stamp, storage, job = sys.argv[1:5]
+
+def loop(config):
+    torch.set_num_threads(1)
+    spec = load_spec(config["job"])
+    model = prepare_model(build_model(spec.model, 0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rank = ray.train.get_context().get_world_rank()
+    import glob
+    first = sorted(glob.glob(config["data"] + "/**/*.parquet", recursive=True))[0]
+    rows = pq.ParquetFile(first).read_row_group(0, columns=["tokens"]).column(0)
+    tokens = torch.tensor(rows.slice(rank * 16, 16).to_pylist())
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    opt.step()
+    if rank == 0:
+        open(config["stamp"], "w").write(repr(time.time()))
+
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+TorchTrainer(loop, train_loop_config={"data": data, "stamp": stamp, "job": job},
+             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+             run_config=RunConfig(storage_path=storage, name="start")).fit()
+'''
+
+
+def ray_train_start(data: str, work: Path) -> dict:
+    work.mkdir()
+    stamp = work / "first_step"
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", RAY_TRAIN_CHILD, data, str(stamp),
+                           str(work / "storage"), str(REPO / "jobs" / "quickstart.yaml")],
+                          cwd=work, capture_output=True, text=True)
+    assert proc.returncode == 0 and stamp.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return {"to_first_step_s": round(float(stamp.read_text()) - t0, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(HERE / "results" / "start_cpu.json"))
+    args = ap.parse_args()
+    runs = {"baton": [], "ray_train": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        env_home = Path(tmp) / "home"
+        env_home.mkdir()
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        data = f"{tmp}/stdlib-128"
+        subprocess.run(["baton", "data", "prepare", "stdlib", "--out", data], check=True,
+                       capture_output=True)
+        for r in range(args.rounds):
+            order = ["baton", "ray_train"] if r % 2 == 0 else ["ray_train", "baton"]
+            for who in order:
+                fn = baton_start if who == "baton" else ray_train_start
+                out = fn(data, Path(tmp) / f"{who}-{r}")
+                runs[who].append(out)
+                print(f"round {r + 1} {who}: {out['to_first_step_s']} s to the first step"
+                      + (f" (before the run {out['before_run_s']} s, then {out['phases_s']})"
+                         if who == "baton" else ""), flush=True)
+    med = {k: statistics.median(x["to_first_step_s"] for x in v) for k, v in runs.items()}
+    ratio = statistics.median(a["to_first_step_s"] / b["to_first_step_s"]
+                              for a, b in zip(runs["baton"], runs["ray_train"]))
+    print(f"\nmedian to the first step: baton {med['baton']:.1f} s, Ray Train {med['ray_train']:.1f} s; "
+          f"baton / Ray Train (paired) {ratio:.2f}")
+    write_result(args.out, {"rounds": args.rounds, "median_s": med, "baton_vs_ray_train": round(ratio, 3),
+                            "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
