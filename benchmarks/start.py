@@ -19,7 +19,6 @@ same Parquet corpus and takes one optimizer step; timed from the launch to that 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
