@@ -19,7 +19,10 @@ from torch import nn
 from baton.models import hf
 from baton.models.gpt import build_gpt
 from baton.models.mlp import build_classifier, build_mlp
-from baton.tasks import IGNORE, loss_sum  # noqa: F401 (their home before tasks existed)
+from baton.tasks import IGNORE, loss_sum  # their home before tasks existed: still imported here
+
+__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "build_model", "check_model_name",
+           "layer_count", "layer_params", "loss_sum", "options_problem", "sequential"]
 
 
 def _gpt(spec) -> nn.Module:
