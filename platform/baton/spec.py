@@ -87,6 +87,9 @@ class TrainSpec:
     # recompute activations in the backward instead of keeping them: none | blocks (every
     # repeated block) | {every: N} (every Nth): memory for time, the same gradients
     activation_checkpointing: Union[Literal["none", "blocks"], Every] = "none"
+    # torch.compile each block (in place: names, checkpoints and parallelism unchanged);
+    # compiling is paid at the first step of each new worker process (less from the cache)
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,7 @@ class JobSpec:
         may change on resume."""
         d = self.to_dict()
         train = {k: v for k, v in d["train"].items()
-                 if k not in ("steps", "micro_batch", "activation_checkpointing")
+                 if k not in ("steps", "micro_batch", "activation_checkpointing", "compile")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items() if k not in ("columns", "pad") or v}
         # the task and the held-out split only where set: v0.5's checkpoints keep their recipe

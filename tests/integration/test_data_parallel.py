@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections import Counter
 
@@ -12,6 +14,7 @@ import torch
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.models import build_model
+from baton.parallel.compiled import CXX
 from baton.spec import spec_from_dict
 from helpers import assert_like_one_process, reference_run, tiny_spec, write_dataset
 
@@ -61,6 +64,26 @@ def test_every_sample_exactly_once_per_epoch(tmp_path):
     assert set(ranks) == {0, 1} and abs(ranks[0] - ranks[1]) <= 9  # both replicas trained
     assert np.isfinite(result.loss)
 
+
+
+def test_compiled_blocks_train_as_one_eager_process(tmp_path):
+    """train.compile: each block compiled in place by torch.compile (Inductor's C++ on CPU)
+    at dp 2 trains as one eager process; compiling is a phase of its own in the start."""
+    if not any(shutil.which(c) for c in CXX):
+        if os.environ.get("BATON_REQUIRE_CXX"):
+            pytest.fail("BATON_REQUIRE_CXX is set but there is no C++ compiler; apt-get install g++")
+        pytest.skip("no C++ compiler for Inductor on CPU (apt-get install g++; CI installs it "
+                    "and sets BATON_REQUIRE_CXX, so there it cannot skip)")
+    data = write_dataset(tmp_path / "data", 64, 32)
+    spec = spec_from_dict(tiny_spec(tmp_path, data, name="compiled", train={"compile": True}))
+    result = api.run(spec, show_progress=False)
+    phases = result.start["phases_s"]
+    print(f"start phases: {phases}")
+    assert phases["compile"] > 0.5, phases  # measured 14-40 s cold, 1-2 s from the cache
+    assert phases["first_step"] < phases["compile"], phases
+    # Inductor fuses and reorders float operations: measured 2.4e-05 from one eager process
+    # after 3 steps (eager at dp 2: 7.7e-06), inside the default bound (rtol 1e-5, atol 4e-5)
+    assert_like_one_process(spec, data, result, steps=3)
 
 
 def test_bf16_autocast_tracks_the_fp32_reference(tmp_path):

@@ -81,3 +81,49 @@ def test_fsdp_units_group_small_blocks_and_leave_large_ones_alone():
     assert [len(g) for g in units(gpt, 16)] == [6]  # 12.7 MiB in all: one unit
     assert [len(g) for g in units(gpt, 5)] == [3, 2, 1]  # closed once it holds 5 MiB
     assert [m for g in units(gpt, 5) for m in g] == blocks(gpt)  # in order, each once
+
+
+@pytest.mark.parametrize("level,pipeline_stage", [("full", False), ("full", True), ("grads", False)])
+def test_zero3_keeps_the_last_unit_whole_for_the_backward_that_follows(level, pipeline_stage):
+    """Under ZeRO-3 every FSDP unit frees its gathered parameters after its forward, except
+    the last one of a data-parallel replica: its backward comes at once and would gather them
+    again (0.69x -> see benchmarks/sharding.py). A pipeline stage's backward comes
+    micro-batches later, so there every unit frees them; ZeRO-2 keeps them all."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from baton.models.gpt import build_gpt
+    from baton.parallel.mesh import ParallelDims
+    from baton.parallel.sharding import WRAPPINGS, blocks, shard_stages
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = ParallelDims(dp=1).device_mesh("cpu", timeout_s=60)
+        gpt = build_gpt(layers=3, width=32, heads=2, seq_len=8, vocab_size=256)
+        if pipeline_stage:
+            shard_stages([gpt], mesh, TrainSpec(), reshard_after_forward=True, unit_mib=0)
+        else:
+            WRAPPINGS[level](gpt, mesh, TrainSpec(), torch.device("cpu"), unit_mib=0)
+        gpt(torch.randint(0, 256, (2, 8)))
+        whole = [not isinstance(next(b.parameters()), DTensor) for b in blocks(gpt)]
+        assert len(whole) == 5  # embedding, 3 blocks, head: a unit each
+        expected = {("full", False): [False] * 4 + [True], ("full", True): [False] * 5,
+                    ("grads", False): [True] * 5}[level, pipeline_stage]
+        assert whole == expected
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiling_on_a_cpu_node_without_a_cxx_compiler_is_one_clear_error(monkeypatch):
+    """Inductor builds C++ at the first step on CPU: without a compiler that fails deep in
+    torch, so the worker says what is missing before the world trains."""
+    from baton.errors import WorkerError
+    from baton.models.gpt import build_gpt
+    from baton.parallel import compiled
+
+    gpt = build_gpt(layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
+    assert compiled.compile_blocks(gpt, on=False) == 0
+    monkeypatch.setattr(compiled, "CXX", ("baton-no-such-compiler",))
+    with pytest.raises(WorkerError, match="apt-get install g\\+\\+"):
+        compiled.compile_blocks(gpt, on=True, device="cpu")
+    assert compiled.compile_blocks(gpt, on=True, device="cuda") == 4  # embedding, 2 blocks, head

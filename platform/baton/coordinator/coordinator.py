@@ -503,6 +503,12 @@ class Coordinator:
         each part took (the start's phases go to the result and MLflow, not to the events)."""
         phases = {**event.pop("phases_s"), "first_step": 0.0}
         phases["first_step"] = time.monotonic() - event.pop("t0") - sum(phases.values())
+        in_setup, in_steps = self.stats.compile_s
+        if in_setup or in_steps:  # train.compile: its own phase, out of those it happened in
+            formed = "form" if "form" in phases else "group_init"
+            phases[formed] = max(0.0, phases[formed] - in_setup)
+            phases["first_step"] = max(0.0, phases["first_step"] - in_steps)
+            phases["compile"] = in_setup + in_steps
         event["phases_s"] = {k: round(v, 3) for k, v in phases.items()}
         event["total_s"] = round(sum(phases.values()), 3)
         kind = event["kind"]

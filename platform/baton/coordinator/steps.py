@@ -27,11 +27,15 @@ class StepStats:
         self.state_bytes: list[dict] = []  # per worker, at the first step of the last world
         self.flops_per_token = model_flops_per_token(spec.model)
         self.peak_flops: Optional[float] = None  # of the current world's devices
+        # seconds the current world's slowest worker compiled (train.compile): [in its setup
+        # (a pipeline's shape probe), in its steps]
+        self.compile_s = [0.0, 0.0]
 
     def world(self, workers: list[dict], spec) -> None:
         """A world was formed on these workers: their devices' summed peak, for MFU."""
         self.peak_flops = job_peak_flops([w.get("device_name", "cpu") for w in workers],
                                          spec.train.precision, spec.tracking.cpu_peak_tflops)
+        self.compile_s = [max(w.get("compile_s", 0.0) for w in workers), 0.0]
 
     def measure(self, step: int, results: list[dict], step_time_s: float, samples: int,
                 lr: float, epoch: int, dims) -> dict:
@@ -54,6 +58,10 @@ class StepStats:
         if "state_bytes" in results[0]:  # the first step of each world
             self.state_bytes = [r["state_bytes"] for r in results]
             metrics["state_mib_per_worker"] = max(sum(b.values()) for b in self.state_bytes) / 2**20
+        compiled = max(r.get("compile_s", 0.0) for r in results)
+        if compiled:  # a new world's first step, or a recompile (a new shape)
+            self.compile_s[1] += compiled
+            metrics["compile_s"] = compiled
         data_s = [r["data_s"] for r in results if "data_s" in r]
         if data_s:
             metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)

@@ -136,9 +136,15 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 
 def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool,
-                unit_mib: float, grad_comm: str = "fp32") -> None:
+                unit_mib: float, grad_comm: str = "fp32", backward_follows: bool = True) -> None:
     """FSDP2 on each of `module`'s blocks, then on `module` itself as a root, over the dp
-    axes of the mesh (of this rank's pipeline stage, when pp > 1)."""
+    axes of the mesh (of this rank's pipeline stage, when pp > 1).
+
+    When the backward follows the forward at once (`backward_follows`: data parallelism, not a
+    pipeline stage, whose backward comes micro-batches later), the last unit keeps its
+    parameters whole after its forward even under ZeRO-3: the backward starts with it, so
+    freeing them would only gather them again at once, with the peak unchanged (torchtitan
+    does the same with its last block)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
@@ -147,9 +153,11 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     # it); gradients reduced in fp32 unless parallel.grad_comm: bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if train.precision == "bf16" else None,
                               reduce_dtype=comm.reduce_dtype(grad_comm))
-    for group in units(module, unit_mib):
+    groups = units(module, unit_mib)
+    for i, group in enumerate(groups):
+        last = backward_follows and i == len(groups) - 1
         shard(group if len(group) > 1 else group[0], mesh=dp_mesh,
-              reshard_after_forward=reshard_after_forward, mp_policy=mp)
+              reshard_after_forward=reshard_after_forward and not last, mp_policy=mp)
     # the root holds what no unit does; it is needed again at once by the backward
     shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
 
@@ -197,7 +205,8 @@ def shard_stages(chunks: list[nn.Module], mesh, train: TrainSpec, reshard_after_
     gradients are reduced once per step, at each chunk's last backward, not once per
     micro-batch (and ZeRO-2 keeps parameters whole until then)."""
     for chunk in chunks:
-        _shard_root(chunk, mesh, train, reshard_after_forward, unit_mib, grad_comm)
+        _shard_root(chunk, mesh, train, reshard_after_forward, unit_mib, grad_comm,
+                    backward_follows=False)
 
     def sync(c: int, last: bool) -> None:
         chunks[c].set_requires_gradient_sync(last)

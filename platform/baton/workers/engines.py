@@ -21,6 +21,7 @@ from baton.parallel import ParallelDims
 from baton.parallel import comm
 from baton.parallel import schedule as sched
 from baton.parallel.activations import checkpoint_activations
+from baton.parallel.compiled import compile_blocks
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard, state_dicts
@@ -68,6 +69,7 @@ class DataParallelEngine(_Engine):
         self.dp = spec.parallel.dp
         self.module = build_model(spec.model, spec.train.seed).to(device)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
+        compile_blocks(self.module, spec.train.compile, device.type)
         level = spec.parallel.shard
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s) if level != "none" else None
         self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device,
@@ -132,6 +134,7 @@ class PipelineEngine(_Engine):
         p, v = dims.pp, spec.chunks
         full = sequential(build_model(spec.model, spec.train.seed), spec.model.name)
         checkpoint_activations(full, spec.train.activation_checkpointing)  # on the whole model
+        compile_blocks(full, spec.train.compile, device.type)
         # Every rank builds the whole model from the seed and keeps its slices, so stages
         # start exactly as the single-process model does (the rest is freed at once).
         spans = bounds(stage_layers)

@@ -30,6 +30,7 @@ from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
 from baton.models import build_model
 from baton.parallel import ParallelDims
+from baton.parallel.compiled import compile_seconds
 from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
 from baton.tasks import VALID, example_inputs, make_task, padded
@@ -150,6 +151,7 @@ class Worker:
               stage_layers: Optional[list[int]] = None, columns: Optional[Columns] = None) -> dict:
         """Join the process group, build this rank's part of the model and its optimizer."""
         spec = self.spec
+        self.compile_mark = compile_seconds()
         timeout = timedelta(seconds=spec.parallel.timeout_s)
         store, self.master_store = self.master_store, None  # rank 0's, from rendezvous_address
         if store is None:
@@ -179,7 +181,8 @@ class Worker:
                 "device_name": torch.cuda.get_device_name(self.device) if self.use_cuda else "cpu",
                 "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "layers": self.engine.layer_names(),
-                "wrapper": type(getattr(self.engine, "wrapped", self.engine.module)).__name__}
+                "wrapper": type(getattr(self.engine, "wrapped", self.engine.module)).__name__,
+                **self._compiled()}
 
     def train_step(self, step: int, batch: Batch, lr: float, trace: bool = False) -> dict:
         """One optimizer step on this replica's part of the global batch `batch`. The loss is
@@ -195,10 +198,17 @@ class Worker:
         if not self.state_reported:  # sizes are fixed within a world: measured once
             out["state_bytes"] = self.engine.state_bytes()  # what sharding saves, live tensors
             self.state_reported = True
+        out.update(self._compiled())
         self.last_step = step + 1
         if self.ledger is not None and self.pp_rank == 0:
             self.ledger += [(step, self.rows.gather(rows)[0].tolist()) for rows in micro if len(rows)]
         return out
+
+    def _compiled(self) -> dict:
+        """{"compile_s": seconds} spent compiling since the last report (a new world's first
+        step, a recompile for a new shape), or nothing."""
+        spent, self.compile_mark = compile_seconds() - self.compile_mark, compile_seconds()
+        return {"compile_s": spent} if spent > 0 else {}
 
     def gradients(self, batch: Batch) -> dict:
         """This worker's gradients for `batch`, by parameter name, without stepping: what

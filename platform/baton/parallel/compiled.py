@@ -1,0 +1,52 @@
+"""Compiled steps (`train.compile`): each of the model's blocks is compiled in place with
+`torch.compile` (`nn.Module.compile`), as torchtitan compiles its transformer blocks.
+
+- Parameter names are unchanged (the module is not wrapped), so checkpoints load across the
+  setting, and DDP, FSDP2 (which wraps after) and pipeline stages (cut from whole blocks)
+  run compiled blocks as they run eager ones.
+- Blocks of one kind share their compiled code: torch compiles the first and reuses it for the
+  others (their parameters are inputs of the graph, not constants).
+- Compilation happens at the first forward and backward a block runs; `compile_seconds` reads
+  the time from torch's own counters, which the coordinator reports as the `compile` phase of a
+  start, recovery or rescale.
+- Inductor keeps what it generated in a cache on disk (`TORCHINDUCTOR_CACHE_DIR`, by default
+  /tmp/torchinductor_USER on each node), so a worker started on a node that has compiled the
+  model before (a recovery, a rescale, the next run) skips code generation and pays tracing
+  only (measured in benchmarks/compile.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+from torch import nn
+
+from baton.errors import WorkerError
+from baton.parallel.sharding import blocks
+
+CXX = tuple(c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
+
+
+def compile_blocks(model: nn.Module, on: bool, device: str = "cpu") -> int:
+    """Compile `model`'s blocks in place when `on`; returns how many."""
+    if not on:
+        return 0
+    if device == "cpu" and not any(shutil.which(c) for c in CXX):
+        # Inductor's CPU code is C++ built at the first step; without a compiler that step
+        # fails deep inside torch, so say it here, before the world trains
+        raise WorkerError("train.compile on CPU builds C++ at the first step and this node has no "
+                          "C++ compiler (g++, c++ or clang++ on PATH, or $CXX): install one "
+                          "(Debian: apt-get install g++) or set train.compile: false")
+    found = blocks(model)
+    for block in found:
+        block.compile()
+    return len(found)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (forward and backward graphs); 0
+    without importing torch's compiler (slow to import) where nothing imported it."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils.calculate_time_spent().get("total_wall_time", 0.0) if utils else 0.0
