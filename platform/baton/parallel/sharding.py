@@ -127,7 +127,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                        lambda where: sharded.load_into(wrapped, optimizer, where))
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    cls, kwargs = optimizer_class(train)
+    cls, kwargs = optimizer_class(train, device.type == "cuda")
     optimizer = ZeroRedundancyOptimizer(param_groups(module, train), optimizer_class=cls,
                                         process_group=mesh["dp_shard"].get_group(), **kwargs)
     zero = _ZeroState(module, optimizer)
