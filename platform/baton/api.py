@@ -19,7 +19,8 @@ from baton.data import corpus
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, needs_prepare, preflight
 from baton.errors import CheckpointError
-from baton.spec import JobSpec, check_fits, load_spec
+from baton.spec import JobSpec, load_spec
+from baton.spec_checks import check_fits
 from baton.tracking import make_tracker
 
 

@@ -2,7 +2,8 @@
 
 Every default lives here. A mistake (unknown key, wrong type, impossible value or combination)
 raises one `SpecError` whose message names the file, the key path, the value and what would be
-valid, before any Ray work starts and before anything is written.
+valid, before any Ray work starts and before anything is written. This module reads the tree
+(keys, types, YAML, overrides); `spec_checks.py` checks its values and combinations.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +25,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from baton.errors import SpecError
+from baton.spec_checks import MOST, MOST_INT, check_values
+from baton.spec_checks import show as _show
 
 
 @dataclass(frozen=True)
@@ -366,7 +368,7 @@ def spec_from_dict(raw: dict, source: str = "<spec>", one_world: bool = False) -
     than the job as written allows on its own (a sharded job shrunk to one replica)."""
     _check_tree(raw, f"{source}: ")
     spec = _build(JobSpec, raw, "", source)
-    _check_values(spec, source, one_world)
+    check_values(spec, source, one_world)
     return spec
 
 
@@ -424,15 +426,6 @@ def _check_tree(value: Any, where: str) -> None:
             else:
                 name = f"{path}.{key}" if path else key
             stack.append((child, name, depth + 1, above + (id(node),)))
-
-
-def _show(value: Any, most: int = 80) -> str:
-    """A value for a one-line message: huge integers by their size (their digits can take
-    seconds to print, and Python refuses past 4,300), long text cut."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {int(value.bit_length() * 0.30103) + 1} digits"
-    text = repr(value)
-    return text if len(text) <= most else f"{text[:most - 20]}... ({len(text)} characters)"
 
 
 def _kind(value: Any) -> str:
@@ -534,333 +527,3 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         raise SpecError(f"{source}: {key}: {_show(value)} is invalid; at most {MOST_INT:,}")
     return value
 
-
-# ---------------------------------------------------------------------------------------------
-# Values and combinations
-
-
-def _check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
-    def need(ok: bool, key: str, value: Any, fix: str) -> None:
-        if not ok:
-            raise SpecError(f"{source}: {key}: {_show(value)} is invalid; {fix}")
-
-    m, d, t, p, r, c, tr = (spec.model, spec.data, spec.train, spec.parallel, spec.resources,
-                           spec.checkpoint, spec.tracking)
-    flat = spec.flat()
-    for key, (most, why) in MOST.items():  # first: later checks iterate over some of these
-        value = flat[key]
-        need(value is None or value <= most, key, value, f"at most {most:,} ({why})")
-    need(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
-    for key in ("data.path", "checkpoint.path"):
-        problem = path_problem(flat[key])
-        need(problem is None, key, flat[key], problem or "")
-    need(len(tr.experiment) <= 500, "tracking.experiment", tr.experiment, "use at most 500 characters")
-    need(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", spec.name)), "name", spec.name,
-         "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    from baton.models import OPTIONS, REQUIRED, check_model_name, options_problem
-
-    problem = check_model_name(m.name)
-    need(problem is None, "model.name", m.name, problem or "")
-    for key in ("layers", "width", "heads", "seq_len", "vocab_size", "context"):
-        need(getattr(m, key) >= 1, f"model.{key}", getattr(m, key), "must be at least 1")
-    need(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)")
-    if m.options or m.name not in OPTIONS or m.name in REQUIRED:  # (after the sizes: a user's builder may run here)
-        problem = options_problem(m, on_meta=p.pp > 1 or p.shard in ("grads", "full"))
-        need(problem is None, "model.options" if m.options else "model.name",
-             m.options if m.options else m.name, problem or "")
-    hf = m.name.startswith("hf:")
-    need(hf or not m.config, "model.config", m.config, "only hf: models take a configuration; "
-         "a builder of your own reads model.options")
-    need(hf or m.init_from is None, "model.init_from", m.init_from,
-         "only hf: models load weights this way (a local save_pretrained folder)")
-    if m.init_from is not None:
-        problem = path_problem(m.init_from)
-        need(problem is None, "model.init_from", m.init_from, problem or "")
-    need(not hf or p.pp == 1, "parallel.pp", p.pp, "hf: models are not an nn.Sequential of "
-         "layers to cut into stages; use pp: 1 (data parallel or sharded)")
-    if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)
-        near = _divisor_near(m.width, m.heads)
-        need(False, "model.heads", m.heads,
-             f"must divide model.width ({m.width})" + (f"; try {near}" if near else ""))
-    need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
-    need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
-    need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
-    _check_task(spec, need)
-
-    for key in ("steps", "global_batch"):
-        need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")
-    need(t.micro_batch is None or t.micro_batch >= 1, "train.micro_batch", t.micro_batch,
-         "must be at least 1")
-    need(t.lr > 0, "train.lr", t.lr, "must be > 0 (e.g. 3e-4)")
-    need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be in [0, train.lr = {t.lr}]")
-    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
-    need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
-    need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", t.betas,
-         "give two numbers in [0, 1), e.g. [0.9, 0.95]")
-    need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 turns clipping off)")
-    ac = t.activation_checkpointing
-    need(isinstance(ac, str) or 1 <= ac.every <= MOST["model.layers"][0],
-         "train.activation_checkpointing.every", getattr(ac, "every", ac),
-         f"must be in [1, {MOST['model.layers'][0]}] blocks")
-
-    need(p.dp >= 1, "parallel.dp", p.dp, "must be at least 1")
-    need(p.pp >= 1, "parallel.pp", p.pp, "must be at least 1")
-    need(p.dp * p.pp <= MOST_WORKERS, "parallel.dp", p.dp,
-         f"dp x pp = {p.dp * p.pp:,} workers; at most {MOST_WORKERS:,}")
-    need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
-    need(p.shard_unit_mib >= 0, "parallel.shard_unit_mib", p.shard_unit_mib, "must be >= 0 MiB")
-    need(p.grad_comm != "powersgd" or (p.pp == 1 and p.shard in ("none", "optimizer")),
-         "parallel.grad_comm", p.grad_comm, "PowerSGD runs through DDP's communication hook: "
-         "use it with parallel.shard none or optimizer and pp 1 (bf16 works everywhere)")
-    _check_batching(spec, need)
-    if p.shard != "none" or p.shard_group is not None:
-        _check_sharding(spec, need, one_world)
-    if p.pp > 1 or p.schedule == "interleaved-1f1b" or p.chunks or p.partition != "params":
-        _check_pipeline(spec, source, need)
-
-    need(r.cpus_per_worker > 0, "resources.cpus_per_worker", r.cpus_per_worker, "must be > 0")
-    need(r.gpus_per_worker >= 0, "resources.gpus_per_worker", r.gpus_per_worker, "must be >= 0")
-    need(r.threads_per_worker >= 1, "resources.threads_per_worker", r.threads_per_worker,
-         "must be at least 1")
-
-    need(bool(c.path), "checkpoint.path", c.path, "give a folder or URI")
-    need(c.every_steps >= 1, "checkpoint.every_steps", c.every_steps, "must be at least 1")
-    need(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
-    need(c.timeout_s > 0, "checkpoint.timeout_s", c.timeout_s, "must be > 0 seconds")
-    need(tr.flush_every_s > 0, "tracking.flush_every_s", tr.flush_every_s, "must be > 0")
-    need(bool(tr.experiment), "tracking.experiment", tr.experiment, "name an MLflow experiment")
-    need(tr.cpu_peak_tflops is None or tr.cpu_peak_tflops > 0, "tracking.cpu_peak_tflops",
-         tr.cpu_peak_tflops, "must be > 0 (or null: no MFU on CPU)")
-    _check_elastic(spec, need)
-
-
-MOST_INT = 2**63 - 1  # what a 64-bit integer holds: every count and size, before its own bound
-_SECONDS = (10**7, "about 16 weeks")
-# The most of every size: what any machine or cluster baton plans for can hold. Checked before
-# anything is built or iterated (a model.width of 10^12 + 1 once took minutes to refuse, an
-# elastic.max_dp of 10^7 built ten million specs).
-MOST: dict[str, tuple[float, str]] = {
-    "model.layers": (512, "a model built to check it takes about 1.5 ms a layer"),
-    "model.width": (2**17, "16 times GPT-3's"),
-    "model.heads": (2**12, "attention heads"),
-    "model.seq_len": (2**20, "tokens of context"),
-    "model.vocab_size": (2**24, "token ids"),
-    "model.context": (2**20, "tokens an MLP position sees"),
-    "data.shuffle_block": (2**40, "samples"),
-    "train.steps": (10**12, "steps"),
-    "train.global_batch": (2**24, "samples a step"),
-    "train.micro_batch": (2**24, "samples"),
-    "train.warmup_steps": (10**12, "steps"),
-    "train.seed": (2**32 - 1, "a 32-bit seed"),
-    "parallel.dp": (2**16, "replicas"),
-    "parallel.pp": (2**10, "pipeline stages"),
-    "parallel.microbatches": (2**17, "micro-batches a step"),
-    "parallel.chunks": (2**10, "chunks a pipeline rank"),
-    "parallel.shard_group": (2**16, "replicas"),
-    "parallel.shard_unit_mib": (2**20, "MiB"),
-    "parallel.timeout_s": _SECONDS,
-    "resources.cpus_per_worker": (2**10, "CPUs"),
-    "resources.gpus_per_worker": (64, "GPUs on one node"),
-    "resources.threads_per_worker": (2**10, "threads"),
-    "checkpoint.every_steps": (10**12, "steps"),
-    "checkpoint.keep": (10**6, "checkpoints"),
-    "checkpoint.timeout_s": _SECONDS,
-    "tracking.flush_every_s": _SECONDS,
-    "tracking.trace_step": (10**12, "steps"),
-    "tracking.cpu_peak_tflops": (10**6, "TFLOP/s"),
-    "elastic.min_dp": (2**16, "replicas"),
-    "elastic.max_dp": (2**16, "replicas"),
-    "elastic.max_failures": (10**6, "failures"),
-    "elastic.rescale_check_s": _SECONDS,
-    "elastic.hang_timeout_s": _SECONDS,
-    "eval.every_steps": (10**12, "steps"),
-    "eval.seed": (2**32 - 1, "a 32-bit seed"),
-}
-MOST_WORKERS = 2**16  # replicas x pipeline stages
-MOST_PASSES = 2**16  # micro-batches x pipeline stages of one step: a schedule is built from them
-_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
-
-
-def path_problem(path: str) -> Optional[str]:
-    """Why `path` cannot name a folder or a URI (None: it can), without touching it."""
-    if "\x00" in path:
-        return "contains a NUL character"
-    if len(path.encode()) > 4096:
-        return "longer than any file system allows (4,096 bytes)"
-    scheme, sep, rest = path.partition("://")
-    if sep and scheme not in _SCHEMES:
-        return f"unknown scheme {scheme!r}; use a local path or one of {', '.join(_SCHEMES)}"
-    too_long = [part for part in (rest if sep else path).split("/") if len(part.encode()) > 255]
-    if too_long:
-        return f"a name in it is longer than file systems allow (255 bytes): {_show(too_long[0], 40)}"
-    return None
-
-
-def _check_task(spec: JobSpec, need) -> None:
-    from baton.tasks import make_task, task_problem
-
-    d, e = spec.data, spec.eval
-    problem = task_problem(spec.task)
-    need(problem is None, "task", spec.task, problem or "")
-    for key, value in d.columns.items():
-        names = value if isinstance(value, list) else [value]
-        need(bool(re.fullmatch(r"[A-Za-z_]\w{0,62}", key)) and key != "valid", f"data.columns.{key}",
-             key, "name a batch entry with a Python identifier other than 'valid'")
-        need(bool(names) and all(isinstance(n, str) and n and len(n) <= 255 for n in names),
-             f"data.columns.{key}", value, "give a column name or a list of column names")
-    for key, most in d.pad.items():
-        need(key in d.columns, f"data.pad.{key}", most, f"pads a key of data.columns "
-             f"({', '.join(d.columns) or 'none given'})")
-        need(isinstance(most, int) and not isinstance(most, bool) and 1 <= most <= 2**20,
-             f"data.pad.{key}", most, "give the most values a row holds, 1 to 1,048,576")
-    if spec.task == "language_model":
-        need(not d.columns, "data.columns", d.columns, "a language model reads "
-             "data.token_column; data.columns is for task: classification or a task of your own")
-    else:
-        need(d.source != "stdlib", "data.source", d.source, f"the built-in corpus is token rows "
-             f"for a language model; task {spec.task} needs data.source: parquet (or digits)")
-        missing = [k for k in make_task(spec).needs if k not in d.columns]
-        need(not missing, "data.columns", d.columns,
-             f"task {spec.task} reads {' and '.join(missing)}: map "
-             + ", ".join(f"{k}: COLUMN" for k in missing) + " (e.g. inputs: [pixels], label: label)")
-    need(e.every_steps >= 0, "eval.every_steps", e.every_steps, "must be >= 0 (0: at the end only)")
-    need(0 <= e.fraction < 1, "eval.fraction", e.fraction, "must be in [0, 1), e.g. 0.1")
-    need(not (e.fraction and e.path), "eval.path", e.path,
-         "give eval.fraction (held out of data.path) or eval.path (a dataset of its own), not both")
-    need(e.seed >= 0, "eval.seed", e.seed, "must be >= 0")
-    if e.path is not None:
-        problem = path_problem(e.path)
-        need(problem is None and bool(e.path), "eval.path", e.path, problem or "give a folder or URI")
-
-
-def _check_elastic(spec: JobSpec, need) -> None:
-    e, dp = spec.elastic, spec.parallel.dp
-    lo, hi = spec.dp_range
-    need(lo >= 1, "elastic.min_dp", e.min_dp, "must be at least 1")
-    need(lo <= dp, "elastic.min_dp", e.min_dp, f"must be <= parallel.dp = {dp}")
-    need(hi >= dp, "elastic.max_dp", e.max_dp, f"must be >= parallel.dp = {dp}")
-    need(hi * spec.parallel.pp <= MOST_WORKERS, "elastic.max_dp", e.max_dp,
-         f"max_dp x pp = {hi * spec.parallel.pp:,} workers; at most {MOST_WORKERS:,}")
-    need(e.max_failures >= 0, "elastic.max_failures", e.max_failures, "must be >= 0")
-    need(e.rescale_check_s > 0, "elastic.rescale_check_s", e.rescale_check_s, "must be > 0 seconds")
-    need(e.hang_timeout_s > 0, "elastic.hang_timeout_s", e.hang_timeout_s, "must be > 0 seconds")
-    if lo < hi:
-        valid = spec.valid_dps()
-        for key, value in (("elastic.min_dp", lo), ("elastic.max_dp", hi)):
-            need(value in valid, key, value,
-                 f"train.global_batch {spec.train.global_batch} cannot be split over {value} "
-                 f"replicas under batch_policy {spec.batch_policy}; dp values that work: "
-                 + (f"{valid}" if len(valid) <= 12 else f"{str(valid[:12])[:-1]}, ... ({len(valid)} in all)]"))
-
-
-def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:
-    p = spec.parallel
-    need(p.shard != "none", "parallel.shard_group", p.shard_group,
-         "hybrid sharding needs a shard level: set parallel.shard to optimizer, grads or full")
-    need(one_world or spec.dp_range[1] >= 2, "parallel.shard", p.shard,
-         "sharding splits state across replicas and this job has one (parallel.dp and "
-         "elastic.max_dp are 1); raise parallel.dp or use shard: none")
-    need(p.pp == 1 or p.shard != "optimizer", "parallel.shard", p.shard,
-         f"ZeRO-1 inside pipeline stages (parallel.pp = {p.pp}) is not supported (torch's "
-         "ZeroRedundancyOptimizer steps through DDP, which pipelines do not use); use grads "
-         "or full with pp")
-    if p.shard_group is not None:
-        need(p.shard_group >= 2, "parallel.shard_group", p.shard_group,
-             "must be at least 2 (null shards across all of dp)")
-        need(p.dp % p.shard_group == 0, "parallel.shard_group", p.shard_group,
-             f"must divide parallel.dp = {p.dp} (hybrid sharding keeps whole groups)")
-    if p.shard in ("grads", "full"):
-        from baton.models import _on_meta
-        from baton.parallel.sharding import wrap_problem
-
-        problem = wrap_problem(_on_meta(spec.model), spec.model.name)
-        need(problem is None, "parallel.shard", p.shard, problem or "")
-
-
-def _check_batching(spec: JobSpec, need) -> None:
-    t, p = spec.train, spec.parallel
-    need(p.microbatches is None or p.microbatches >= 1, "parallel.microbatches", p.microbatches,
-         "must be at least 1")
-    need(t.global_batch % p.dp == 0, "train.global_batch", t.global_batch,
-         f"must be a multiple of parallel.dp = {p.dp}")
-    if t.micro_batch and p.microbatches:
-        need(t.micro_batch * p.microbatches * p.dp == t.global_batch, "parallel.microbatches",
-             p.microbatches, f"dp x microbatches x train.micro_batch must equal train.global_batch "
-             f"({p.dp} x {p.microbatches} x {t.micro_batch} != {t.global_batch}); set only one "
-             "of microbatches and micro_batch")
-    elif p.microbatches:
-        per_replica = t.global_batch // p.dp
-        need(per_replica % p.microbatches == 0, "parallel.microbatches", p.microbatches,
-             f"must divide the {per_replica} samples each replica gets per step "
-             f"(train.global_batch / parallel.dp)")
-    per_step = p.dp * spec.micro_batch
-    need(t.global_batch % per_step == 0, "train.global_batch", t.global_batch,
-         f"must be a multiple of parallel.dp x train.micro_batch = {p.dp} x {spec.micro_batch} "
-         f"= {per_step}; try {max(per_step, round(t.global_batch / per_step) * per_step)}")
-
-
-def _check_pipeline(spec: JobSpec, source: str, need) -> None:
-    from baton.models import layer_count
-    from baton.parallel import schedule as sched
-
-    p = spec.parallel
-    interleaved = p.schedule == "interleaved-1f1b"
-    need(not interleaved or p.pp >= 2, "parallel.schedule", p.schedule,
-         "interleaving needs parallel.pp >= 2")
-    need(p.chunks is None or p.chunks >= 1, "parallel.chunks", p.chunks, "must be at least 1")
-    need(interleaved or spec.chunks == 1, "parallel.chunks", p.chunks,
-         f"only interleaved-1f1b runs several chunks per rank; {p.schedule} runs 1")
-    stages = p.pp * spec.chunks
-    need(spec.microbatches * stages <= MOST_PASSES, "parallel.pp", p.pp,
-         f"{spec.microbatches:,} micro-batches x {stages:,} stages a step; at most "
-         f"{MOST_PASSES:,} (a step's schedule is built from them): use fewer, larger micro-batches")
-    layers = layer_count(spec.model)
-    what = f"{p.pp} stages x {spec.chunks} chunks" if spec.chunks > 1 else f"{p.pp} stages"
-    need(layers >= stages, "parallel.pp", p.pp,
-         f"the model has {layers} layers (model.layers plus embedding and head), fewer than "
-         f"{what}; use pp <= {layers // spec.chunks}")
-    if isinstance(p.partition, list):
-        need(len(p.partition) == stages and all(n >= 1 for n in p.partition)
-             and sum(p.partition) == layers, "parallel.partition", p.partition,
-             f"give {stages} layer counts, each >= 1, summing to the model's {layers} layers "
-             f"(e.g. {_even_split(layers, stages)}), or 'params' or 'time'")
-    if spec.resources.gpus_per_worker > 0:
-        problem = sched.order_problem(sched.build(p.schedule, p.pp, spec.microbatches,
-                                                  spec.chunks), p.pp, spec.chunks)
-        need(problem is None, "parallel.microbatches", spec.microbatches,
-             f"NCCL matches messages by order and this schedule breaks it ({problem}); "
-             f"use a multiple of parallel.pp = {p.pp}")
-
-
-def _even_split(n: int, parts: int) -> list[int]:
-    return [n // parts + (i < n % parts) for i in range(parts)]
-
-
-def _divisor_near(n: int, k: int, window: int = 100_000) -> Optional[int]:
-    """The divisor of n nearest k (the smaller on a tie), looked for within `window` of k:
-    None beyond it. Scanning outward from k, not every number up to n: a width of 10^12 + 1
-    took minutes to refuse."""
-    for i in range(window + 1):
-        for d in (k - i, k + i):
-            if 1 <= d <= n and n % d == 0:
-                return d
-    return None
-
-
-def check_fits(spec: JobSpec, cpus: float, gpus: float, source: str, where: str) -> None:
-    """Refuse a layout the cluster cannot place (checked against its total resources)."""
-    r, p = spec.resources, spec.parallel
-    dp = spec.dp_range[0]  # an elastic job starts with what fits, at least min_dp
-    key = "parallel.dp" if dp == p.dp else "elastic.min_dp"
-    workers = dp * p.pp
-    if workers * r.cpus_per_worker > cpus + 1e-9:
-        fit = int(cpus // r.cpus_per_worker)
-        raise SpecError(
-            f"{source}: {key}: {dp} is invalid; {workers} workers x "
-            f"resources.cpus_per_worker {r.cpus_per_worker} need {workers * r.cpus_per_worker:g} "
-            f"CPUs but {where} has {cpus:g}; use dp <= {fit // p.pp} or lower cpus_per_worker")
-    if r.gpus_per_worker and workers * r.gpus_per_worker > gpus + 1e-9:
-        raise SpecError(
-            f"{source}: {key}: {dp} is invalid; {workers} workers x "
-            f"resources.gpus_per_worker {r.gpus_per_worker} need {workers * r.gpus_per_worker:g} "
-            f"GPUs but {where} has {gpus:g}")
