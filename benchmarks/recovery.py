@@ -98,11 +98,20 @@ def inject(cluster: Cluster, fault: str, pid: int, node_id: str) -> float:
 
 # -- baton --------------------------------------------------------------------------------------
 
-def run_baton(cluster: Cluster, args, tmp: str, fault: str) -> dict:
-    spec = spec_from_dict(job(args, tmp, f"baton-{fault}", elastic={"max_failures": 3}))
+def run_baton(cluster: Cluster, args, tmp: str, fault: str, spares: int = 0) -> dict:
+    """baton; with `spares`, elastic.spares (checked every second): the third node holds a
+    warm standby worker, which the fault is injected only once it is ready."""
+    elastic = {"max_failures": 3, **({"spares": spares, "rescale_check_s": 1} if spares else {})}
+    spec = spec_from_dict(job(args, tmp, f"baton-{fault}", elastic=elastic))
     seen: dict = {}
 
     def hook(c) -> None:
+        if spares and c.step == FAULT_AFTER_STEP - 4 and "spare" not in seen:
+            # the spare ready well before the fault, so that waiting here shifts nothing
+            deadline = time.monotonic() + 60
+            while len(c.group.spares) < spares and time.monotonic() < deadline:
+                time.sleep(0.1)
+            seen["spare"] = ray.get([a.ready.remote() for a in c.group.spares], timeout=60)
         if c.step == FAULT_AFTER_STEP and "fault_at" not in seen:
             seen["done_before"] = c.step
             seen["fault_at"] = inject(cluster, fault, c.workers[1]["pid"], c.workers[1]["node"])
@@ -118,6 +127,7 @@ def run_baton(cluster: Cluster, args, tmp: str, fault: str) -> dict:
             "detect_s": failure["at"] - seen["fault_at"],
             "phases_s": recovery["phases_s"], "cause": failure["cause"],
             "workers_reused": recovery["workers_reused"],
+            "workers_from_spares": recovery.get("workers_from_spares", 0),
             "work_lost_steps": seen["done_before"] - recovery["resumed_from_step"]}
 
 
@@ -255,7 +265,8 @@ def main() -> int:
     ray.init(address=cluster.address, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
     ray.data.DataContext.get_current().enable_progress_bars = False
-    systems = {"baton": run_baton, "ray_train": run_ray_train}
+    systems = {"baton": run_baton, "baton_spare": lambda *a: run_baton(*a, spares=1),
+               "ray_train": run_ray_train}
     runs: dict = {f: {s: [] for s in systems} for f in args.faults.split(",")}
     try:
         for r in range(args.rounds):
@@ -265,7 +276,7 @@ def main() -> int:
                     set_worker_nodes(cluster, 3)
                     out = systems[name](cluster, args, tmp, fault)
                     runs[fault][name].append(out)
-                    print(f"round {r + 1}: {fault:4s} {name:9s} recovery {out['recovery_s']:5.1f} s, "
+                    print(f"round {r + 1}: {fault:4s} {name:11s} recovery {out['recovery_s']:5.1f} s, "
                           f"work lost {out['work_lost_steps']} steps"
                           + (f", phases {out['phases_s']}" if "phases_s" in out else ""), flush=True)
         grow = run_scale_up(cluster, args, tmp)
@@ -279,17 +290,20 @@ def main() -> int:
           f"{'baton / Ray Train':>18s}")
     summary: dict = {}
     for fault, by in runs.items():
-        ratio = statistics.median(b["recovery_s"] / t["recovery_s"]
-                                  for b, t in zip(by["baton"], by["ray_train"]))
+        ratios = {name: statistics.median(b["recovery_s"] / t["recovery_s"]
+                                          for b, t in zip(by[name], by["ray_train"]))
+                  for name in ("baton", "baton_spare")}
         for name, outs in by.items():
             med = statistics.median(o["recovery_s"] for o in outs)
             lost = statistics.median(o["work_lost_steps"] for o in outs)
             summary.setdefault(fault, {})[name] = {"recovery_s_median": med, "work_lost_median": lost}
-            print(f"{fault:6s} {name:10s} {med:>20.1f} {lost:>18g} "
-                  f"{(f'{ratio:.2f}' if name == 'baton' else ''):>18s}")
-        summary[fault]["baton_vs_ray_train"] = ratio
-    baton_phases = {f: {k: statistics.median(o["phases_s"][k] for o in by["baton"])
-                        for k in by["baton"][0]["phases_s"]} for f, by in runs.items()}
+            print(f"{fault:6s} {name:12s} {med:>18.2f} {lost:>18g} "
+                  f"{(f'{ratios[name]:.2f}' if name in ratios else ''):>18s}")
+        summary[fault]["baton_vs_ray_train"] = ratios["baton"]
+        summary[fault]["baton_spare_vs_ray_train"] = ratios["baton_spare"]
+    baton_phases = {f"{f} {name}": {k: statistics.median(o["phases_s"][k] for o in by[name])
+                                    for k in by[name][0]["phases_s"]}
+                    for f, by in runs.items() for name in ("baton", "baton_spare")}
     detect = {f: statistics.median(o["detect_s"] for o in by["baton"]) for f, by in runs.items()}
     print(f"baton phases (median s): {baton_phases}; detect: {detect}")
     print(f"checkpoint every {EVERY} steps; fault after step {FAULT_AFTER_STEP}")

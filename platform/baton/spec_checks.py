@@ -160,6 +160,7 @@ MOST: dict[str, tuple[float, str]] = {
     "elastic.max_failures": (10**6, "failures"),
     "elastic.rescale_check_s": _SECONDS,
     "elastic.hang_timeout_s": _SECONDS,
+    "elastic.spares": (64, "standby workers"),
     "eval.every_steps": (10**12, "steps"),
     "eval.seed": (2**32 - 1, "a 32-bit seed"),
 }
@@ -231,6 +232,7 @@ def _check_elastic(spec: JobSpec, need) -> None:
     need(e.max_failures >= 0, "elastic.max_failures", e.max_failures, "must be >= 0")
     need(e.rescale_check_s > 0, "elastic.rescale_check_s", e.rescale_check_s, "must be > 0 seconds")
     need(e.hang_timeout_s > 0, "elastic.hang_timeout_s", e.hang_timeout_s, "must be > 0 seconds")
+    need(e.spares >= 0, "elastic.spares", e.spares, "must be >= 0 (0: no standby workers)")
     if lo < hi:
         valid = spec.valid_dps()
         for key, value in (("elastic.min_dp", lo), ("elastic.max_dp", hi)):

@@ -207,6 +207,33 @@ def test_a_killed_worker_is_replaced_and_the_survivor_reused(tmp_path, data, nod
     assert metrics["recovery_total_s"][0].value == pytest.approx(recovery["total_s"])
 
 
+def test_a_warm_spare_replaces_a_killed_worker(tmp_path, data, nodes, uninterrupted):
+    """elastic.spares: 1 on three one-CPU nodes at dp 2: the third node holds a standby worker
+    (its process started, torch imported), and the recovery takes it instead of starting a
+    process. What it saves is measured in benchmarks/recovery.py, not here."""
+    spec = _spec(tmp_path, data, "warm-spare", elastic={"spares": 1})
+    spare = {}
+
+    def kill(c):
+        deadline = time.monotonic() + 60
+        while not c.group.spares:  # kept at a rescale check (every second here)
+            assert time.monotonic() < deadline, "no spare was started"
+            time.sleep(0.1)
+        spare.update(ray.get(c.group.spares[0].ready.remote(), timeout=60))
+        os.kill(c.workers[1]["pid"], signal.SIGKILL)
+    result = api.run(spec, record_samples=True, show_progress=False, on_step=_at_step(3, kill))
+
+    assert result.state == "finished" and result.step == STEPS
+    assert _kinds(result.events) == ["failure", "recovery"]
+    failure, recovery = result.events
+    _assert_resumed_from_the_survivor(failure, recovery)
+    assert recovery["workers_reused"] == 1 and recovery["workers_from_spares"] == 1
+    assert result.workers[1]["pid"] == spare["pid"]  # the spare's process is rank 1 now
+    print(f"recovery with a warm spare: {recovery['total_s']} s, {recovery['phases_s']}")
+    _assert_exactly_once(result)
+    _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+
+
 def test_a_removed_node_is_replaced_by_the_spare(tmp_path, data, nodes, uninterrupted):
     spec = _spec(tmp_path, data, "node-lost")
 

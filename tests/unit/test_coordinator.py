@@ -149,17 +149,30 @@ class FakeGroup:
         self.writing: dict[int, list] = {}  # rank -> a background save's parts
         self.calls: list[tuple[str, int]] = []
         self.ledgers: dict[int, list] = {}
+        self.spares: list = []
+
+    spares_taken = 0
 
     def launch(self, n):
         pass  # start creates them: in memory, nothing to overlap
 
     def start(self, n, timeout_s, need=None, grace_s=0.0):
-        k = min(n, self.cluster.free)
+        pool, self.spares = self.spares[:n], self.spares[n:]  # spares first, as WorkerGroup
+        self.spares_taken += len(pool)
+        k = min(n - len(pool), self.cluster.free)
         self.cluster.free -= k
-        return [(f"actor-{pid}", {"pid": pid}) for pid in itertools.islice(self.cluster.pids, k)]
+        return pool + [(f"actor-{pid}", {"pid": pid}) for pid in itertools.islice(self.cluster.pids, k)]
+
+    def keep_spares(self, n):
+        make = min(n - len(self.spares), self.cluster.free)
+        if make > 0:
+            self.cluster.free -= make
+            self.spares += [(f"spare-{pid}", {"pid": pid})
+                            for pid in itertools.islice(self.cluster.pids, make)]
+        return len(self.spares)
 
     def free_workers(self):
-        return self.cluster.free
+        return self.cluster.free + len(self.spares)
 
     def request_capacity(self, workers):
         self.cluster.requested.append(workers)
@@ -307,6 +320,37 @@ def _tick_until(c, predicate, limit=50):
         if predicate(c):
             return states
     raise AssertionError(f"never reached; states {states}")
+
+
+def test_a_warm_spare_replaces_a_lost_worker_and_never_blocks_a_growth(tmp_path):
+    """elastic.spares: room the job cannot grow into holds a standby worker, which the next
+    recovery takes before starting any; room it can grow into is grown into, not kept."""
+    cluster = FakeCluster(free=3)
+    cluster.failures[5] = ("actor_died", 1, False)
+    c = _coordinator(tmp_path, cluster, spares=1, rescale_check_s=1e-9)  # dp 2, max_dp 2
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 2 and cluster.free == 1
+    c.tick()  # a step, and the rescale check before it keeps a spare in the free room
+    assert len(c.group.spares) == 1 and cluster.free == 0
+    spare_pid = c.group.spares[0][1]["pid"]
+    _tick_until(c, lambda c: c.state is State.RECOVERING)
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 2
+    assert [w["pid"] for w in c.workers][1] == spare_pid and not c.group.spares
+    c.tick()  # the first step after: the recovery is recorded
+    recovery = [e for e in c.events if e["kind"] == "recovery"][0]
+    assert recovery["workers_new"] == 1 and recovery["workers_from_spares"] == 1
+
+    grow = FakeCluster(free=1)
+    g = _coordinator(tmp_path / "grow", grow, spares=1, min_dp=1, rescale_check_s=1e-9)
+    g.tick()
+    g.tick()
+    assert g.dims.dp == 1 and grow.free == 0 and not g.group.spares
+    grow.free = 1  # a node joins: dp 2 fits, so the room is grown into, not kept as a spare
+    g.tick()
+    assert g.state is State.RESCALING and not g.group.spares
+    g.tick()
+    assert g.state is State.RUNNING and g.dims.dp == 2 and grow.free == 0
 
 
 def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):

@@ -26,9 +26,18 @@ def test_every_page_is_reachable_from_the_readme():
     readme = (REPO / "README.md").read_text()
     linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)", readme))
     assert linked == {p.name for p in PAGES[1:]}
-    for page in PAGES:  # and every link in them leads somewhere
+    for page in PAGES:  # and every link in them leads somewhere, to a heading that exists
         for target in re.findall(r"\]\(((?!https?:)[^)#\s]+)", page.read_text()):
             assert (page.parent / target).exists(), (page.name, target)
+        for target, anchor in re.findall(r"\]\(((?!https?:)[^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            assert anchor in _anchors(page.parent / target if target else page), (page.name, target, anchor)
+
+
+def _anchors(page) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces
+    to hyphens."""
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"(?m)^#+\s+(.*)$", page.read_text())}
 
 
 SNIPPETS = [(page.name, i, block) for page in PAGES

@@ -341,7 +341,8 @@ class Coordinator:
                                                        self._meta(self.done_cursor, rng=[]))
         t_saved = time.monotonic()
         survivors = self.group.members(list(left))
-        # 2. top up to max_dp where there is room
+        # 2. top up to max_dp where there is room (warm spares first)
+        spares_before = self.group.spares_taken
         members = survivors + self._top_up(len(survivors))
         t_placed = time.monotonic()
         self._form(members)
@@ -351,6 +352,7 @@ class Coordinator:
                         "resumed_from_step": self.step, "dp": self.dims.dp,
                         "state_from": "survivors" if from_survivors else "checkpoint",
                         "workers_reused": len(survivors), "workers_new": len(members) - len(survivors),
+                        "workers_from_spares": self.group.spares_taken - spares_before,
                         "t0": t0, "phases_s": {"stop": t_stop - t0, "survivor_save": t_saved - t_stop,
                                                "reschedule": t_placed - t_saved,
                                                "group_init": t_formed - t_placed,
@@ -480,16 +482,24 @@ class Coordinator:
             self.ledger = []
 
     def _rescale_due(self) -> bool:
+        """Whether to grow now; every rescale_check_s. Room the job cannot grow into keeps
+        its warm spares (elastic.spares)."""
         # a recovery or rescale that has not completed its first step yet is still being
         # measured (self.resumed): growing again now would lose its event
-        if self.resumed is not None or self.dims.dp >= self.base.dp_range[1]:
+        spares = self.base.elastic.spares
+        if self.resumed is not None or (self.dims.dp >= self.base.dp_range[1] and not spares):
             return False
         now = time.monotonic()
         if now < self.next_rescale_check:
             return False
         self.next_rescale_check = now + self.base.elastic.rescale_check_s
-        self.group.request_capacity(self.base.dp_range[1] * self.pp)  # renewed while short
-        return self.scale.grow_to(self.dims.dp, self.group.free_workers()) is not None
+        if self.dims.dp < self.base.dp_range[1]:
+            self.group.request_capacity(self.base.dp_range[1] * self.pp)  # renewed while short
+            if self.scale.grow_to(self.dims.dp, self.group.free_workers()) is not None:
+                return True
+        if spares:
+            self.group.keep_spares(spares)
+        return False
 
     def _record(self, event: dict) -> None:
         """An event for the run record: RunResult.events and MLflow's events.json."""

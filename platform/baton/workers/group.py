@@ -41,6 +41,8 @@ class WorkerGroup:
         self._sent: dict[int, float] = {}  # rank -> when the heartbeat in flight was sent
         self._requested = False  # an autoscaler request stands (request_capacity)
         self._launched: list = []  # workers created by launch, for the next start
+        self.spares: list = []  # warm standby workers (elastic.spares), outside the world
+        self.spares_taken = 0  # spares handed out by start, in all
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -57,7 +59,8 @@ class WorkerGroup:
         if n <= 0:
             return []
         need = n if need is None else min(need, n)
-        actors = launched or self._create(n)
+        pool = self._take_spares(n - len(launched))
+        actors = launched + pool + self._create(n - len(launched) - len(pool))
         refs = [a.ready.remote() for a in actors]
         ready, _ = ray.wait(refs, num_returns=need, timeout=timeout_s) if need else ([], refs)
         if len(ready) < n and grace_s > 0:
@@ -72,6 +75,29 @@ class WorkerGroup:
                 pass
             ray.kill(actor)
         return started
+
+    def keep_spares(self, n: int) -> int:
+        """Keep `n` warm spares: worker processes started (torch imported) and not in the
+        world, which `start` hands out before creating any, so a lost worker is replaced in
+        the time a process group takes to form instead of the seconds a new process takes to
+        start. New ones are made only in room free now (the caller has found that the job
+        cannot grow into it), so a spare never waits for resources and never takes room a
+        growth would use. Returns how many spares there are."""
+        self.spares = [a for a in self.spares if _alive(a, 0.5)]
+        make = min(n, self.free_workers()) - len(self.spares)  # free_workers counts spares
+        if make > 0:
+            self.spares += self._create(make)
+        return len(self.spares)
+
+    def _take_spares(self, n: int) -> list:
+        """Up to `n` live spares, which leave the pool (those that died are dropped)."""
+        taken = []
+        while self.spares and len(taken) < n:
+            actor = self.spares.pop(0)
+            if _alive(actor, 0.1):
+                taken.append(actor)
+                self.spares_taken += 1
+        return taken
 
     def launch(self, n: int) -> None:
         """Create `n` workers now, without waiting: the next `start(n)` waits for these instead
@@ -97,12 +123,13 @@ class WorkerGroup:
         self._requested = workers > 0
 
     def free_workers(self) -> int:
-        """How many more workers the cluster has room for right now."""
+        """How many more workers the job could have right now: room on the cluster, and its
+        own spares (a growth takes those first)."""
         free, r = ray.available_resources(), self.spec.resources
         n = int((free.get("CPU", 0) + 1e-9) // r.cpus_per_worker)
         if r.gpus_per_worker:
             n = min(n, int((free.get("GPU", 0) + 1e-9) // r.gpus_per_worker))
-        return n
+        return n + len(self.spares)
 
     def describe_free(self) -> dict:
         return ray.available_resources()
@@ -300,9 +327,9 @@ class WorkerGroup:
                 pass
 
     def shutdown(self) -> None:
-        for actor in self.actors + self._launched:
+        for actor in self.actors + self._launched + self.spares:
             ray.kill(actor)
-        self.actors, self.infos, self._launched = [], [], []
+        self.actors, self.infos, self._launched, self.spares = [], [], [], []
         if self._requested:
             self.request_capacity(0)  # let the autoscaler scale down once the nodes idle
 
@@ -332,6 +359,21 @@ def ask_autoscaler(requester: str, bundles: list[dict]) -> None:
         client.request_resources(bundles, expire_after_s=REQUEST_TTL_S)
     else:
         client.cancel_request()
+
+
+def _alive(actor, timeout_s: float) -> bool:
+    """Whether `actor` is not known dead: it answers a heartbeat, or has not answered within
+    `timeout_s` (still starting: `start`'s readiness wait decides). A spare on a node that
+    went away fails the call at once."""
+    ref = actor.heartbeat.remote()
+    done, _ = ray.wait([ref], timeout=timeout_s)
+    if not done:
+        return True
+    try:
+        ray.get(done[0])
+        return True
+    except ray.exceptions.RayError:
+        return False
 
 
 def _lost(rank: int, error: Exception, what: str) -> WorkerLost:
