@@ -46,7 +46,25 @@ def register(ddp, grad_comm: str) -> None:
 
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                                    start_powerSGD_iter=POWERSGD_START)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        hook = psgd.powerSGD_hook
+        ddp.register_comm_hook(state, _in_order(hook) if dist.get_backend() == "gloo" else hook)
+
+
+def _in_order(hook):
+    """`hook`, each bucket's chain of collectives finished before the next bucket's starts.
+    PowerSGD's hook all-reduces a bucket's P factors, then (in a callback on whichever thread
+    completed them) its Q factors: with several buckets in flight, two ranks can issue one
+    bucket's Q and another's P in different orders, and gloo, which pairs collectives by
+    order, aborts the process ("Received data size doesn't match"; reproduced at every try
+    with 2 ranks and small buckets, and in a quick-start run at step 15). NCCL, PowerSGD's
+    home, orders them on its stream. Waiting here gives up overlapping this bucket's
+    communication with the rest of the backward, on gloo only."""
+
+    def ordered(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+    return ordered
 
 
 def reduce_dtype(grad_comm: str) -> torch.dtype:
