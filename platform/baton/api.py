@@ -151,11 +151,11 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             CheckpointStore(spec.checkpoint_dir).reject(step, why)
         started_ray = False
         if not ray.is_initialized():
-            local = {"num_cpus": os.cpu_count()} if address is None else {}
-            if address is None and os.environ.get("BATON_METRICS_PORT"):  # for Prometheus to scrape
-                local["_metrics_export_port"] = int(os.environ["BATON_METRICS_PORT"])
-            ray.init(address=address or "local", include_dashboard=False,
-                     logging_level=logging.WARNING, configure_logging=True, **local)
+            if address is None:
+                start_local_ray()
+            else:
+                ray.init(address=address, include_dashboard=False,
+                         logging_level=logging.WARNING, configure_logging=True)
             started_ray = True
             ray.data.DataContext.get_current().enable_progress_bars = False
             _quiet_library_logs()
@@ -179,6 +179,29 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             if started_ray:
                 ray.shutdown()
                 interrupts.restore(previous_handlers)
+
+
+def start_local_ray() -> None:
+    """The embedded Ray: this machine's CPUs, no dashboard, and every one of its services (GCS,
+    raylet, agents, workers, metrics) listening on 127.0.0.1 only. On Linux, Ray replaces a
+    loopback node address with the machine's routed one, and its servers then listen on every
+    interface, several with no authentication (the metrics ports); on macOS and Windows it
+    keeps loopback. That choice is `ray_constants.ENABLE_RAY_CLUSTER` (read when Ray resolves
+    the node's address; the process's children are handed the address): it is off while this
+    Ray starts. $BATON_METRICS_PORT fixes the metrics port for a Prometheus on this machine."""
+    import ray
+    from ray._private import ray_constants
+
+    options = {"num_cpus": os.cpu_count()}
+    if os.environ.get("BATON_METRICS_PORT"):
+        options["_metrics_export_port"] = int(os.environ["BATON_METRICS_PORT"])
+    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
+                 configure_logging=True, **options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
 def cluster_address_from_env() -> Optional[str]:

@@ -69,6 +69,7 @@ def _prepare_text(args) -> int:
 
     import ray
 
+    from baton.api import start_local_ray
     from baton.data.text import prepare_text
 
     if not args.input:
@@ -77,7 +78,10 @@ def _prepare_text(args) -> int:
     if os.path.exists(args.out):
         print(f"baton: error: {args.out} already exists; choose a new --out", file=sys.stderr)
         return 2
-    ray.init(address=args.address or "local", include_dashboard=False, logging_level=logging.WARNING)
+    if args.address:
+        ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING)
+    else:
+        start_local_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     try:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shutil
 import subprocess
+import time
 
+import psutil
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -18,12 +21,20 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
     steps = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())["train"]["steps"]
     baton = shutil.which("baton")
     assert baton, "the baton console script is installed"
-    proc = subprocess.run([baton, "run", "jobs/quickstart.yaml"], cwd=tmp_path, env=os.environ,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "preparing the built-in corpus" in proc.stdout
-    assert f"step {steps}/{steps}" in proc.stderr  # the progress line
-    final = re.search(r"finished at step (\d+), loss ([\d.]+)", proc.stdout)
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([baton, "run", "jobs/quickstart.yaml"], cwd=tmp_path,
+                                env=os.environ, stdout=out, stderr=err, text=True)
+        listening = listeners_while_running(proc, timeout_s=900)
+    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert proc.returncode == 0, stdout + stderr
+    # Every socket the run's processes listened on (Ray's GCS, raylet, agents, metrics, its
+    # workers, the group's store, gloo) was on loopback: the embedded Ray is this machine's.
+    assert {name for name, _ in listening} >= {"gcs_server", "raylet"}, listening
+    outside = {(name, ip) for name, ip in listening if not is_loopback(ip)}
+    assert not outside, f"listening beyond 127.0.0.1: {sorted(outside)}"
+    assert "preparing the built-in corpus" in stdout
+    assert f"step {steps}/{steps}" in stderr  # the progress line
+    final = re.search(r"finished at step (\d+), loss ([\d.]+)", stdout)
     assert final and int(final.group(1)) == steps
     assert float(final.group(2)) < 2.5  # a uniform byte model scores ln 256 = 5.55
 
@@ -35,3 +46,30 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
                                     key=lambda m: m.step)]
     assert len(loss) == steps
     assert sum(loss[:10]) / 10 > sum(loss[-10:]) / 10 + 2.0  # it learned
+
+
+def listeners_while_running(proc: subprocess.Popen, timeout_s: float) -> set[tuple[str, str]]:
+    """(process name, address) of every listening TCP socket held by `proc` or its descendants,
+    sampled every half second until it exits."""
+    seen, deadline = set(), time.monotonic() + timeout_s
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the quick start did not finish"
+        try:
+            tree = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            break
+        for p in tree:
+            try:
+                seen |= {(p.name(), c.laddr.ip) for c in p.net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN}
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        time.sleep(0.5)
+    return seen
+
+
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback

@@ -14,6 +14,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -130,12 +131,18 @@ class Worker:
         """This node's IP and the port of the group's store, which rank 0 hosts: bound here to
         a port the system picks and held open until `setup` joins through it. (Binding port 0,
         closing it and handing the number on, as before, let another process take the port in
-        between, and the world failed to form.)"""
+        between, and the world failed to form.) The store listens on the node's address only
+        (torch's own would listen on every interface): 127.0.0.1 under the embedded Ray."""
         ip = ray.util.get_node_ip_address()
-        self.master_store = dist.TCPStore(ip, 0, self.dims.world_size, is_master=True,
+        family, kind, proto, _, address = socket.getaddrinfo(ip, 0, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+        self.master_store = dist.TCPStore(ip, port, self.dims.world_size, is_master=True,
                                           timeout=timedelta(seconds=self.spec.parallel.timeout_s),
-                                          wait_for_workers=False)
-        return ip, self.master_store.port
+                                          wait_for_workers=False, master_listen_fd=listener.detach())
+        return ip, port
 
     def profile_layers(self, columns: Optional[Columns] = None, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward of each layer on one micro-batch (median of
