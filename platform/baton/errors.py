@@ -37,6 +37,10 @@ class WorkerLost(WorkerError):
         return (type(self), (str(self), self.cause, self.ranks))
 
 
+class TrackingError(BatonError):
+    """The tracking store cannot be opened at the start of a run (later failures degrade)."""
+
+
 class ClusterError(BatonError):
     """A remote Ray cluster cannot be reached, refuses the request, or does not know the job."""
 

@@ -5,6 +5,7 @@ read; this holds what makes a well-typed tree a job that can run."""
 
 from __future__ import annotations
 
+import os
 import re
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -118,6 +119,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(bool(tr.experiment), "tracking.experiment", tr.experiment, "name an MLflow experiment")
     need(tr.cpu_peak_tflops is None or tr.cpu_peak_tflops > 0, "tracking.cpu_peak_tflops",
          tr.cpu_peak_tflops, "must be > 0 (or null: no MFU on CPU)")
+    problem = tracking_uri_problem(tr.uri)
+    need(problem is None, "tracking.uri", tr.uri, problem or "")
     _check_elastic(spec, need)
 
 
@@ -181,6 +184,23 @@ def path_problem(path: str) -> Optional[str]:
     too_long = [part for part in (rest if sep else path).split("/") if len(part.encode()) > 255]
     if too_long:
         return f"a name in it is longer than file systems allow (255 bytes): {show(too_long[0], 40)}"
+    return None
+
+
+def tracking_uri_problem(uri: Optional[str]) -> Optional[str]:
+    """Why MLflow cannot open `uri` as a tracking store, where that is known without touching
+    it (None: it may). A folder is MLflow's file store, which MLflow 3 refuses to open unless
+    $MLFLOW_ALLOW_FILE_STORE says otherwise (found by a run that set `./mlruns`, which failed
+    with MLflow's traceback after Ray had started)."""
+    if uri is None:
+        return None
+    if "\x00" in uri or len(uri.encode()) > 4096:
+        return "contains a NUL character or is longer than 4,096 bytes"
+    scheme = uri.partition(":")[0] if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", uri) else ""
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
+    if scheme in ("", "file") and not allowed:
+        return ("a folder is MLflow's file store, which MLflow refuses unless "
+                "MLFLOW_ALLOW_FILE_STORE=true; use sqlite:///PATH/mlflow.db or an http(s):// server")
     return None
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from mlflow.tracking import MlflowClient
 
+from baton import api
+from baton.errors import SpecError, TrackingError
 from baton.spec import TrackingSpec
 from baton.tracking import MLflowTracker, NullTracker
+from conftest import REPO
+from helpers import free_ports
 
 
 def test_resume_logs_each_step_once_even_after_a_late_flush(tmp_path):
@@ -36,6 +41,28 @@ def test_nothing_is_written_before_start(tmp_path):
     tracker.finish("FAILED")
     assert not (tmp_path / "mlflow.db").exists()
     NullTracker().finish("FINISHED")
+
+
+def test_a_store_that_cannot_be_opened_is_one_line_before_anything_trains(tmp_path, monkeypatch):
+    """A folder (MLflow's file store, which MLflow 3 refuses) is refused by `baton validate`;
+    a server that does not answer stops the run at its start in one line. Both were MLflow's
+    traceback, after Ray had started."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    job = str(REPO / "jobs" / "quickstart.yaml")
+    with pytest.raises(SpecError, match=r"tracking.uri: '\./mlruns' is invalid; a folder is MLflow's file store"):
+        api.validate(job, ["tracking.uri=./mlruns"])
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    api.validate(job, ["tracking.uri=./mlruns"])  # the user's choice, as MLflow allows it
+
+    [port] = free_ports(1)  # nothing listens there
+    tracker = MLflowTracker(TrackingSpec(uri=f"http://user:secret@127.0.0.1:{port}"))
+    with pytest.raises(TrackingError) as e:
+        tracker.start("job", {"train.lr": 0.1})
+    line = str(e.value)
+    assert line.startswith(f"the MLflow store http://***@127.0.0.1:{port} cannot be opened: ")
+    assert "\n" not in line and "secret" not in line, line
+    tracker.finish("FAILED")  # nothing more is tried: the user sees the first error
+    assert tracker.run_id is None
 
 
 # -- live metrics, FLOPs, status -----------------------------------------------------------------

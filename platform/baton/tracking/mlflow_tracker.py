@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from baton import interrupts, storage
+from baton.errors import TrackingError
 from baton.spec import TrackingSpec
 from baton.storage import redact
 
@@ -94,7 +95,17 @@ class MLflowTracker:
 
     @_shielded
     def start(self, run_name: str, params: dict[str, Any], run_id: Optional[str] = None) -> str:
-        """Open a new run, or continue `run_id` (a resumed job keeps its run)."""
+        """Open a new run, or continue `run_id` (a resumed job keeps its run). A store that
+        cannot be opened stops the run here, in one line: nothing has trained yet."""
+        try:
+            return self._start(run_name, params, run_id)
+        except Exception as e:
+            self.client = self.run_id = None  # the rest are no-ops: this is the error the user sees
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise TrackingError(f"the MLflow store {redact(self.uri)} cannot be opened: "
+                                f"{type(e).__name__}: {redact(first)[:400]}") from e
+
+    def _start(self, run_name: str, params: dict[str, Any], run_id: Optional[str]) -> str:
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.uri)
