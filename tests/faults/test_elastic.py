@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -245,7 +246,11 @@ def test_a_removed_node_is_replaced_by_the_spare(tmp_path, data, nodes, uninterr
 
     assert result.state == "finished"
     assert _kinds(result.events) == ["failure", "recovery"]
-    assert result.events[0]["cause"] in ("node_died", "actor_died")
+    # named as the node it was, with its rank (not the survivor's "Connection reset by peer")
+    failure = result.events[0]
+    assert failure["cause"] == "node_died" and failure["ranks"] == [0], failure
+    assert re.fullmatch(r"lost node [\d.]+ \([0-9a-f]{8}\) with worker rank 0 while .+",
+                        failure["message"]), failure
     assert result.events[1]["dp"] == 2 and result.events[1]["workers_reused"] == 1
     _assert_resumed_from_the_survivor(*result.events)
     _assert_exactly_once(result)
@@ -319,7 +324,8 @@ def test_a_node_lost_under_hybrid_sharding_loses_no_completed_step(tmp_path, dat
 
     assert result.state == "finished" and result.step == STEPS
     failure, recovery = result.events[:2]
-    assert failure["cause"] in ("node_died", "actor_died") and failure["step"] == 6, failure
+    assert failure["cause"] == "node_died" and failure["step"] == 6, failure
+    assert failure["message"].startswith("lost node ") and "with worker rank 1 while" in failure["message"]
     assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 5
     assert recovery["dp"] == 2 and recovery["workers_reused"] == 3  # survivors kept; 2 of them form it
     assert CheckpointStore(spec.checkpoint_dir).is_sharded(5)
@@ -482,6 +488,31 @@ def test_an_error_that_repeats_at_the_same_step_is_not_retried_forever(tmp_path,
                                 "attributes.run_name = 'repeats'")
     assert run.data.tags["elastic.failures"] == "2" and run.data.tags["failed_at_step"] == "3"
     assert np.isfinite(float(run.data.metrics["loss"]))
+
+
+def test_workers_that_cannot_start_are_named_by_their_cause(tmp_path, data, nodes):
+    """Not a placement shortfall, as both were: a node that offers a GPU torch cannot use (this
+    CPU build of torch) is named with that cause, at once; a worker larger than any node is
+    named as that when the placement wait ends."""
+    gpu_node = nodes.add_node(num_cpus=1, num_gpus=1)
+    nodes.wait_for_nodes()
+    try:
+        spec = _spec(tmp_path, data, "no-cuda", parallel={"dp": 1},
+                     resources={"cpus_per_worker": 1, "gpus_per_worker": 1})
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"^1 of the 1 workers could not start: WorkerError: "
+                                              r"Ray gave this worker 1 GPU on node [\d.]+, but torch "
+                                              r"sees no CUDA device: torch \S+ is built without CUDA$"):
+            api.run(spec, show_progress=False)
+        assert time.monotonic() - t0 < spec.parallel.timeout_s  # not after the placement wait
+    finally:
+        nodes.remove_node(gpu_node)
+    spec = _spec(tmp_path, data, "too-big", parallel={"dp": 2, "timeout_s": 2},
+                 resources={"cpus_per_worker": 1.5})
+    with pytest.raises(WorkerError, match=r"^no node can hold one worker: each needs 1.5 CPU "
+                                          r"\(resources.cpus_per_worker, gpus_per_worker\) and the "
+                                          r"largest node has 1 CPU$"):
+        api.run(spec, show_progress=False)
 
 
 CHAOS_STEPS = 24

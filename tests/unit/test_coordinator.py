@@ -152,6 +152,7 @@ class FakeGroup:
         self.spares: list = []
 
     spares_taken = 0
+    start_failures: list = []  # no worker dies before it is ready here
 
     def launch(self, n):
         pass  # start creates them: in memory, nothing to overlap
@@ -179,6 +180,9 @@ class FakeGroup:
 
     def describe_free(self):
         return {"CPU": self.cluster.free}
+
+    def largest_node(self):
+        return {"CPU": 1.0, "GPU": 0.0}  # each worker fits a node
 
     def form(self, members, spec, dims):
         self.spec, self.dims = spec, dims

@@ -414,13 +414,27 @@ class Coordinator:
             time.sleep(1.0)
 
     def _no_room(self, placed: int, started: list, wanted: int) -> None:
+        """Too few workers: those that could not start and why, else a worker bigger than
+        any node, else the room the cluster has."""
         self.group.release(started)
-        r = self.base.resources
+        r, need = self.base.resources, self.scale.min_workers
+        each = f"{r.cpus_per_worker:g} CPU" + (f" and {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "")
+        failures = self.group.start_failures
+        if failures:
+            others = len(set(failures)) - 1
+            raise WorkerError(
+                f"{len(failures)} of the {wanted} workers could not start: {failures[0]}"
+                + (f" (and {others} other cause{'s' * (others > 1)})" if others else ""))
+        big = self.group.largest_node()
+        if big["CPU"] + 1e-9 < r.cpus_per_worker or big["GPU"] + 1e-9 < r.gpus_per_worker:
+            raise WorkerError(
+                f"no node can hold one worker: each needs {each} (resources.cpus_per_worker, "
+                f"gpus_per_worker) and the largest node has {big['CPU']:g} CPU"
+                + (f" and {big['GPU']:g} GPU" if r.gpus_per_worker else ""))
         raise WorkerError(
-            f"could place only {placed} of the {self.scale.min_workers} workers needed "
-            f"(elastic.min_dp x parallel.pp; wanted up to {wanted}) of {r.cpus_per_worker:g} CPU"
-            + (f" and {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "")
-            + f" each within {self.base.parallel.timeout_s:g} s (parallel.timeout_s); the cluster "
+            f"could place only {placed} of the {need} workers needed "
+            f"(elastic.min_dp x parallel.pp; wanted up to {wanted}) of {each} each within "
+            f"{self.base.parallel.timeout_s:g} s (parallel.timeout_s); the cluster "
             f"has {self.group.describe_free()} free")
 
     def _form(self, members: list) -> None:

@@ -12,6 +12,8 @@ ranks, `setup` on a fresh port.
 
 from __future__ import annotations
 
+import re
+import socket
 import time
 from typing import Any, Optional
 
@@ -43,6 +45,7 @@ class WorkerGroup:
         self._launched: list = []  # workers created by launch, for the next start
         self.spares: list = []  # warm standby workers (elastic.spares), outside the world
         self.spares_taken = 0  # spares handed out by start, in all
+        self.start_failures: list[str] = []  # why workers of the last start died before ready
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -65,14 +68,14 @@ class WorkerGroup:
         ready, _ = ray.wait(refs, num_returns=need, timeout=timeout_s) if need else ([], refs)
         if len(ready) < n and grace_s > 0:
             ready, _ = ray.wait(refs, num_returns=n, timeout=grace_s)
-        started = []
+        started, self.start_failures = [], []
         for actor, ref in zip(actors, refs):
             try:
                 if ref in ready:
                     started.append((actor, ray.get(ref)))
                     continue
-            except ray.exceptions.RayError:
-                pass
+            except ray.exceptions.RayError as e:
+                self.start_failures.append(why_not_started(e))
             ray.kill(actor)
         return started
 
@@ -133,6 +136,13 @@ class WorkerGroup:
 
     def describe_free(self) -> dict:
         return ray.available_resources()
+
+    def largest_node(self) -> dict:
+        """The CPUs and GPUs of the largest live node (by what one worker needs)."""
+        sizes = [{"CPU": n["Resources"].get("CPU", 0.0), "GPU": n["Resources"].get("GPU", 0.0)}
+                 for n in ray.nodes() if n.get("Alive")]
+        key = "GPU" if self.spec.resources.gpus_per_worker else "CPU"
+        return max(sizes, key=lambda size: (size[key], size["CPU"]), default={"CPU": 0.0, "GPU": 0.0})
 
     def place(self) -> None:
         """Start this group's dp x pp workers (no process group yet)."""
@@ -205,7 +215,7 @@ class WorkerGroup:
                 except ray.exceptions.RayTaskError as e:
                     raise self._diagnose(rank, e, what) from e
                 except ray.exceptions.RayActorError as e:
-                    raise _lost(rank, e, what) from e
+                    raise self._lost([rank], e, what) from e
             if remaining:
                 self.check_health(what)
                 if time.monotonic() > deadline:
@@ -234,7 +244,7 @@ class WorkerGroup:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    raise _lost(rank, e, what) from e
+                    raise self._lost([rank], e, what) from e
             elif now - self._sent[rank] > self.hang_timeout_s:
                 raise WorkerLost(f"worker rank {rank} answered no heartbeat for "
                                  f"{self.hang_timeout_s:g} s (elastic.hang_timeout_s) while {what}: "
@@ -256,15 +266,34 @@ class WorkerGroup:
     def _diagnose(self, rank: int, error: Exception, what: str) -> WorkerLost:
         """A worker raised. If a peer is gone, that is the cause (the raise is its echo: a
         collective that lost its peer); otherwise the job's own code failed."""
-        gone = tuple(r for r, s in self.probe(2.0).items() if s != "ok")
+        gone = [r for r, s in self.probe(2.0).items() if s != "ok"]
         cause = error.cause if getattr(error, "cause", None) is not None else error
         line = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
         if gone:
-            return WorkerLost(f"worker rank(s) {list(gone)} lost while {what} (rank {rank}: {line})",
-                              "actor_died", gone)
+            return self._lost(gone, None, what, echo=f"rank {rank}: {line}")
         if raised_cause(cause) == "timeout":  # a collective that hung
             return WorkerLost(f"worker rank {rank} timed out while {what}: {line}", "timeout", (rank,))
         return WorkerLost(f"worker rank {rank} failed while {what}: {line}", "exception", (rank,))
+
+    def _lost(self, ranks: list[int], error: Optional[Exception], what: str,
+              echo: str = "") -> WorkerLost:
+        """Workers found dead. When their node is gone too, that is what is reported: which
+        node, which ranks (not the message a surviving rank's collective saw, in `echo`)."""
+        by_node: dict[Optional[str], list[int]] = {}
+        for rank in ranks:
+            node = self.infos[rank].get("node") if rank < len(self.infos) else None
+            by_node.setdefault(node, []).append(rank)
+        lost = [(node, rs) for node, rs in by_node.items() if node and node_gone(node)]
+        if lost:
+            nodes = "; ".join(f"node {_node_name(node)} with worker rank{'s' * (len(rs) > 1)} "
+                              f"{', '.join(map(str, rs))}" for node, rs in lost)
+            return WorkerLost(f"lost {nodes} while {what}", "node_died", tuple(ranks))
+        if error is None:
+            return WorkerLost(f"worker rank(s) {ranks} lost while {what} ({echo})", "actor_died",
+                              tuple(ranks))
+        text = (str(error).strip().splitlines() or [""])[0][:300]
+        return WorkerLost(f"worker rank {ranks[0]} died while {what}: {text}", "actor_died",
+                          tuple(ranks))
 
     # -- teardown -----------------------------------------------------------------------------
 
@@ -361,6 +390,21 @@ def ask_autoscaler(requester: str, bundles: list[dict]) -> None:
         client.cancel_request()
 
 
+def why_not_started(error: Exception) -> str:
+    """One line for a worker that died before it was ready: the exception its constructor
+    raised (the last line of Ray's message, which carries the worker's traceback), memory,
+    or its runtime environment."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
+    if isinstance(error, ray.exceptions.OutOfMemoryError):
+        return f"out of memory: {lines[0][:300]}"
+    if isinstance(error, ray.exceptions.RuntimeEnvSetupError):
+        return f"its runtime environment could not be set up: {lines[-1][:300]}"
+    if getattr(error, "actor_init_failed", False):
+        return re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1])[:300]  # baton.errors.X: -> X:
+    return lines[0][:300]
+
+
 def _alive(actor, timeout_s: float) -> bool:
     """Whether `actor` is not known dead: it answers a heartbeat, or has not answered within
     `timeout_s` (still starting: `start`'s readiness wait decides). A spare on a node that
@@ -376,10 +420,25 @@ def _alive(actor, timeout_s: float) -> bool:
         return False
 
 
-def _lost(rank: int, error: Exception, what: str) -> WorkerLost:
-    text = (str(error).strip().splitlines() or [""])[0][:300]
-    lowered = str(error).lower()
-    on_node = (isinstance(error, ray.exceptions.ActorUnavailableError)
-               or "node has died" in lowered or "node died" in lowered)
-    return WorkerLost(f"worker rank {rank} died while {what}: {text}",
-                      "node_died" if on_node else "actor_died", (rank,))
+def node_gone(node_id: str, timeout_s: float = 1.0) -> bool:
+    """Whether a node is lost: Ray says so, or its raylet no longer takes a connection (Ray's
+    own health check declares a node dead only after several missed checks, seconds after
+    its workers are seen dead; a refused or silent port says it at once)."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            if not node.get("Alive"):
+                return True
+            try:
+                socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
+                                         timeout=timeout_s).close()
+                return False
+            except OSError:
+                return True
+    return True
+
+
+def _node_name(node_id: str) -> str:
+    """'192.0.2.7 (3f9a01c2)': the node's address and the start of its id (simulated nodes
+    share one address)."""
+    address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
+    return f"{address} ({node_id[:8]})"

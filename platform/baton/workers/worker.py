@@ -29,6 +29,7 @@ from baton.checkpoint import CheckpointStore, sharded
 from baton.checkpoint.store import SHARDS
 from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
+from baton.errors import WorkerError
 from baton.models import build_model
 from baton.parallel import ParallelDims
 from baton.parallel.compiled import compile_seconds
@@ -42,6 +43,13 @@ from baton.workers.engines import DataParallelEngine, PipelineEngine
 class Worker:
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int):
         self.use_cuda = spec.resources.gpus_per_worker > 0
+        if self.use_cuda and not torch.cuda.is_available():  # a node's image or driver, not the job
+            raise WorkerError(f"Ray gave this worker {spec.resources.gpus_per_worker:g} GPU on node "
+                              f"{ray.util.get_node_ip_address()}, but torch sees no CUDA device: "
+                              + (f"torch {torch.__version__} is built without CUDA"
+                                 if torch.version.cuda is None else
+                                 f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
+                                 ", no driver or no device"))
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
         torch.set_num_threads(spec.resources.threads_per_worker)
         self.ledger: Optional[list] = None
