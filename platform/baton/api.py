@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from baton import interrupts, storage
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.lease import Lease
+from baton.console import RayMessages
 from baton.coordinator import Coordinator, RunResult
 from baton.data import corpus
 from baton.data.manifest import Manifest
@@ -159,6 +160,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             started_ray = True
             ray.data.DataContext.get_current().enable_progress_bars = False
             _quiet_library_logs()
+            ray_messages = RayMessages.for_this_ray().install()
             # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
             # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
             # Installed after ray.init, which replaces SIGTERM's handler with one that only dumps
@@ -178,7 +180,10 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         finally:
             if started_ray:
                 ray.shutdown()
+                ray_messages.restore()
                 interrupts.restore(previous_handlers)
+                if ray_messages.where():
+                    log(ray_messages.where())
 
 
 def start_local_ray() -> None:

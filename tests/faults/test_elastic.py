@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 from collections import Counter
 
 import numpy as np
+import psutil
 import pytest
 import ray
 import torch
@@ -32,7 +35,8 @@ from baton.data import Cursor
 from baton.errors import WorkerError
 from baton.spec import spec_from_dict
 import helpers
-from helpers import assert_params_close, job_order, read_table, reference_run, tiny_spec, write_dataset
+from helpers import (assert_params_close, job_order, read_table, reference_run, tiny_spec, write_dataset,
+                     write_spec)
 
 pytestmark = pytest.mark.faults
 
@@ -255,6 +259,54 @@ def test_a_removed_node_is_replaced_by_the_spare(tmp_path, data, nodes, uninterr
     _assert_resumed_from_the_survivor(*result.events)
     _assert_exactly_once(result)
     _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+
+
+def test_a_lost_node_is_one_line_on_the_console_of_baton_run(tmp_path, data, nodes):
+    """`baton run --address` as a user runs it, and a node holding a worker SIGKILLed (its
+    raylet with it): the console names the node in one line, and Ray's messages about it (the
+    dead raylet's last log lines and state dump, 46 of 54 console lines before) are in a file
+    the console points to."""
+    raw = tiny_spec(tmp_path, data, name="console", train={"steps": 200, "global_batch": 8,
+                                                           "micro_batch": None},
+                    parallel={"dp": 2, "timeout_s": 30}, resources={"cpus_per_worker": 1},
+                    checkpoint={"every_steps": 2, "keep": 2},
+                    elastic={"max_failures": 3, "hang_timeout_s": 4})
+    job = write_spec(tmp_path / "job.yaml", raw)
+    with open(tmp_path / "console", "w") as console:
+        baton = subprocess.Popen([shutil.which("baton"), "run", str(job), "--address", nodes.address],
+                                 stdout=console, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not (tmp_path / "ckpt" / "console" / "step_00000006").exists():
+                assert baton.poll() is None and time.monotonic() < deadline, _read(tmp_path / "console")
+                time.sleep(0.1)
+            raylets = {n.all_processes["raylet"][0].process.pid: n for n in nodes.list_all_nodes()}
+            (victim, *_) = [raylets[p.info["ppid"]] for p in psutil.process_iter(["ppid", "cmdline"])
+                            if p.info["ppid"] in raylets and "ray::Worker" in " ".join(p.info["cmdline"] or ())]
+            nodes.remove_node(victim, allow_graceful=False)
+            assert baton.wait(timeout=180) == 0, _read(tmp_path / "console")
+        finally:
+            if baton.poll() is None:
+                baton.kill()
+    lines = _read(tmp_path / "console").splitlines()
+
+    text = "\n".join(lines)
+    assert "state-dump" not in text and "(raylet)" not in text and "Traceback" not in text, text
+    failures = [line for line in lines if ": node_died: " in line]
+    assert len(failures) == 1 and f"({victim.node_id[:8]}) with worker rank" in failures[0], text
+    assert sum(line.startswith("recovery: ") for line in lines) == 1, text
+    pointer = [m for m in map(_RAY_MESSAGES.fullmatch, lines) if m]
+    assert len(pointer) == 1, text  # Ray did tell the driver, and it went to the file
+    assert "Raylet is terminated" in _read(pointer[0][1]) or victim.node_id in _read(pointer[0][1])
+    assert len(lines) <= 12, text  # start, failure, recovery, pointer, result, progress lines
+
+
+_RAY_MESSAGES = re.compile(r"ray: (?:a message|\d+ messages) from Ray kept out of the console are in (\S+)")
+
+
+def _read(path) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
 
 
 def test_a_worker_killed_under_full_sharding_goes_back_to_the_checkpoint(tmp_path, data, nodes,

@@ -139,3 +139,40 @@ def test_powersgd_trains_within_a_measured_margin_of_fp32(tmp_path):
     # projections); a 5 % margin
     assert finals["powersgd"] == pytest.approx(finals["fp32"], rel=0.05), finals
     assert finals["powersgd"] != finals["fp32"]  # the compression was on
+
+
+def test_an_error_nobody_reads_goes_to_the_file_not_the_console(tmp_path, capfd):
+    """What baton drops (a cancelled read of the feed, a call abandoned for a recovery) fails
+    in Ray without anyone reading it, and Ray logs "Unhandled error" on the console: while
+    RayMessages is installed, that goes to its file."""
+    import gc
+
+    import ray
+
+    from baton.console import RayMessages
+
+    @ray.remote(num_cpus=0.1)
+    def fails(marker):
+        open(marker, "w").close()
+        raise ValueError("abandoned on purpose")
+
+    messages = RayMessages(str(tmp_path / "ray.log")).install()
+    try:
+        # Ray reports an error object that was never read (ray.wait counts as reading) when
+        # its last reference goes, if it has arrived by then: drop one until it has
+        deadline = time.monotonic() + 30
+        while not messages.count:
+            assert time.monotonic() < deadline, "Ray never reported the unread error"
+            marker = tmp_path / f"ran-{time.monotonic_ns()}"
+            held = [fails.remote(str(marker))]
+            while not marker.exists():
+                time.sleep(0.05)
+            time.sleep(0.5)
+            held.clear()
+            gc.collect()
+            time.sleep(0.5)
+    finally:
+        messages.restore()
+    assert "abandoned on purpose" in (tmp_path / "ray.log").read_text()
+    assert "abandoned on purpose" not in "".join(capfd.readouterr())
+    assert messages.where() == f"ray: a message from Ray kept out of the console are in {tmp_path / 'ray.log'}"

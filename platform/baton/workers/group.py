@@ -391,16 +391,16 @@ def ask_autoscaler(requester: str, bundles: list[dict]) -> None:
 
 
 def why_not_started(error: Exception) -> str:
-    """One line for a worker that died before it was ready: the exception its constructor
-    raised (the last line of Ray's message, which carries the worker's traceback), memory,
-    or its runtime environment."""
+    """One line for a worker that was not ready: the exception its constructor raised (kept
+    and raised by `Worker.ready`, or one that killed the actor: the last line of Ray's message,
+    which carries the worker's traceback), memory, or its runtime environment."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
     lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
     if isinstance(error, ray.exceptions.OutOfMemoryError):
         return f"out of memory: {lines[0][:300]}"
     if isinstance(error, ray.exceptions.RuntimeEnvSetupError):
         return f"its runtime environment could not be set up: {lines[-1][:300]}"
-    if getattr(error, "actor_init_failed", False):
+    if getattr(error, "actor_init_failed", False) or isinstance(error, ray.exceptions.RayTaskError):
         return re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1])[:300]  # baton.errors.X: -> X:
     return lines[0][:300]
 

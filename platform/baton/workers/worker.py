@@ -42,6 +42,16 @@ from baton.workers.engines import DataParallelEngine, PipelineEngine
 
 class Worker:
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int):
+        # A constructor that raises kills the actor, and Ray prints its traceback on the
+        # driver's console. The error is kept instead and raised by `ready`, which the group
+        # waits on: the group names it in one line and kills this actor.
+        self.start_error: Optional[Exception] = None
+        try:
+            self._start(spec, dims, rank)
+        except Exception as e:  # noqa: BLE001 - raised again, whole, by `ready`
+            self.start_error = e
+
+    def _start(self, spec: JobSpec, dims: ParallelDims, rank: int) -> None:
         self.use_cuda = spec.resources.gpus_per_worker > 0
         if self.use_cuda and not torch.cuda.is_available():  # a node's image or driver, not the job
             raise WorkerError(f"Ray gave this worker {spec.resources.gpus_per_worker:g} GPU on node "
@@ -75,6 +85,8 @@ class Worker:
         self.master_store = None  # the group's store, hosted by rank 0 (rendezvous_address)
 
     def ready(self) -> dict:
+        if self.start_error is not None:
+            raise self.start_error
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     @ray.method(concurrency_group="health")
