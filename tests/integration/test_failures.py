@@ -44,6 +44,13 @@ def raising(spec):
     gpt = build_gpt(layers=1, width=16, heads=2, seq_len=spec.seq_len, vocab_size=256)
     return torch.nn.Sequential(Trap(4, "raise"), *gpt)
 
+def on_workers_only(spec):
+    """Imports a module the driver's machine has and the workers' nodes do not."""
+    import ray
+    if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+        raise ModuleNotFoundError("No module named 'lab_private'")
+    return build_gpt(layers=1, width=16, heads=2, seq_len=spec.seq_len, vocab_size=256)
+
 def exploding(spec):
     gpt = build_gpt(layers=1, width=16, heads=2, seq_len=spec.seq_len, vocab_size=256)
     return torch.nn.Sequential(gpt[0], NanAfter(4), *gpt[1:])
@@ -74,6 +81,26 @@ def test_run_stops_with_one_line_and_keeps_its_checkpoint(tmp_path, builder, mes
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["failed_at_step"] == "4"
+
+
+def test_a_builder_that_cannot_import_on_the_workers_is_one_line(tmp_path):
+    """The builder's module imports on the driver (validate passes) and not where the workers
+    run (a cluster without the user's package): named by its error, once, and not retried
+    (it fails the same way at the same step)."""
+    (tmp_path / "usermodel.py").write_text(USER_MODEL)
+    data = write_dataset(tmp_path / "data", 64, 32)
+    spec = tiny_spec(tmp_path, data, name="workers-only", model={"name": "usermodel:on_workers_only"},
+                     parallel={"dp": 1}, elastic={"max_failures": 3})
+    proc = start_baton(["run", str(write_spec(tmp_path / "job.yaml", spec)), "--quiet"], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out, out
+    lines = out.strip().splitlines()
+    assert lines[-1] == ("baton: error: giving up: the same error came back at step 1 after a "
+                         "recovery: worker rank 0 failed while joining the group: "
+                         "ModuleNotFoundError: No module named 'lab_private'"), out
+    assert len(lines) == 1, out  # --quiet: no progress, no event lines
 
 
 def test_data_that_does_not_fit_the_model_is_refused_before_mlflow_or_checkpoints(tmp_path):
