@@ -23,6 +23,7 @@ from baton.errors import CheckpointError
 from baton.spec import JobSpec, load_spec
 from baton.spec_checks import check_fits
 from baton.tracking import make_tracker
+from baton.workers.capacity import fit_or_wait
 
 
 def validate(path: str, overrides: list[str] = ()) -> tuple[JobSpec, Optional[JobData]]:
@@ -168,8 +169,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             previous_handlers = interrupts.install()
         try:
             if address is not None:
-                res = ray.cluster_resources()
-                check_fits(spec, res.get("CPU", 0), res.get("GPU", 0), source, f"the cluster at {address}")
+                fit_or_wait(spec, source, f"the cluster at {address}", log)
             if resume_meta:
                 log(f"resuming {spec.name} from step {resume_meta['step']} "
                     f"(checkpoint in {storage.redact(spec.checkpoint_dir)})")

@@ -121,6 +121,9 @@ class ResourcesSpec:
     gpus_per_worker: float = 0.0
     placement: Literal["pack", "spread"] = "pack"
     threads_per_worker: int = 1  # torch intra-op threads in each worker
+    # a cluster with an autoscaler and too little room now (scaled to zero): how long the
+    # start waits for the nodes it asked for before refusing the job
+    wait_for_nodes_s: float = 600.0
 
 
 @dataclass(frozen=True)

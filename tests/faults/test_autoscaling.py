@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
 from ray.experimental.internal_kv import _internal_kv_get
 
 from baton import api
+from baton.workers.capacity import autoscaler_present
 from helpers import assert_params_close, free_ports, reference_run, stop_session, write_dataset
 from test_elastic import NUM_SAMPLES, STEPS, _assert_exactly_once, _final_params, _spec
 
@@ -29,7 +31,8 @@ BIN = Path(sys.executable).parent
 
 
 def _autoscaler_config(gcs: str) -> dict:
-    """One node type of 2 CPUs, 1 to 4 nodes; the head has no CPU for training. A worker takes
+    """One node type of 2 CPUs, 0 to 4 nodes; the head has no CPU for training (scaled to zero,
+    as the shipped k8s/raycluster.yaml is when idle). A worker takes
     a whole node (2 CPUs), so the 1-CPU tasks of the data read, which may make the autoscaler
     add a node of its own accord, cannot make room for all four before the job asks."""
     return {
@@ -41,7 +44,7 @@ def _autoscaler_config(gcs: str) -> dict:
         "auth": {"ssh_user": "ray"}, "docker": {}, "head_node_type": "ray.head.default",
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
-            "cpu_node": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 1, "max_workers": 4},
+            "cpu_node": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 0, "max_workers": 4},
         },
         **{key: [] for key in ("cluster_synced_files", "rsync_exclude", "rsync_filter",
                                 "initialization_commands", "setup_commands", "head_setup_commands",
@@ -67,16 +70,16 @@ def autoscaling():
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
     try:
         deadline = time.time() + 120
-        while True:  # the autoscaler starts min_workers = 1 node
+        while True:  # the head is up and its autoscaler has reported once
             assert proc.poll() is None, (root / "head.log").read_text()[-3000:]
             try:
                 if not ray.is_initialized():
                     ray.init(address=gcs, logging_level="WARNING")
-                if ray.cluster_resources().get("CPU", 0) >= 2:
+                if autoscaler_present():
                     break
             except ConnectionError:
                 pass
-            assert time.time() < deadline, "the autoscaler started no node in 120 s"
+            assert time.time() < deadline, "the autoscaler did not start in 120 s"
             time.sleep(1)
         ray.data.DataContext.get_current().enable_progress_bars = False
         yield gcs
@@ -91,6 +94,25 @@ def _standing_request() -> int:
     `request_resources` last wrote for the (v1) autoscaler that this cluster runs."""
     raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
     return sum(bundle == {"CPU": 2.0} for bundle in json.loads(raw or b"[]"))
+
+
+def test_a_job_on_a_cluster_scaled_to_zero_asks_for_nodes_and_starts(tmp_path, autoscaling):
+    """No CPU at all when the job comes: it was refused at once (the cluster has 0 CPUs), an
+    autoscaler notwithstanding. Now it asks for its workers and starts on the nodes added."""
+    assert ray.cluster_resources().get("CPU", 0) == 0
+    data = write_dataset(tmp_path / "data", NUM_SAMPLES, 32)
+    spec = _spec(tmp_path, data, "from-zero", resources={"cpus_per_worker": 2})  # dp 2: 2 nodes
+    lines = []
+    result = api.run(spec, address=autoscaling, record_samples=True, show_progress=False,
+                     log=lines.append)
+
+    assert result.state == "finished" and result.step == STEPS, lines
+    where = f"the cluster at {autoscaling}"
+    assert lines[0] == (f"{where} has too little room for 2 workers now; its autoscaler is asked "
+                        "for them, waiting up to 600 s (resources.wait_for_nodes_s)"), lines
+    assert re.fullmatch(rf"{re.escape(where)} has room for them after \d+ s", lines[1]), lines
+    assert ray.cluster_resources().get("CPU", 0) >= 4
+    _assert_exactly_once(result)
 
 
 def test_the_job_asks_the_autoscaler_for_room_and_trains_on_the_nodes_it_adds(tmp_path, autoscaling):

@@ -25,6 +25,7 @@ from baton.checkpoint.store import SHARDS
 from baton.errors import WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
+from baton.workers.capacity import ask_autoscaler
 from baton.workers.worker import Worker
 
 RemoteWorker = ray.remote(concurrency_groups={"health": 1, "io": 1})(Worker)
@@ -361,33 +362,6 @@ class WorkerGroup:
         self.actors, self.infos, self._launched, self.spares = [], [], [], []
         if self._requested:
             self.request_capacity(0)  # let the autoscaler scale down once the nodes idle
-
-
-REQUEST_TTL_S = 600.0  # a standing autoscaler request lapses unless renewed within this
-
-
-def ask_autoscaler(requester: str, bundles: list[dict]) -> None:
-    """Set `requester`'s standing request to `bundles` (none: withdraw it).
-
-    Ray's `request_resources` replaces the cluster's one standing request, and Ray Data keeps
-    its own through a named coordinator actor that re-sends the merged requests of its
-    requesters every 20 s: once baton's data read has run, a plain `request_resources` from
-    baton would be undone within 20 s, before a cloud node has even booted. So baton asks
-    through that coordinator, as one more requester, and both requests stand. A Ray without
-    it (other versions) gets the plain call."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            DefaultAutoscalingCoordinator)
-    except ImportError:
-        from ray.autoscaler.sdk import request_resources
-
-        request_resources(bundles=bundles)
-        return
-    client = DefaultAutoscalingCoordinator(requester)
-    if bundles:
-        client.request_resources(bundles, expire_after_s=REQUEST_TTL_S)
-    else:
-        client.cancel_request()
 
 
 def why_not_started(error: Exception) -> str:
