@@ -29,7 +29,7 @@ from mlflow.tracking import MlflowClient
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from baton import api
+from baton import api, storage
 from baton.checkpoint import CheckpointStore
 from baton.data import Cursor
 from baton.errors import WorkerError
@@ -387,24 +387,36 @@ def test_a_node_lost_under_hybrid_sharding_loses_no_completed_step(tmp_path, dat
     assert_params_close(_final_params(spec), want, rtol=1e-5, atol=4e-5)
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
-def test_a_worker_killed_while_a_checkpoint_is_written_leaves_it_torn(tmp_path, data, nodes,
-                                                                       uninterrupted, background):
+@pytest.mark.parametrize("background,store", [(False, "disk"), (True, "disk"), (False, "s3")],
+                         ids=["sync", "async", "s3"])
+def test_a_worker_killed_while_a_checkpoint_is_written_leaves_it_torn(
+        tmp_path, data, nodes, uninterrupted, background, store, request):
     """The hook runs on the coordinator's thread between step 3 and the commit of step 4:
     once rank 0 (pipeline stage 0) has written its first part of checkpoint 4 (and pauses
     before the next: helpers.pause_between_checkpoint_parts), it is killed: in the save itself, or (async)
     on the thread writing it while training goes on. No survivor holds stage 0, so
-    checkpoint 4 never gets its commit marker and the run goes back to 2."""
+    checkpoint 4 never gets its commit marker and the run goes back to 2. `s3`: the
+    checkpoints on a real S3 endpoint (moto's server), the key in the URI (the workers'
+    processes were started before the endpoint's keys were set)."""
+    checkpoint = {"async": background}
+    if store == "s3":
+        import pyarrow.fs as pafs
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        fs, path = pafs.FileSystem.from_uri(f"s3://kills?{endpoint}&allow_bucket_creation=true")
+        fs.create_dir(path)
+        checkpoint["path"] = f"s3://baton-tests:baton-tests@kills/ckpt?{endpoint}"
     spec = _spec(tmp_path, data, "kill-saving", parallel={"dp": 1, "pp": 2, "microbatches": 2},
-                 checkpoint={"async": background})
-    part = CheckpointStore(spec.checkpoint_dir).step_dir(4) + "/model-0000.pt"
+                 checkpoint=checkpoint)
+    ckpt = CheckpointStore(spec.checkpoint_dir)
+    part = ckpt.step_dir(4) + "/model-0000.pt"
 
     def kill_when_writing(c):
         deadline = time.monotonic() + 60
-        while not os.path.exists(part):
+        while not storage.exists(ckpt.fs, part):
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        assert not os.path.exists(os.path.dirname(part) + "/COMMITTED")
+        assert not storage.exists(ckpt.fs, ckpt.step_dir(4) + "/COMMITTED")
         os.kill(c.workers[0]["pid"], signal.SIGKILL)
     result = api.run(spec, record_samples=True, show_progress=False,
                      on_step=_at_step(3, kill_when_writing))
