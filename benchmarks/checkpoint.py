@@ -14,6 +14,7 @@ in the window for any of them.
 
     python benchmarks/checkpoint.py                   # quick-start GPT and a 113 M-parameter GPT
     python benchmarks/checkpoint.py --models quickstart --rounds 5
+    python benchmarks/checkpoint.py --models quickstart --shard full   # ZeRO-3's shards, through DCP
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def job(args, data: str, tmp: str, model: str, mode: str) -> dict:
         "data": {"source": "parquet", "path": data},
         "train": {"steps": args.steps, "global_batch": batch, "micro_batch": micro, "lr": 1e-3,
                   "min_lr": 1e-4, "warmup_steps": 2, "precision": "bf16" if cuda else "fp32"},
-        "parallel": {"dp": 2},
+        "parallel": {"dp": 2, "shard": args.shard},
         "resources": {"cpus_per_worker": 1 if not cuda else 1, "gpus_per_worker": 1 if cuda else 0},
         "checkpoint": {"path": store, "keep": 1, "async": mode == "async",
                        "every_steps": args.every if mode != "none" else 10**9},
@@ -86,6 +87,8 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the window")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--store", default=None, help="checkpoint URI (default: a local temporary folder)")
+    p.add_argument("--shard", default="none", choices=["none", "optimizer", "grads", "full"],
+                   help="parallel.shard: sharded state is saved through DCP")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -118,7 +121,7 @@ def main() -> int:
         ray.shutdown()
 
     print(f"\ncheckpoint every {args.every} steps, steps {args.skip + 1}-{args.steps} measured, "
-          f"{args.rounds} rounds, {args.device}, store {args.store or 'local folder'}")
+          f"{args.rounds} rounds, {args.device}, shard {args.shard}, store {args.store or 'local folder'}")
     print("| model | params | mode | step s | tokens/s | vs none | stall per save | stall / step |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -126,7 +129,8 @@ def main() -> int:
         frac = "" if r["stall_s"] is None else f"{r['stall_s'] / r['median_step_s']:.1%}"
         print(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['mode']} | {r['median_step_s']:.3f} | "
               f"{r['tokens_per_s']:,.0f} | {r['vs_none']:.3f}x | {stall} | {frac} |")
-    write_result(args.out or HERE / "results" / f"checkpoint_{args.device}.json",
+    shard = "" if args.shard == "none" else f"_{args.shard}"
+    write_result(args.out or HERE / "results" / f"checkpoint{shard}_{args.device}.json",
                  {"args": vars(args), "rows": rows})
     return 0
 

@@ -349,7 +349,8 @@ def test_a_worker_killed_under_hybrid_sharding_loses_no_completed_step(tmp_path,
     assert failure["cause"] == "actor_died" and failure["step"] == 6, failure
     assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 5
     assert recovery["dp"] == 4 and recovery["workers_reused"] == 3
-    assert CheckpointStore(spec.checkpoint_dir).is_sharded(5)
+    store = CheckpointStore(spec.checkpoint_dir)
+    assert store.is_sharded(5) and store.is_sharded(4) and store.verify(4) is None
     _assert_exactly_once(result)
     # against one process: FSDP's reduce order; the equivalence bound of the sharding tests
     want, _, _ = reference_run(spec, data, steps=STEPS)
@@ -360,13 +361,15 @@ def test_a_node_lost_under_hybrid_sharding_loses_no_completed_step(tmp_path, dat
     """ZeRO-3 in two replica groups of two (dp 4), one worker per node: the node of rank 1 is
     removed after step 5. Rank 3 holds the same shard, so the survivors' shards are committed
     as step 5; with no room left for a fourth worker the world re-forms at dp 2 (one group:
-    ZeRO-3 over 2), resharding that checkpoint, and no completed step is trained again."""
+    ZeRO-3 over 2), resharding that checkpoint, and no completed step is trained again.
+    Checkpoints are written in the background (checkpoint 4's shards on the workers' threads,
+    its plans through the coordinator), as the worker-killed case writes them synchronously."""
     nodes.add_node(num_cpus=1)
     nodes.wait_for_nodes()
     _wait_free_cpus(4)
     spec = _spec(tmp_path, data, "node-hybrid",
                  parallel={"dp": 4, "shard": "full", "shard_group": 2, "timeout_s": 10},
-                 elastic={"min_dp": 2}, checkpoint={"every_steps": 4},
+                 elastic={"min_dp": 2}, checkpoint={"every_steps": 4, "async": True},
                  model={"name": "helpers:slow_gpt", "options": {"seconds": 0.4}})
 
     def remove(c):
@@ -380,7 +383,8 @@ def test_a_node_lost_under_hybrid_sharding_loses_no_completed_step(tmp_path, dat
     assert failure["message"].startswith("lost node ") and "with worker rank 1 while" in failure["message"]
     assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 5
     assert recovery["dp"] == 2 and recovery["workers_reused"] == 3  # survivors kept; 2 of them form it
-    assert CheckpointStore(spec.checkpoint_dir).is_sharded(5)
+    store = CheckpointStore(spec.checkpoint_dir)
+    assert store.is_sharded(5) and store.is_sharded(4) and store.verify(4) is None
     _assert_exactly_once(result)
     # against one process (dp changed): FSDP's reduce order; the sharding tests' bound
     want, _, _ = reference_run(spec, data, steps=STEPS)

@@ -10,6 +10,9 @@ write it on a thread of each worker while training goes on, and are committed at
 step boundary after every part is written: at most one is in flight (queueing the next waits
 for it), the run's end and a rescale wait for it, and a failure abandons it (its folder stays
 torn, never loaded; the survivors' state or the previous checkpoint serve the recovery).
+A sharded background save takes DCP's two rounds through here instead of a process group:
+each worker's local plan comes back with its snapshot, the global plan goes out, each worker
+writes its part on its thread, and the index is written here once every part is.
 
 After a failure, the survivors' in-memory state of the last completed step may be committed
 instead of training again from the last checkpoint.
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-from baton.checkpoint import CheckpointStore
+from baton.checkpoint import CheckpointStore, sharded
+from baton.checkpoint.sharded import METADATA
+from baton.checkpoint.store import SHARDS
 from baton.checkpoint.lease import Lease
 from baton.errors import WorkerError
 from baton.parallel import ParallelDims
@@ -38,6 +43,7 @@ class Save:
     background: bool
     meta: Optional[dict] = None  # when its step has completed
     written_refs: Optional[list] = None  # background: each worker's parts, once written
+    finish: Optional[Callable] = None  # background and sharded: writes DCP's index
 
 
 class Commits:
@@ -65,10 +71,18 @@ class Commits:
         save.meta = meta
         done = group.wait(save.save_refs, f"saving checkpoint {save.step}", checkpoint=True)
         if save.background:  # what was waited for is the copy; the write goes on
+            # one in flight: the previous save, when no queueing came between (the last two
+            # steps of a run, both saved), is committed first, not dropped (found by the
+            # sharded background test: checkpoint N-1 of an every-step run was left torn)
+            self.drain(group)
+            if all(done):  # sharded: each worker's local plan; DCP's second round, from here
+                plans, save.finish = sharded.plan_globally(self.store.shards(save.step),
+                                                           [d["plan"] for d in done])
+                group.submit_each("write_planned", [(save.step, plan) for plan in plans])
             save.written_refs = group.submit("written", save.step)
             self.pending = save
         else:
-            self._finish(group, save, done)
+            self._finish(group, save, [p for parts in done for p in parts])
         self.live.checkpoint_saved(time.perf_counter() - t0)
 
     def poll(self, group) -> None:
@@ -79,15 +93,21 @@ class Commits:
     def drain(self, group) -> None:
         """Wait for the background save in flight, and commit it."""
         save, self.pending = self.pending, None
-        if save is not None:
-            self._finish(group, save, group.wait(save.written_refs, f"writing checkpoint {save.step}",
-                                                 checkpoint=True))
+        if save is None:
+            return
+        written = group.wait(save.written_refs, f"writing checkpoint {save.step}", checkpoint=True)
+        if save.finish is None:
+            self._finish(group, save, [p for parts in written for p in parts])
+            return
+        save.finish([results for results, _ in written])  # the index, once every shard is written
+        self._finish(group, save, [p for _, parts in written for p in parts]
+                     + self.store.records(save.step, [f"{SHARDS}/{METADATA}"]))
 
     def abandon(self) -> None:
         """A failure: the save in flight is never committed (its folder stays torn)."""
         self.pending = None
 
-    def _finish(self, group, save: Save, written: list) -> None:
+    def _finish(self, group, save: Save, parts: list[dict]) -> None:
         digests = group.wait(save.digest_refs, f"hashing parameters for checkpoint {save.step}")
         # an invariant of data parallelism, worth the milliseconds: the copies of each stage
         # (of each shard, when sharded) hold the same parameters
@@ -97,7 +117,7 @@ class Commits:
                 raise WorkerError(f"replicas of ranks {ranks} diverged at step {save.step}: "
                                   f"parameter digests {replicas}")
         self.replica_digests = digests
-        self._commit(save.step, save.meta, [p for parts in written for p in parts])
+        self._commit(save.step, save.meta, parts)
 
     def commit_survivors(self, group, dims: ParallelDims, step: int, left: dict[int, int],
                          meta: dict) -> bool:

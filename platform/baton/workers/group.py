@@ -188,6 +188,10 @@ class WorkerGroup:
         """Queue `method(*args)` on every rank without waiting; actors run calls in order."""
         return [getattr(a, method).remote(*args) for a in self.actors]
 
+    def submit_each(self, method: str, args: list[tuple]) -> list:
+        """Queue `method(*args[rank])` on each rank without waiting."""
+        return [getattr(a, method).remote(*a_args) for a, a_args in zip(self.actors, args)]
+
     def finished(self, refs: list) -> bool:
         """Whether every one of `refs` has finished (without waiting)."""
         return len(ray.wait(list(refs), num_returns=len(refs), timeout=0)[0]) == len(refs)

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import ray
@@ -75,6 +75,7 @@ class Worker:
         # host memory a background save copies the state into, kept for the next one (filling
         # buffers already mapped is several times faster than allocating new ones)
         self.snapshot, self.last_write = None, None
+        self.planned: dict[int, tuple] = {}  # a sharded background save between its two rounds
         self.last_step = 0
         self.assign(spec, dims, rank)
 
@@ -103,6 +104,9 @@ class Worker:
         keeps its shards: with another replica group alive, every shard has a survivor."""
         self.kept, kept_step = None, -1
         self._settle_writes()
+        # a sharded snapshot's tensors name this world's mesh: the next world makes its own
+        self.planned, self.snapshot = {}, (None if self.engine is not None and self.engine.sharded
+                                           else self.snapshot)
         if self.engine is not None:
             self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
                          *self.engine.state_dicts())
@@ -278,34 +282,54 @@ class Worker:
 
     # -- checkpoints: one file per pipeline rank, keyed by parameter name -----------------------
 
-    def save(self, root: str, step: int, background: bool = False) -> Optional[list[dict]]:
+    def save(self, root: str, step: int, background: bool = False) -> Optional[Any]:
         """Write this worker's parts of checkpoint `step`; returns their records (name, size,
-        SHA-256) for the commit. `background`: copy the state (host memory) and return None at
+        SHA-256) for the commit. `background`: copy the state (host memory) and return at
         once; a thread writes the copy, and `written(step)` returns the records. Sharded state
-        is written here either way (DCP's rounds are collectives; in the background they would
-        race the failure handling that tears the group down)."""
+        in the background is written in DCP's two rounds with the coordinator carrying the
+        plans, as the survivors' save does: this returns {"plan": this worker's local plan},
+        and `write_planned` starts the write of its part of the global plan. (DCP's own rounds
+        are collectives: on the writing thread they would race the failure handling that
+        tears the group down.)"""
         store = CheckpointStore(root)
         rng = {"cpu": torch.get_rng_state()}
         if self.use_cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
         state = self.engine.state_dicts() if self.engine.sharded or self.dp_rank == 0 else None
-        if not background or self.engine.sharded:
-            parts = self._write(store, step, state, rng)
-            if not background:
-                return parts
-            write = concurrent.futures.Future()
-            write.set_result(parts)
-        else:
-            if self.last_write is not None:
-                concurrent.futures.wait([self.last_write])  # its buffers are free again
-            self.snapshot = _copy_into(self.snapshot, state, pin=self.use_cuda)
-            if self.use_cuda:
-                torch.cuda.synchronize()  # the copies into page-locked memory have landed
-            write = self.last_write = self.writer.submit(self._write, store, step, self.snapshot, rng)
+        if not background:
+            return self._write(store, step, state, rng)
+        if self.last_write is not None:
+            concurrent.futures.wait([self.last_write])  # its buffers are free again
+        if self.engine.sharded:
+            model_state, optim_state = state
+            self.snapshot = _stage_shards(self.snapshot, {"model": model_state, "optim": optim_state["state"]},
+                                          pin=self.use_cuda)
+            planned = sharded.PlannedSave(self.snapshot, store.shards(step))
+            self.planned[step] = (planned, store, rng)
+            return {"plan": planned.plan()}
+        self.snapshot = _copy_into(self.snapshot, state, pin=self.use_cuda)
+        if self.use_cuda:
+            torch.cuda.synchronize()  # the copies into page-locked memory have landed
+        self._started(step, self.writer.submit(self._write, store, step, self.snapshot, rng))
+        return None
+
+    @ray.method(concurrency_group="io")
+    def write_planned(self, step: int, plan) -> None:
+        """Start writing this worker's part of background save `step`'s global plan; `written`
+        returns (DCP's results, the records of its files)."""
+        planned, store, rng = self.planned.pop(step)
+
+        def write():
+            results, names = planned.write(plan)
+            parts = store.records(step, [f"{SHARDS}/{n}" for n in names])
+            return results, parts + [store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)]
+        self._started(step, self.writer.submit(write))
+
+    def _started(self, step: int, write: concurrent.futures.Future) -> None:
+        self.last_write = write
         with self.writes_changed:
             self.writes[step] = write
             self.writes_changed.notify_all()
-        return None
 
     @ray.method(concurrency_group="io")
     def written(self, step: int) -> list[dict]:
@@ -394,6 +418,22 @@ def _copy_into(buffers, tree, pin: bool = False):
         old = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(tree) else [None] * len(tree)
         return type(tree)(_copy_into(b, v, pin) for b, v in zip(old, tree))
     return copy.deepcopy(tree)
+
+
+def _stage_shards(buffers: Optional[dict], state: dict, pin: bool) -> dict:
+    """A sharded state (DTensors) copied into host memory, reusing `buffers` (the previous copy,
+    of this world). Each copy stays a DTensor of the same mesh and placements, its local shard
+    on the CPU, which is what DCP's planner reads: torch's own helpers for this, those its
+    async checkpointing stages with (`staging.BlockingAsyncStager`; that class pins memory
+    always, which a CPU-only torch cannot)."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    if buffers is None:
+        buffers = _create_cpu_state_dict(state, pin_memory=pin)
+    copied = _copy_state_dict(state, buffers, non_blocking=pin)
+    if pin:
+        torch.cuda.synchronize()  # the copies into page-locked memory have landed
+    return copied
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
