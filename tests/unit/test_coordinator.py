@@ -527,3 +527,28 @@ def test_a_worker_lost_while_its_ledger_is_read_leaves_step_and_cursor_together(
     for epoch in (0, 1):  # 12 samples, 3 steps an epoch: epochs 0 and 1 whole
         ids = [i for step, _, part in c.ledger if step // 3 == epoch for i in part]
         assert sorted(ids) == list(range(12)), (epoch, sorted(ids))
+
+
+def test_a_worker_killed_for_memory_is_named_out_of_memory():
+    """Ray's memory monitor kills an actor that starts while its node runs low on memory: the
+    start fails with ActorDiedError whose exit detail says so (the message's layout as Ray
+    prints it, ray-project/ray#28778; not triggered here: that would take this machine's memory).
+    Named as out of memory with the node's figures, not as the actor's generic death."""
+    import ray
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+
+    from baton.workers.group import why_not_started
+
+    detail = ("The actor is dead because its worker process has died. Worker exit type: USER_ERROR "
+              "Worker exit detail: Task was killed due to the node running low on memory.\n"
+              "Memory on the node (IP: 10.0.3.7, ID: 208ebdd0) where the task was running was "
+              "30.41GB / 31.00GB (0.981), which exceeds the memory usage threshold of 0.95.")
+    died = ray.exceptions.ActorDiedError(ActorDiedErrorContext(
+        error_message=detail, class_name="Worker", actor_id=bytes(16), node_ip_address="10.0.3.7"))
+    assert why_not_started(died) == (
+        "out of memory: Memory on the node (IP: 10.0.3.7, ID: 208ebdd0) where the task was "
+        "running was 30.41GB / 31.00GB (0.981), which exceeds the memory usage threshold of 0.95.")
+    plain = ray.exceptions.ActorDiedError(ActorDiedErrorContext(
+        error_message="The actor is dead because it was killed by `ray.kill`.", class_name="Worker",
+        actor_id=bytes(16)))
+    assert why_not_started(plain) == "The actor died unexpectedly before finishing this task."

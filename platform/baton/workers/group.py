@@ -374,8 +374,11 @@ def why_not_started(error: Exception) -> str:
     which carries the worker's traceback), memory, or its runtime environment."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
     lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
-    if isinstance(error, ray.exceptions.OutOfMemoryError):
-        return f"out of memory: {lines[0][:300]}"
+    if isinstance(error, ray.exceptions.OutOfMemoryError) or "running low on memory" in text:
+        # Ray's memory monitor killed it (an actor's death says so in its exit detail): the
+        # line with the node's figures, else the first
+        where = [line for line in lines if line.startswith("Memory on the node")] or lines
+        return f"out of memory: {where[0][:300]}"
     if isinstance(error, ray.exceptions.RuntimeEnvSetupError):
         return f"its runtime environment could not be set up: {lines[-1][:300]}"
     if getattr(error, "actor_init_failed", False) or isinstance(error, ray.exceptions.RayTaskError):
