@@ -32,7 +32,7 @@ def fit_or_wait(spec: JobSpec, source: str, where: str, log: Callable[[str], Non
     r = spec.resources
     workers = spec.dp_range[0] * spec.parallel.pp
     bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
-    log(f"{where} has too little room for {workers} workers now; its autoscaler is asked for "
+    log(f"{where} has too little room for {workers} worker{'s' * (workers != 1)} now; its autoscaler is asked for "
         f"them, waiting up to {wait_s:g} s (resources.wait_for_nodes_s)")
     requester, t0 = f"baton:{spec.name}:start", time.monotonic()
     ask_autoscaler(requester, [bundle] * workers)
