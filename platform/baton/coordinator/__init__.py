@@ -1,3 +1,4 @@
-from baton.coordinator.coordinator import Coordinator, RunResult, State
+from baton.coordinator.coordinator import Coordinator, State
+from baton.coordinator.result import RunResult
 
 __all__ = ["Coordinator", "RunResult", "State"]
