@@ -104,9 +104,9 @@ class Worker:
         keeps its shards: with another replica group alive, every shard has a survivor."""
         self.kept, kept_step = None, -1
         self._settle_writes()
-        # a sharded snapshot's tensors name this world's mesh: the next world makes its own
-        self.planned, self.snapshot = {}, (None if self.engine is not None and self.engine.sharded
-                                           else self.snapshot)
+        # the next world makes its own copy: a sharded one's tensors name this world's mesh,
+        # and the next world may shard differently or not at all
+        self.planned, self.snapshot = {}, None
         if self.engine is not None:
             self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
                          *self.engine.state_dicts())
