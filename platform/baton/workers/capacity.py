@@ -4,6 +4,8 @@ at the start when the cluster has too little now (scaled to zero, as the shipped
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from typing import Callable
 
@@ -58,20 +60,30 @@ def _check(spec: JobSpec, source: str, where: str) -> None:
 
 
 def autoscaler_present() -> bool:
-    """Whether the connected cluster runs Ray's autoscaler: v1 (the fake multi-node provider,
-    `ray up`) writes its status to the GCS's key-value store at every update; v2 (KubeRay's
-    autoscaler with v2 on) marks itself there when it starts."""
+    """Whether the connected cluster runs an autoscaler that can add nodes. Every Ray head runs
+    the (v1) monitor and writes its status to the GCS's key-value store; on a fixed cluster its
+    provider is read-only and names each node's type after the node (`node_<id>`), where a
+    real one (the fake multi-node provider, KubeRay's, `ray up`'s) names the types of its
+    configuration. The v2 autoscaler marks itself there when it starts."""
     from ray._private import ray_constants
     from ray.experimental.internal_kv import _internal_kv_get
 
-    if _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS):
-        return True
+    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    if raw:
+        report = json.loads(raw).get("autoscaler_report") or {}
+        types = {*(report.get("active_nodes") or {}), *(report.get("pending_launches") or {}),
+                 *(node[1] for node in report.get("pending_nodes") or [])}
+        if any(not READ_ONLY_TYPE.fullmatch(str(t)) for t in types):
+            return True
     try:
         from ray.autoscaler.v2.utils import is_autoscaler_v2
 
         return is_autoscaler_v2(fetch_from_server=True)
     except Exception:  # noqa: BLE001 - another Ray's layout: no v2 marker to read
         return False
+
+
+READ_ONLY_TYPE = re.compile(r"node_[0-9a-f]{56}")  # a fixed cluster's node, typed by its id
 
 
 REQUEST_TTL_S = 600.0  # a standing autoscaler request lapses unless renewed within this
