@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -374,6 +377,33 @@ class SlowProxy:
         self.server.close()
 
 
+class TrackingServer:
+    """A real MLflow tracking server (`mlflow server` on 127.0.0.1, its own process group) on a
+    sqlite database, to kill mid-run and start again on the same database."""
+
+    def __init__(self, db: str, port: int, log):
+        self.db, self.port, self.log, self.proc = db, port, log, None
+
+    def start(self) -> None:
+        mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
+        self.proc = subprocess.Popen(
+            [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.db}", "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
+                    return
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "no MLflow server"
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
 def pause_between_checkpoint_parts() -> None:
     """A Ray `worker_process_setup_hook` for the fault tests: in each worker process, every
     model part of a checkpoint is followed by a 0.5 s pause, so that a test can kill a worker
@@ -395,16 +425,20 @@ class Chaos:
     (`ray.cluster_utils.Cluster`), injected from the run's `on_step` hook, as the fault tests
     do one at a time: a worker SIGKILLed (`kill`), a worker's node removed and a fresh node
     added (`node`), a worker frozen with SIGSTOP (`stop`, declared dead after
-    elastic.hang_timeout_s), and a worker killed half-way through writing a checkpoint
-    (`saving`: needs `pause_between_checkpoint_parts` in the workers). `injected` records what
-    was done, at which step and wall time."""
+    elastic.hang_timeout_s), a worker killed half-way through writing a checkpoint (`saving`:
+    needs `pause_between_checkpoint_parts` in the workers), and, given the run's MLflow server,
+    the server killed and started again on its database `OUTAGE_STEPS` later, in the background
+    as a real store comes back (`tracking`). `injected` records what was done, at which step and
+    wall time."""
 
     KINDS = ("kill", "node", "stop", "saving")
+    OUTAGE_STEPS = 3
 
     def __init__(self, cluster, *, faults: int, steps: int, every_steps: int, seed: int,
-                 checkpoint_dir: str):
+                 checkpoint_dir: str, tracking: TrackingServer | None = None):
         rng = np.random.default_rng(seed)
-        kinds = [self.KINDS[i % len(self.KINDS)] for i in range(faults)]
+        self.kinds = self.KINDS + (("tracking",) if tracking else ())
+        kinds = [self.kinds[i % len(self.kinds)] for i in range(faults)]
         rng.shuffle(kinds)
         self.schedule: dict[int, str] = {}
         step = 2
@@ -413,11 +447,16 @@ class Chaos:
             if kind == "saving":
                 step += (every_steps - 1 - step) % every_steps
             self.schedule[step] = kind
-        assert max(self.schedule) < steps - 1, f"{faults} faults do not fit {steps} steps"
+        back = [s + self.OUTAGE_STEPS for s, kind in self.schedule.items() if kind == "tracking"]
+        assert max([*self.schedule, *back]) < steps - 1, f"{faults} faults do not fit {steps} steps"
         self.cluster, self.checkpoint_dir, self.rng = cluster, checkpoint_dir, rng
+        self.tracking, self._back_at, self._restart = tracking, None, None
         self.injected: list[dict] = []
 
     def __call__(self, c) -> None:
+        if self._back_at is not None and c.step >= self._back_at:
+            self._back_at = None
+            self._restart = concurrent.futures.ThreadPoolExecutor(1).submit(self.tracking.start)
         kind = self.schedule.pop(c.step, None)
         if kind is None:
             return
@@ -432,6 +471,12 @@ class Chaos:
             (node,) = [n for n in self.cluster.list_all_nodes() if n.node_id == c.workers[rank]["node"]]
             self.cluster.remove_node(node)
             self.cluster.add_node(num_cpus=1)
+        elif kind == "tracking":
+            self.injected[-1]["rank"] = None
+            if self._restart is not None:  # the last outage's server first finishes starting
+                self._restart.result()
+            self.tracking.kill()
+            self._back_at = c.step + self.OUTAGE_STEPS
         else:  # the next step's checkpoint: once its first part is written, kill its writer
             part = f"{self.checkpoint_dir}/step_{c.step + 1:08d}/model-0000.pt"
             deadline = time.monotonic() + 60
@@ -439,6 +484,12 @@ class Chaos:
                 assert time.monotonic() < deadline, f"no {part}"
                 time.sleep(0.005)
             os.kill(pid, signal.SIGKILL)
+
+    def tracking_restarted(self) -> None:
+        """After the run: the tracking server's restart finished (its error, if it failed)."""
+        assert self._back_at is None, "the run ended before the tracking server was restarted"
+        if self._restart is not None:
+            self._restart.result()
 
 
 # -- tasks (tests/integration/test_tasks.py) ----------------------------------------------------

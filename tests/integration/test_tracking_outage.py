@@ -4,12 +4,7 @@ goes on, commits its checkpoints meanwhile, and every step's metrics reach the r
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -17,31 +12,7 @@ from mlflow.tracking import MlflowClient
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.spec import spec_from_dict
-from helpers import free_ports, tiny_spec, write_dataset
-
-
-class TrackingServer:
-    def __init__(self, db: str, port: int, log):
-        self.db, self.port, self.log, self.proc = db, port, log, None
-
-    def start(self) -> None:
-        mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
-        self.proc = subprocess.Popen(
-            [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.db}", "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
-                    return
-            except OSError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, "no MLflow server"
-                time.sleep(0.2)
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+from helpers import TrackingServer, free_ports, tiny_spec, write_dataset
 
 
 @pytest.fixture
