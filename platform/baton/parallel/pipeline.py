@@ -216,11 +216,14 @@ class PipelineRuntime:
         excluded, each storage counted once: the activation memory a schedule keeps alive."""
         seen: set = set()
         act_bytes[key] = 0
+        # not `self`: autograd keeps a pack hook with each tensor it saves, and a graph left by
+        # a failed step would keep this runtime, and so its process groups, alive
+        params = self._param_storages
 
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in seen and ptr not in self._param_storages:
+            if ptr not in seen and ptr not in params:
                 seen.add(ptr)
                 act_bytes[key] += storage.nbytes()
             return t

@@ -13,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import functools
+import gc
 import os
 import socket
 import threading
@@ -40,6 +42,25 @@ from baton.training import param_digest
 from baton.workers.engines import DataParallelEngine, PipelineEngine
 
 
+def _in_world(method):
+    """A call that runs the world's collectives. Once one of them fails, the world is broken:
+    the calls queued behind it (the next step, a save) refuse at once instead of waiting in a
+    collective with peers that are no longer in it, so this worker reaches `leave` and frees
+    its groups, which lets its peers' waits end. Found with pp 2 x hybrid ZeRO-3: a stage whose
+    step had failed ran the next queued step and waited in a receive for the whole collective
+    timeout, and the peer of the old step waited on it in turn (two timeouts, then killed)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.broken is not None:
+            raise WorkerError(f"not run: this world broke earlier ({self.broken})")
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as e:
+            self.broken = f"{method.__name__}: {type(e).__name__}"
+            raise
+    return call
+
+
 class Worker:
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int):
         # A constructor that raises kills the actor, and Ray prints its traceback on the
@@ -64,6 +85,7 @@ class Worker:
         torch.set_num_threads(spec.resources.threads_per_worker)
         self.ledger: Optional[list] = None
         self.engine = self.checkpoint_group = None
+        self.broken: Optional[str] = None  # the call that broke this world (`_in_world`)
         self.kept = None  # (step, pp_rank, sharded, model state, optimizer state) kept by `leave`
         self.kept_save = None  # a sharded `write_kept` between its two rounds
         # background saves (checkpoint.async): one writing thread; step -> its write
@@ -115,6 +137,10 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
         sharded.forget_meshes()  # DTensor's caches would hand the next world this one's groups
+        # Free this world's groups now, so that their connections close and a peer still in a
+        # collective with this rank fails at once (FSDP's and DDP's state hold them in cycles)
+        sharded.release_groups(self.kept)
+        gc.collect()
         return kept_step
 
     def _settle_writes(self) -> None:
@@ -182,6 +208,7 @@ class Worker:
               stage_layers: Optional[list[int]] = None, columns: Optional[Columns] = None) -> dict:
         """Join the process group, build this rank's part of the model and its optimizer."""
         spec = self.spec
+        self.broken = None  # a new world
         self.compile_mark = compile_seconds()
         timeout = timedelta(seconds=spec.parallel.timeout_s)
         store, self.master_store = self.master_store, None  # rank 0's, from rendezvous_address
@@ -215,6 +242,7 @@ class Worker:
                 "wrapper": type(getattr(self.engine, "wrapped", self.engine.module)).__name__,
                 **self._compiled()}
 
+    @_in_world
     def train_step(self, step: int, batch: Batch, lr: float, trace: bool = False) -> dict:
         """One optimizer step on this replica's part of the global batch `batch`. The loss is
         summed and divided by the global token count, so the summed gradient equals one
@@ -241,6 +269,7 @@ class Worker:
         spent, self.compile_mark = compile_seconds() - self.compile_mark, compile_seconds()
         return {"compile_s": spent} if spent > 0 else {}
 
+    @_in_world
     def gradients(self, batch: Batch) -> dict:
         """This worker's gradients for `batch`, by parameter name, without stepping: what
         the equivalence tests compare with one process's."""
@@ -255,6 +284,7 @@ class Worker:
     def _micro_batches(self, batch: np.ndarray) -> list[np.ndarray]:
         return split_micro(self.dims.replica_part(batch, self.dp_rank), self.spec.microbatches)
 
+    @_in_world
     def evaluate(self, batch: Batch) -> dict:
         """The task's loss and metric sums over this replica's part of an evaluation batch,
         without gradients; the model is left as it was."""
@@ -282,6 +312,7 @@ class Worker:
 
     # -- checkpoints: one file per pipeline rank, keyed by parameter name -----------------------
 
+    @_in_world
     def save(self, root: str, step: int, background: bool = False) -> Optional[Any]:
         """Write this worker's parts of checkpoint `step`; returns their records (name, size,
         SHA-256) for the commit. `background`: copy the state (host memory) and return at
