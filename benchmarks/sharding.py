@@ -17,6 +17,8 @@ workers measured (a prediction that the measurement contradicts fails the script
     python benchmarks/sharding.py                      # CPU: dp 1, 2, 4; budget 16 MiB at dp 4
     python benchmarks/sharding.py --dps 2 4 --levels none full --unit-mibs 0 16 --skip-budget
                                    # FSDP units: each block alone (0) against blocks grouped to 16 MiB
+    python benchmarks/sharding.py --pps 1 2 --dps 2 --levels none grads full --skip-budget
+                                   # the same levels inside 2 pipeline stages, side by side
     python benchmarks/sharding.py --device cuda --dps 1 --budget-dp 1   # one GPU: see README
 """
 
@@ -42,17 +44,17 @@ LEVELS = ("none", "optimizer", "grads", "full")
 
 
 def job(args, data: str, tmp: str, *, dp: int, level: str, width: int, layers: int,
-        steps: int, unit_mib: float | None = None) -> dict:
+        steps: int, unit_mib: float | None = None, pp: int = 1) -> dict:
     cuda = args.device == "cuda"
     return {
-        "name": f"bench-shard-{level}-{dp}-{width}",
+        "name": f"bench-shard-{level}-{pp}x{dp}-{width}",
         "model": {"name": "gpt", "layers": layers, "width": width, "heads": 4,
                   "seq_len": args.seq_len},
         "data": {"source": "parquet", "path": data},
         "train": {"steps": steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
                   "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2,
                   "precision": "bf16" if cuda else "fp32"},
-        "parallel": {"dp": dp, "shard": level,
+        "parallel": {"dp": dp, "pp": pp, "shard": level,
                      **({"shard_unit_mib": unit_mib} if unit_mib is not None else {})},
         "resources": {"cpus_per_worker": 0.01 if not cuda else 1, "gpus_per_worker": 1 if cuda else 0,
                       "threads_per_worker": args.threads},
@@ -71,10 +73,10 @@ def _rss_bytes(pid: int) -> int:
 
 
 def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps: int,
-        unit_mib: float | None = None) -> dict:
+        unit_mib: float | None = None, pp: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec = spec_from_dict(job(args, data, tmp, dp=dp, level=level, width=width,
-                                  layers=layers, steps=steps, unit_mib=unit_mib))
+                                  layers=layers, steps=steps, unit_mib=unit_mib, pp=pp))
         rss: dict[int, int] = {}
 
         def sample(c) -> None:
@@ -84,7 +86,7 @@ def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps:
         result = api.run(spec, show_progress=False, on_step=sample)
         assert result.state == "finished", result.state
     state = max(result.state_bytes, key=lambda b: sum(b.values()))
-    return {"level": level, "dp": dp, "width": width, "layers": layers,
+    return {"level": level, "pp": pp, "dp": dp, "width": width, "layers": layers,
             "unit_mib": spec.parallel.shard_unit_mib if level in ("grads", "full") else None,
             "params": sum(layer_params(spec.model)),
             "state_mib": {k: round(v / 2**20, 3) for k, v in state.items()},
@@ -94,24 +96,27 @@ def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps:
 
 
 def memory_and_speed(args, data: str) -> list[dict]:
-    """Each round runs every level at each dp back to back, in an order that rotates from round
-    to round; a ratio is the median over rounds of that round's ratio to DDP (paired)."""
-    runs: dict[tuple[str, float | None, int], list[dict]] = {}
+    """Each round runs every level at each (pp, dp) back to back, in an order that rotates from
+    round to round; a ratio is the median over rounds of that round's ratio to DDP at the same
+    layout (paired). With pp > 1 the levels are those that compose with pipelines: DDP inside
+    the stages, ZeRO-2 and ZeRO-3 in each stage."""
+    runs: dict[tuple[str, float | None, int, int], list[dict]] = {}
     variants = [("none", None)] + [(level, unit) for level in args.levels if level != "none"
                                    for unit in (args.unit_mibs if level in ("grads", "full") else [None])]
     for r in range(args.rounds):
-        for dp in args.dps:
-            order = variants if dp > 1 else variants[:1]
-            for level, unit in order[r % len(order):] + order[:r % len(order)]:
-                row = run(args, data, dp=dp, level=level, width=args.width, layers=args.layers,
-                          steps=args.steps, unit_mib=unit)
-                runs.setdefault((level, unit, dp), []).append(row)
-                print(f"  round {r + 1}: {level:9s} {'' if unit is None else f'unit {unit:g} MiB':13s} "
-                      f"dp={dp}: state {row['state_total_mib']:8.2f} MiB/worker, RSS "
-                      f"{row['rss_mib']} MiB, {row['tokens_per_s']:9.1f} tokens/s", flush=True)
+        for pp in args.pps:
+            for dp in args.dps:
+                order = [v for v in variants if pp == 1 or v[0] != "optimizer"] if dp > 1 else variants[:1]
+                for level, unit in order[r % len(order):] + order[:r % len(order)]:
+                    row = run(args, data, dp=dp, level=level, width=args.width, layers=args.layers,
+                              steps=args.steps, unit_mib=unit, pp=pp)
+                    runs.setdefault((level, unit, pp, dp), []).append(row)
+                    print(f"  round {r + 1}: {level:9s} {'' if unit is None else f'unit {unit:g} MiB':13s} "
+                          f"pp={pp} dp={dp}: state {row['state_total_mib']:8.2f} MiB/worker, RSS "
+                          f"{row['rss_mib']} MiB, {row['tokens_per_s']:9.1f} tokens/s", flush=True)
     rows = []
-    for (level, unit, dp), rs in runs.items():
-        ddp = runs[("none", None, dp)]
+    for (level, unit, pp, dp), rs in runs.items():
+        ddp = runs[("none", None, pp, dp)]
         rows.append({**rs[-1], "rss_mib": max(x["rss_mib"] or 0 for x in rs),
                      "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
                      "tokens_per_s_rounds": [x["tokens_per_s"] for x in rs],
@@ -156,6 +161,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dps", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--pps", type=int, nargs="+", default=[1],
+                   help="pipeline stages: each level (DDP, ZeRO-2, ZeRO-3) inside pp stages too")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=128)
@@ -191,11 +198,11 @@ def main() -> int:
             budget = largest_under_budget(args, data)
         ray.shutdown()
 
-    print("\n| level | unit MiB | dp | state MiB/worker | vs DDP | RSS MiB | tokens/s | vs DDP |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| level | unit MiB | pp | dp | state MiB/worker | vs DDP | RSS MiB | tokens/s | vs DDP |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in table:
         unit = "" if r["unit_mib"] is None else f"{r['unit_mib']:g}"
-        print(f"| {r['level']} ({NAMES[r['level']]}) | {unit} | {r['dp']} | {r['state_total_mib']:.2f} | "
+        print(f"| {r['level']} ({NAMES[r['level']]}) | {unit} | {r['pp']} | {r['dp']} | {r['state_total_mib']:.2f} | "
               # tokens/s: the median over rounds
               f"{r['state_vs_ddp']:.2f}x | {r['rss_mib']} | {r['tokens_per_s']:.0f} | "
               f"{r['tokens_per_s_vs_ddp']:.2f}x |")

@@ -136,7 +136,8 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 
 def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool,
-                unit_mib: float, grad_comm: str = "fp32", backward_follows: bool = True) -> None:
+                unit_mib: float, grad_comm: str = "fp32",
+                backward_follows: bool = True) -> Optional[nn.Module]:
     """FSDP2 on each of `module`'s blocks, then on `module` itself as a root, over the dp
     axes of the mesh (of this rank's pipeline stage, when pp > 1).
 
@@ -144,7 +145,8 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     pipeline stage, whose backward comes micro-batches later), the last unit keeps its
     parameters whole after its forward even under ZeRO-3: the backward starts with it, so
     freeing them would only gather them again at once, with the peak unchanged (torchtitan
-    does the same with its last block)."""
+    does the same with its last block). Returns the first unit (a forward begins with it), or
+    None for a module with no blocks (a pipeline stage may hold only an embedding or a head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
@@ -160,21 +162,28 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
               reshard_after_forward=reshard_after_forward and not last, mp_policy=mp)
     # the root holds what no unit does; it is needed again at once by the backward
     shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    return groups[0][0] if groups else None
 
 
 def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                 reshard_after_forward: bool, unit_mib: float = UNIT_MIB,
                 grad_comm: str = "fp32") -> Replica:
-    _shard_root(module, mesh, train, reshard_after_forward, unit_mib, grad_comm)
+    first = _shard_root(module, mesh, train, reshard_after_forward, unit_mib, grad_comm)
     optimizer = make_optimizer(module, train)
 
     @contextlib.contextmanager
     def no_sync():
         """Accumulate a micro-batch's gradients unreduced; ZeRO-2 also keeps the parameters
         whole until the step's last micro-batch (one all-gather per step, not one per
-        micro-batch), ZeRO-3 frees them after every block as always."""
+        micro-batch). ZeRO-3 frees each unit after its backward, except the root and the
+        first unit: the backward ends with them and the next micro-batch's forward begins
+        with them, so freeing them would only gather them again at once, the peak unchanged
+        (the mirror of keeping the last unit for the backward)."""
         module.set_requires_gradient_sync(False)
         module.set_reshard_after_backward(reshard_after_forward)
+        module.set_reshard_after_backward(False, recurse=False)
+        if first is not None:
+            first.set_reshard_after_backward(False, recurse=False)
         try:
             yield
         finally:
