@@ -14,6 +14,8 @@ median over rounds of that round's ratio (paired), not a ratio of separate media
     python benchmarks/dp_throughput.py                       # CPU, gloo, 2 workers
     python benchmarks/dp_throughput.py --device cuda --layers 12 --width 768 --heads 12 \\
         --seq-len 1024 --global-batch 32 --micro-batch 8     # GPU, NCCL, bf16, MFU
+    python benchmarks/dp_throughput.py --skip baton,ray_train --bucket-mbs 1 5 100 --width 512
+                                 # DDP's bucket size (bucket_cap_mb) against its default 25 MB
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def plain_steps(model, spec, tokens: np.ndarray, rank: int, world: int, device) 
 # -- (b) plain DDP ------------------------------------------------------------------------------
 
 def _ddp_worker(rank: int, world: int, port: int, spec_dict: dict, data: str, threads: int,
-                out: str) -> None:
+                out: str, bucket_mb: float | None = None) -> None:
     torch.set_num_threads(threads)
     spec = spec_from_dict(spec_dict)
     cuda = spec.resources.gpus_per_worker > 0
@@ -115,21 +117,23 @@ def _ddp_worker(rank: int, world: int, port: int, spec_dict: dict, data: str, th
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=120))
     model = build_model(spec.model, spec.train.seed).to(device)
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+    buckets = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None,
+                                                      **buckets)
     times = plain_steps(model, spec, load_tokens(data, spec.model.seq_len), rank, world, device)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
 
 
-def run_ddp(spec_dict: dict, data: str, args, tmp: str) -> list[float]:
+def run_ddp(spec_dict: dict, data: str, args, tmp: str, bucket_mb: float | None = None) -> list[float]:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = f"{tmp}/ddp_times.json"
-    mp.spawn(_ddp_worker, args=(args.workers, port, spec_dict, data, args.threads, out),
+    mp.spawn(_ddp_worker, args=(args.workers, port, spec_dict, data, args.threads, out, bucket_mb),
              nprocs=args.workers, join=True)
     return json.loads(Path(out).read_text())
 
@@ -186,6 +190,8 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--bucket-mbs", type=float, nargs="*", default=[],
+                   help="also plain DDP with these bucket_cap_mb (the 'ddp' row is DDP's default, 25)")
     p.add_argument("--skip", default="", help="comma-separated: baton,ddp,ray_train")
     p.add_argument("--out", default="benchmarks/results/dp_throughput_{device}.json")
     args = p.parse_args()
@@ -198,6 +204,8 @@ def main() -> int:
     spec_dict = job(args, data, tmp)
     spec = spec_from_dict(spec_dict)
     tokens_per_step = args.global_batch * args.seq_len
+    grad_mib = sum(q.numel() for q in build_model(spec.model, 0).parameters()) * 4 / 2**20
+    print(f"GPT {args.layers} x {args.width}: {grad_mib:.1f} MiB of fp32 gradients a step")
 
     ray.init(address="local", include_dashboard=False, logging_level="WARNING",
              num_cpus=os.cpu_count())
@@ -214,6 +222,8 @@ def main() -> int:
     contenders = {"baton": baton_run,
                   "ddp": lambda: run_ddp(spec_dict, data, args, tmp),
                   "ray_train": lambda: run_ray_train(spec_dict, data, args, tmp)}
+    for mb in args.bucket_mbs:
+        contenders[f"ddp_{mb:g}MB"] = lambda mb=mb: run_ddp(spec_dict, data, args, tmp, mb)
     skip = set(filter(None, args.skip.split(",")))
     names = [k for k in contenders if k not in skip]
     rates: dict[str, list[float]] = {k: [] for k in names}
@@ -249,7 +259,7 @@ def main() -> int:
 
     result = {"config": vars(args), "device": device_name, "torch": torch.__version__,
               "ray": ray.__version__, "flops_per_token": flops, "peak_flops": peak,
-              "tokens_per_step": tokens_per_step, "rounds_tokens_per_s": rates,
+              "tokens_per_step": tokens_per_step, "grad_mib": grad_mib, "rounds_tokens_per_s": rates,
               "median_tokens_per_s": median,
               "paired_ratios_median": ratios,
               "mfu": {k: v * flops / (peak * args.workers) for k, v in median.items()} if peak else None}
