@@ -14,7 +14,8 @@ median over rounds of that round's ratio (paired), not a ratio of separate media
     python benchmarks/dp_throughput.py                       # CPU, gloo, 2 workers
     python benchmarks/dp_throughput.py --device cuda --layers 12 --width 768 --heads 12 \\
         --seq-len 1024 --global-batch 32 --micro-batch 8     # GPU, NCCL, bf16, MFU
-    python benchmarks/dp_throughput.py --skip baton,ray_train --bucket-mbs 1 5 100 --width 512
+    python benchmarks/dp_throughput.py --skip baton,ray_train --bucket-mbs 1 5 100 --width 384 \\
+        --global-batch 16 --micro-batch 8 --steps 20 --warmup 4 --rounds 4
                                  # DDP's bucket size (bucket_cap_mb) against its default 25 MB
 """
 
