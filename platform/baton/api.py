@@ -151,6 +151,8 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             log(f"warning: checkpoint {step} failed verification ({why}); it is set aside and "
                 f"the run goes back to {back_to}")
             CheckpointStore(spec.checkpoint_dir).reject(step, why)
+        tracker = make_tracker(spec.tracking)
+        tracker.open_ahead()  # while Ray starts
         started_ray = False
         if not ray.is_initialized():
             if address is None:
@@ -173,7 +175,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             if resume_meta:
                 log(f"resuming {spec.name} from step {resume_meta['step']} "
                     f"(checkpoint in {storage.redact(spec.checkpoint_dir)})")
-            coordinator = Coordinator(spec, make_tracker(spec.tracking), resume_meta=resume_meta,
+            coordinator = Coordinator(spec, tracker, resume_meta=resume_meta,
                                       record_samples=record_samples, show_progress=show_progress,
                                       on_step=on_step, data=data, lease=lease)
             return coordinator.run()

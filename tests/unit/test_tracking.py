@@ -65,6 +65,25 @@ def test_a_store_that_cannot_be_opened_is_one_line_before_anything_trains(tmp_pa
     assert tracker.run_id is None
 
 
+def test_a_store_opened_ahead_gives_its_run_or_its_error_at_start(tmp_path):
+    """`baton run` opens the store on a thread while Ray starts (`open_ahead`): `start` then
+    makes the run in it, and a store that failed to open fails `start` in the same one line."""
+    spec = TrackingSpec(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="t")
+    tracker = MLflowTracker(spec)
+    tracker.open_ahead()
+    run_id = tracker.start("job", {"train.lr": 0.1})
+    tracker.log_metrics(1, {"loss": 1.0})
+    tracker.finish("FINISHED")
+    run = MlflowClient(spec.uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["train.lr"] == "0.1"
+
+    bad = MLflowTracker(TrackingSpec(uri="nosuchscheme://store"))
+    bad.open_ahead()
+    with pytest.raises(TrackingError, match=r"^the MLflow store nosuchscheme://store cannot be opened: "):
+        bad.start("job", {})
+    assert bad.run_id is None and bad.client is None
+
+
 # -- live metrics, FLOPs, status -----------------------------------------------------------------
 
 def test_metric_names_are_baton_s_and_exported_as_ray_names():

@@ -30,9 +30,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from baton.checkpoint.store import METADATA
 from baton.errors import CheckpointError
-
-METADATA = ".metadata"
 
 # (module, name) pairs a DCP .metadata may name; anything else is refused
 _ALLOWED = {

@@ -42,6 +42,7 @@ MARKER = "COMMITTED"
 REJECTED = "REJECTED"
 META = "meta.json"
 SHARDS = "shards"  # a sharded checkpoint's folder (torch.distributed.checkpoint)
+METADATA = ".metadata"  # in it: DCP's index (a pickle: see sharded.py)
 STATUS = "status.json"  # beside the step folders: the coordinator's state, for `baton status`
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
@@ -228,7 +229,7 @@ def _missing(meta: dict, parts: dict) -> Optional[str]:
     if not parts:
         return "no parts were written"
     if any(name.startswith(f"{SHARDS}/") for name in parts):
-        need = [f"{SHARDS}/.metadata"]
+        need = [f"{SHARDS}/{METADATA}"]
     else:
         pp = meta.get("layout", {}).get("pp", 1)
         need = [f"{kind}-{i:04d}.pt" for i in range(pp) for kind in ("model", "optim")]

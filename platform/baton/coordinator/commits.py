@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from baton.checkpoint import CheckpointStore, sharded
-from baton.checkpoint.sharded import METADATA
-from baton.checkpoint.store import SHARDS
+from baton.checkpoint import CheckpointStore
+from baton.checkpoint.store import METADATA, SHARDS
 from baton.checkpoint.lease import Lease
 from baton.errors import WorkerError
 from baton.parallel import ParallelDims
@@ -76,6 +75,8 @@ class Commits:
             # sharded background test: checkpoint N-1 of an every-step run was left torn)
             self.drain(group)
             if all(done):  # sharded: each worker's local plan; DCP's second round, from here
+                from baton.checkpoint import sharded  # torch.distributed.checkpoint: only now
+
                 plans, save.finish = sharded.plan_globally(self.store.shards(save.step),
                                                            [d["plan"] for d in done])
                 group.submit_each("write_planned", [(save.step, plan) for plan in plans])

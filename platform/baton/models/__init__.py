@@ -21,8 +21,18 @@ from baton.models.gpt import build_gpt
 from baton.models.mlp import build_classifier, build_mlp
 from baton.tasks import IGNORE, loss_sum  # their home before tasks existed: still imported here
 
-__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "build_model", "check_model_name",
+__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "build_model", "blocks", "check_model_name",
            "layer_count", "layer_params", "loss_sum", "options_problem", "sequential"]
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """A model's repeated units: the layers of an nn.Sequential (embedding, blocks, head), or
+    the entries of its nn.ModuleLists. What FSDP wraps one by one (each unit's parameters are
+    gathered for its forward and backward and freed after, so peak memory is one unit, not
+    the model), what train.compile compiles and what activation checkpointing wraps."""
+    if isinstance(model, nn.Sequential) and len(model) > 1:
+        return [m for m in model if any(True for _ in m.parameters())]
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
 def _gpt(spec) -> nn.Module:

@@ -15,7 +15,7 @@ from collections import Counter
 
 from torch import nn
 
-from baton.parallel.sharding import blocks
+from baton.models import blocks
 
 
 def checkpointed_blocks(model: nn.Module, setting) -> list[nn.Module]:

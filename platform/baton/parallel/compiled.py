@@ -24,7 +24,7 @@ import sys
 from torch import nn
 
 from baton.errors import WorkerError
-from baton.parallel.sharding import blocks
+from baton.models import blocks
 
 CXX = tuple(c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
 

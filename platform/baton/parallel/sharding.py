@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_model_state_dict, set_state_dict)
 
 from baton.checkpoint import filter_optim_state, sharded
+from baton.models import blocks
 from baton.parallel import comm
 from baton.spec import TrainSpec
 from baton.training import make_optimizer, optimizer_class, param_groups
@@ -49,15 +50,6 @@ def estimate_bytes(num_params: int, level: str, shards: int) -> dict[str, float]
     whole = {"params": 4.0 * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}
     return {part: size / shards if part in SHARDED_PARTS[level] else size
             for part, size in whole.items()}
-
-
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The units FSDP wraps one by one: the layers of an nn.Sequential (embedding, blocks,
-    head), or the entries of the model's nn.ModuleLists. Each unit's parameters are gathered
-    for its forward and backward and freed after, so peak memory is one unit, not the model."""
-    if isinstance(model, nn.Sequential) and len(model) > 1:
-        return [m for m in model if any(True for _ in m.parameters())]
-    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
 # The least fp32 parameter memory one FSDP unit gathers (parallel.shard_unit_mib's default):

@@ -18,9 +18,11 @@ not be delivered (and leaves the run RUNNING: `baton run` again marks it when it
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -65,9 +67,10 @@ def _shielded(method):
 
 
 class MLflowTracker:
-    """Nothing touches the store before `start`; after a failure earlier than that, every
-    other method is a no-op, so the error that stopped the run is the one the user sees.
-    Every write is shielded from interrupts."""
+    """Nothing touches the store before `open_ahead` or `start` (opening a new sqlite store
+    creates its tables; no run exists before `start`); after a failure earlier than that,
+    every other method is a no-op, so the error that stopped the run is the one the user
+    sees. Every write is shielded from interrupts."""
 
     def __init__(self, spec: TrackingSpec):
         self.uri = spec.uri or default_uri()
@@ -82,8 +85,31 @@ class MLflowTracker:
         self._dicts: dict[str, Any] = {}  # artifact file -> the newest content not delivered
         self.degraded_since: Optional[float] = None  # wall time the store stopped answering
         self._retry_at, self._backoff = 0.0, RETRY_FIRST_S
+        self._opening: Optional[concurrent.futures.Future] = None  # the client, opened ahead
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+
+    def open_ahead(self) -> None:
+        """Open the store on a thread, to overlap what does not need Ray with Ray's start:
+        importing MLflow and opening a new sqlite store (creating its tables) take about 3 s
+        of the 2-core machine, while `ray.init` mostly waits for its processes. `start` takes
+        the client (and raises what opening it raised). Not a daemon: an interrupted run still
+        lets a store's tables be created whole before the process ends."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def open_store() -> None:
+            try:
+                future.set_result(self._client())
+            except BaseException as e:  # reported by `start`, on the run's thread
+                future.set_exception(e)
+
+        threading.Thread(target=open_store, name="baton-mlflow-open").start()
+        self._opening = future
+
+    def _client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri)
 
     @property
     def state(self) -> str:
@@ -106,9 +132,8 @@ class MLflowTracker:
                                 f"{type(e).__name__}: {redact(first)[:400]}") from e
 
     def _start(self, run_name: str, params: dict[str, Any], run_id: Optional[str]) -> str:
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=self.uri)
+        opening, self._opening = self._opening, None
+        self.client = opening.result() if opening else self._client()
         if run_id:
             run = self.client.get_run(run_id)
             self.client.update_run(run_id, status="RUNNING")
@@ -248,6 +273,8 @@ class NullTracker:
     uri = None
     run_id = None
     state = "off"
+
+    def open_ahead(self) -> None: ...
 
     def start(self, run_name: str, params: dict, run_id: Optional[str] = None) -> Optional[str]:
         return None

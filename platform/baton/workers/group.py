@@ -19,9 +19,8 @@ from typing import Any, Optional
 
 import ray
 
-from baton.checkpoint import CheckpointStore, sharded
-from baton.checkpoint.sharded import METADATA
-from baton.checkpoint.store import SHARDS
+from baton.checkpoint import CheckpointStore
+from baton.checkpoint.store import METADATA, SHARDS
 from baton.errors import WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
@@ -327,6 +326,8 @@ class WorkerGroup:
             kept = ray.get([a.write_kept.remote(root, step) for a in actors], timeout=timeout)
             if all("parts" in k for k in kept):  # whole stages, written
                 return [p for k in kept for p in k["parts"]]
+            from baton.checkpoint import sharded  # torch.distributed.checkpoint: only when needed
+
             store = CheckpointStore(root)
             plans, finish = sharded.plan_globally(store.shards(step), [k["plan"] for k in kept])
             written = ray.get([a.write_kept_shards.remote(root, step, p) for a, p in zip(actors, plans)],

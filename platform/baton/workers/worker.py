@@ -20,14 +20,14 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 
-from baton.checkpoint import CheckpointStore, sharded
+from baton.checkpoint import CheckpointStore
 from baton.checkpoint.store import SHARDS
 from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
@@ -39,7 +39,9 @@ from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
 from baton.tasks import VALID, example_inputs, make_task, padded
 from baton.training import param_digest
-from baton.workers.engines import DataParallelEngine, PipelineEngine
+
+if TYPE_CHECKING:
+    from baton.checkpoint import sharded
 
 
 def _in_world(method):
@@ -136,6 +138,7 @@ class Worker:
         self.engine = self.checkpoint_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        sharded = _sharded()
         sharded.forget_meshes()  # DTensor's caches would hand the next world this one's groups
         # Free this world's groups now, so that their connections close and a peer still in a
         # collective with this rank fails at once (FSDP's and DDP's state hold them in cycles)
@@ -163,7 +166,7 @@ class Worker:
             raise RuntimeError(f"this worker kept the state of step {kept_step}, not {step}")
         store = CheckpointStore(root)
         if is_sharded:
-            self.kept_save = sharded.PlannedSave({"model": model_state, "optim": optim_state["state"]},
+            self.kept_save = _sharded().PlannedSave({"model": model_state, "optim": optim_state["state"]},
                                                  store.shards(step))
             return {"plan": self.kept_save.plan()}
         return {"parts": [store.write_tensors(step, f"model-{pp_rank:04d}.pt", model_state),
@@ -227,6 +230,8 @@ class Worker:
         self.eval_rows = UnitRows(self.shapes)  # and of evaluation's, kept apart
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         self.state_reported = False
+        from baton.workers.engines import DataParallelEngine, PipelineEngine  # see _sharded
+
         if self.dims.pp == 1:
             self.engine = DataParallelEngine(spec, self.dims, self.device, self.task)
         else:
@@ -335,7 +340,7 @@ class Worker:
             model_state, optim_state = state
             self.snapshot = _stage_shards(self.snapshot, {"model": model_state, "optim": optim_state["state"]},
                                           pin=self.use_cuda)
-            planned = sharded.PlannedSave(self.snapshot, store.shards(step))
+            planned = _sharded().PlannedSave(self.snapshot, store.shards(step))
             self.planned[step] = (planned, store, rng)
             return {"plan": planned.plan()}
         self.snapshot = _copy_into(self.snapshot, state, pin=self.use_cuda)
@@ -379,7 +384,7 @@ class Worker:
         parts = []
         if self.engine.sharded:  # every worker writes its shards, in parallel
             model_state, optim_state = state
-            names = sharded.save({"model": model_state, "optim": optim_state["state"]}, self._shards(store, step))
+            names = _sharded().save({"model": model_state, "optim": optim_state["state"]}, self._shards(store, step))
             parts += store.records(step, [f"{SHARDS}/{n}" for n in names])  # read back: DCP wrote them
         elif state is not None:  # replicas are identical: one copy of each stage is enough
             model_state, optim_state = state
@@ -480,3 +485,12 @@ def _shapes(spec: JobSpec, columns: Optional[Columns]) -> dict:
 
         columns = token_columns("tokens", None, spec.model.seq_len + 1, spec.model.vocab_size)
     return columns.shapes()
+
+
+def _sharded():
+    """`baton.checkpoint.sharded`, imported when a worker first needs it. The driver imports
+    this module for its actor class, and torch.distributed.checkpoint with DTensor is 0.45 s
+    of its start that it never uses; the engines import it in the worker anyway."""
+    from baton.checkpoint import sharded
+
+    return sharded
