@@ -14,6 +14,12 @@ same Parquet corpus and takes one optimizer step; timed from the launch to that 
 (a timestamp the loop writes).
 
     python benchmarks/start.py --rounds 3
+
+`--baseline DIR` adds a third system, in the same alternating rounds: baton from another
+checkout (its `platform/` first on PYTHONPATH, for the command and its Ray workers), to
+measure a change side by side with the code before it:
+
+    git worktree add /tmp/before <commit> && python benchmarks/start.py --rounds 5 --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -37,14 +43,16 @@ from results_io import write_result  # noqa: E402
 PHASES = re.compile(r"after ([\d.]+) s \((.*)\)")
 
 
-def baton_start(data: str, work: Path) -> dict:
+def baton_start(data: str, work: Path, source: str | None = None) -> dict:
+    """`source`: another checkout's `platform/` to run baton from (the baseline)."""
     work.mkdir()
+    env = {**os.environ, "PYTHONPATH": source} if source else None
     job = work / "job.yaml"
     job.write_text((REPO / "jobs" / "quickstart.yaml").read_text())
     t0 = time.monotonic()
     proc = subprocess.Popen(["baton", "run", str(job), "--set", "train.steps=2", "--set",
                              f"data.path={data}"], cwd=work, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     out = {}
     for line in proc.stdout:
         if line.startswith("start:") and "to_first_step_s" not in out:
@@ -107,8 +115,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(HERE / "results" / "start_cpu.json"))
+    ap.add_argument("--baseline", help="another checkout of baton, run as a third system")
     args = ap.parse_args()
     runs = {"baton": [], "ray_train": []}
+    starts = {"baton": baton_start, "ray_train": ray_train_start}
+    if args.baseline:
+        runs["baseline"] = []
+        platform = str(Path(args.baseline).resolve() / "platform")
+        starts["baseline"] = lambda data, work: baton_start(data, work, platform)
     with tempfile.TemporaryDirectory() as tmp:
         env_home = Path(tmp) / "home"
         env_home.mkdir()
@@ -117,21 +131,28 @@ def main() -> None:
         subprocess.run(["baton", "data", "prepare", "stdlib", "--out", data], check=True,
                        capture_output=True)
         for r in range(args.rounds):
-            order = ["baton", "ray_train"] if r % 2 == 0 else ["ray_train", "baton"]
+            order = list(runs) if r % 2 == 0 else list(runs)[::-1]
             for who in order:
-                fn = baton_start if who == "baton" else ray_train_start
-                out = fn(data, Path(tmp) / f"{who}-{r}")
+                out = starts[who](data, Path(tmp) / f"{who}-{r}")
                 runs[who].append(out)
                 print(f"round {r + 1} {who}: {out['to_first_step_s']} s to the first step"
                       + (f" (before the run {out['before_run_s']} s, then {out['phases_s']})"
-                         if who == "baton" else ""), flush=True)
+                         if who != "ray_train" else ""), flush=True)
     med = {k: statistics.median(x["to_first_step_s"] for x in v) for k, v in runs.items()}
-    ratio = statistics.median(a["to_first_step_s"] / b["to_first_step_s"]
-                              for a, b in zip(runs["baton"], runs["ray_train"]))
+
+    def paired(a: str, b: str) -> float:
+        return round(statistics.median(x["to_first_step_s"] / y["to_first_step_s"]
+                                       for x, y in zip(runs[a], runs[b])), 3)
+
+    result = {"rounds": args.rounds, "median_s": med, "baton_vs_ray_train": paired("baton", "ray_train"),
+              "runs": runs}
     print(f"\nmedian to the first step: baton {med['baton']:.1f} s, Ray Train {med['ray_train']:.1f} s; "
-          f"baton / Ray Train (paired) {ratio:.2f}")
-    write_result(args.out, {"rounds": args.rounds, "median_s": med, "baton_vs_ray_train": round(ratio, 3),
-                            "runs": runs})
+          f"baton / Ray Train (paired) {result['baton_vs_ray_train']:.2f}")
+    if args.baseline:
+        result |= {"baseline": args.baseline, "baton_vs_baseline": paired("baton", "baseline")}
+        print(f"baseline ({args.baseline}) {med['baseline']:.1f} s; baton / baseline (paired) "
+              f"{result['baton_vs_baseline']:.2f}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":
