@@ -152,6 +152,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                 f"the run goes back to {back_to}")
             CheckpointStore(spec.checkpoint_dir).reject(step, why)
         tracker = make_tracker(spec.tracking)
+        _quiet_library_logs()  # MLflow's notes while it makes a new store's tables
         tracker.open_ahead()  # while Ray starts
         started_ray = False
         if not ray.is_initialized():
@@ -180,6 +181,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                                       on_step=on_step, data=data, lease=lease)
             return coordinator.run()
         finally:
+            tracker.drop_ahead()  # a run refused before its MLflow run leaves no store
             if started_ray:
                 ray.shutdown()
                 ray_messages.restore()

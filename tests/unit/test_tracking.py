@@ -77,6 +77,15 @@ def test_a_store_opened_ahead_gives_its_run_or_its_error_at_start(tmp_path):
     run = MlflowClient(spec.uri).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["train.lr"] == "0.1"
 
+    assert sorted(p.name for p in tmp_path.iterdir() if "mlflow.db" in p.name) == ["mlflow.db"]
+
+    refused = MLflowTracker(TrackingSpec(uri=f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"))
+    (tmp_path / "new").mkdir()
+    refused.open_ahead()
+    refused.drop_ahead()  # the run was refused before its MLflow run: no store is left
+    refused.finish("FAILED")
+    assert list((tmp_path / "new").iterdir()) == []
+
     bad = MLflowTracker(TrackingSpec(uri="nosuchscheme://store"))
     bad.open_ahead()
     with pytest.raises(TrackingError, match=r"^the MLflow store nosuchscheme://store cannot be opened: "):

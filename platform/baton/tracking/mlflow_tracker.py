@@ -19,6 +19,7 @@ not be delivered (and leaves the run RUNNING: `baton run` again marks it when it
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import os
 import sys
@@ -46,6 +47,14 @@ def default_uri() -> str:
     """$MLFLOW_TRACKING_URI, else a sqlite store in the working directory, or in $BATON_STORAGE
     when set (MLflow 3's default backend; an absolute sqlite path takes four slashes)."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{storage.local_path('mlflow.db')}"
+
+
+def _new_sqlite(uri: str, exists_ok: bool = False) -> Optional[Path]:
+    """The file of a sqlite store that does not exist yet (or, `exists_ok`, that may)."""
+    if not uri.startswith("sqlite:///") or "?" in uri:
+        return None
+    db = Path(uri[len("sqlite:///"):])
+    return db if exists_ok or not db.exists() else None
 
 
 def _artifact_root(uri: str, experiment: str) -> Optional[str]:
@@ -85,31 +94,56 @@ class MLflowTracker:
         self._dicts: dict[str, Any] = {}  # artifact file -> the newest content not delivered
         self.degraded_since: Optional[float] = None  # wall time the store stopped answering
         self._retry_at, self._backoff = 0.0, RETRY_FIRST_S
-        self._opening: Optional[concurrent.futures.Future] = None  # the client, opened ahead
+        self._opening: Optional[concurrent.futures.Future] = None  # open_ahead's thread
+        self._fresh: Optional[Path] = None  # the new sqlite store it prepares
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
 
     def open_ahead(self) -> None:
-        """Open the store on a thread, to overlap what does not need Ray with Ray's start:
-        importing MLflow and opening a new sqlite store (creating its tables) take about 3 s
-        of the 2-core machine, while `ray.init` mostly waits for its processes. `start` takes
-        the client (and raises what opening it raised). Not a daemon: an interrupted run still
-        lets a store's tables be created whole before the process ends."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        """Prepare on a thread what opening the store costs, while `ray.init` (which mostly
+        waits for its processes) runs: importing MLflow, and for a new sqlite store, creating
+        its tables (about 2 s of CPU on the 2-core machine). The new store is made under a
+        hidden name beside the real one and takes the real name only in `start`, so a run
+        refused before then (bad data, a layout the cluster cannot place) leaves no store
+        behind (`drop_ahead`). A store that exists, or is not a sqlite file, is not touched
+        before `start`. Not a daemon: an interrupted run lets the tables be made whole."""
+        db = _new_sqlite(self.uri)
+        fresh = self._fresh = db.with_name(f".{db.name}.{os.getpid()}.new") if db else None
+        done = self._opening = concurrent.futures.Future()
 
-        def open_store() -> None:
+        def prepare() -> None:
             try:
-                future.set_result(self._client())
+                from mlflow.tracking import MlflowClient
+
+                if fresh:
+                    MlflowClient(tracking_uri=f"sqlite:///{fresh}")  # makes the tables
+                done.set_result(None)
             except BaseException as e:  # reported by `start`, on the run's thread
-                future.set_exception(e)
+                done.set_exception(e)
 
-        threading.Thread(target=open_store, name="baton-mlflow-open").start()
-        self._opening = future
+        threading.Thread(target=prepare, name="baton-mlflow-open").start()
 
-    def _client(self):
-        from mlflow.tracking import MlflowClient
+    def drop_ahead(self) -> None:
+        """After `open_ahead`: wait for it, and remove a prepared store `start` did not take."""
+        if self._opening is not None:
+            concurrent.futures.wait([self._opening])
+            self._opening = None
+        if self._fresh is not None:
+            self._fresh.unlink(missing_ok=True)
+            self._fresh = None
 
-        return MlflowClient(tracking_uri=self.uri)
+    def _take_ahead(self) -> None:
+        """In `start`: the prepared store takes the real name, unless one appeared there
+        meanwhile (a hard link never replaces a file); its error is raised here."""
+        opening, fresh = self._opening, self._fresh
+        try:
+            if opening is not None:
+                opening.result()
+            if fresh is not None:
+                with contextlib.suppress(OSError):  # exists now, or no hard links: made normally
+                    os.link(fresh, _new_sqlite(self.uri, exists_ok=True))
+        finally:
+            self.drop_ahead()
 
     @property
     def state(self) -> str:
@@ -132,8 +166,10 @@ class MLflowTracker:
                                 f"{type(e).__name__}: {redact(first)[:400]}") from e
 
     def _start(self, run_name: str, params: dict[str, Any], run_id: Optional[str]) -> str:
-        opening, self._opening = self._opening, None
-        self.client = opening.result() if opening else self._client()
+        from mlflow.tracking import MlflowClient
+
+        self._take_ahead()
+        self.client = MlflowClient(tracking_uri=self.uri)
         if run_id:
             run = self.client.get_run(run_id)
             self.client.update_run(run_id, status="RUNNING")
@@ -275,6 +311,7 @@ class NullTracker:
     state = "off"
 
     def open_ahead(self) -> None: ...
+    def drop_ahead(self) -> None: ...
 
     def start(self, run_name: str, params: dict, run_id: Optional[str] = None) -> Optional[str]:
         return None
