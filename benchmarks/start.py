@@ -57,6 +57,7 @@ def baton_start(data: str, work: Path, source: str | None = None) -> dict:
     for line in proc.stdout:
         if line.startswith("start:") and "to_first_step_s" not in out:
             out["to_first_step_s"] = round(time.monotonic() - t0, 2)
+            out["cpu_s"] = cpu_seconds(proc.pid)
             total, phases = PHASES.search(line).groups()
             out["run_s"] = float(total)
             out["phases_s"] = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", phases)}
@@ -64,6 +65,26 @@ def baton_start(data: str, work: Path, source: str | None = None) -> dict:
     assert proc.returncode == 0 and out, f"baton run failed ({proc.returncode})"
     out["before_run_s"] = round(out["to_first_step_s"] - out["run_s"], 2)  # imports, ray.init
     return out
+
+
+def cpu_seconds(pid: int) -> dict:
+    """CPU seconds (user + system) used so far by a process and everything it started (the
+    embedded Ray's services and workers), by kind: what the start costs the machine."""
+    import psutil
+
+    root = psutil.Process(pid)
+    used: dict[str, float] = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            # a Ray worker's process title is ray::Worker.<method>, or ray::IDLE before its actor
+            kind = ("driver" if p.pid == pid else
+                    "workers" if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::Worker") else
+                    "ray_services")
+            t = p.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        used[kind] = round(used.get(kind, 0.0) + t.user + t.system, 2)
+    return used | {"total": round(sum(used.values()), 2)}
 
 
 RAY_TRAIN_CHILD = r'''
@@ -136,8 +157,8 @@ def main() -> None:
                 out = starts[who](data, Path(tmp) / f"{who}-{r}")
                 runs[who].append(out)
                 print(f"round {r + 1} {who}: {out['to_first_step_s']} s to the first step"
-                      + (f" (before the run {out['before_run_s']} s, then {out['phases_s']})"
-                         if who != "ray_train" else ""), flush=True)
+                      + (f" (before the run {out['before_run_s']} s, then {out['phases_s']}; "
+                         f"CPU seconds {out['cpu_s']})" if who != "ray_train" else ""), flush=True)
     med = {k: statistics.median(x["to_first_step_s"] for x in v) for k, v in runs.items()}
 
     def paired(a: str, b: str) -> float:

@@ -71,7 +71,11 @@ def test_a_store_opened_ahead_gives_its_run_or_its_error_at_start(tmp_path):
     spec = TrackingSpec(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="t")
     tracker = MLflowTracker(spec)
     tracker.open_ahead()
+    tracker._opening.result(timeout=120)  # the thread made the tables, under a hidden name
+    prepared = tracker._fresh.stat().st_ino
+    assert not (tmp_path / "mlflow.db").exists()
     run_id = tracker.start("job", {"train.lr": 0.1})
+    assert (tmp_path / "mlflow.db").stat().st_ino == prepared  # that file took the name
     tracker.log_metrics(1, {"loss": 1.0})
     tracker.finish("FINISHED")
     run = MlflowClient(spec.uri).get_run(run_id)

@@ -49,21 +49,16 @@ def default_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{storage.local_path('mlflow.db')}"
 
 
-def _new_sqlite(uri: str, exists_ok: bool = False) -> Optional[Path]:
-    """The file of a sqlite store that does not exist yet (or, `exists_ok`, that may)."""
-    if not uri.startswith("sqlite:///") or "?" in uri:
-        return None
-    db = Path(uri[len("sqlite:///"):])
-    return db if exists_ok or not db.exists() else None
+def _sqlite_file(uri: str) -> Optional[Path]:
+    """A sqlite store's database file (an absolute path takes four slashes); None for others."""
+    return Path(uri[len("sqlite:///"):].split("?")[0]) if uri.startswith("sqlite:///") else None
 
 
 def _artifact_root(uri: str, experiment: str) -> Optional[str]:
     """Beside a sqlite store, artifacts go to mlartifacts/ next to the database file (not to
     whatever the working directory is); other stores keep their server's default."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    db = Path(uri[len("sqlite:///"):]).resolve()
-    return (db.parent / "mlartifacts" / experiment).as_uri()
+    db = _sqlite_file(uri)
+    return (db.resolve().parent / "mlartifacts" / experiment).as_uri() if db else None
 
 
 def _shielded(method):
@@ -95,7 +90,7 @@ class MLflowTracker:
         self.degraded_since: Optional[float] = None  # wall time the store stopped answering
         self._retry_at, self._backoff = 0.0, RETRY_FIRST_S
         self._opening: Optional[concurrent.futures.Future] = None  # open_ahead's thread
-        self._fresh: Optional[Path] = None  # the new sqlite store it prepares
+        self._fresh: Optional[Path] = None  # the new sqlite store it prepares, a hidden name
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
 
@@ -107,8 +102,9 @@ class MLflowTracker:
         refused before then (bad data, a layout the cluster cannot place) leaves no store
         behind (`drop_ahead`). A store that exists, or is not a sqlite file, is not touched
         before `start`. Not a daemon: an interrupted run lets the tables be made whole."""
-        db = _new_sqlite(self.uri)
-        fresh = self._fresh = db.with_name(f".{db.name}.{os.getpid()}.new") if db else None
+        db = _sqlite_file(self.uri)
+        new = db is not None and not db.exists()
+        fresh = self._fresh = db.with_name(f".{db.name}.{os.getpid()}.new") if new else None
         done = self._opening = concurrent.futures.Future()
 
         def prepare() -> None:
@@ -141,7 +137,7 @@ class MLflowTracker:
                 opening.result()
             if fresh is not None:
                 with contextlib.suppress(OSError):  # exists now, or no hard links: made normally
-                    os.link(fresh, _new_sqlite(self.uri, exists_ok=True))
+                    os.link(fresh, _sqlite_file(self.uri))
         finally:
             self.drop_ahead()
 
