@@ -1,5 +1,6 @@
-"""`baton status`: a job's coordinator state, from its status.json (a local run, or shared
-storage) or from the last status line in a submitted job's log."""
+"""A job's status: the coordinator writes it (`StatusBoard`: status.json beside the
+checkpoints, and a log line under Ray's job API); `baton status` reads it, from status.json (a
+local run, or shared storage) or from the last status line in a submitted job's log."""
 
 from __future__ import annotations
 
@@ -13,6 +14,35 @@ from baton.checkpoint import CheckpointStore
 from baton.spec import CheckpointSpec, join_path
 
 STATUS_LINE = "baton-status: "  # what the coordinator prints under Ray's job API
+EVERY_S = 5.0  # how often a running job's status.json is rewritten between events
+LOG_EVERY_S = 30.0  # and its log line, between changes of state
+# set by Ray's job supervisor for a submitted job's entrypoint: there the status also goes to
+# the log, where `baton status ID` reads it through the job API
+UNDER_JOB_API = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+class StatusBoard:
+    """Where a running job's coordinator publishes its status: status.json beside the
+    checkpoints, at each change of state and every EVERY_S; under the job API also a log line,
+    at each change and every LOG_EVERY_S. Best effort: a status that cannot be written never
+    stops training."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+        self.at = self.logged_at = 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() - self.at >= EVERY_S
+
+    def publish(self, status: dict, changed: bool) -> None:
+        now = self.at = time.monotonic()
+        try:
+            self.store.write_status(status)
+        except OSError:
+            pass
+        if UNDER_JOB_API and (changed or now - self.logged_at >= LOG_EVERY_S):
+            self.logged_at = now
+            print(f"{STATUS_LINE}{json.dumps(status)}", flush=True)
 
 
 def local(target: str, checkpoint_path: Optional[str] = None) -> Optional[dict]:

@@ -310,8 +310,7 @@ def _coordinator(tmp_path, cluster, **elastic):
     c.order, c.num_samples, c.run_id = EpochOrder(c.manifest.unit_rows, 0), 12, None
     c.feed = OrderOnlyFeed(c.order)
     c.progress = Progress(spec.train.steps, enabled=False)
-    c.group = c.group_factory(c.base, c.dims)
-    c.group.launch(c._workers_to_start())
+    c._launch()
     c.state = State.SCHEDULING
     return c
 

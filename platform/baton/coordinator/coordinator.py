@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import json
 import math
 import os
 import socket
@@ -39,13 +38,15 @@ from baton.data.source import JobData, preflight
 from baton.coordinator.commits import Commits, Save
 from baton.coordinator.evaluation import Evaluation, evaluation
 from baton.coordinator.steps import StepStats
+from baton.coordinator.phases import Phases
+from baton.coordinator.placement import START_WAIT_S, Placement
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.coordinator.result import RunResult
 from baton.errors import WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
 from baton.progress import Progress
 from baton.spec import JobSpec
-from baton.status import STATUS_LINE
+from baton.status import StatusBoard
 from baton.storage import redact
 from baton.tracking.metrics import LiveMetrics
 from baton.training import lr_at
@@ -60,13 +61,6 @@ PIPELINE_DEPTH = 2  # steps queued on the workers at once
 # (dp 4) and of pp 2 x hybrid ZeRO-3 (8 workers) all left within 1.4 s of a kill; before,
 # they waited out one to three collective timeouts (parallel.timeout_s, 120 s by default).
 LEAVE_GRACE_S = 10.0
-START_WAIT_S = 60.0  # how long workers the cluster has room for may take to start
-TOP_UP_GRACE_S = 5.0  # how long to wait for workers beyond those (room being freed)
-STATUS_EVERY_S = 5.0  # how often a running job's status.json is rewritten between events
-# set by Ray's job supervisor for a submitted job's entrypoint: there the status also goes to
-# the log, where `baton status ID` reads it through the job API
-UNDER_JOB_API = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
-STATUS_LOG_EVERY_S = 30.0
 
 
 @dataclass
@@ -119,9 +113,10 @@ class Coordinator:
         self.dp_history: list[tuple[int, int]] = []
         self.failure: Optional[Failure] = None
         self.failure_at = 0.0
-        self.resumed: Optional[dict] = None  # the start, recovery or rescale awaiting its first step
+        self.starting: Optional[Phases] = Phases("start")  # until the first step is done
+        self.resumed: Optional[Phases] = None  # a recovery or rescale awaiting its first step
         # the start's phases, from here to the first step (finished and kept in the result then)
-        self.start: dict = {"kind": "start", "t0": time.monotonic(), "phases_s": {}}
+        self.start: dict = {}  # the start's phases, once its first step is done
         self.next_rescale_check = 0.0
         self.store = CheckpointStore(spec.checkpoint_dir)
         self.resume_meta = resume_meta
@@ -136,6 +131,7 @@ class Coordinator:
         self.cursor = Cursor()
         self.done_cursor = self.cursor.state_dict()  # the cursor after the last completed step
         self.group: Optional[WorkerGroup] = None
+        self.placement: Optional[Placement] = None  # where the workers come from (_launch)
         self.first_workers = 0  # how many workers the job starts with
         self.last_metrics: dict = {}  # of the last completed step
         self.inflight: collections.deque[_Pending] = collections.deque()
@@ -153,7 +149,7 @@ class Coordinator:
         self.run_id: Optional[str] = None
         self.prepared = False  # data read and the MLflow run open: from here on, a status
         self.started_at = time.time()
-        self.status_at = self.status_logged_at = 0.0
+        self.board = StatusBoard(self.store)
 
     def run(self) -> RunResult:
         try:
@@ -188,7 +184,7 @@ class Coordinator:
             self.failure = Failure(self.step + 1, e.cause, str(e), e.ranks)
             self.failure_at = time.time()
             self.state = State.RECOVERING
-        if self.state is not before or time.monotonic() - self.status_at >= STATUS_EVERY_S:
+        if self.state is not before or self.board.due():
             self._publish_status(changed=self.state is not before)
 
     # -- transitions --------------------------------------------------------------------------
@@ -196,9 +192,8 @@ class Coordinator:
     def _prepare(self) -> State:
         # the workers' processes start now, while the first batch is read and MLflow opens
         # (measured on 2 cores: about 7 s and 5 s, one after the other before)
-        t0 = self.start["t0"] = time.monotonic()
-        self.group = self.group_factory(self.base, self.dims)
-        self.group.launch(self._workers_to_start())
+        timer = self.starting = Phases("start")
+        self._launch()
         if self.data is None:
             self.data = preflight(self.spec, self.spec.name)
         self.manifest, self.order = self.data.manifest, self.data.order(self.spec)
@@ -210,7 +205,7 @@ class Coordinator:
             self.step = self.submitted = meta["step"]
             self.cursor.load_state_dict(self._cursor_of(meta))
         self.feed.prime(self.cursor, self.spec.train.global_batch)  # bad rows: nothing written yet
-        t_read = time.monotonic()
+        timer.lap("data")
         run_id = self.tracker.start(self.spec.name, self.spec.flat(),
                                     run_id=meta.get("mlflow_run_id") if meta else None)
         self.tracker.set_tags({"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),
@@ -221,33 +216,25 @@ class Coordinator:
         self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress,
                                  unit="tok" if self.spec.task == "language_model" else "samples")
         self.prepared = True
-        self.start["phases_s"] |= {"data": t_read - t0, "tracking": time.monotonic() - t_read}
+        timer.lap("tracking")
         return State.SCHEDULING
 
-    def _workers_to_start(self) -> int:
-        """As many workers as the cluster has room for, up to max_dp replicas; at least min_dp
-        (start waits up to parallel.timeout_s for room, as an autoscaler would make)."""
-        most = self.base.dp_range[1] * self.pp
-        self.first_workers = max(self.scale.min_workers, min(most, self.group.free_workers()))
-        if self.base.dp_range[0] < self.base.dp_range[1]:
-            # after counting: the job starts on the room there is now, and an autoscaler adds
-            # nodes for the rest, which _rescale grows onto
-            self.group.request_capacity(most)
-        return self.first_workers
+    def _launch(self) -> None:
+        """The workers' processes start: as many as the cluster has room for, up to max_dp."""
+        self.group = self.group_factory(self.base, self.dims)
+        self.placement = Placement(self.group, self.base, self.scale)
+        self.first_workers = self.placement.first_workers()
+        self.group.launch(self.first_workers)
 
     def _schedule(self) -> State:
-        n, t0 = self.first_workers, time.monotonic()
-        members = self.group.start(n, self.base.parallel.timeout_s, need=self.scale.min_workers,
-                                   grace_s=TOP_UP_GRACE_S)
-        if self.scale.target(len(members)) is None:
-            self._no_room(len(members), members, n)
-        t_placed = time.monotonic()
+        timer = self.starting
+        members = self.placement.start(self.first_workers)
+        timer.lap("workers")
         self._form(members)
-        t_formed = time.monotonic()
+        timer.lap("form")
         if self.resume_meta:
             self._load(self.resume_meta)
-        self.start["phases_s"] |= {"workers": t_placed - t0, "form": t_formed - t_placed,
-                                   "load": time.monotonic() - t_formed}
+        timer.lap("load")
         return State.RUNNING
 
     def _run_step(self) -> State:
@@ -273,7 +260,7 @@ class Coordinator:
         """Keep the workers that are still there, replace the rest where the cluster has room,
         re-form the world (fewer replicas if need be, at least min_dp) and go on from the
         latest committed checkpoint."""
-        f, t0 = self.failure, time.monotonic()
+        f, timer = self.failure, Phases("recovery")
         decision = self.failures.decide(f)
         self._record({"kind": "failure", "step": f.step, "cause": f.cause, "ranks": list(f.ranks),
                       "message": f.message, "at": self.failure_at, "recover": decision.recover,
@@ -297,33 +284,31 @@ class Coordinator:
         self.group.kill([r for r in alive if r not in left])
         self.group.discard(stale)
         self.feed.close()  # read again from the cursor the world resumes at; nothing lost is reused
-        t_stop = time.monotonic()
+        timer.lap("stop")
         from_survivors = self.commits.commit_survivors(self.group, self.dims, self.step, left,
                                                        self._meta(self.done_cursor, rng=[]))
-        t_saved = time.monotonic()
+        timer.lap("survivor_save")
         survivors = self.group.members(list(left))
         # 2. top up to max_dp where there is room (warm spares first)
         spares_before = self.group.spares_taken
-        members = survivors + self._top_up(len(survivors))
-        t_placed = time.monotonic()
+        members = survivors + self.placement.top_up(len(survivors))
+        timer.lap("reschedule")
         self._form(members)
-        t_formed = time.monotonic()
+        timer.lap("group_init")
         self._load_latest()
-        self.resumed = {"kind": "recovery", "after_failure_at_step": f.step, "cause": f.cause,
+        timer.lap("checkpoint_load")
+        timer.fields = {"after_failure_at_step": f.step, "cause": f.cause,
                         "resumed_from_step": self.step, "dp": self.dims.dp,
                         "state_from": "survivors" if from_survivors else "checkpoint",
                         "workers_reused": len(survivors), "workers_new": len(members) - len(survivors),
-                        "workers_from_spares": self.group.spares_taken - spares_before,
-                        "t0": t0, "phases_s": {"stop": t_stop - t0, "survivor_save": t_saved - t_stop,
-                                               "reschedule": t_placed - t_saved,
-                                               "group_init": t_formed - t_placed,
-                                               "checkpoint_load": time.monotonic() - t_formed}}
+                        "workers_from_spares": self.group.spares_taken - spares_before}
+        self.resumed = timer
         return State.RUNNING
 
     def _rescale(self) -> State:
         """Grow at a step boundary: finish the queued steps, checkpoint here, start the new
         workers, re-form the world with them and load the checkpoint just written."""
-        t0 = time.monotonic()
+        timer = Phases("rescale")
         while self.inflight:
             self._complete(self.inflight[0])
             self.inflight.popleft()
@@ -332,7 +317,7 @@ class Coordinator:
             return State.RUNNING
         if self.store.latest() != self.step:
             self._checkpoint_now()
-        t_saved = time.monotonic()
+        timer.lap("checkpoint")
         old_dp = self.dims.dp
         new = self.group.start((grow_to - old_dp) * self.pp, START_WAIT_S)
         members = self.group.members() + new
@@ -344,59 +329,17 @@ class Coordinator:
             self.group.release(new)
             raise WorkerLost("a worker did not leave its group for a resize", "timeout",
                              tuple(r for r in range(len(self.group.actors)) if r not in left))
-        t_placed = time.monotonic()
+        timer.lap("reschedule")
         self._form(members)
-        t_formed = time.monotonic()
+        timer.lap("group_init")
         self._load(self.store.read_meta(self.step))
-        self.resumed = {"kind": "rescale", "from_dp": old_dp, "dp": self.dims.dp,
-                        "resumed_from_step": self.step, "workers_new": len(new), "t0": t0,
-                        "phases_s": {"checkpoint": t_saved - t0, "reschedule": t_placed - t_saved,
-                                     "group_init": t_formed - t_placed,
-                                     "checkpoint_load": time.monotonic() - t_formed}}
+        timer.lap("checkpoint_load")
+        timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
+                        "workers_new": len(new)}
+        self.resumed = timer
         return State.RUNNING
 
     # -- worlds ---------------------------------------------------------------------------------
-
-    def _top_up(self, have: int) -> list:
-        """New workers to join `have` survivors, up to max_dp replicas: as many as the cluster
-        has room for now, a short grace for room being freed, and a wait of up to
-        parallel.timeout_s while fewer than min_dp replicas fit."""
-        most = self.base.dp_range[1] * self.pp
-        deadline = time.monotonic() + self.base.parallel.timeout_s
-        new: list = []
-        while True:
-            want = most - have - len(new)
-            new += self.group.start(want, START_WAIT_S, need=self.group.free_workers(),
-                                    grace_s=TOP_UP_GRACE_S)
-            if self.scale.target(have + len(new)) is not None:
-                return new
-            if time.monotonic() > deadline:
-                self._no_room(have + len(new), new, most)
-            time.sleep(1.0)
-
-    def _no_room(self, placed: int, started: list, wanted: int) -> None:
-        """Too few workers: those that could not start and why, else a worker bigger than
-        any node, else the room the cluster has."""
-        self.group.release(started)
-        r, need = self.base.resources, self.scale.min_workers
-        each = f"{r.cpus_per_worker:g} CPU" + (f" and {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "")
-        failures = self.group.start_failures
-        if failures:
-            others = len(set(failures)) - 1
-            raise WorkerError(
-                f"{len(failures)} of the {wanted} workers could not start: {failures[0]}"
-                + (f" (and {others} other cause{'s' * (others > 1)})" if others else ""))
-        big = self.group.largest_node()
-        if big["CPU"] + 1e-9 < r.cpus_per_worker or big["GPU"] + 1e-9 < r.gpus_per_worker:
-            raise WorkerError(
-                f"no node can hold one worker: each needs {each} (resources.cpus_per_worker, "
-                f"gpus_per_worker) and the largest node has {big['CPU']:g} CPU"
-                + (f" and {big['GPU']:g} GPU" if r.gpus_per_worker else ""))
-        raise WorkerError(
-            f"could place only {placed} of the {need} workers needed "
-            f"(elastic.min_dp x parallel.pp; wanted up to {wanted}) of {each} each within "
-            f"{self.base.parallel.timeout_s:g} s (parallel.timeout_s); the cluster "
-            f"has {self.group.describe_free()} free")
 
     def _form(self, members: list) -> None:
         """Make `members` the world: as many replicas as they hold (the rest are let go),
@@ -483,20 +426,11 @@ class Coordinator:
         self.tracker.set_tags({"elastic.failures": len(self.failures.seen),
                                "elastic.dp": self.dims.dp})
 
-    def _finish_phases(self, event: dict) -> None:
+    def _finish_phases(self, timer: Phases) -> dict:
         """The first step of the run, or after a recovery or a rescale, is done: log how long
         each part took (the start's phases go to the result and MLflow, not to the events)."""
-        phases = {**event.pop("phases_s"), "first_step": 0.0}
-        phases["first_step"] = time.monotonic() - event.pop("t0") - sum(phases.values())
-        in_setup, in_steps = self.stats.compile_s
-        if in_setup or in_steps:  # train.compile: its own phase, out of those it happened in
-            formed = "form" if "form" in phases else "group_init"
-            phases[formed] = max(0.0, phases[formed] - in_setup)
-            phases["first_step"] = max(0.0, phases["first_step"] - in_steps)
-            phases["compile"] = in_setup + in_steps
-        event["phases_s"] = {k: round(v, 3) for k, v in phases.items()}
-        event["total_s"] = round(sum(phases.values()), 3)
-        kind = event["kind"]
+        event = timer.finish(self.stats.compile_s)
+        kind, phases = event["kind"], event["phases_s"]
         if kind != "start":
             self._record(event)
         if kind == "recovery":
@@ -505,7 +439,9 @@ class Coordinator:
                                  | {f"{kind}_total_s": event["total_s"],
                                     "failures": len(self.failures.seen)}, replayed_ok=True)
         self.progress.note(f"{kind}: {'training again' if kind != 'start' else 'first step done'} "
-                           f"at step {self.step} with dp={self.dims.dp} after {event['total_s']:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in event['phases_s'].items())})")
+                           f"at step {self.step} with dp={self.dims.dp} after {event['total_s']:.1f} s "
+                           f"({', '.join(f'{k} {v:.1f} s' for k, v in phases.items())})")
+        return event
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -567,10 +503,11 @@ class Coordinator:
         if p.save:
             self._commit(p.cursor, p.save)
         self.commits.poll(self.group)  # a background save, written by now
-        for event in (self.start, self.resumed):
-            if event and "t0" in event:  # not yet finished
-                self._finish_phases(event)
-        self.resumed = None
+        if self.starting:
+            self.start = self._finish_phases(self.starting)
+        if self.resumed:
+            self._finish_phases(self.resumed)
+        self.starting = self.resumed = None
 
     def _checkpoint_now(self) -> None:
         """A checkpoint of the current step, between steps (before a resize)."""
@@ -610,20 +547,9 @@ class Coordinator:
                 "updated_at": round(time.time(), 3)}
 
     def _publish_status(self, changed: bool = True, error: Optional[str] = None) -> None:
-        """status.json beside the checkpoints; under the job API also a log line, at each
-        change of state and every STATUS_LOG_EVERY_S. Best effort: a status that cannot be
-        written never stops training."""
-        if not self.prepared:
-            return  # refused before it began (bad data, no MLflow run): it leaves nothing behind
-        now = self.status_at = time.monotonic()
-        status = redact(self.status() | ({"error": error[:2000]} if error else {}))
-        try:
-            self.store.write_status(status)
-        except OSError:
-            pass
-        if UNDER_JOB_API and (changed or now - self.status_logged_at >= STATUS_LOG_EVERY_S):
-            self.status_logged_at = now
-            print(f"{STATUS_LINE}{json.dumps(status)}", flush=True)
+        if self.prepared:  # refused before it began (bad data, no MLflow run): nothing is left
+            self.board.publish(redact(self.status() | ({"error": error[:2000]} if error else {})),
+                               changed)
 
     def _result(self) -> RunResult:
         return RunResult(job=self.spec.name, state=self.state.value, step=self.step,

@@ -1,0 +1,78 @@
+"""Where a world's workers come from, for the coordinator: how many to start with, topping a
+world up after a failure, and the one-line reason when the cluster cannot hold enough."""
+
+from __future__ import annotations
+
+import time
+from typing import NoReturn
+
+from baton.coordinator.policy import ScalePolicy
+from baton.errors import WorkerError
+from baton.spec import JobSpec
+
+START_WAIT_S = 60.0  # how long workers the cluster has room for may take to start
+TOP_UP_GRACE_S = 5.0  # how long to wait for workers beyond those (room being freed)
+
+
+class Placement:
+    def __init__(self, group, base: JobSpec, scale: ScalePolicy):
+        self.group, self.base, self.scale = group, base, scale
+        self.most = base.dp_range[1] * base.parallel.pp  # workers at max_dp
+
+    def first_workers(self) -> int:
+        """As many workers as the cluster has room for, up to max_dp replicas; at least min_dp
+        (start waits up to parallel.timeout_s for room, as an autoscaler would make)."""
+        n = max(self.scale.min_workers, min(self.most, self.group.free_workers()))
+        if self.base.dp_range[0] < self.base.dp_range[1]:
+            # after counting: the job starts on the room there is now, and an autoscaler adds
+            # nodes for the rest, which the coordinator grows onto
+            self.group.request_capacity(self.most)
+        return n
+
+    def start(self, n: int) -> list:
+        """The first world's workers: `n` wanted, at least min_dp replicas' worth."""
+        members = self.group.start(n, self.base.parallel.timeout_s, need=self.scale.min_workers,
+                                   grace_s=TOP_UP_GRACE_S)
+        if self.scale.target(len(members)) is None:
+            self.no_room(len(members), members, n)
+        return members
+
+    def top_up(self, have: int) -> list:
+        """New workers to join `have` survivors, up to max_dp replicas: as many as the cluster
+        has room for now, a short grace for room being freed, and a wait of up to
+        parallel.timeout_s while fewer than min_dp replicas fit."""
+        deadline = time.monotonic() + self.base.parallel.timeout_s
+        new: list = []
+        while True:
+            want = self.most - have - len(new)
+            new += self.group.start(want, START_WAIT_S, need=self.group.free_workers(),
+                                    grace_s=TOP_UP_GRACE_S)
+            if self.scale.target(have + len(new)) is not None:
+                return new
+            if time.monotonic() > deadline:
+                self.no_room(have + len(new), new, self.most)
+            time.sleep(1.0)
+
+    def no_room(self, placed: int, started: list, wanted: int) -> NoReturn:
+        """Too few workers: those that could not start and why, else a worker bigger than
+        any node, else the room the cluster has."""
+        self.group.release(started)
+        r, need = self.base.resources, self.scale.min_workers
+        each = f"{r.cpus_per_worker:g} CPU" + (f" and {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "")
+        failures = self.group.start_failures
+        if failures:
+            others = len(set(failures)) - 1
+            raise WorkerError(
+                f"{len(failures)} of the {wanted} workers could not start: {failures[0]}"
+                + (f" (and {others} other cause{'s' * (others > 1)})" if others else ""))
+        big = self.group.largest_node()
+        if big["CPU"] + 1e-9 < r.cpus_per_worker or big["GPU"] + 1e-9 < r.gpus_per_worker:
+            raise WorkerError(
+                f"no node can hold one worker: each needs {each} (resources.cpus_per_worker, "
+                f"gpus_per_worker) and the largest node has {big['CPU']:g} CPU"
+                + (f" and {big['GPU']:g} GPU" if r.gpus_per_worker else ""))
+        raise WorkerError(
+            f"could place only {placed} of the {need} workers needed "
+            f"(elastic.min_dp x parallel.pp; wanted up to {wanted}) of {each} each within "
+            f"{self.base.parallel.timeout_s:g} s (parallel.timeout_s); the cluster "
+            f"has {self.group.describe_free()} free")
