@@ -58,6 +58,15 @@ class PipelineRuntime:
         self.last = self.p * v - 1
         self.device, self.bf16, self.group = device, bf16, group
         self.in_shape: dict[int, tuple] = {}  # stage -> (shape, dtype) of what it receives
+        self.out_shape: dict[int, tuple] = {}  # stage -> (shape, dtype) of what it sends on
+        # How many actions beyond the next one have their receives posted early. gloo matches
+        # messages by tag, and a message whose receive is not posted yet waits at its sender
+        # until the receive is posted: posted only after the action before it, it then cost the
+        # receiving rank 0.2-7 ms a message (the last stage's receive of the next activation,
+        # sent while it ran a backward). NCCL matches by order and keeps the one pattern its
+        # schedules are checked for (`order_problem`): each action's sends with the next
+        # action's receive.
+        self.ahead = 2 if dist.get_backend(group) == "gloo" else 0
         self._param_storages = {local(q).untyped_storage().data_ptr()
                                 for c in chunks for q in c.parameters()}
 
@@ -87,6 +96,7 @@ class PipelineRuntime:
                     y = chunk(x)
                 chunk.train(was_training)
                 if s < self.last:
+                    self.out_shape[s] = (tuple(y.shape), y.dtype)
                     if not isinstance(y, torch.Tensor) or y.dim() > _HEADER - 2:
                         raise TypeError(f"pipeline stage {s} must return one tensor of at most "
                                         f"{_HEADER - 2} dims, got {type(y).__name__}")
@@ -106,12 +116,13 @@ class PipelineRuntime:
         trace = StepTrace()
         stash: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output or loss)
         act_bytes: dict[tuple[int, int], int] = {}
-        sends: list = []  # (work, event index) not yet seen complete
-        recv = self._post(actions[0], stash, [], sends, trace) if actions else None
+        sends: list = []  # (works, event index) not yet seen complete
+        recvs: dict[int, tuple] = {}  # action index -> its posted receive
+        self._post(actions, range(min(1 + self.ahead, len(actions))), [], recvs, sends, trace)
         last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
         for i, a in enumerate(actions):
             s = stage_of(self.rank, a.chunk, self.p)
-            got = self._wait(recv, trace, a, s)
+            got = self._wait(recvs.pop(i, None), trace, a, s)
             t0 = time.time()
             out = []
             if a.kind == "F":
@@ -143,44 +154,51 @@ class PipelineRuntime:
             trace.busy_s += t1 - t0
             trace.first_start = trace.first_start or t0
             trace.last_end = t1
-            nxt = actions[i + 1] if i + 1 < len(actions) else None
-            recv = self._post(nxt, stash, out, sends, trace)
+            due = i + 1 + self.ahead  # the receive of this action is posted now
+            self._post(actions, range(due, min(due + 1, len(actions))), out, recvs, sends, trace)
             self._reap(sends, trace)
-        for work, idx in sends:
-            work.wait()
+        for works, _ in sends:
+            for work in works:
+                work.wait()
         self._reap(sends, trace, done=True)
         return trace
 
     # -- messages -------------------------------------------------------------------------------
 
-    def _post(self, action: Optional[Action], stash: dict, out: list, sends: list,
-              trace: StepTrace):
-        """Post this action's sends (`out`: tensor, peer, tag, micro-batch, stage) and the next
-        action's receive as one batch (NCCL runs a batch's operations together: a send and a
-        receive crossing between two ranks cannot block each other)."""
-        ops, buf = [], None
+    def _post(self, actions: list[Action], due: range, out: list, recvs: dict, sends: list,
+              trace: StepTrace) -> None:
+        """Post this action's sends (`out`: tensor, peer, tag, micro-batch, stage) and the
+        receives of the actions at indices `due` as one batch (NCCL runs a batch's operations
+        together: a send and a receive crossing between two ranks cannot block each other)."""
+        ops, bufs = [], []
         for tensor, peer, tag, _, _ in out:
             ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group, tag))
-        if action is not None:
+        for j in due:
+            action = actions[j]
             s = stage_of(self.rank, action.chunk, self.p)
             if action.kind == "F" and s > 0:
                 shape, dtype = self.in_shape[s]
-                buf = torch.empty(shape, dtype=dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buf, self._peer(s - 1), self.group,
-                                      _tag("F", action.mb, s - 1)))
+                peer, tag = self._peer(s - 1), _tag("F", action.mb, s - 1)
             elif action.kind == "B" and s < self.last:
-                _, y = stash[(action.mb, action.chunk)]
-                buf = torch.empty_like(y)
-                ops.append(dist.P2POp(dist.irecv, buf, self._peer(s + 1), self.group,
-                                      _tag("B", action.mb, s + 1)))
+                shape, dtype = self.out_shape[s]  # the gradient of what this stage sent on
+                peer, tag = self._peer(s + 1), _tag("B", action.mb, s + 1)
+            else:
+                continue
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, tag))
+            bufs.append((j, buf))
         if not ops:
-            return None
+            return
         now = time.time()
         works = dist.batch_isend_irecv(ops)
-        for (_, _, _, mb, stage), work in zip(out, works):
+        # gloo: a work per operation; NCCL coalesces the batch into one work that completes
+        # all of it (waiting on it also orders the compute stream after the receive)
+        each = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
+        for (_, _, _, mb, stage), done in zip(out, each):
             trace.events.append(("send", mb, stage, now, None))
-            sends.append((work, len(trace.events) - 1))
-        return (buf, now, works[len(out):]) if buf is not None else None
+            sends.append((done, len(trace.events) - 1))
+        for (j, buf), done in zip(bufs, each[len(out):]):
+            recvs[j] = (buf, now, done)
 
     def _wait(self, recv, trace: StepTrace, action: Action, stage: int) -> Optional[torch.Tensor]:
         if recv is None:
@@ -196,12 +214,12 @@ class PipelineRuntime:
         """Stamp sends seen complete (at the resolution of one action) and forget them."""
         now = time.time()
         keep = []
-        for work, idx in sends:
-            if done or work.is_completed():
+        for works, idx in sends:
+            if done or all(w.is_completed() for w in works):
                 kind, mb, s, t0, _ = trace.events[idx]
                 trace.events[idx] = (kind, mb, s, t0, now)
             else:
-                keep.append((work, idx))
+                keep.append((works, idx))
         sends[:] = keep
 
     def _peer(self, stage: int) -> int:

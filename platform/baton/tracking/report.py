@@ -3,7 +3,8 @@
 One PNG (and an HTML page embedding it): the loss curve, throughput, the world size over time
 with failure and rescale markers, and the pipeline swimlane of a traced step (pp > 1). The
 coordinator logs the same files as MLflow artifacts (report/) when a run ends, so a run's
-pictures are beside its metrics; `baton report` rebuilds them for any run, running or done.
+pictures are beside its metrics, and the traced step's swimlane beside its Chrome trace;
+`baton report` rebuilds them for any run, running or done.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Report:
     run_id: str
     points: dict[str, int] = field(default_factory=dict)  # plotted points per series
     swimlane_step: Optional[int] = None
+    trace: Optional[tuple] = field(default=None, repr=False)  # (step, lanes, title) drawn
 
 
 def find_run(client, run: str):
@@ -67,8 +69,8 @@ def _events(client, run_id: str) -> list[dict]:
         return []
 
 
-def _trace(client, run_id: str, step: Optional[int]) -> Optional[tuple[int, list]]:
-    """The lanes of the traced step `step` (or of the first traced step)."""
+def _trace(client, run_id: str, step: Optional[int]) -> Optional[tuple[int, list, str]]:
+    """The traced step `step` (or the first traced step): (step, its lanes, its title)."""
     try:
         found = [a.path for a in client.list_artifacts(run_id, "pipeline")]
     except Exception:
@@ -84,7 +86,9 @@ def _trace(client, run_id: str, step: Optional[int]) -> Optional[tuple[int, list
     with tempfile.TemporaryDirectory() as tmp:
         path = client.download_artifacts(run_id, f"pipeline/step_{step:06d}/trace.json", tmp)
         with open(path) as f:
-            return step, timeline.lanes_from_chrome(json.load(f))
+            trace = json.load(f)
+    title = trace.get("otherData", {}).get("title", f"pipeline step {step}")
+    return step, timeline.lanes_from_chrome(trace), title
 
 
 def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Report:
@@ -140,7 +144,7 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     for ax in (ax_loss, ax_tps, ax_world):
         ax.grid(alpha=0.3)
     if trace:
-        step, lanes = trace
+        step, lanes, _ = trace
         timeline.draw_swimlane(axes[3], lanes, f"pipeline step {step}")
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
@@ -153,7 +157,7 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     with open(page, "w") as f:
         f.write(_html(name, run, png, events))
     return Report(png=png, html=page, run_id=run_id, points=points,
-                  swimlane_step=trace[0] if trace else None)
+                  swimlane_step=trace[0] if trace else None, trace=trace)
 
 
 def _html(name: str, run, png: str, events: list[dict]) -> str:
@@ -177,11 +181,17 @@ def _html(name: str, run, png: str, events: list[dict]) -> str:
 
 
 def log_to_run(client, run_id: str) -> Optional[Report]:
-    """Build the report of `run_id` and log it as its artifacts (report/); nothing for a run
+    """Build the report of `run_id` and log it as its artifacts (report/), and the traced
+    step's swimlane beside its Chrome trace (pipeline/step_N/swimlane.png); nothing for a run
     that ended before its first step."""
     if not client.get_metric_history(run_id, "loss"):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         rep = build(client, client.get_run(run_id), tmp)
         client.log_artifacts(run_id, tmp, ARTIFACT_DIR)
+    if rep.trace:
+        step, lanes, title = rep.trace
+        with tempfile.TemporaryDirectory() as tmp:
+            timeline.swimlane_png(lanes, f"{tmp}/swimlane.png", title)
+            client.log_artifacts(run_id, tmp, f"pipeline/step_{step:06d}")
     return rep

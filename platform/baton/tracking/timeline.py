@@ -26,7 +26,7 @@ def bubble(pipes: Iterable[list[dict]]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def chrome_trace(lanes: list[Lane], step: int) -> dict:
+def chrome_trace(lanes: list[Lane], step: int, title: str = "") -> dict:
     """Chrome's trace-event format (chrome://tracing, https://ui.perfetto.dev): one process
     per data-parallel replica, one thread per pipeline rank, times in microseconds."""
     origin = min((e[3] for _, _, events in lanes for e in events), default=0.0)
@@ -43,7 +43,8 @@ def chrome_trace(lanes: list[Lane], step: int) -> dict:
     for dp in sorted({lane[0] for lane in lanes}):
         out.append({"name": "process_name", "ph": "M", "pid": dp,
                     "args": {"name": f"dp replica {dp}"}})
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"step": step}}
+    return {"traceEvents": out, "displayTimeUnit": "ms",
+            "otherData": {"step": step, "title": title or f"pipeline step {step}"}}
 
 
 def swimlane_png(lanes: list[Lane], path: str, title: str) -> None:
