@@ -9,7 +9,8 @@ trained for a fixed number of steps by
 is tokens per second over the steps after `--warmup`, timed on rank 0 (every step ends in an
 all-reduce, so rank 0's clock is the group's). This machine is shared and noisy, so each round
 runs all three back to back, in an order that rotates from round to round, and a ratio is the
-median over rounds of that round's ratio (paired), not a ratio of separate medians.
+median over rounds of that round's ratio (paired), not a ratio of separate medians. Each run
+starts once the machine is quiet (`settle`, which prints how long it waited).
 
     python benchmarks/dp_throughput.py                       # CPU, gloo, 2 workers
     python benchmarks/dp_throughput.py --device cuda --layers 12 --width 768 --heads 12 \\
@@ -48,6 +49,20 @@ from baton.parallel import ParallelDims
 from baton.parallel.mesh import split_micro
 from baton.spec import spec_from_dict
 from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
+
+
+def settle(quiet_pct: float = 10.0, most_s: float = 30.0) -> float:
+    """Wait until the whole machine's CPU use over one second is under `quiet_pct` (of all
+    cores), at most `most_s`; the seconds waited. The run before may still be exiting (Ray
+    Train's controller and helper actors stay alive after `fit()` returns, at about 1 % of a
+    core each, measured), and in 3 rotating rounds the system that ran right after Ray Train
+    was slower in both rounds it did so."""
+    import psutil
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < most_s and psutil.cpu_percent(interval=1.0) >= quiet_pct:
+        pass
+    return time.monotonic() - t0
 
 
 def job(args, data: str, tmp: str) -> dict:
@@ -230,11 +245,13 @@ def main() -> int:
     rates: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            waited = settle()
             t0 = time.perf_counter()
             times = contenders[name]()
             rates[name].append(tokens_per_s(times, args.warmup, tokens_per_step))
             print(f"round {r + 1}: {name:9s} {rates[name][-1]:>12,.0f} tokens/s "
-                  f"({time.perf_counter() - t0:.1f} s end to end)", flush=True)
+                  f"({time.perf_counter() - t0:.1f} s end to end, after {waited:.0f} s for "
+                  "the machine to settle)", flush=True)
     ray.shutdown()
 
     median = {k: statistics.median(v) for k, v in rates.items()}
