@@ -53,10 +53,10 @@ from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
 
 def settle(quiet_pct: float = 10.0, most_s: float = 30.0) -> float:
     """Wait until the whole machine's CPU use over one second is under `quiet_pct` (of all
-    cores), at most `most_s`; the seconds waited. The run before may still be exiting (Ray
-    Train's controller and helper actors stay alive after `fit()` returns, at about 1 % of a
-    core each, measured), and in 3 rotating rounds the system that ran right after Ray Train
-    was slower in both rounds it did so."""
+    cores), at most `most_s`; the seconds waited: no run starts inside the one before's
+    teardown. (Ray Train's controller and helper actors stay alive after `fit()` returns, at
+    about 1 % of a core each; in the 5-round run in docs/benchmarks.md this waited 1-2 s, and
+    baton's gap to DDP was the same whether it ran after Ray Train or first.)"""
     import psutil
 
     t0 = time.monotonic()

@@ -96,10 +96,10 @@ class PipelineRuntime:
                     y = chunk(x)
                 chunk.train(was_training)
                 if s < self.last:
-                    self.out_shape[s] = (tuple(y.shape), y.dtype)
                     if not isinstance(y, torch.Tensor) or y.dim() > _HEADER - 2:
                         raise TypeError(f"pipeline stage {s} must return one tensor of at most "
                                         f"{_HEADER - 2} dims, got {type(y).__name__}")
+                    self.out_shape[s] = (tuple(y.shape), y.dtype)
                     header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
                     header[0], header[1] = y.dim(), _DTYPES.index(y.dtype)
                     header[2:2 + y.dim()] = torch.tensor(y.shape)

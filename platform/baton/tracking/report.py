@@ -32,8 +32,11 @@ class Report:
     html: str
     run_id: str
     points: dict[str, int] = field(default_factory=dict)  # plotted points per series
-    swimlane_step: Optional[int] = None
     trace: Optional[tuple] = field(default=None, repr=False)  # (step, lanes, title) drawn
+
+    @property
+    def swimlane_step(self) -> Optional[int]:
+        return self.trace[0] if self.trace else None
 
 
 def find_run(client, run: str):
@@ -157,7 +160,7 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     with open(page, "w") as f:
         f.write(_html(name, run, png, events))
     return Report(png=png, html=page, run_id=run_id, points=points,
-                  swimlane_step=trace[0] if trace else None, trace=trace)
+                  trace=trace)
 
 
 def _html(name: str, run, png: str, events: list[dict]) -> str:
