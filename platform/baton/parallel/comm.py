@@ -80,3 +80,24 @@ def all_reduce(flat: torch.Tensor, group, grad_comm: str) -> None:
     low = flat.to(torch.bfloat16)
     dist.all_reduce(low, group=group)
     flat.copy_(low)
+
+
+def fsdp_reduce_scatter():
+    """FSDP2's reduce-scatter on gloo, as an all-reduce of the whole buffer of which each rank
+    keeps its own slice. Gloo's reduce-scatter was the slower of the two on this 2-core
+    machine: 15-16 ms against 10-11.5 ms (slice copy included) for a 12.7 MiB buffer over 2
+    ranks, and level at 4 ranks (24.7 against 22.7 ms); `benchmarks/sharding.py` has the
+    effect on a step. NCCL keeps its own reduce-scatter (FSDP's default), which moves half
+    an all-reduce's bytes."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class AllReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            dist.all_reduce(input_tensor, op=op, group=group)
+            n = output_tensor.numel()
+            output_tensor.copy_(input_tensor[group.rank() * n:(group.rank() + 1) * n])
+            return None
+    return AllReduceScatter()

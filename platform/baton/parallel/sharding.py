@@ -119,7 +119,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                        lambda where: sharded.load_into(wrapped, optimizer, where))
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    cls, kwargs = optimizer_class(train, device.type == "cuda")
+    cls, kwargs = optimizer_class(train)
     optimizer = ZeroRedundancyOptimizer(param_groups(module, train), optimizer_class=cls,
                                         process_group=mesh["dp_shard"].get_group(), **kwargs)
     zero = _ZeroState(module, optimizer)
@@ -154,6 +154,9 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
               reshard_after_forward=reshard_after_forward and not last, mp_policy=mp)
     # the root holds what no unit does; it is needed again at once by the backward
     shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    if dist.get_backend(dp_mesh["dp_shard"].get_group()) == "gloo":
+        for unit in [g[0] for g in groups] + [module]:  # a unit's blocks share one FSDP state
+            unit.set_custom_reduce_scatter(comm.fsdp_reduce_scatter())
     return groups[0][0] if groups else None
 
 
