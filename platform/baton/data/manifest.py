@@ -15,14 +15,12 @@ import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
+import pyarrow.dataset as pads
 
 from baton import storage
-
-if TYPE_CHECKING:
-    import pyarrow.dataset as pads
 
 FOOTER_THREADS = 16  # footers are small reads: on object storage, latency is what matters
 
@@ -62,14 +60,10 @@ class Manifest:
         self._starts = np.array([u.offset for u in self.units], dtype=np.int64)
 
     @classmethod
-    def build(cls, root: str, dataset: Optional["pads.Dataset"] = None) -> "Manifest":
+    def build(cls, root: str, dataset: Optional[pads.Dataset] = None) -> "Manifest":
         """Read every file's footer under `root` (a folder or URI, or one file)."""
         fs, path = storage.resolve(root)
         if dataset is None:
-            # imported here: pyarrow.dataset imports pandas (0.2-0.3 s), and the workers,
-            # which import this module for its row units, never list a dataset
-            import pyarrow.dataset as pads
-
             dataset = pads.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=False)
         fragments = list(dataset.get_fragments())
         infos = fs.get_file_info([f.path for f in fragments])

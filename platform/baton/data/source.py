@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from baton import storage
@@ -139,8 +140,6 @@ def _dataset(spec: JobSpec, where: str, key: str, source: str) -> tuple[Manifest
         fix = ("run `baton data prepare stdlib --out DIR`, or use data.source: stdlib"
                if d.source == "parquet" or key != "data.path" else "it is prepared on first run")
         raise SpecError(f"{source}: {key}: {where!r} does not exist; {fix}")
-    import pyarrow.dataset as pads  # see Manifest.build
-
     try:
         ds = pads.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=False)
         schema = ds.schema

@@ -23,23 +23,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
-from baton.checkpoint import filter_optim_state
+from baton.checkpoint import filter_optim_state, sharded
 from baton.models import blocks
 from baton.parallel import comm
 from baton.spec import TrainSpec
 from baton.training import make_optimizer, optimizer_class, param_groups
-
-if TYPE_CHECKING:
-    from baton.checkpoint import sharded
-
-# torch.distributed.checkpoint (and with it DTensor and FSDP: 0.5 s of a worker's start) is
-# imported where state is saved or loaded, not when a DDP replica is built
 
 
 NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "ZeRO-3"}
@@ -120,7 +116,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
         return Replica(module, wrapped, optimizer, no_sync, False,
                        lambda: state_dicts(wrapped, optimizer),
                        lambda m, o: load_full(module, wrapped, optimizer, m, o),
-                       lambda where: _load_into(wrapped, optimizer, where))
+                       lambda where: sharded.load_into(wrapped, optimizer, where))
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     cls, kwargs = optimizer_class(train)
@@ -191,7 +187,7 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
     return Replica(module, module, optimizer, no_sync, True,
                    lambda: state_dicts(module, optimizer),
                    lambda m, o: load_full(module, module, optimizer, m, o, full=True),
-                   lambda where: _load_into(module, optimizer, where))
+                   lambda where: sharded.load_into(module, optimizer, where))
 
 
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
@@ -243,16 +239,8 @@ STAGE_WRAPPINGS: dict[str, Callable[..., Optional[Callable[[int, bool], None]]]]
 }
 
 
-def _load_into(wrapped: nn.Module, optimizer, where: "sharded.Location") -> None:
-    from baton.checkpoint import sharded
-
-    sharded.load_into(wrapped, optimizer, where)
-
-
 def state_dicts(wrapped: nn.Module, optimizer) -> tuple[dict, dict]:
     """Model and optimizer state keyed by parameter name (DTensor shards when sharded)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     fresh = not optimizer.state
     model_state, optim_state = get_state_dict(wrapped, optimizer)
     if fresh:
@@ -266,9 +254,6 @@ def state_dicts(wrapped: nn.Module, optimizer) -> tuple[dict, dict]:
 def load_full(module: nn.Module, wrapped: nn.Module, optimizer, model_state: dict,
                optim_state: dict, full: bool = False) -> None:
     """Load whole name-keyed state; FSDP keeps each rank's shard of it (`full`)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_state_dict)
-
     model_state = _mine(module, model_state)
     optim_state = filter_optim_state(optim_state, set(model_state))
     options = StateDictOptions(full_state_dict=full)
@@ -324,8 +309,6 @@ class _ZeroState:
     def load_sharded(self, where: sharded.Location) -> None:
         """The whole model, and this rank's share of the optimizer state, from a sharded
         checkpoint written at any layout."""
-        from baton.checkpoint import sharded
-
         state: dict = {"model": dict(self.module.state_dict())}  # the parameters: loaded in place
         local = self._local()
         params = [p for g in local.param_groups for p in g["params"]]

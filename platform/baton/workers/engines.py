@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from baton.checkpoint import sharded
 from baton.models import build_model, sequential
 from baton.parallel import ParallelDims
 from baton.parallel import comm
@@ -27,9 +28,6 @@ from baton.parallel.sharding import STAGE_WRAPPINGS, WRAPPINGS, load_full, resha
 from baton.spec import JobSpec
 from baton.tasks import Sums, Task, example_inputs, to_device
 from baton.training import clip_and_norm, local, make_optimizer, set_lr
-
-if TYPE_CHECKING:
-    from baton.checkpoint import sharded
 
 BatchFn = Callable[..., dict]  # (rows, pad_to=None) -> the task's batch (tensors, VALID)
 
@@ -224,8 +222,6 @@ class PipelineEngine(_Engine):
                   full=self.sharded)
 
     def load_sharded(self, where: sharded.Location) -> None:
-        from baton.checkpoint import sharded
-
         sharded.load_into(self.module, self.optimizer, where)
 
     def clip(self) -> float:
