@@ -197,18 +197,8 @@ def start_local_ray() -> None:
     interface, several with no authentication (the metrics ports); on macOS and Windows it
     keeps loopback. That choice is `ray_constants.ENABLE_RAY_CLUSTER` (read when Ray resolves
     the node's address; the process's children are handed the address): it is off while this
-    Ray starts. $BATON_METRICS_PORT fixes the metrics port for a Prometheus on this machine.
-
-    Nor does it start Ray's API server. `include_dashboard=False` still starts one (the
-    dashboard process with only its usage-stats module, on port 8265), and `ray.init` polls
-    every 0.1 s until it has published its address: 0.5 s of the start on this machine (3
-    runs each of `ray.init` alone: 1.8-1.9 s against 2.4 s in the fast of Ray's two modes),
-    and a Python process's CPU beside the workers starting. A run on the embedded Ray uses
-    neither the job API nor the state API; the metrics port is the node's agent's, which the
-    raylet starts as before. Ray has no option for it, so `Node.start_api_server` is skipped
-    while this Ray starts (where a Ray version has no such method, nothing changes)."""
+    Ray starts. $BATON_METRICS_PORT fixes the metrics port for a Prometheus on this machine."""
     import ray
-    from ray._private import node as ray_node
     from ray._private import ray_constants
 
     options = {"num_cpus": os.cpu_count()}
@@ -216,16 +206,11 @@ def start_local_ray() -> None:
         options["_metrics_export_port"] = int(os.environ["BATON_METRICS_PORT"])
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
-    api_server = getattr(ray_node.Node, "start_api_server", None)
-    if api_server is not None:
-        ray_node.Node.start_api_server = lambda self, **_: None
     try:
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
                  configure_logging=True, **options)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
-        if api_server is not None:
-            ray_node.Node.start_api_server = api_server
 
 
 def cluster_address_from_env() -> Optional[str]:
