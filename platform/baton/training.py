@@ -25,8 +25,8 @@ def optimizer_class(train: TrainSpec) -> tuple[type, dict]:
     fused kernel on CUDA and on CPU alike (one call for every tensor's update, DTensor shards
     included). On CPU it took 3.8-4.8 ms a step where the per-tensor loop took 13-15 ms (the
     4 x 256 GPT at dp 2, DDP and ZeRO-3; the loop is slowest on DTensor shards, each of its
-    ops dispatched per tensor); after 20 steps it is 2.4e-7 from the loop. Every reference
-    in the tests builds its optimizer here too."""
+    ops dispatched per tensor; `benchmarks/fsdp_comm.py --parts step`); after 20 steps it is
+    2.4e-7 from the loop. Every reference in the tests builds its optimizer here too."""
     if train.optimizer == "lamb":
         from baton.optim import Lamb
 

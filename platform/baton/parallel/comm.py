@@ -84,11 +84,11 @@ def all_reduce(flat: torch.Tensor, group, grad_comm: str) -> None:
 
 def fsdp_reduce_scatter():
     """FSDP2's reduce-scatter on gloo, as an all-reduce of the whole buffer of which each rank
-    keeps its own slice. Gloo's reduce-scatter was the slower of the two on this 2-core
-    machine: 15-16 ms against 10-11.5 ms (slice copy included) for a 12.7 MiB buffer over 2
-    ranks, and level at 4 ranks (24.7 against 22.7 ms); `benchmarks/sharding.py` has the
-    effect on a step. NCCL keeps its own reduce-scatter (FSDP's default), which moves half
-    an all-reduce's bytes."""
+    keeps its own slice. Gloo's reduce-scatter was the slower of the two on a 2-core machine:
+    16.2 against 12.3 ms (slice copy included) for a 12.7 MiB buffer over 2 ranks, 31.1
+    against 24.8 ms over 4 (`python benchmarks/fsdp_comm.py`, which also shows that on a
+    ZeRO-3 step the difference is within the noise). NCCL keeps its own reduce-scatter
+    (FSDP's default), which moves half an all-reduce's bytes."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
     class AllReduceScatter(ReduceScatter):

@@ -155,8 +155,9 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     # the root holds what no unit does; it is needed again at once by the backward
     shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     if dist.get_backend(dp_mesh["dp_shard"].get_group()) == "gloo":
+        reduce_scatter = comm.fsdp_reduce_scatter()  # stateless: one for every unit
         for unit in [g[0] for g in groups] + [module]:  # a unit's blocks share one FSDP state
-            unit.set_custom_reduce_scatter(comm.fsdp_reduce_scatter())
+            unit.set_custom_reduce_scatter(reduce_scatter)
     return groups[0][0] if groups else None
 
 
