@@ -39,6 +39,7 @@ from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
 from baton.tasks import VALID, example_inputs, make_task, padded
 from baton.training import param_digest
+from baton.workers import host
 
 if TYPE_CHECKING:
     from baton.checkpoint import sharded
@@ -85,6 +86,7 @@ class Worker:
                                  ", no driver or no device"))
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
         torch.set_num_threads(spec.resources.threads_per_worker)
+        host.keep_freed_memory()  # steps run on Ray's threads: see host.py
         self.ledger: Optional[list] = None
         self.engine = self.checkpoint_group = None
         self.broken: Optional[str] = None  # the call that broke this world (`_in_world`)
