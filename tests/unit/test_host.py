@@ -40,7 +40,8 @@ print(json.dumps(out))
 
 
 def _faults(mode: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     done = subprocess.run([sys.executable, "-c", LOOP, mode], env=env, capture_output=True,
                           text=True, timeout=120, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
