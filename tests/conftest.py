@@ -60,7 +60,11 @@ def s3_endpoint(tmp_path_factory):
 
     port = free_ports(1)[0]
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    proc = subprocess.Popen([shutil.which("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+    # this Python's own moto (a bare `moto_server` on PATH may be another installation's: a
+    # pyenv shim's moto failed every multipart upload here when the venv was not activated)
+    server = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(server) if server.exists() else shutil.which("moto_server"),
+                             "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while True:

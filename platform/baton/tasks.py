@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # imported where used: the spec's checks read task names before torch loads
+    import torch
 
 VALID = "valid"
 IGNORE = -100  # target of a padding position: no loss, no gradient
@@ -63,6 +63,8 @@ class Classification(Task):
     name, needs = "classification", ("inputs", "label")
 
     def loss(self, output, batch):
+        import torch.nn.functional as F
+
         valid = batch[VALID]
         labels = batch["label"].masked_fill(~valid, IGNORE)
         ls = F.cross_entropy(output.float(), labels, reduction="sum", ignore_index=IGNORE)
@@ -75,6 +77,8 @@ class UserTask(Task):
         self.name, self.fn = name, user_function(name)
 
     def loss(self, output, batch):
+        import torch
+
         out = self.fn(output, batch)
         if not isinstance(out, dict) or not torch.is_tensor(out.get("loss")):
             got = type(out).__name__ if not isinstance(out, dict) else f"keys {sorted(map(str, out))}"
@@ -147,6 +151,8 @@ class Sums:
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross entropy; callers divide by the global token count."""
+    import torch.nn.functional as F
+
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
                            ignore_index=IGNORE)
 
@@ -154,6 +160,8 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def padded(batch: dict, rows: int, shapes: dict) -> dict:
     """`batch` with padding rows appended up to `rows` (zeros, VALID False); `shapes`: each
     column's (row shape, dtype), for a batch with no rows at all."""
+    import torch
+
     have = len(batch[VALID]) if VALID in batch else 0
     if have >= rows:
         return batch

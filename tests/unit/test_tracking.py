@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from baton import api
 from baton.errors import SpecError, TrackingError
 from baton.spec import TrackingSpec
-from baton.tracking import MLflowTracker, NullTracker
+from baton.tracking import MLflowTracker, NullTracker, store_template
 from conftest import REPO
 from helpers import free_ports
 
@@ -95,6 +95,37 @@ def test_a_store_opened_ahead_gives_its_run_or_its_error_at_start(tmp_path):
     with pytest.raises(TrackingError, match=r"^the MLflow store nosuchscheme://store cannot be opened: "):
         bad.start("job", {})
     assert bad.run_id is None and bad.client is None
+
+
+def test_a_new_store_from_the_cached_template_is_the_store_mlflow_makes(tmp_path, monkeypatch):
+    """A new sqlite store starts as a copy of MLflow's migrated, empty tables, cached once per
+    MLflow version: the result has the schema, revision and rows of a store MLflow made itself,
+    and a template MLflow refuses is dropped and the store made its own way."""
+    import sqlite3
+
+    monkeypatch.chdir(tmp_path)  # the Default experiment's artifact folder: the same for both
+    template = store_template.cached(tmp_path / "cache")
+    assert template is not None and store_template.cached(tmp_path / "cache") == template
+    store_template.open_new(tmp_path / "copied.db", template)
+    MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'migrated.db'}").get_experiment("0")
+
+    def contents(db):  # (a table's constraints come in a different order in every process
+        # that makes it, MLflow's own stores too: each statement is compared as a set of lines)
+        with sqlite3.connect(db) as c:
+            schema = sorted((kind, name, sorted(line.strip().rstrip(",") for line in (sql or "").splitlines()))
+                            for kind, name, sql in c.execute("SELECT type, name, sql FROM sqlite_master"))
+            tables = [name for kind, name, _ in schema if kind == "table"]
+            rows = {t: sorted(map(repr, c.execute(f'SELECT * FROM "{t}"'))) for t in tables}
+        experiments = [e[:4] for e in map(eval, rows.pop("experiments"))]  # not the times
+        return schema, rows, experiments
+
+    copied, migrated = contents(tmp_path / "copied.db"), contents(tmp_path / "migrated.db")
+    assert copied == migrated
+    assert copied[2] == [(0, "Default", str(tmp_path / "mlruns" / "0"), "active")]
+
+    template.write_bytes(b"not a database")  # damaged: MLflow's own way, and not used again
+    store_template.open_new(tmp_path / "again.db", template)
+    assert contents(tmp_path / "again.db") == migrated and not template.exists()
 
 
 # -- live metrics, FLOPs, status -----------------------------------------------------------------

@@ -30,13 +30,14 @@ from __future__ import annotations
 import io
 import json
 import re
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from baton import storage
 from baton.spec import join_path
 from baton.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 MARKER = "COMMITTED"
 REJECTED = "REJECTED"
@@ -101,6 +102,8 @@ class CheckpointStore:
     def write_tensors(self, step: int, name: str, obj: Any) -> dict:
         """Write one part; returns its record for the commit (name, size, SHA-256 of the bytes
         written)."""
+        import torch  # here, not at the top: the driver reads metadata before Ray starts
+
         with storage.durable_writer(self.fs, f"{self.step_dir(step)}/{name}") as f:
             torch.save(obj, f)
         return {"name": name, **f.record()}
@@ -201,6 +204,8 @@ class CheckpointStore:
         return json.loads(storage.read_bytes(self.fs, f"{self._committed_dir(step)}/{META}"))
 
     def read_tensors(self, step: int, name: str) -> Any:
+        import torch
+
         data = storage.read_bytes(self.fs, f"{self._committed_dir(step)}/{name}")
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 

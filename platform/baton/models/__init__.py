@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
-from baton.models import hf
-from baton.models.gpt import build_gpt
-from baton.models.mlp import build_classifier, build_mlp
-from baton.tasks import IGNORE, loss_sum  # their home before tasks existed: still imported here
+# torch is imported where a model is built, not here: the spec's checks read the names and
+# options below before Ray starts, and `baton run` imports torch while Ray starts (api.py)
+HF_PREFIX = "hf:"  # model.name: hf:TYPE (models/hf.py)
 
 __all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "build_model", "blocks", "check_model_name",
            "layer_count", "layer_params", "loss_sum", "options_problem", "sequential"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("IGNORE", "loss_sum"):  # their home before tasks existed: still found here
+        from baton import tasks
+
+        return getattr(tasks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -30,23 +37,31 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     the entries of its nn.ModuleLists. What FSDP wraps one by one (each unit's parameters are
     gathered for its forward and backward and freed after, so peak memory is one unit, not
     the model), what train.compile compiles and what activation checkpointing wraps."""
+    from torch import nn
+
     if isinstance(model, nn.Sequential) and len(model) > 1:
         return [m for m in model if any(True for _ in m.parameters())]
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
 def _gpt(spec) -> nn.Module:
+    from baton.models.gpt import build_gpt
+
     return build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads,
                      seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout,
                      **spec.options)
 
 
 def _mlp(spec) -> nn.Module:
+    from baton.models.mlp import build_mlp
+
     return build_mlp(layers=spec.layers, width=spec.width, context=spec.context,
                      vocab_size=spec.vocab_size, **spec.options)
 
 
 def _classifier(spec) -> nn.Module:
+    from baton.models.mlp import build_classifier
+
     return build_classifier(layers=spec.layers, width=spec.width, dropout=spec.dropout,
                             **spec.options)
 
@@ -62,7 +77,7 @@ _USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 def check_model_name(name: str) -> Optional[str]:
     """None when `name` names a builder, else what would be valid."""
-    if name in MODELS or name.startswith(hf.PREFIX):
+    if name in MODELS or name.startswith(HF_PREFIX):
         return None  # (an hf: model's type and configuration: options_problem)
     if not _USER_BUILDER.fullmatch(name):
         return f"use one of {', '.join(MODELS)} or 'package.module:function'"
@@ -83,7 +98,9 @@ def options_problem(spec, on_meta: bool) -> Optional[str]:
     are checked by name and range; a user's builder, when `on_meta` (baton builds it there
     anyway to cut or wrap it), is run on the meta device (shapes only), with any exception
     turned into one line. Not otherwise: a builder that works on CPU may not on meta."""
-    if spec.name.startswith(hf.PREFIX):
+    if spec.name.startswith(HF_PREFIX):
+        from baton.models import hf
+
         return hf.problem(spec)
     if spec.name in OPTIONS:
         allowed = OPTIONS[spec.name]
@@ -114,7 +131,9 @@ def _one_line(e: BaseException) -> str:
 
 
 def _user_builder(name: str) -> Callable:
-    if name.startswith(hf.PREFIX):
+    if name.startswith(HF_PREFIX):
+        from baton.models import hf
+
         return hf.build_hf
     module, _, func = name.partition(":")
     return getattr(importlib.import_module(module), func)
@@ -122,6 +141,8 @@ def _user_builder(name: str) -> Callable:
 
 def build_model(spec, seed: int) -> nn.Module:
     """Build the model with parameters drawn from `seed`, identically in every process."""
+    import torch
+
     builder = MODELS.get(spec.name) or _user_builder(spec.name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -130,6 +151,8 @@ def build_model(spec, seed: int) -> nn.Module:
 
 def _on_meta(spec) -> nn.Module:
     """The model built on the meta device: shapes only, no memory, no time."""
+    import torch
+
     builder = MODELS.get(spec.name) or _user_builder(spec.name)
     with torch.device("meta"):
         return builder(spec)
@@ -138,6 +161,8 @@ def _on_meta(spec) -> nn.Module:
 def layer_count(spec) -> int:
     """How many layers a pipeline can cut the model into; a model that is not an
     nn.Sequential counts as one."""
+    from torch import nn
+
     model = _on_meta(spec)
     return len(model) if isinstance(model, nn.Sequential) else 1
 
@@ -149,6 +174,8 @@ def layer_params(spec) -> list[int]:
 
 
 def sequential(model: nn.Module, name: str) -> nn.Sequential:
+    from torch import nn
+
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"model {name!r} is a {type(model).__name__}; pipeline stages cut an "
                         "nn.Sequential, so return one from the builder (or use parallel.pp: 1)")

@@ -14,7 +14,8 @@ from typing import Optional
 
 from torch import nn
 
-PREFIX = "hf:"
+from baton.models import HF_PREFIX as PREFIX
+
 HEADS = ("causal_lm", "sequence_classification")
 
 

@@ -32,6 +32,7 @@ from baton import interrupts, storage
 from baton.errors import TrackingError
 from baton.spec import TrackingSpec
 from baton.storage import redact
+from baton.tracking import store_template
 
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 STEP_METRIC = "loss"  # logged at every step: its last step says how far a run's record goes
@@ -97,7 +98,7 @@ class MLflowTracker:
     def open_ahead(self) -> None:
         """Prepare on a thread what opening the store costs, while `ray.init` (which mostly
         waits for its processes) runs: importing MLflow, and for a new sqlite store, creating
-        its tables (about 2 s of CPU on the 2-core machine). The new store is made under a
+        its tables (from a cached copy: store_template.py). The new store is made under a
         hidden name beside the real one and takes the real name only in `start`, so a run
         refused before then (bad data, a layout the cluster cannot place) leaves no store
         behind (`drop_ahead`). A store that exists, or is not a sqlite file, is not touched
@@ -109,10 +110,10 @@ class MLflowTracker:
 
         def prepare() -> None:
             try:
-                from mlflow.tracking import MlflowClient
+                from mlflow.tracking import MlflowClient  # noqa: F401 - the import is the cost
 
                 if fresh:
-                    MlflowClient(tracking_uri=f"sqlite:///{fresh}")  # makes the tables
+                    store_template.open_new(fresh, store_template.cached())
                 done.set_result(None)
             except BaseException as e:  # reported by `start`, on the run's thread
                 done.set_exception(e)
