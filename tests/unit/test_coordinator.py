@@ -19,7 +19,6 @@ from baton.data.manifest import FileEntry, Manifest
 from baton.data.source import JobData, columns
 from baton.errors import SpecError, WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
-from baton.progress import Progress
 from baton.spec import spec_from_dict
 from baton.tracking.mlflow_tracker import NullTracker
 
@@ -309,7 +308,7 @@ def _coordinator(tmp_path, cluster, **elastic):
     c.data = JobData(c.manifest, columns(spec))
     c.order, c.num_samples, c.run_id = EpochOrder(c.manifest.unit_rows, 0), 12, None
     c.feed = OrderOnlyFeed(c.order)
-    c.progress = Progress(spec.train.steps, enabled=False)
+    c.report.opened(spec.train.steps, 0, "tok")
     c._launch()
     c.state = State.SCHEDULING
     return c

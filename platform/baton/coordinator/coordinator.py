@@ -13,7 +13,9 @@
 
 It decides (which samples, which learning rate, when to checkpoint, what world size); the
 workers execute. The decisions about failures and world sizes come from the pure policies in
-`policy.py`. It is the only writer to MLflow.
+`policy.py`; its collaborators place workers (`placement.py`), commit checkpoints
+(`commits.py`), feed data (`data/feed.py`) and report (`report.py`: MLflow, live metrics, the
+progress line, the status file). It is the only writer to MLflow, through them.
 """
 
 from __future__ import annotations
@@ -41,14 +43,13 @@ from baton.coordinator.steps import StepStats
 from baton.coordinator.phases import Phases
 from baton.coordinator.placement import START_WAIT_S, Placement
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
+from baton.coordinator.report import Report
 from baton.coordinator.result import RunResult
 from baton.errors import WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
-from baton.progress import Progress
 from baton.spec import JobSpec
 from baton.status import StatusBoard
 from baton.storage import redact
-from baton.tracking.metrics import LiveMetrics
 from baton.training import lr_at
 from baton.workers import WorkerGroup
 
@@ -109,7 +110,6 @@ class Coordinator:
         self.failures = FailurePolicy(spec.elastic.max_failures)
         self.on_step = on_step  # called after every completed step (observers, fault tests)
         self.group_factory = group_factory  # the unit tests' fake group stands in for Ray
-        self.events: list[dict] = []
         self.dp_history: list[tuple[int, int]] = []
         self.failure: Optional[Failure] = None
         self.failure_at = 0.0
@@ -117,7 +117,6 @@ class Coordinator:
         self.resumed: Optional[Phases] = None  # a recovery or rescale awaiting its first step
         # the start's phases, from here to the first step (finished and kept in the result then)
         self.start: dict = {}  # the start's phases, once its first step is done
-        self.next_rescale_check = 0.0
         self.store = CheckpointStore(spec.checkpoint_dir)
         self.resume_meta = resume_meta
         self.data = data  # checked before Ray started (api.run), or in _prepare
@@ -125,7 +124,6 @@ class Coordinator:
         self.feed: Optional[DataFeed] = None
         self.evaluation: Optional[Evaluation] = None
         self.record_samples = record_samples
-        self.show_progress = show_progress
         self.state = State.PENDING
         self.step = 0
         self.cursor = Cursor()
@@ -142,14 +140,15 @@ class Coordinator:
         self.stage_layers: Optional[list[int]] = None
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
-        self.live = LiveMetrics(spec.name)
+        self.report = Report(spec.name, tracker, StatusBoard(self.store), show_progress)
+        self.events = self.report.events  # the run record (RunResult.events, events.json)
+        self.live = self.report.live
         self.stats = StepStats(spec)  # what the steps measured
         self.commits = Commits(self.store, tracker, self.live, spec.checkpoint.keep, lease,
                                background=spec.checkpoint.async_)
         self.run_id: Optional[str] = None
         self.prepared = False  # data read and the MLflow run open: from here on, a status
         self.started_at = time.time()
-        self.board = StatusBoard(self.store)
 
     def run(self) -> RunResult:
         try:
@@ -158,10 +157,7 @@ class Coordinator:
         except BaseException as e:
             self.state = State.FAILED
             self._publish_status(error=f"{type(e).__name__}: {e}")
-            self.tracker.set_tags({"error": f"{type(e).__name__}: {e}"[:5000], "failed_at_step": self.step + 1})
-            if self.events:
-                self.tracker.log_dict(self.events, "events.json")
-            self.tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            self.report.failed(e, self.step, killed=isinstance(e, KeyboardInterrupt))
             raise
         finally:
             if self.group is not None:
@@ -184,7 +180,7 @@ class Coordinator:
             self.failure = Failure(self.step + 1, e.cause, str(e), e.ranks)
             self.failure_at = time.time()
             self.state = State.RECOVERING
-        if self.state is not before or self.board.due():
+        if self.state is not before or self.report.board.due():
             self._publish_status(changed=self.state is not before)
 
     # -- transitions --------------------------------------------------------------------------
@@ -213,8 +209,8 @@ class Coordinator:
                                "checkpoint.dir": self.spec.checkpoint_dir,
                                **({"resumed_from_step": self.step} if meta else {})})
         self.run_id = run_id
-        self.progress = Progress(self.spec.train.steps, start=self.step, enabled=self.show_progress,
-                                 unit="tok" if self.spec.task == "language_model" else "samples")
+        self.report.opened(self.spec.train.steps, self.step,
+                           "tok" if self.spec.task == "language_model" else "samples")
         self.prepared = True
         timer.lap("tracking")
         return State.SCHEDULING
@@ -265,7 +261,7 @@ class Coordinator:
         self._record({"kind": "failure", "step": f.step, "cause": f.cause, "ranks": list(f.ranks),
                       "message": f.message, "at": self.failure_at, "recover": decision.recover,
                       "since_last_step_s": round(time.perf_counter() - self.last_done_at, 3)})
-        self.progress.note(f"step {f.step}: {f.cause}: {f.message}")
+        self.report.progress.note(f"step {f.step}: {f.cause}: {f.message}")
         self.live.failure(f.cause, alive=len(self.group.actors) - len(f.ranks))
         if not decision.recover:
             raise WorkerError(decision.reason)
@@ -400,47 +396,19 @@ class Coordinator:
             self.ledger = []
 
     def _rescale_due(self) -> bool:
-        """Whether to grow now; every rescale_check_s. Room the job cannot grow into keeps
-        its warm spares (elastic.spares)."""
         # a recovery or rescale that has not completed its first step yet is still being
         # measured (self.resumed): growing again now would lose its event
-        spares = self.base.elastic.spares
-        if self.resumed is not None or (self.dims.dp >= self.base.dp_range[1] and not spares):
-            return False
-        now = time.monotonic()
-        if now < self.next_rescale_check:
-            return False
-        self.next_rescale_check = now + self.base.elastic.rescale_check_s
-        if self.dims.dp < self.base.dp_range[1]:
-            self.group.request_capacity(self.base.dp_range[1] * self.pp)  # renewed while short
-            if self.scale.grow_to(self.dims.dp, self.group.free_workers()) is not None:
-                return True
-        if spares:
-            self.group.keep_spares(spares)
-        return False
+        return self.resumed is None and self.placement.growth_due(self.dims.dp)
 
     def _record(self, event: dict) -> None:
-        """An event for the run record: RunResult.events and MLflow's events.json."""
-        self.events.append({"wall_time": round(time.time(), 3), **event})
-        self.tracker.log_dict(self.events, "events.json")
-        self.tracker.set_tags({"elastic.failures": len(self.failures.seen),
-                               "elastic.dp": self.dims.dp})
+        self.report.record(event, self._tags())
+
+    def _tags(self) -> dict:
+        return {"elastic.failures": len(self.failures.seen), "elastic.dp": self.dims.dp}
 
     def _finish_phases(self, timer: Phases) -> dict:
-        """The first step of the run, or after a recovery or a rescale, is done: log how long
-        each part took (the start's phases go to the result and MLflow, not to the events)."""
         event = timer.finish(self.stats.compile_s)
-        kind, phases = event["kind"], event["phases_s"]
-        if kind != "start":
-            self._record(event)
-        if kind == "recovery":
-            self.live.recovered(event["cause"], event["total_s"])
-        self.tracker.log_metrics(self.step, {f"{kind}_{k}_s": v for k, v in phases.items()}
-                                 | {f"{kind}_total_s": event["total_s"],
-                                    "failures": len(self.failures.seen)}, replayed_ok=True)
-        self.progress.note(f"{kind}: {'training again' if kind != 'start' else 'first step done'} "
-                           f"at step {self.step} with dp={self.dims.dp} after {event['total_s']:.1f} s "
-                           f"({', '.join(f'{k} {v:.1f} s' for k, v in phases.items())})")
+        self.report.phases(event, self.step, self.dims.dp, len(self.failures.seen), self._tags())
         return event
 
     # -- helpers ------------------------------------------------------------------------------
@@ -487,17 +455,9 @@ class Coordinator:
         if p.eval_refs:  # logged with the step's metrics: a step is logged once
             evaluated = self.evaluation.collect(self.group, p.eval_refs, self.step)
             metrics.update(evaluated)
-            self.progress.note(f"step {self.step}: " + ", ".join(
-                f"{k} {v:.4g}" for k, v in evaluated.items() if k != "eval_samples")
-                + f" over {evaluated['eval_samples']:,} held-out samples")
-        self.tracker.log_metrics(self.step, metrics)
+            self.report.evaluated(self.step, evaluated)
+        self.report.step(self.step, metrics, p.lr, step_time_s)
         self.last_metrics = metrics  # for on_step observers
-        tps = metrics["tokens_per_s"]
-        self.live.step(step=self.step, loss=metrics["loss"], lr=p.lr, tokens_per_s=tps,
-                       samples_per_s=metrics["samples_per_s"], step_s=step_time_s,
-                       data_wait=metrics.get("data_wait_fraction"), mfu=metrics.get("mfu"),
-                       bubble=metrics.get("pipeline_bubble"))
-        self.progress.update(self.step, metrics["loss"], tps)
         for rank, taken in enumerate(entries):
             self.ledger += [(step, rank, ids) for step, ids in taken]
         if p.save:
@@ -548,8 +508,7 @@ class Coordinator:
 
     def _publish_status(self, changed: bool = True, error: Optional[str] = None) -> None:
         if self.prepared:  # refused before it began (bad data, no MLflow run): nothing is left
-            self.board.publish(redact(self.status() | ({"error": error[:2000]} if error else {})),
-                               changed)
+            self.report.status(self.status(), changed, error)
 
     def _result(self) -> RunResult:
         return RunResult(job=self.spec.name, state=self.state.value, step=self.step,

@@ -1,5 +1,6 @@
 """Where a world's workers come from, for the coordinator: how many to start with, topping a
-world up after a failure, and the one-line reason when the cluster cannot hold enough."""
+world up after a failure, when there is room to grow into, and the one-line reason when the
+cluster cannot hold enough."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class Placement:
     def __init__(self, group, base: JobSpec, scale: ScalePolicy):
         self.group, self.base, self.scale = group, base, scale
         self.most = base.dp_range[1] * base.parallel.pp  # workers at max_dp
+        self.next_check = 0.0  # when `growth_due` looks for room again (monotonic)
 
     def first_workers(self) -> int:
         """As many workers as the cluster has room for, up to max_dp replicas; at least min_dp
@@ -52,6 +54,25 @@ class Placement:
             if time.monotonic() > deadline:
                 self.no_room(have + len(new), new, self.most)
             time.sleep(1.0)
+
+    def growth_due(self, dp: int) -> bool:
+        """Whether the world of `dp` replicas should grow now: looked at every
+        elastic.rescale_check_s. Room the job cannot grow into keeps its warm spares
+        (elastic.spares)."""
+        spares, most = self.base.elastic.spares, self.base.dp_range[1]
+        if dp >= most and not spares:
+            return False
+        now = time.monotonic()
+        if now < self.next_check:
+            return False
+        self.next_check = now + self.base.elastic.rescale_check_s
+        if dp < most:
+            self.group.request_capacity(self.most)  # renewed while short
+            if self.scale.grow_to(dp, self.group.free_workers()) is not None:
+                return True
+        if spares:
+            self.group.keep_spares(spares)
+        return False
 
     def no_room(self, placed: int, started: list, wanted: int) -> NoReturn:
         """Too few workers: those that could not start and why, else a worker bigger than

@@ -1,0 +1,75 @@
+"""What a run tells the outside as it goes, for the coordinator: the MLflow run (each step's
+metrics, the events in events.json, tags, through the tracker), Ray's live metrics
+(`ray_baton_*`), the console's progress line, and the status file `baton status` reads. The
+coordinator decides and measures; this says so, each thing once."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from baton.progress import Progress
+from baton.status import StatusBoard
+from baton.storage import redact
+from baton.tracking.metrics import LiveMetrics
+
+
+class Report:
+    def __init__(self, name: str, tracker, board: StatusBoard, show_progress: bool):
+        self.tracker, self.board, self.show_progress = tracker, board, show_progress
+        self.live = LiveMetrics(name)
+        self.events: list[dict] = []
+        self.progress: Optional[Progress] = None  # from `opened`, with the MLflow run
+
+    def opened(self, steps: int, start: int, unit: str) -> None:
+        """The MLflow run is open: the progress line starts, at step `start` of `steps`."""
+        self.progress = Progress(steps, start=start, enabled=self.show_progress, unit=unit)
+
+    def record(self, event: dict, tags: dict) -> None:
+        """An event for the run record (RunResult.events and MLflow's events.json)."""
+        self.events.append({"wall_time": round(time.time(), 3), **event})
+        self.tracker.log_dict(self.events, "events.json")
+        self.tracker.set_tags(tags)
+
+    def step(self, step: int, metrics: dict, lr: float, step_time_s: float) -> None:
+        """A completed step's metrics: logged once, shown live and on the progress line."""
+        self.tracker.log_metrics(step, metrics)
+        tps = metrics["tokens_per_s"]
+        self.live.step(step=step, loss=metrics["loss"], lr=lr, tokens_per_s=tps,
+                       samples_per_s=metrics["samples_per_s"], step_s=step_time_s,
+                       data_wait=metrics.get("data_wait_fraction"), mfu=metrics.get("mfu"),
+                       bubble=metrics.get("pipeline_bubble"))
+        self.progress.update(step, metrics["loss"], tps)
+
+    def evaluated(self, step: int, evaluated: dict) -> None:
+        self.progress.note(f"step {step}: " + ", ".join(
+            f"{k} {v:.4g}" for k, v in evaluated.items() if k != "eval_samples")
+            + f" over {evaluated['eval_samples']:,} held-out samples")
+
+    def phases(self, event: dict, step: int, dp: int, failures: int, tags: dict) -> None:
+        """The first step of the run, or after a recovery or a rescale, is done: how long each
+        part took (a start's phases go to the result and MLflow, not to the events)."""
+        kind, phases = event["kind"], event["phases_s"]
+        if kind != "start":
+            self.record(event, tags)
+        if kind == "recovery":
+            self.live.recovered(event["cause"], event["total_s"])
+        self.tracker.log_metrics(step, {f"{kind}_{k}_s": v for k, v in phases.items()}
+                                 | {f"{kind}_total_s": event["total_s"], "failures": failures},
+                                 replayed_ok=True)
+        self.progress.note(f"{kind}: {'training again' if kind != 'start' else 'first step done'} "
+                           f"at step {step} with dp={dp} after {event['total_s']:.1f} s "
+                           f"({', '.join(f'{k} {v:.1f} s' for k, v in phases.items())})")
+
+    def failed(self, error: BaseException, step: int, killed: bool) -> None:
+        """The run stops on `error`: the MLflow run says why and where, keeps its events, and
+        ends KILLED (an interrupt) or FAILED."""
+        self.tracker.set_tags({"error": f"{type(error).__name__}: {error}"[:5000],
+                               "failed_at_step": step + 1})
+        if self.events:
+            self.tracker.log_dict(self.events, "events.json")
+        self.tracker.finish("KILLED" if killed else "FAILED")
+
+    def status(self, status: dict, changed: bool, error: Optional[str] = None) -> None:
+        """Publish the status file (`baton status`), with the error that stopped the run."""
+        self.board.publish(redact(status | ({"error": error[:2000]} if error else {})), changed)
