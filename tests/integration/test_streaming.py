@@ -295,6 +295,24 @@ def test_a_bad_row_group_fails_the_run_with_one_line_naming_it(tmp_path):
         api.run(spec, show_progress=False)
 
 
+def test_a_damaged_row_group_fails_the_run_with_one_line_naming_it(tmp_path):
+    """A row group whose pages cannot be decoded (the footer, which the manifest reads, is
+    whole) used to end the run in pyarrow's traceback; now it is one line naming the file and
+    row group, and a run refused before its first step leaves no store and no checkpoint."""
+    data = write_dataset(tmp_path / "data", num_samples=32, seq_len=32, row_group_rows=16, shards=1)
+    path = data / "part-0.parquet"
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    damaged = bytearray(path.read_bytes())
+    start = chunk.data_page_offset
+    damaged[start:start + 64] = b"\xff" * 64  # the first page's header: undecodable
+    path.write_bytes(bytes(damaged))
+    spec = spec_from_dict(tiny_spec(tmp_path, data, name="damaged", train={"steps": 4}))
+    with pytest.raises(DataError, match=r"^data.path: .*part-0.parquet row group 1: cannot be "
+                                        r"read \(OSError: .*\): the file is damaged"):
+        api.run(spec, show_progress=False)
+    assert not os.path.exists(spec.checkpoint_dir)
+
+
 def test_a_corpus_in_s3_trains_like_its_local_copy(tmp_path, s3_endpoint):
     """The same files through a real S3 endpoint: the same manifest, and after 3 steps at dp 2
     the parameters of one process trained on the local copy. Tolerance: PyTorch's pipelining

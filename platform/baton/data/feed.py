@@ -102,16 +102,22 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
     wanted = list(dict.fromkeys([c for f in columns.fields for c in f.sources]
                                 + ([columns.id] if columns.id else [])))
     width = max(1, sum(math.prod(f.shape) for f in columns.fields))
-    with fs.open_input_file(unit.file) as f:
-        # in batches of about 1 MiB of values: decoding a list column a whole row group at a
-        # time takes 10-20 times the row group's size (measured: 49-85 MB of Arrow memory for
-        # a 4.4 MB row group, 15 MB in batches of 1,024 rows, and faster)
-        file = pq.ParquetFile(f)
-        batches = list(file.iter_batches(max(64, 2**20 // width), row_groups=[unit.row_group],
-                                         columns=wanted, use_threads=False))
-        table = pa.Table.from_batches(batches) if batches else \
-            file.read_row_group(unit.row_group, columns=wanted)
     where = f"data.path: {unit.file} row group {unit.row_group}"
+    try:
+        with fs.open_input_file(unit.file) as f:
+            # in batches of about 1 MiB of values: decoding a list column a whole row group at
+            # a time takes 10-20 times the row group's size (measured: 49-85 MB of Arrow memory
+            # for a 4.4 MB row group, 15 MB in batches of 1,024 rows, and faster)
+            file = pq.ParquetFile(f)
+            batches = list(file.iter_batches(max(64, 2**20 // width), row_groups=[unit.row_group],
+                                             columns=wanted, use_threads=False))
+            table = pa.Table.from_batches(batches) if batches else \
+                file.read_row_group(unit.row_group, columns=wanted)
+    except (OSError, pa.ArrowException) as e:  # damaged pages, a file gone or cut short
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise DataError(f"{where}: cannot be read ({type(e).__name__}: {first}): the file is "
+                        "damaged, or changed after the run listed it; restore it, or remove it "
+                        "(a resume then needs --rebase-data)") from None
     out = {}
     for f in columns.fields:
         out.update(_padded(table, f, where) if f.padded else {f.name: _field(table, f, where)})
