@@ -159,6 +159,16 @@ def test_a_second_writer_is_refused_naming_the_holder_until_it_dies(tmp_path):
     assert not (tmp_path / "fresh").exists()  # folders it created, left empty, go too
 
 
+def test_a_checkpoint_folder_that_cannot_be_made_is_one_line(tmp_path):
+    """checkpoint.path under a file (or anywhere the run may not write) used to end `baton
+    run` in pyarrow's traceback from the lease; now it is one line, and nothing is made."""
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError, match=r"^checkpoint.path: cannot make .*a-file/ckpt/job "
+                                              r"\(\w+Error: .*\); give a folder this run may write$"):
+        Lease(str(tmp_path / "a-file" / "ckpt" / "job")).acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_the_lease_on_object_storage(tmp_path, s3_endpoint):
     """On a real S3 endpoint: a second writer is refused; a holder that stops renewing is taken
     over after ttl_s, with a warning; the old holder then finds it has lost the lease and

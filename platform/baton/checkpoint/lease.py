@@ -91,11 +91,17 @@ class Lease:
 
     def acquire(self) -> None:
         self.made = []  # the folders this creates, deepest first: removed again if left empty
-        folder = self.path
-        while folder and not storage.exists(self.fs, folder):
-            self.made.append(folder)
-            folder = os.path.dirname(folder)
-        self.fs.create_dir(self.path, recursive=True)
+        try:
+            folder = self.path
+            while folder and not storage.exists(self.fs, folder):
+                self.made.append(folder)
+                folder = os.path.dirname(folder)
+            self.fs.create_dir(self.path, recursive=True)
+        except OSError as e:  # a folder this run may not make or write (FileNotFoundError too)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise CheckpointError(f"checkpoint.path: cannot make {storage.redact(self.root)} "
+                                  f"({type(e).__name__}: {first}); give a folder this run may "
+                                  "write") from None
         if storage.is_local(self.fs):
             self._lock()
         else:
