@@ -201,8 +201,9 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
 
 def _import_ahead() -> None:
     """Import torch on a thread while `ray.init` (which mostly waits for Ray's processes) runs
-    on this one: the coordinator's modules import it, the checks before Ray do not, and on a
-    small machine its 0.8 s of CPU otherwise delays the start of Ray and so of every worker.
+    on this one: the coordinator's modules need it, the checks before Ray do not, and its
+    0.8-0.9 s of CPU then overlaps Ray's start instead of coming before it (measured: the
+    first step 0.2 s sooner than with torch imported after `ray.init`, docs/benchmarks.md).
     Only torch's own modules, which never import Ray's: two threads importing modules that
     import each other could each get the other's half-made module. A failure here is left to
     the import that needs the module, which raises it."""
