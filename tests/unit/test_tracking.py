@@ -90,6 +90,11 @@ def test_a_store_opened_ahead_gives_its_run_or_its_error_at_start(tmp_path):
     refused.finish("FAILED")
     assert list((tmp_path / "new").iterdir()) == []
 
+    nowhere = MLflowTracker(TrackingSpec(uri=f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}"))
+    with pytest.raises(TrackingError, match=r"cannot be opened: its folder .*missing does not exist"):
+        nowhere.open_ahead()  # before Ray starts, naming the folder (not the hidden new store)
+    assert not (tmp_path / "missing").exists()
+
     bad = MLflowTracker(TrackingSpec(uri="nosuchscheme://store"))
     bad.open_ahead()
     with pytest.raises(TrackingError, match=r"^the MLflow store nosuchscheme://store cannot be opened: "):

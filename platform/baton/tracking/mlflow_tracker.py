@@ -104,6 +104,9 @@ class MLflowTracker:
         behind (`drop_ahead`). A store that exists, or is not a sqlite file, is not touched
         before `start`. Not a daemon: an interrupted run lets the tables be made whole."""
         db = _sqlite_file(self.uri)
+        if db is not None and not db.parent.is_dir():  # sqlite makes no folders: refused before Ray
+            raise TrackingError(f"the MLflow store {redact(self.uri)} cannot be opened: its folder "
+                                f"{db.parent} does not exist; make it, or set tracking.uri")
         new = db is not None and not db.exists()
         fresh = self._fresh = db.with_name(f".{db.name}.{os.getpid()}.new") if new else None
         done = self._opening = concurrent.futures.Future()
