@@ -442,6 +442,10 @@ def _k8s(args: argparse.Namespace) -> int:
     from baton.spec import load_spec
 
     spec = load_spec(args.job, args.set)
+    if args.backoff_limit < 0:
+        print(f"baton: error: --backoff-limit {args.backoff_limit} is invalid; give 0 or more "
+              "(whole-job retries)", file=sys.stderr)
+        return 2
     if not args.no_auth and not args.token_secret.strip():
         print("baton: error: --token-secret is empty: name the Secret holding Ray's token (key "
               "auth_token), or pass --no-auth to render a cluster without authentication",

@@ -174,3 +174,6 @@ def test_data_prepare_command(tmp_path, capsys):
     assert (out / "_corpus.json").exists() and list(out.glob("part-*.parquet"))
     assert cli.main(["data", "prepare", "stdlib", "--out", str(out)]) == 2  # never overwrites
     assert capsys.readouterr().err == f"baton: error: {out} already exists; choose a new --out\n"
+    under_a_file = out / "_corpus.json" / "again"  # used to end in a traceback
+    assert cli.main(["data", "prepare", "stdlib", "--out", str(under_a_file)]) == 2
+    assert capsys.readouterr().err.startswith(f"baton: error: cannot write a corpus to {under_a_file} (")

@@ -252,6 +252,8 @@ def test_an_empty_token_secret_is_refused_not_taken_for_no_auth(capsys, monkeypa
     assert "--token-secret is empty" in capsys.readouterr().err
     assert main(["k8s", "jobs/quickstart.yaml", "--no-auth"]) == 0
     assert "authOptions" not in capsys.readouterr().out
+    assert main(["k8s", "jobs/quickstart.yaml", "--backoff-limit", "-1"]) == 2  # rendered, once
+    assert "--backoff-limit -1 is invalid" in capsys.readouterr().err
 
 
 def test_no_secret_is_on_a_command_line():

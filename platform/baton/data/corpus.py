@@ -19,6 +19,8 @@ from typing import Iterator
 
 import numpy as np
 
+from baton.errors import DataError
+
 STDLIB_PARTS = 8  # inputs to the text path, so parts of about 4 MB
 
 
@@ -71,8 +73,12 @@ def staged_corpus(out: Path) -> Iterator[Path]:
     when it fails: a crash leaves either nothing or a complete corpus."""
     if out.exists():
         raise FileExistsError(f"{out} already exists")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:  # a folder this process may not make (under a file, read-only, /proc)
+        raise DataError(f"cannot write a corpus to {out} ({type(e).__name__}: "
+                        f"{e.strerror or e}); choose another folder") from None
     try:
         yield tmp
         tmp.rename(out)
