@@ -229,7 +229,10 @@ def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(ru
     assert one(f"sum by (job_name, cause) (ray_baton_failures_total{{{job}}})", cause="actor_died") == 1
     p90 = one(f"histogram_quantile(0.9, sum by (job_name, cause, le) "
               f"(ray_baton_recovery_seconds_bucket{{{job}}}))", cause="actor_died")
-    assert recovery <= p90 <= 2 * recovery + 1  # inside the bucket that holds the one recovery
+    # inside the bucket that holds the one recovery (Prometheus interpolates within it: p90 is
+    # lower + 0.9 x its width). The bound was `recovery <= p90 <= 2 * recovery + 1`, which a
+    # recovery slowed to 11.5 s on a loaded machine broke: its bucket, (10, 30], is 3x wide.
+    assert lower < p90 <= upper
     median = one(f"histogram_quantile(0.5, sum by (job_name, le) "
                  f"(rate(ray_baton_step_seconds_bucket{{{job}}}[10m])))")
     assert 0 < median < 60  # a step of this run: seconds, not nothing and not forever
