@@ -55,8 +55,8 @@ def job(args, data: str, tmp: str, model: str, mode: str) -> dict:
         "data": {"source": "parquet", "path": data},
         "train": {"steps": args.steps, "global_batch": batch, "micro_batch": micro, "lr": 1e-3,
                   "min_lr": 1e-4, "warmup_steps": 2, "precision": "bf16" if cuda else "fp32"},
-        "parallel": {"dp": 2, "shard": args.shard},
-        "resources": {"cpus_per_worker": 1 if not cuda else 1, "gpus_per_worker": 1 if cuda else 0},
+        "parallel": {"dp": args.dp, "shard": args.shard},
+        "resources": {"cpus_per_worker": 1, "gpus_per_worker": 1 if cuda else 0},
         "checkpoint": {"path": store, "keep": 1, "async": mode == "async",
                        "every_steps": args.every if mode != "none" else 10**9},
         "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "bench-checkpoint"},
@@ -80,6 +80,7 @@ def run(args, data: str, model: str, mode: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dp", type=int, default=2, help="workers (on CUDA, one GPU each)")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=40)

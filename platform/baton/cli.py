@@ -187,7 +187,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"baton: error: {redact(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        signum = e.args[0] if e.args else signal.SIGINT  # api.run raises SIGTERM this way
+        from baton.interrupts import received
+
+        signum = received(e)
         print(f"baton: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
 

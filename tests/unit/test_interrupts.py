@@ -47,3 +47,17 @@ def test_a_signal_outside_is_raised_at_once_and_nested_blocks_wait_for_the_outer
                 time.sleep(0.05)
             order.append("inner ended, outer still writing")
     assert order == ["inner ended, outer still writing"]
+
+
+def test_the_signal_is_named_when_ray_drops_it(handlers):
+    """`ray.get` and `ray.wait` turn the handler's KeyboardInterrupt(SIGTERM) into a bare
+    KeyboardInterrupt() (checked with Ray 2.60: a SIGTERM sent while the driver waited on a
+    sleeping task came out with no args); the CLI must still report SIGTERM and exit 143, not
+    SIGINT and 130 (a CI failure of test_interrupted_run_is_marked_killed_and_keeps_its_checkpoint)."""
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    assert interrupts.received(KeyboardInterrupt()) == signal.SIGTERM
+    assert interrupts.received(KeyboardInterrupt(signal.SIGINT)) == signal.SIGINT
+    interrupts.install()  # a new run forgets the last one's signal: Python's own Ctrl-C is SIGINT
+    assert interrupts.received(KeyboardInterrupt()) == signal.SIGINT
