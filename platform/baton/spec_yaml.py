@@ -194,8 +194,8 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
                 return _coerce(option, value, key, source)
         raise SpecError(f"{source}: {key}: unexpected {_kind(value)} {_show(value)}")
     if origin is Literal:
-        if value not in args:
-            choices = " | ".join(map(str, args))
+        if not any(value == a and type(value) is type(a) for a in args):  # 1 is not true
+            choices = " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
             raise SpecError(f"{source}: {key}: {_show(value)} is not one of {choices}")
         return value
     if origin is list:

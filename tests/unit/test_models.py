@@ -154,8 +154,9 @@ def test_compiling_on_a_cpu_node_without_a_cxx_compiler_is_one_clear_error(monke
     from baton.parallel import compiled
 
     gpt = build_gpt(layers=2, width=16, heads=2, seq_len=8, vocab_size=256)
-    assert compiled.compile_blocks(gpt, on=False) == 0
+    assert compiled.compile_blocks(gpt, False) == 0
     monkeypatch.setattr(compiled, "CXX", ("baton-no-such-compiler",))
+    assert compiled.compile_blocks(gpt, "auto", device="cpu") == 0  # auto: off on CPU, no C++ asked
     with pytest.raises(WorkerError, match="apt-get install g\\+\\+"):
-        compiled.compile_blocks(gpt, on=True, device="cpu")
-    assert compiled.compile_blocks(gpt, on=True, device="cuda") == 4  # embedding, 2 blocks, head
+        compiled.compile_blocks(gpt, True, device="cpu")
+    assert compiled.compile_blocks(gpt, "auto", device="cuda") == 4  # embedding, 2 blocks, head

@@ -93,6 +93,7 @@ BROKEN = [
     ({"parallel": {"dp": 1, "pp": 2, "schedule": "1f1b", "chunks": 2}}, "parallel.chunks: 2 is invalid; only interleaved-1f1b runs several chunks per rank"),
     ({"parallel": {"dp": 1, "pp": 2, "microbatches": 2}}, "parallel.microbatches: 2 is invalid; dp x microbatches x train.micro_batch must equal train.global_batch (1 x 2 x 2 != 8)"),
     ({"train": {"schedule": "linear"}}, "train.schedule: 'linear' is not one of cosine | constant"),
+    ({"train": {"compile": 1}}, "train.compile: 1 is not one of true | false | auto"),  # 1 == True in Python
     ({"model": {"seq_len": 64}}, "model.seq_len: 64 does not fit the data; rows of"),
     ({"name": "has space"}, "name: 'has space' is invalid"),
     ({"checkpoint": {"keep": 0}}, "checkpoint.keep: 0 is invalid; must be at least 1"),

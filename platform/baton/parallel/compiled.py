@@ -29,9 +29,10 @@ from baton.models import blocks
 CXX = tuple(c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
 
 
-def compile_blocks(model: nn.Module, on: bool, device: str = "cpu") -> int:
-    """Compile `model`'s blocks in place when `on`; returns how many."""
-    if not on:
+def compile_blocks(model: nn.Module, setting: bool | str, device: str = "cpu") -> int:
+    """Compile `model`'s blocks in place when `setting` (`train.compile`) says so for `device`
+    ("auto": on CUDA only, where it measured 1.18x; on CPU 0.98x); returns how many."""
+    if not (device == "cuda" if setting == "auto" else setting):
         return 0
     if device == "cpu" and not any(shutil.which(c) for c in CXX):
         # Inductor's CPU code is C++ built at the first step; without a compiler that step
