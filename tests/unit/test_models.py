@@ -160,3 +160,7 @@ def test_compiling_on_a_cpu_node_without_a_cxx_compiler_is_one_clear_error(monke
     with pytest.raises(WorkerError, match="apt-get install g\\+\\+"):
         compiled.compile_blocks(gpt, True, device="cpu")
     assert compiled.compile_blocks(gpt, "auto", device="cuda") == 4  # embedding, 2 blocks, head
+    monkeypatch.setattr(compiled, "CC", ("baton-no-such-compiler",))  # a slim CUDA image
+    assert compiled.compile_blocks(gpt, "auto", device="cuda") == 0  # eager, with a warning
+    with pytest.raises(WorkerError, match="apt-get install gcc"):
+        compiled.compile_blocks(gpt, True, device="cuda")

@@ -27,6 +27,7 @@ from baton.errors import WorkerError
 from baton.models import blocks
 
 CXX = tuple(c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
+CC = tuple(c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c)  # Triton's launchers
 
 
 def compile_blocks(model: nn.Module, setting: bool | str, device: str = "cpu") -> int:
@@ -34,12 +35,21 @@ def compile_blocks(model: nn.Module, setting: bool | str, device: str = "cpu") -
     ("auto": on CUDA only, where it measured 1.18x; on CPU 0.98x); returns how many."""
     if not (device == "cuda" if setting == "auto" else setting):
         return 0
-    if device == "cpu" and not any(shutil.which(c) for c in CXX):
-        # Inductor's CPU code is C++ built at the first step; without a compiler that step
-        # fails deep inside torch, so say it here, before the world trains
-        raise WorkerError("train.compile on CPU builds C++ at the first step and this node has no "
-                          "C++ compiler (g++, c++ or clang++ on PATH, or $CXX): install one "
-                          "(Debian: apt-get install g++) or set train.compile: false")
+    # Inductor builds C++ on CPU, and Triton a C launcher on GPU, at the first step; without a
+    # compiler that step fails deep inside torch, so say it here, before the world trains.
+    # "auto" on a GPU image without one (slim CUDA runtime images) trains eager instead.
+    needed = CXX if device == "cpu" else CC
+    if not any(shutil.which(c) for c in needed):
+        if setting == "auto":
+            print(f"baton: train.compile auto: no C compiler on this node ({', '.join(needed)}), "
+                  "so this worker trains eager; install one (Debian: apt-get install gcc) to "
+                  "compile", file=sys.stderr)
+            return 0
+        what = "C++ at the first step" if device == "cpu" else "Triton's C launchers at the first step"
+        raise WorkerError(f"train.compile on {device.upper()} builds {what} and this node has no "
+                          f"compiler ({', '.join(needed[-3:])} on PATH, or "
+                          f"${'CXX' if device == 'cpu' else 'CC'}): install one (Debian: apt-get "
+                          f"install {'g++' if device == 'cpu' else 'gcc'}) or set train.compile: false")
     found = blocks(model)
     for block in found:
         block.compile()
