@@ -15,6 +15,7 @@ starts once the machine is quiet (`settle`, which prints how long it waited).
     python benchmarks/dp_throughput.py                       # CPU, gloo, 2 workers
     python benchmarks/dp_throughput.py --device cuda --layers 12 --width 768 --heads 12 \\
         --seq-len 1024 --global-batch 32 --micro-batch 8     # GPU, NCCL, bf16, MFU
+    ... --compile                # all three with each block compiled (train.compile), as baton does
     python benchmarks/dp_throughput.py --skip baton,ray_train --bucket-mbs 1 5 100 --width 384 \\
         --global-batch 16 --micro-batch 8 --steps 20 --warmup 4 --rounds 4
                                  # DDP's bucket size (bucket_cap_mb) against its default 25 MB
@@ -43,6 +44,7 @@ from results_io import write_result
 from baton.data import Cursor
 from baton.data.local import job_order, read_corpus
 from baton.data.corpus import prepare_stdlib
+from baton.parallel.compiled import compile_blocks
 from baton.models import build_model, loss_sum
 from baton.models.flops import gpt_flops_per_token, peak_flops
 from baton.parallel import ParallelDims
@@ -74,7 +76,7 @@ def job(args, data: str, tmp: str) -> dict:
         "data": {"source": "parquet", "path": data},
         "train": {"steps": args.steps, "global_batch": args.global_batch,
                   "micro_batch": args.micro_batch, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 5,
-                  "precision": "bf16" if cuda else "fp32"},
+                  "precision": "bf16" if cuda else "fp32", "compile": args.compile},
         "parallel": {"dp": args.workers},
         "resources": {"cpus_per_worker": 1 if not cuda else 2, "gpus_per_worker": 1 if cuda else 0,
                       "threads_per_worker": args.threads},
@@ -133,6 +135,7 @@ def _ddp_worker(rank: int, world: int, port: int, spec_dict: dict, data: str, th
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=120))
     model = build_model(spec.model, spec.train.seed).to(device)
+    compile_blocks(model, spec.train.compile, device.type)  # as baton's workers do
     buckets = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None,
                                                       **buckets)
@@ -163,7 +166,9 @@ def _ray_train_loop(config: dict) -> list[float]:
     torch.set_num_threads(config["threads"])
     spec = spec_from_dict(config["spec"])
     ctx = ray.train.get_context()
-    model = ray.train.torch.prepare_model(build_model(spec.model, spec.train.seed))
+    model = build_model(spec.model, spec.train.seed)
+    compile_blocks(model, spec.train.compile, ray.train.torch.get_device().type)  # as baton does
+    model = ray.train.torch.prepare_model(model)
     device = ray.train.torch.get_device()
     tokens = load_tokens(config["data"], spec.model.seq_len)
     # Ray Train v2 keeps no free-floating reported metrics; rank 0's return value comes back
@@ -206,6 +211,8 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--compile", action="store_true",
+                   help="train.compile for all three (each block compiled, as baton does); else eager")
     p.add_argument("--bucket-mbs", type=float, nargs="*", default=[],
                    help="also plain DDP with these bucket_cap_mb (the 'ddp' row is DDP's default, 25)")
     p.add_argument("--skip", default="", help="comma-separated: baton,ddp,ray_train")
