@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import pytest
 
@@ -134,6 +135,7 @@ class FakeCluster:
         self.ledger_failures: dict[int, int] = {}  # step -> the rank lost while its ledger is read
         self.pids = itertools.count(100)
         self.requested: list[int] = []  # what was asked of the autoscaler, in order
+        self.slow_writes = False  # background writes still going at every step boundary
 
 
 class FakeGroup:
@@ -244,7 +246,7 @@ class FakeGroup:
         return out
 
     def finished(self, refs):
-        return True
+        return not self.cluster.slow_writes
 
     def probe(self, timeout_s):
         return {r: "dead" if r in self.dead else "ok" for r in range(len(self.actors))}
@@ -508,6 +510,23 @@ def test_background_saves_commit_at_the_next_boundary_and_the_end_waits_for_the_
     assert saves == [(m, r) for _ in (2, 4, 6, 8) for m in ("save", "written") for r in (0, 1)]
     assert c.store.committed_steps() == [6, 8] and c.store.verify(8) is None
     assert c.commits.pending is None and c.commits.last.endswith("step_00000008")
+
+
+def test_saves_due_faster_than_the_store_writes_them_are_said_once_and_all_commit(tmp_path, capsys):
+    """A background write still going when the next save is due: training waits for it (one
+    in flight at most). The run says so once, with the wait, and every save still commits."""
+    cluster = FakeCluster(free=2)
+    cluster.slow_writes = True
+    c = _coordinator(tmp_path, cluster)
+    c.commits.background = True
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, warnings
+    assert re.fullmatch(r"warning: checkpoint 4 came due while checkpoint 2 was still being written "
+                        r"in the background, and training waited \d+\.\d\d s for that write \(one "
+                        r"is in flight at most\): save less often \(checkpoint.every_steps\) or to "
+                        r"a faster store", warnings[0]), warnings
+    assert c.store.committed_steps() == [6, 8] and c.commits.pending is None
 
 
 def test_a_worker_lost_while_its_ledger_is_read_leaves_step_and_cursor_together(tmp_path):
