@@ -137,7 +137,9 @@ class TrackingSpec:
     uri: Optional[str] = None  # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
     experiment: str = "baton"
     flush_every_s: float = 30.0  # metrics are also flushed at every checkpoint commit
-    trace_step: Optional[int] = None  # step whose pipeline timeline is saved; null: min(10, steps)
+    # the step whose timeline is saved: a pipeline's (null: min(10, steps)), or, only when set,
+    # a data-parallel replica's torch.profiler trace and its comm_overlap
+    trace_step: Optional[int] = None
     cpu_peak_tflops: Optional[float] = None  # a CPU worker's peak, for MFU; null: no MFU on CPU
 
 

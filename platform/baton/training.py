@@ -58,10 +58,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def clip_and_norm(model: nn.Module, grad_clip: float) -> float:
     """Clip gradients to `grad_clip` (0: no clipping) and return their norm before clipping."""
+    return float(clip_grads(model, grad_clip))
+
+
+def clip_grads(model: nn.Module, grad_clip: float) -> torch.Tensor:
+    """`clip_and_norm` without reading the norm: a tensor on the gradients' device, so that a
+    GPU goes on to the optimizer step without waiting for the host to read it."""
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     # sharded gradients (DTensors) give a DTensor norm: its value is the whole model's
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

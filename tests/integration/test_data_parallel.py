@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.models import build_model
 from baton.parallel.compiled import CXX
 from baton.spec import spec_from_dict
+from baton.tracking.profile import COMPUTE_CPU
 from helpers import assert_like_one_process, reference_run, tiny_spec, write_dataset
 
 pytestmark = pytest.mark.usefixtures("local_ray")
@@ -31,7 +35,8 @@ MODELS = {
 def test_dp2_matches_single_process(tmp_path, model):
     data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
     spec = spec_from_dict(tiny_spec(tmp_path, data, name=f"eq-{model}", model=MODELS[model],
-                                    train={"steps": 3, "global_batch": 8, "micro_batch": 2}))
+                                    train={"steps": 3, "global_batch": 8, "micro_batch": 2},
+                                    tracking={"trace_step": 2}))  # profiled, and still equal
     result = api.run(spec, show_progress=False)
 
     assert result.state == "finished" and result.step == 3
@@ -41,6 +46,14 @@ def test_dp2_matches_single_process(tmp_path, model):
     initial = build_model(spec.model, spec.train.seed).state_dict()
     moved = sum(not torch.equal(ref, initial[name]) for name, ref in want.items())
     assert moved > len(want) // 2  # training changed the parameters: the comparison means something
+    # the traced step: rank 0's profile, with DDP's all-reduce on gloo's thread in it
+    client = MlflowClient(spec.tracking.uri)
+    trace = json.loads(Path(client.download_artifacts(
+        result.run_id, "profile/step_000002/trace.json", str(tmp_path))).read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert "gloo:all_reduce" in names and any(n.startswith(COMPUTE_CPU) for n in names)
+    [overlap] = [(m.step, m.value) for m in client.get_metric_history(result.run_id, "comm_overlap")]
+    assert overlap[0] == 2 and 0 <= overlap[1] <= 1  # a share; how much is in docs/benchmarks.md
 
 
 def test_every_sample_exactly_once_per_epoch(tmp_path):

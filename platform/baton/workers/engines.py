@@ -27,7 +27,8 @@ from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard, state_dicts
 from baton.spec import JobSpec
 from baton.tasks import Sums, Task, example_inputs, to_device
-from baton.training import clip_and_norm, local, make_optimizer, set_lr
+from baton.tracking.profile import profiled
+from baton.training import clip_grads, local, make_optimizer, set_lr
 
 BatchFn = Callable[..., dict]  # (rows, pad_to=None) -> the task's batch (tensors, VALID)
 
@@ -38,8 +39,9 @@ class _Engine:
     sharded: bool = False  # state split across workers: checkpoints go through DCP
     grad_bytes: int = 0  # this worker's gradients at its first step (local shards)
 
-    def apply(self, lr: float) -> float:
-        """Clip, step, clear; returns the gradient norm before clipping."""
+    def apply(self, lr: float) -> torch.Tensor | float:
+        """Clip, step, clear; returns the gradient norm before clipping (on a GPU, a tensor
+        not yet computed: the caller reads it with the loss, one wait a step)."""
         grad_norm = self.clip()
         if not self.grad_bytes:  # the same every step of this world: measured once
             self.grad_bytes = sum(local(q.grad).nbytes for q in self.module.parameters()
@@ -88,15 +90,17 @@ class DataParallelEngine(_Engine):
         self.replica.load_sharded(where)
 
     def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
-                         trace: bool) -> dict:
-        """Gradients of this replica's micro-batches, summed over the replicas."""
-        sums = Sums()
-        for i, rows in enumerate(micro):
-            sync = i == len(micro) - 1
-            with contextlib.nullcontext() if sync else self.replica.no_sync():
-                ls = self._loss(batch_fn, rows, sums)
-                (ls * scale * self.dp).backward()  # DDP and FSDP average over dp; this undoes it
-        return sums.out()
+                         trace: bool) -> tuple[Sums, dict]:
+        """Gradients of this replica's micro-batches, summed over the replicas; the loss sums
+        (still on the device), and with `trace` the profile of it all (tracking/profile.py)."""
+        sums, extra = Sums(), {}
+        with profiled(extra) if trace else contextlib.nullcontext():
+            for i, rows in enumerate(micro):
+                sync = i == len(micro) - 1
+                with contextlib.nullcontext() if sync else self.replica.no_sync():
+                    ls = self._loss(batch_fn, rows, sums)
+                    (ls * scale * self.dp).backward()  # DDP and FSDP average over dp; this undoes it
+        return sums, extra
 
     def _loss(self, batch_fn: BatchFn, rows: np.ndarray, sums: Sums) -> torch.Tensor:
         # every replica joins every collective: an empty micro-batch runs one padding row,
@@ -122,8 +126,8 @@ class DataParallelEngine(_Engine):
                 reshard([self.wrapped])
         return sums.out()
 
-    def clip(self) -> float:
-        return clip_and_norm(self.module, self.spec.train.grad_clip)
+    def clip(self) -> torch.Tensor:
+        return clip_grads(self.module, self.spec.train.grad_clip)
 
 
 class PipelineEngine(_Engine):
@@ -164,8 +168,9 @@ class PipelineEngine(_Engine):
         self.first, self.last = self.pp_rank == 0, self.pp_rank == p - 1
 
     def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
-                         trace: bool) -> dict:
-        """Run the schedule; gradients end summed over this stage's replicas."""
+                         trace: bool) -> tuple[Sums, dict]:
+        """Run the schedule; gradients end summed over this stage's replicas. The loss sums
+        (the last stage's), and the schedule's measures."""
         # fixed-size micro-batches (short ones padded, padding ignored by the task), so every
         # message between stages keeps the shape agreed at set-up
         sums = Sums()
@@ -179,7 +184,7 @@ class PipelineEngine(_Engine):
             comm.all_reduce(flat, self.dp_group, self.spec.parallel.grad_comm)
             for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
-        return {**sums.out(),
+        return sums, {
                 "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
                          "activation_bytes": st.peak_activation_bytes, "live": st.peak_live},
                 "events": st.events if trace else None}

@@ -258,8 +258,14 @@ class Worker:
         self.rows.use(batch)
         micro = self._micro_batches(batch.positions)
         self.data_s = 0.0
-        out = self.engine.forward_backward(micro, self._batch, self._scale(batch), trace)
-        out["grad_norm"] = self.engine.apply(lr)
+        # the traced step: a pipeline's timeline needs every rank's events, a data-parallel
+        # profile one replica's (rank 0's: the others train unprofiled)
+        trace = trace and (self.dims.pp > 1 or self.rank == 0)
+        sums, out = self.engine.forward_backward(micro, self._batch, self._scale(batch), trace)
+        grad_norm = self.engine.apply(lr)
+        # read once the optimizer step is queued: on a GPU the loss read before it left the
+        # device idle while the host queued the clip and the step (one wait a step, not two)
+        out.update(sums.out(), grad_norm=float(grad_norm))
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
         if not self.state_reported:  # sizes are fixed within a world: measured once
             out["state_bytes"] = self.engine.state_bytes()  # what sharding saves, live tensors
@@ -281,8 +287,9 @@ class Worker:
         """This worker's gradients for `batch`, by parameter name, without stepping: what
         the equivalence tests compare with one process's."""
         self.rows.use(batch)
-        out = self.engine.forward_backward(self._micro_batches(batch.positions), self._batch,
-                                           self._scale(batch), False)
+        sums, _ = self.engine.forward_backward(self._micro_batches(batch.positions), self._batch,
+                                               self._scale(batch), False)
+        out = sums.out()
         grads = {n: _whole(q.grad).detach().cpu().clone()
                  for n, q in self.engine.module.named_parameters()}
         self.engine.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one bounded call, most important first: the GPU tests,
+# the ceiling (plain PyTorch, eager and compiled), baton compiled against eager, baton against
+# plain DDP and Ray Train (eager, then compiled), checkpoint stalls, and the shard levels. Each step has its own
+# time limit and the whole a budget (LIMIT seconds), so a short lease still returns what ran.
+# Logs and JSON go to $OUT (default benchmarks/results/gpu-DATE).
+#
+#   LIMIT=540 OUT=/tmp/gpu bash benchmarks/gpu_suite.sh
+#
+# Needs the project's Python packages importable (pip install -e . on the GPU machine, or
+# PYTHONPATH=platform with ray, mlflow-skinny and pyarrow installed).
+set -u
+START=$(date +%s)
+LIMIT=${LIMIT:-540}
+OUT=${OUT:-benchmarks/results/gpu-$(date +%Y%m%d-%H%M)}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+G="--layers 12 --width 768 --heads 12 --seq-len 1024"  # jobs/gpt-small-gpu.yaml's model
+W=$(nvidia-smi -L | wc -l)  # one worker per GPU: NCCL reduces for real from two on
+
+step() {  # step NAME SECONDS COMMAND...: bounded by its own limit and by what LIMIT leaves
+  local name=$1 want=$2 left t
+  shift 2
+  left=$((LIMIT - ($(date +%s) - START)))
+  t=$((want < left ? want : left))
+  if [ "$t" -lt 15 ]; then echo "== $name: skipped, ${left}s of the budget left"; return; fi
+  echo "== $name (at most ${t}s)"
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? after $(($(date +%s) - START))s"
+  grep -v -E "Warning|warn|socket.cpp|^\s*$" "$OUT/$name.log" | tail -14
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+step tests 150 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 140 -rA
+step ceiling_eager 60 python3 benchmarks/gpu_ceiling.py --modes eager --steps 20 \
+    --out "$OUT/gpu_ceiling_eager_cuda.json"
+step ceiling_compiled 150 python3 benchmarks/gpu_ceiling.py --modes compiled --optimizers fused \
+    --steps 20 --out "$OUT/gpu_ceiling_compiled_cuda.json"
+step compile 130 python3 benchmarks/compile.py --device cuda --dp 1 $G --global-batch 64 \
+    --micro-batch 32 --steps 30 --rounds 2 --out "$OUT/compile_cuda.json"
+step dp_eager 150 python3 benchmarks/dp_throughput.py --device cuda --workers "$W" $G \
+    --global-batch $((64 * W)) --micro-batch 16 --steps 40 --warmup 10 --rounds 2 --out "$OUT/dp_throughput_cuda.json"
+step dp_compiled 200 python3 benchmarks/dp_throughput.py --device cuda --workers "$W" $G --compile \
+    --global-batch $((64 * W)) --micro-batch 32 --steps 40 --warmup 10 --rounds 2 \
+    --out "$OUT/dp_throughput_compiled_cuda.json"
+step checkpoint 150 python3 benchmarks/checkpoint.py --device cuda --dp 1 --models gpt-113m \
+    --steps 240 --every 100 --rounds 1 --out "$OUT/checkpoint_cuda.json"
+step sharding 120 python3 benchmarks/sharding.py --device cuda --dps "$W" --budget-dp "$W" \
+    --rounds 1 --out "$OUT/sharding_cuda.json"
+echo "total $(($(date +%s) - START))s; results in $OUT"
