@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one bounded call, most important first: the GPU tests,
 # the ceiling (plain PyTorch, eager and compiled), baton compiled against eager, baton against
-# plain DDP and Ray Train (eager, then compiled), checkpoint stalls, and the shard levels. Each step has its own
-# time limit and the whole a budget (LIMIT seconds), so a short lease still returns what ran.
+# plain DDP and Ray Train (eager, then compiled), checkpoint stalls, and the shard levels.
+# Each step has its own time limit and the whole a budget (LIMIT seconds), so a short lease
+# still returns what ran.
 # Logs and JSON go to $OUT (default benchmarks/results/gpu-DATE).
 #
 #   LIMIT=540 OUT=/tmp/gpu bash benchmarks/gpu_suite.sh
