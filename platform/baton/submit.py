@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 import zipfile
 from urllib.parse import urlsplit
 from dataclasses import dataclass, field
@@ -39,6 +40,11 @@ SECRETS = (".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_
            "id_ecdsa*", "id_ed25519*", ".netrc", ".pgpass", ".git-credentials", ".aws/", ".ssh/",
            ".kube/", ".ray/", ".gnupg/", ".docker/")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+# A head whose job agent is still starting (a new cluster, a head pod just restarted) answers
+# a submission, after 10 s of its own wait, with "No available agent to submit job, please try
+# again later": baton tries again for this long (seen in CI on a busy 2-core machine)
+AGENT_WAIT_S = 60.0
+NO_AGENT = "No available agent"
 
 
 # --- where and who -------------------------------------------------------------------------
@@ -293,6 +299,7 @@ class Cluster:
 
     def _call(self, fn: Callable, job_id: Optional[str] = None):
         from ray.exceptions import AuthenticationError
+        from requests.exceptions import ConnectionError as RequestsConnectionError
 
         try:
             return fn()
@@ -304,7 +311,7 @@ class Cluster:
                     "prints it)") from None
             raise ClusterError(f"the cluster at {self.address} refused the token from "
                                f"{self.token.source if self.token else '(none)'}") from None
-        except ConnectionError:
+        except (ConnectionError, RequestsConnectionError):  # refused, or closed without an answer
             raise ClusterError(f"cannot reach a Ray job server at {self.address}: is the head "
                                "running, and the port forwarded?") from None
         except RuntimeError as e:
@@ -317,10 +324,17 @@ class Cluster:
             raise ClusterError(f"the cluster at {self.address}: {_first_line(text)}") from None
 
     def submit(self, *, entrypoint: str, runtime_env: dict, submission_id: str,
-               metadata: dict) -> str:
-        return self._call(lambda: self.client.submit_job(
-            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id,
-            metadata=metadata), submission_id)
+               metadata: dict, agent_wait_s: float = AGENT_WAIT_S) -> str:
+        deadline = time.monotonic() + agent_wait_s
+        while True:
+            try:
+                return self._call(lambda: self.client.submit_job(
+                    entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id,
+                    metadata=metadata), submission_id)
+            except ClusterError as e:  # nothing was submitted: the same id is free to try again
+                if NO_AGENT not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(2.0)
 
     def info(self, job_id: str):
         return self._call(lambda: self.client.get_job_info(job_id), job_id)

@@ -427,9 +427,12 @@ def test_the_budget_spent_fails_the_run(tmp_path):
 
 
 def test_fewer_than_min_dp_fails_with_what_the_cluster_has(tmp_path, monkeypatch):
-    import baton.coordinator.coordinator as coordinator
+    import baton.coordinator.placement as placement
 
-    monkeypatch.setattr(coordinator, "time", _FastClock())
+    # the wait for room (parallel.timeout_s, 120 s here) runs on a clock that sleeping
+    # advances: patched where the wait is (placement.py since the coordinator left it there;
+    # patching the coordinator's clock let this test wait the real 120 s in CI)
+    monkeypatch.setattr(placement, "time", _FastClock())
     cluster = FakeCluster(free=2)
     cluster.failures[3] = ("node_died", 1, True)
     c = _coordinator(tmp_path, cluster)  # min_dp = dp = 2: no shrinking

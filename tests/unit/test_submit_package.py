@@ -215,3 +215,46 @@ def test_a_token_over_plain_http_to_another_host_is_warned():
     for fine in ("http://127.0.0.1:8265", "http://localhost:8265", "http://[::1]:8265",
                  "https://ray-head.example:8265"):
         assert submit.plain_http_warning(fine) is None
+
+
+class _StartingHead:
+    """Ray's JobSubmissionClient as a head whose job agent is still starting answers it: a
+    RuntimeError with the dashboard's 500 text (as seen in a CI run), `busy` times over."""
+
+    def __init__(self, busy: int, then=None):
+        self.busy, self.then, self.calls = busy, then, 0
+
+    def submit_job(self, **kwargs):
+        self.calls += 1
+        if self.calls <= self.busy:
+            raise RuntimeError("Request failed with status code 500: No available agent to submit "
+                               "job, please try again later.")
+        if self.then is not None:
+            raise self.then
+        return kwargs["submission_id"]
+
+
+def _cluster(client) -> submit.Cluster:
+    cluster = submit.Cluster.__new__(submit.Cluster)
+    cluster.address, cluster.token, cluster.client = "http://127.0.0.1:1", None, client
+    return cluster
+
+
+def test_a_submission_waits_for_a_job_agent_that_is_still_starting(monkeypatch):
+    monkeypatch.setattr(submit.time, "sleep", lambda s: None)
+    head = _StartingHead(busy=2)
+    job = dict(entrypoint="baton run job.yaml", runtime_env={}, submission_id="q-1", metadata={})
+    assert _cluster(head).submit(**job) == "q-1" and head.calls == 3
+    with pytest.raises(ClusterError, match=r"^the cluster at http://127.0.0.1:1: Request failed "
+                                           r"with status code 500: No available agent"):
+        _cluster(_StartingHead(busy=10**6)).submit(**job, agent_wait_s=0.0)
+
+
+def test_a_head_that_closes_the_connection_is_one_line():
+    import requests
+
+    closed = requests.exceptions.ConnectionError("('Connection aborted.', RemoteDisconnected("
+                                                 "'Remote end closed connection without response'))")
+    with pytest.raises(ClusterError, match=r"^cannot reach a Ray job server at http://127.0.0.1:1: "):
+        _cluster(_StartingHead(busy=0, then=closed)).submit(
+            entrypoint="x", runtime_env={}, submission_id="q-2", metadata={})
