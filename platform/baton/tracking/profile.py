@@ -22,6 +22,22 @@ from typing import Iterator, Optional
 COMPUTE_CPU = "autograd::engine::evaluate_function"  # each backward op, on the autograd thread
 
 
+def prepare() -> None:
+    """Start the profiler once, empty, on the thread that imported torch (a Ray actor's
+    constructor's; its methods run on other threads). torch's profiler client is registered
+    on that thread, and a first profile started on another prints "ERROR: External init
+    callback must run in same thread as registerClient" (the client's init does nothing: the
+    profile is whole either way) on the worker's stderr, which reaches the run's console.
+    Kineto also prints "profiler_start" and "profiler_stop" lines at its highest level
+    (USDT, above ERROR): its level is set first, as it is read at that first start; a user's
+    own setting is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from torch.profiler import profile
+
+    with profile():
+        pass
+
+
 @contextlib.contextmanager
 def profiled(into: dict) -> Iterator[None]:
     """Profile the block (CPU, and CUDA where there is one); `into["profile"]` is then its

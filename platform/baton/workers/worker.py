@@ -38,6 +38,7 @@ from baton.parallel.compiled import compile_seconds
 from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
 from baton.tasks import VALID, example_inputs, make_task, padded
+from baton.tracking import profile
 from baton.training import param_digest
 from baton.workers import host
 
@@ -71,6 +72,8 @@ class Worker:
         # waits on: the group names it in one line and kills this actor.
         self.start_error: Optional[Exception] = None
         try:
+            if spec.tracking.trace_step is not None:  # a step may be profiled: see profile.py
+                profile.prepare()  # here, on the thread that imported torch
             self._start(spec, dims, rank)
         except Exception as e:  # noqa: BLE001 - raised again, whole, by `ready`
             self.start_error = e
