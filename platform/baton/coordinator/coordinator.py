@@ -140,7 +140,6 @@ class Coordinator:
         self.stage_layers: Optional[list[int]] = None
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
-        self.profile_asked = spec.tracking.trace_step is not None
         self.report = Report(spec.name, tracker, StatusBoard(self.store), show_progress)
         self.events = self.report.events  # the run record (RunResult.events, events.json)
         self.live = self.report.live
@@ -426,7 +425,8 @@ class Coordinator:
         lr = lr_at(step, t)
         # a pipeline's timeline by default; a data-parallel profile only when asked for, since
         # profiling slows the step it profiles
-        traced = step + 1 == self.trace_step and (self.dims.pp > 1 or self.profile_asked)
+        traced = step + 1 == self.trace_step and (
+            self.dims.pp > 1 or self.spec.tracking.trace_step is not None)
         pending = _Pending(step=step, samples=len(batch), lr=lr, submitted_at=time.perf_counter(),
                            refs=self.group.submit("train_step", step, batch, lr, traced),
                            cursor=self.cursor.state_dict(), traced=traced)
