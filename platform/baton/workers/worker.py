@@ -350,7 +350,11 @@ class Worker:
             concurrent.futures.wait([self.last_write])  # its buffers are free again
         if self.engine.sharded:
             model_state, optim_state = state
-            self.snapshot = _stage_shards(self.snapshot, {"model": model_state, "optim": optim_state["state"]},
+            # a plan not yet written (its write_planned, on the io thread, can come after this
+            # next save) still reads the last copy: copy into new buffers then, not over it
+            # (seen in CI: checkpoint 1 of an every-step run held step 2's shards)
+            reuse = None if self.planned else self.snapshot
+            self.snapshot = _stage_shards(reuse, {"model": model_state, "optim": optim_state["state"]},
                                           pin=self.use_cuda)
             planned = _sharded().PlannedSave(self.snapshot, store.shards(step))
             self.planned[step] = (planned, store, rng)
