@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one bounded call, most important first: the GPU tests,
-# the ceiling (plain PyTorch, eager and compiled), baton compiled against eager, baton against
-# plain DDP and Ray Train (eager, then compiled), checkpoint stalls, and the shard levels.
+# baton compiled against eager, the compiled ceiling (plain PyTorch), checkpoint stalls,
+# baton against plain DDP and Ray Train (compiled), baton at micro-batch 64, then the eager
+# rows and the shard levels. On one H100 (2026-11-26) the first five took about 500 s.
 # Each step has its own time limit and the whole a budget (LIMIT seconds), so a short lease
 # still returns what ran.
 # Logs and JSON go to $OUT (default benchmarks/results/gpu-DATE).
@@ -34,19 +35,21 @@ step() {  # step NAME SECONDS COMMAND...: bounded by its own limit and by what L
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 step tests 150 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 140 -rA
-step ceiling_eager 60 python3 benchmarks/gpu_ceiling.py --modes eager --steps 20 \
-    --out "$OUT/gpu_ceiling_eager_cuda.json"
-step ceiling_compiled 150 python3 benchmarks/gpu_ceiling.py --modes compiled --optimizers fused \
-    --steps 20 --out "$OUT/gpu_ceiling_compiled_cuda.json"
 step compile 130 python3 benchmarks/compile.py --device cuda --dp 1 $G --global-batch 64 \
-    --micro-batch 32 --steps 30 --rounds 2 --out "$OUT/compile_cuda.json"
-step dp_eager 150 python3 benchmarks/dp_throughput.py --device cuda --workers "$W" $G \
-    --global-batch $((64 * W)) --micro-batch 16 --steps 40 --warmup 10 --rounds 2 --out "$OUT/dp_throughput_cuda.json"
+    --micro-batch 32 --steps 30 --rounds 1 --out "$OUT/compile_cuda.json"
+step ceiling_compiled 180 python3 benchmarks/gpu_ceiling.py --modes compiled --optimizers fused \
+    --micro-batches 16 32 64 --steps 20 --out "$OUT/gpu_ceiling_compiled_cuda.json"
+step checkpoint 150 python3 benchmarks/checkpoint.py --device cuda --dp 1 --models gpt-113m \
+    --steps 240 --every 100 --rounds 1 --out "$OUT/checkpoint_cuda.json"
 step dp_compiled 200 python3 benchmarks/dp_throughput.py --device cuda --workers "$W" $G --compile \
     --global-batch $((64 * W)) --micro-batch 32 --steps 40 --warmup 10 --rounds 2 \
     --out "$OUT/dp_throughput_compiled_cuda.json"
-step checkpoint 150 python3 benchmarks/checkpoint.py --device cuda --dp 1 --models gpt-113m \
-    --steps 240 --every 100 --rounds 1 --out "$OUT/checkpoint_cuda.json"
+step compile_mb64 160 python3 benchmarks/compile.py --device cuda --dp 1 $G --global-batch 128 \
+    --micro-batch 64 --steps 20 --rounds 1 --out "$OUT/compile_mb64_cuda.json"
+step ceiling_eager 60 python3 benchmarks/gpu_ceiling.py --modes eager --steps 20 \
+    --out "$OUT/gpu_ceiling_eager_cuda.json"
+step dp_eager 150 python3 benchmarks/dp_throughput.py --device cuda --workers "$W" $G \
+    --global-batch $((64 * W)) --micro-batch 16 --steps 40 --warmup 10 --rounds 2 --out "$OUT/dp_throughput_cuda.json"
 step sharding 120 python3 benchmarks/sharding.py --device cuda --dps "$W" --budget-dp "$W" \
     --rounds 1 --out "$OUT/sharding_cuda.json"
 echo "total $(($(date +%s) - START))s; results in $OUT"

@@ -56,6 +56,8 @@ def job(args, data: str, tmp: str, *, dp: int, level: str, width: int, layers: i
                   "precision": "bf16" if cuda else "fp32"},
         "parallel": {"dp": dp, "pp": pp, "shard": level,
                      **({"shard_unit_mib": unit_mib} if unit_mib is not None else {})},
+        # a shard level on a world of one (one GPU) is a job that may grow to two
+        **({"elastic": {"min_dp": 1, "max_dp": 2}} if dp == 1 and level != "none" else {}),
         "resources": {"cpus_per_worker": 0.01 if not cuda else 1, "gpus_per_worker": 1 if cuda else 0,
                       "threads_per_worker": args.threads},
         "checkpoint": {"path": f"{tmp}/ckpt", "every_steps": 10_000, "keep": 1},
@@ -106,7 +108,10 @@ def memory_and_speed(args, data: str) -> list[dict]:
     for r in range(args.rounds):
         for pp in args.pps:
             for dp in args.dps:
-                order = [v for v in variants if pp == 1 or v[0] != "optimizer"] if dp > 1 else variants[:1]
+                # dp 1 on one GPU: each level as a world of one, FSDP2's own cost with nothing
+                # to communicate (on a CPU, dp 2 and 4 show more: DDP alone there)
+                alone = dp == 1 and args.device == "cuda" and args.dps == [1]
+                order = [v for v in variants if pp == 1 or v[0] != "optimizer"] if dp > 1 or alone else variants[:1]
                 for level, unit in order[r % len(order):] + order[:r % len(order)]:
                     row = run(args, data, dp=dp, level=level, width=args.width, layers=args.layers,
                               steps=args.steps, unit_mib=unit, pp=pp)
@@ -192,7 +197,9 @@ def main() -> int:
               f"{args.global_batch}, {args.steps} steps ({args.device})")
         table = memory_and_speed(args, data)
         budget = []
-        if not args.skip_budget:
+        if args.budget_dp < 2 and not args.skip_budget:  # one GPU: nothing to split state across
+            print(f"table 2 skipped: sharding needs dp 2 or more (--budget-dp {args.budget_dp})")
+        elif not args.skip_budget:
             print(f"table 2: the widest GPT ({args.layers} layers) whose state fits "
                   f"{args.budget_mib} MiB per worker at dp {args.budget_dp}")
             budget = largest_under_budget(args, data)

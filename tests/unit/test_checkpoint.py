@@ -129,3 +129,41 @@ def test_every_dtensor_mesh_cache_is_found_and_emptied():
     if torch.__version__.startswith("2.13."):
         assert len(mesh_cache_clears()) == 5
     forget_meshes()
+
+
+def test_buffers_allocated_ahead_are_the_ones_the_first_background_copy_fills():
+    """A background save's host buffers are allocated after a world's first step, on the
+    writing thread (`Worker._prestage`); the first save copies into them, not into new ones."""
+    from baton.workers.worker import _copy_into, _empty_like, _touched
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    state = (model.state_dict(), opt.state_dict())
+    ahead = _touched(_empty_like(state, pin=False))
+    filled = _copy_into(ahead, state)
+    assert filled[0]["weight"].data_ptr() == ahead[0]["weight"].data_ptr()
+    assert filled[1]["state"][0]["exp_avg"].data_ptr() == ahead[1]["state"][0]["exp_avg"].data_ptr()
+    assert torch.equal(filled[0]["weight"], model.weight)
+    assert torch.equal(filled[1]["state"][0]["exp_avg_sq"], opt.state[model.weight]["exp_avg_sq"])
+    assert filled[1]["param_groups"] == opt.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_device_checksums_see_one_changed_bit_and_two_swapped_elements(dtype):
+    """What replicas' digests compare on a GPU (computed there): run here on CPU tensors."""
+    from baton.training import device_checksums
+
+    t = torch.rand(300, 7) > 0.5 if dtype == torch.bool else (torch.randn(300, 7) * 100).to(dtype)
+    whole = device_checksums([t])
+    assert torch.equal(device_checksums([t.clone()], chunk=64), whole)  # chunking changes nothing
+    flipped = t.clone().view(-1)
+    bits = flipped.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    bits[17] ^= 1
+    assert not torch.equal(device_checksums([flipped.view(300, 7)]), whole)
+    swapped = t.clone().view(-1)
+    i, j = next((i, j) for i in range(swapped.numel()) for j in range(i + 1, swapped.numel())
+                if swapped[i] != swapped[j])
+    swapped[[i, j]] = swapped[[j, i]]
+    assert not torch.equal(device_checksums([swapped.view(300, 7)]), whole)
