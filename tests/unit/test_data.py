@@ -177,3 +177,28 @@ def test_data_prepare_command(tmp_path, capsys):
     under_a_file = out / "_corpus.json" / "again"  # used to end in a traceback
     assert cli.main(["data", "prepare", "stdlib", "--out", str(under_a_file)]) == 2
     assert capsys.readouterr().err.startswith(f"baton: error: cannot write a corpus to {under_a_file} (")
+
+
+def test_a_batch_sends_only_the_references_of_units_the_workers_do_not_hold():
+    """The coordinator's `UnitsSent` mirrors each worker's `UnitRows`: batch by batch, the
+    units a stripped batch leaves without references are exactly those the worker still
+    holds, and the worker ends up with every unit's references as the full batch gave them;
+    a unit let go (out of the window) and needed again is sent again."""
+    from baton.data.feed import Batch, UnitsSent
+    from baton.data.rows import UnitRows
+
+    refs = {u: [f"ref-{u}"] for u in range(8)}
+    steps = [({0, 1}, {0, 1, 2}), ({1, 2}, {0, 1, 2, 3}), ({3}, {3, 4}), ({0, 4}, {0, 4}),
+             ({0, 5}, {0, 5, 6}), ({6, 7}, {6, 7})]  # (units of the batch, the feed's window)
+    sent, rows = UnitsSent(), UnitRows({})
+    resent = []
+    for units, window in steps:
+        full = Batch(np.zeros(0, dtype=np.int64), {u: (10 * u, refs[u]) for u in units}, frozenset(window))
+        stripped = sent.strip(full)
+        resent.append(sorted(u for u, (_, r) in stripped.units.items() if r is not None))
+        rows.use(stripped)
+        assert set(rows.wanted) == sent.uids
+        assert all(rows.wanted[u] == (10 * u, refs[u]) for u in units)
+    assert resent == [[0, 1], [2], [3], [0, 4], [5], [6, 7]]  # 0 left the window at step 3
+    with pytest.raises(RuntimeError, match="unit 3"):  # a worker of another world: one line
+        UnitRows({}).use(Batch(np.zeros(0, dtype=np.int64), {3: (30, None)}, frozenset({3})))

@@ -33,7 +33,7 @@ from baton import __version__
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.lease import Lease
 from baton.data import Cursor
-from baton.data.feed import DataFeed
+from baton.data.feed import DataFeed, UnitsSent
 from baton.data.manifest import Manifest
 from baton.data.order import rebased
 from baton.data.source import JobData, preflight
@@ -122,6 +122,7 @@ class Coordinator:
         self.data = data  # checked before Ray started (api.run), or in _prepare
         self.manifest: Optional[Manifest] = None
         self.feed: Optional[DataFeed] = None
+        self.sent = UnitsSent()  # what the current world's workers hold of the feed
         self.evaluation: Optional[Evaluation] = None
         self.record_samples = record_samples
         self.state = State.PENDING
@@ -345,6 +346,7 @@ class Coordinator:
         self.spec = self.base.at_dp(dp)
         self.dims = self.spec.dims()
         self.group.form(members[:dp * self.pp], self.spec, self.dims)
+        self.sent = UnitsSent()  # the new world's workers hold no units yet
         if self.stage_layers is None:
             self.stage_layers = plan_stages(
                 self.spec, lambda: self.group.call_one(0, "profile_layers", self.data.columns))
@@ -421,7 +423,7 @@ class Coordinator:
 
     def _submit(self, step: int) -> "_Pending":
         t = self.spec.train
-        batch = self.feed.next_batch(self.cursor, t.global_batch)
+        batch = self.sent.strip(self.feed.next_batch(self.cursor, t.global_batch))
         lr = lr_at(step, t)
         # a pipeline's timeline by default; a data-parallel profile only when asked for, since
         # profiling slows the step it profiles

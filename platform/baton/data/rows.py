@@ -20,7 +20,12 @@ class UnitRows:
         """The units of the step about to run. Units fetched earlier stay while the feed holds
         them (`batch.window`); the rest are let go."""
         keep = batch.window | set(batch.units)
-        self.wanted = {u: v for u, v in self.wanted.items() if u in keep} | batch.units
+        self.wanted = {u: v for u, v in self.wanted.items() if u in keep}
+        for u, (offset, refs) in batch.units.items():
+            if refs is not None:
+                self.wanted[u] = (offset, refs)
+            elif u not in self.wanted:  # the coordinator's `UnitsSent` and this disagree
+                raise RuntimeError(f"the batch names unit {u} as held, and this worker does not hold it")
         self.held = {u: v for u, v in self.held.items() if u in keep}
         order = sorted(self.wanted, key=lambda u: self.wanted[u][0])
         self._uids = np.array(order, dtype=np.int64)
