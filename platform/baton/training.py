@@ -87,7 +87,7 @@ def param_digest(model: nn.Module) -> str:
         h.update(name.encode())
         t = local(p).detach()
         if t.device.type == "cpu":
-            h.update(t.contiguous().numpy().tobytes())
+            h.update(t.contiguous().numpy())  # its buffer, not a copy of it
         else:
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             on_device.append(t)
