@@ -19,7 +19,9 @@ workers measured (a prediction that the measurement contradicts fails the script
                                    # FSDP units: each block alone (0) against blocks grouped to 16 MiB
     python benchmarks/sharding.py --pps 1 2 --dps 2 --levels none grads full --skip-budget
                                    # the same levels inside 2 pipeline stages, side by side
-    python benchmarks/sharding.py --device cuda --dps 1 --budget-dp 1   # one GPU: see README
+    python benchmarks/sharding.py --device cuda --dps 1 --budget-dp 1
+                                   # one GPU: each level as a world of one (FSDP2's own cost,
+                                   # nothing to communicate); table 2 needs dp 2 or more
 """
 
 from __future__ import annotations
