@@ -77,7 +77,8 @@ def test_nccl_training_tracks_the_cpu_reference(tmp_path, compiled):
     result = api.run(spec, show_progress=False)
     assert {w["backend"] for w in result.workers} == {"nccl"}
     assert all(w["device"].startswith("cuda") for w in result.workers)
-    assert len(set(result.replica_digests)) == 1
+    # replicas' digests agree (a world of one, on one GPU, has none to compare)
+    assert len(set(result.replica_digests)) == (1 if spec.parallel.dp > 1 else 0)
     got = CheckpointStore(spec.checkpoint_dir).read_model(3)
     want, losses, _ = reference_run(spec, data, steps=3)
     print(f"loss {result.loss:.7f}, reference {losses[-1]:.7f}: relative {abs(result.loss / losses[-1] - 1):.3g}")

@@ -515,6 +515,18 @@ def test_background_saves_commit_at_the_next_boundary_and_the_end_waits_for_the_
     assert c.commits.pending is None and c.commits.last.endswith("step_00000008")
 
 
+@pytest.mark.parametrize("free", [1, 2])
+def test_parameters_are_hashed_only_where_there_are_replicas_to_compare(tmp_path, free):
+    """Each checkpoint compares the replicas' parameter digests; a world of one replica (here
+    the cluster holds one worker) has nothing to compare and hashes nothing."""
+    c = _coordinator(tmp_path, FakeCluster(free=free), min_dp=1)
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert c.dims.dp == free and c.store.committed_steps() == [6, 8]
+    digests = [r for m, r in c.group.calls if m == "digest"]
+    assert digests == ([] if free == 1 else [0, 1] * 4)
+    assert c.commits.replica_digests == (["same", "same"] if free == 2 else [])
+
+
 def test_saves_due_faster_than_the_store_writes_them_are_said_once_and_all_commit(tmp_path, capsys):
     """A background write still going when the next save is due: training waits for it (one
     in flight at most). The run says so once, with the wait, and every save still commits."""

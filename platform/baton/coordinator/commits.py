@@ -58,12 +58,14 @@ class Commits:
 
     def queue(self, group, dims: ParallelDims, step: int, background: Optional[bool] = None) -> Save:
         """Start checkpoint `step`: a clean folder, and each worker's save and parameter digest
-        queued behind the step in flight. A save still being written is committed first."""
+        queued behind the step in flight (with replicas to compare: hashing the parameters of
+        a world of one replica, 0.2-0.3 s of the training thread for 113 M parameters on a CPU,
+        would check nothing). A save still being written is committed first."""
         self._drain_before(group, step)
         self._begin(step)
         background = self.background if background is None else background
         return Save(step, dims, group.submit("save", self.store.root, step, background),
-                    group.submit("digest"), background)
+                    group.submit("digest") if dims.dp > 1 else [], background)
 
     def staged(self, group, save: Save, meta: dict) -> None:
         """`save`'s step has completed: commit it now (sync), or once written (background)."""
@@ -130,7 +132,7 @@ class Commits:
         digests = group.wait(save.digest_refs, f"hashing parameters for checkpoint {save.step}")
         # an invariant of data parallelism, worth the milliseconds: the copies of each stage
         # (of each shard, when sharded) hold the same parameters
-        for ranks in save.dims.replica_groups():
+        for ranks in save.dims.replica_groups() if digests else ():
             replicas = [digests[r] for r in ranks]
             if len(set(replicas)) != 1:
                 raise WorkerError(f"replicas of ranks {ranks} diverged at step {save.step}: "
