@@ -102,9 +102,11 @@ _ODD = -7046029254386353131  # 0x9E3779B97F4A7C15 (the golden ratio's bits) as a
 
 def device_checksums(tensors: list[torch.Tensor], chunk: int = 1 << 22) -> torch.Tensor:
     """One int64 a tensor, computed where the tensor lives: the sum over its elements of the
-    element's bits times an odd multiple of its position plus one (int64 arithmetic wraps).
-    A changed bit changes the sum; so do two elements swapped. Chunked: the temporaries are
-    at most `chunk` elements (32 MiB of int64) whatever the tensor's size."""
+    element's bits times an odd weight, 2 x position x K + 1 (int64 arithmetic wraps). An odd
+    weight has no factor 2 for the wrap-around to cancel, so any one changed bit changes the
+    sum; two elements swapped change it too unless their difference times their distance is
+    a multiple of 2^63. Chunked: the temporaries are at most `chunk` elements (32 MiB of
+    int64) whatever the tensor's size."""
     sums = []
     for t in tensors:
         bits = t.contiguous().reshape(-1).view(_INT[t.element_size()])
@@ -112,6 +114,6 @@ def device_checksums(tensors: list[torch.Tensor], chunk: int = 1 << 22) -> torch
         for start in range(0, bits.numel(), chunk):
             part = bits[start:start + chunk].to(torch.int64)
             weight = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device)
-            acc += (part * weight.mul_(_ODD).add_(1)).sum()
+            acc += (part * weight.mul_(_ODD).mul_(2).add_(1)).sum()
         sums.append(acc)
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)

@@ -63,8 +63,9 @@ class UnitsSent:
     the references of new units only. Each worker's `UnitRows` keeps a unit while it is in the
     batch or the feed's window, and this keeps the same set, batch by batch in the order the
     workers use them. A batch of the quick-start job touched about 20 units, and each
-    reference sent is serialised by the coordinator, registered by the worker as borrowed and
-    tracked between the two: most of Ray's CPU a step on 2 cores. A new world starts empty."""
+    reference sent is serialised by the coordinator and registered by the worker as borrowed:
+    sending each once took the driver's CPU from 4.7 to 3.7-4.0 ms a step on 2 cores
+    (benchmarks/step_cpu.py). A new world starts empty."""
 
     def __init__(self):
         self.uids: set[int] = set()
