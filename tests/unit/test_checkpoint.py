@@ -160,8 +160,11 @@ def test_device_checksums_see_one_changed_bit_and_two_swapped_elements(dtype):
     assert torch.equal(device_checksums([t.clone()], chunk=64), whole)  # chunking changes nothing
     flipped = t.clone().view(-1)
     bits = flipped.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    bits[17] ^= 1
-    assert not torch.equal(device_checksums([flipped.view(300, 7)]), whole)
+    for i in (1, 17, 1000):  # any bit of any element: each weight is odd, so nothing cancels
+        for b in range(8 * t.element_size()):
+            bits[i] ^= 1 << b if b < 8 * t.element_size() - 1 else -(1 << b)  # the sign bit too
+            assert not torch.equal(device_checksums([flipped.view(300, 7)]), whole), (i, b)
+            bits[i] ^= 1 << b if b < 8 * t.element_size() - 1 else -(1 << b)
     swapped = t.clone().view(-1)
     i, j = next((i, j) for i in range(swapped.numel()) for j in range(i + 1, swapped.numel())
                 if swapped[i] != swapped[j])
