@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 
 from baton import api  # noqa: E402
 from baton.data.corpus import prepare_stdlib  # noqa: E402
+from baton.models.flops import job_peak_flops, model_flops_per_token  # noqa: E402
 from baton.spec import spec_from_dict  # noqa: E402
 from results_io import write_result  # noqa: E402
 
@@ -50,9 +51,13 @@ def run(args, data: str, tmp: str, compiled: bool) -> dict:
         "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "bench-compile"}})
     result = api.run(spec, show_progress=False, log=lambda _: None)
     phases = result.start["phases_s"]
+    # model FLOPs a second over the workers' summed peak, as the run's own mfu metric (GPUs)
+    peak = job_peak_flops([w.get("device_name", "cpu") for w in result.workers],
+                          spec.train.precision, None)
     return {"compile": compiled, "tokens_per_s": round(result.tokens_per_s, 1),
             "compile_s": phases.get("compile", 0.0), "start_s": round(sum(phases.values()), 2),
-            "loss": round(result.loss, 4)}
+            "loss": round(result.loss, 4),
+            "mfu": round(result.tokens_per_s * model_flops_per_token(spec.model) / peak, 4) if peak else None}
 
 
 def main() -> None:
@@ -85,7 +90,8 @@ def main() -> None:
             rows.append(row)
             print(f"  {'compiled' if compiled else 'eager':<8} ({cache:<4} cache): "
                   f"{row['tokens_per_s']:>9,.0f} tokens/s, compile {row['compile_s']:5.1f} s, "
-                  f"start {row['start_s']:5.1f} s, loss {row['loss']}", flush=True)
+                  f"start {row['start_s']:5.1f} s, loss {row['loss']}"
+                  + (f", MFU {row['mfu']:.1%}" if row["mfu"] else ""), flush=True)
             return row
 
         one(True, "cold")

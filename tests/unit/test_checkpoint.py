@@ -134,14 +134,14 @@ def test_every_dtensor_mesh_cache_is_found_and_emptied():
 def test_buffers_allocated_ahead_are_the_ones_the_first_background_copy_fills():
     """A background save's host buffers are allocated after a world's first step, on the
     writing thread (`Worker._prestage`); the first save copies into them, not into new ones."""
-    from baton.workers.worker import _copy_into, _empty_like, _touched
+    from baton.workers.worker import _copy_into, _empty_like
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     state = (model.state_dict(), opt.state_dict())
-    ahead = _touched(_empty_like(state, pin=False))
+    ahead = _empty_like(state, pin=False)
     filled = _copy_into(ahead, state)
     assert filled[0]["weight"].data_ptr() == ahead[0]["weight"].data_ptr()
     assert filled[1]["state"][0]["exp_avg"].data_ptr() == ahead[1]["state"][0]["exp_avg"].data_ptr()

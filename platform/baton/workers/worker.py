@@ -26,6 +26,7 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves, tree_map
 
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.store import SHARDS
@@ -39,7 +40,7 @@ from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
 from baton.tasks import VALID, example_inputs, make_task, padded
 from baton.tracking import profile
-from baton.training import param_digest
+from baton.training import local, param_digest
 from baton.workers import host
 
 if TYPE_CHECKING:
@@ -383,11 +384,15 @@ class Worker:
             from torch.distributed._state_dict_utils import _create_cpu_state_dict
 
             def allocate():
-                return _touched(_create_cpu_state_dict({"model": model_state, "optim": optim_state["state"]},
-                                                       pin_memory=pin))
+                buffers = _create_cpu_state_dict({"model": model_state, "optim": optim_state["state"]},
+                                                 pin_memory=pin)
+                for t in tree_leaves(buffers):
+                    if isinstance(t, torch.Tensor):
+                        local(t).zero_()  # its pages mapped now, not by the first copy
+                return buffers
         else:
             def allocate():
-                return _touched(_empty_like((model_state, optim_state), pin))
+                return _empty_like((model_state, optim_state), pin)
         self.prestaged = self.writer.submit(allocate)
 
     @ray.method(concurrency_group="io")
@@ -498,28 +503,10 @@ def _copy_into(buffers, tree, pin: bool = False):
 
 
 def _empty_like(tree, pin: bool):
-    """Host buffers shaped as `tree`'s tensors, for `_copy_into` to fill (other values: None,
-    which it copies anew)."""
-    if isinstance(tree, torch.Tensor):
-        return torch.empty(tree.shape, dtype=tree.dtype, pin_memory=pin)
-    if isinstance(tree, dict):
-        return {k: _empty_like(v, pin) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_empty_like(v, pin) for v in tree)
-    return None
-
-
-def _touched(tree):
-    """`tree` with every tensor's pages written once (mapped now, not by the first copy)."""
-    if isinstance(tree, torch.Tensor):
-        (tree.to_local() if hasattr(tree, "to_local") else tree).zero_()
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            _touched(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            _touched(v)
-    return tree
+    """Host buffers shaped as `tree`'s tensors, zeroed (their pages mapped now, not by the
+    first copy), for `_copy_into` to fill; other values None, which it copies anew."""
+    return tree_map(lambda v: torch.zeros(v.shape, dtype=v.dtype, pin_memory=pin)
+                    if isinstance(v, torch.Tensor) else None, tree)
 
 
 def _stage_shards(buffers: Optional[dict], state: dict, pin: bool) -> dict:
