@@ -141,16 +141,19 @@ def test_checkpoints_load_at_any_layout(tmp_path, data):
     assert_params_close(got, want, rtol=1e-5, atol=4e-5)
 
 
-def test_sharded_checkpoints_written_in_the_background_equal_the_synchronous_ones(tmp_path, data):
-    """checkpoint.async under ZeRO-3: each worker copies its shards to host memory at the step
-    boundary, DCP's plans go through the coordinator, and the shards are written on the
-    workers' threads while training goes on. Every checkpoint commits and verifies, and holds
-    bit for bit what the synchronous run writes at the same step."""
+@pytest.mark.parametrize("shard", ["full", "none"], ids=["zero3", "ddp"])
+def test_checkpoints_written_in_the_background_equal_the_synchronous_ones(tmp_path, data, shard):
+    """checkpoint.async, a checkpoint every step. Under ZeRO-3 each worker copies its shards
+    to host memory at the step boundary, DCP's plans go through the coordinator, and the
+    shards are written on the workers' threads while training goes on. Under DDP the copy
+    itself runs beside the next step's forward and backward, whose optimizer step waits for
+    it (workers/saves.py). Every checkpoint commits and verifies, and holds bit for bit what
+    the synchronous run writes at the same step."""
     stores = {}
     for mode in ("sync", "async"):
         raw = tiny_spec(tmp_path / mode, data, name=f"bg-{mode}", model=MODELS["gpt"],
                         train={"steps": 3, "global_batch": 24, "micro_batch": 2},
-                        parallel={"dp": 2, "timeout_s": 60, "shard": "full"},
+                        parallel={"dp": 2, "timeout_s": 60, "shard": shard},
                         resources={"cpus_per_worker": 0.25},
                         checkpoint={"every_steps": 1, "keep": 10, "async": mode == "async"})
         spec = spec_from_dict(raw)
@@ -159,9 +162,15 @@ def test_sharded_checkpoints_written_in_the_background_equal_the_synchronous_one
         assert result.events == [], result.events
         stores[mode] = CheckpointStore(spec.checkpoint_dir)
     for step in (1, 2, 3):
-        assert stores["async"].is_sharded(step) and stores["async"].verify(step) is None
+        assert stores["async"].is_sharded(step) == (shard != "none")
+        assert stores["async"].verify(step) is None
         got, want = stores["async"].read_model(step), stores["sync"].read_model(step)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), step
+        if shard == "none":
+            got, want = stores["async"].read_optim(step, 1), stores["sync"].read_optim(step, 1)
+            moments = [(n, k) for n, s in want["state"].items() for k in ("exp_avg", "exp_avg_sq")]
+            assert moments and all(torch.equal(got["state"][n][k], want["state"][n][k])
+                                   for n, k in moments), step
 
 
 @pytest.mark.parametrize("level,dp,group", [("optimizer", 2, None), ("full", 4, 2)],

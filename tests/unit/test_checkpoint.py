@@ -131,23 +131,79 @@ def test_every_dtensor_mesh_cache_is_found_and_emptied():
     forget_meshes()
 
 
+def _stepped_model():
+    """A model with a buffer its forward changes (BatchNorm's running mean) and an AdamW with
+    state, after one step."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _pointers(model) -> set[int]:
+    return {q.data_ptr() for q in model.parameters()}
+
+
 def test_buffers_allocated_ahead_are_the_ones_the_first_background_copy_fills():
     """A background save's host buffers are allocated after a world's first step, on the
-    writing thread (`Worker._prestage`); the first save copies into them, not into new ones."""
-    from baton.workers.worker import _copy_into, _empty_like
+    writing thread (`Worker._prestage`); the first save copies into them, not into new ones,
+    and the second into the first's."""
+    from baton.workers.saves import BackgroundSaves, empty_like
 
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
+    model, opt = _stepped_model()
+    saves = BackgroundSaves(torch.device("cpu"))
     state = (model.state_dict(), opt.state_dict())
-    ahead = _empty_like(state, pin=False)
-    filled = _copy_into(ahead, state)
-    assert filled[0]["weight"].data_ptr() == ahead[0]["weight"].data_ptr()
+    _, later = BackgroundSaves.split(state, _pointers(model))
+    saves.prestage(lambda: ({}, empty_like(later, pin=False)))
+    ahead = saves.prestaged.result()[1]
+    filled = BackgroundSaves.landed(saves.copy(state, _pointers(model)))
+    assert filled[0]["0.weight"].data_ptr() == ahead[0]["0.weight"].data_ptr()
     assert filled[1]["state"][0]["exp_avg"].data_ptr() == ahead[1]["state"][0]["exp_avg"].data_ptr()
-    assert torch.equal(filled[0]["weight"], model.weight)
-    assert torch.equal(filled[1]["state"][0]["exp_avg_sq"], opt.state[model.weight]["exp_avg_sq"])
+    assert torch.equal(filled[0]["0.weight"], model[0].weight)
+    assert torch.equal(filled[0]["1.running_mean"], model[1].running_mean)
+    assert torch.equal(filled[1]["state"][0]["exp_avg_sq"], opt.state[model[0].weight]["exp_avg_sq"])
     assert filled[1]["param_groups"] == opt.state_dict()["param_groups"]
+    again = BackgroundSaves.landed(saves.copy(state, _pointers(model)))
+    assert again[0]["0.weight"].data_ptr() == ahead[0]["0.weight"].data_ptr()
+
+
+def test_a_background_copy_holds_the_state_of_its_save_while_the_next_step_runs():
+    """The copy of the parameters and the optimizer state runs beside the next step's forward
+    and backward; the optimizer step waits for it (`fence`), and what a forward changes (a
+    buffer) was copied at the save. The copying thread is held here until the next step is
+    about to update, so the copy is certain to start after the forward: it must still hold the
+    saved step's values, and the fence must wait for it."""
+    import threading
+
+    from baton.workers.saves import BackgroundSaves
+
+    model, opt = _stepped_model()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_moment = opt.state[model[0].weight]["exp_avg"].clone()
+    saves = BackgroundSaves(torch.device("cpu"))
+    gate = threading.Event()
+    saves.copier.submit(gate.wait)  # the copy below queues behind this
+    copying = saves.copy((model.state_dict(), opt.state_dict()), _pointers(model))
+
+    fenced = threading.Thread(target=saves.fence, daemon=True)
+    try:
+        model(torch.randn(5, 4)).sum().backward()  # the next step's forward changes the buffer
+        assert not torch.equal(model[1].running_mean, saved["1.running_mean"])
+        fenced.start()
+        fenced.join(0.3)
+        assert fenced.is_alive()  # the optimizer step may not start: the copy has not run
+    finally:
+        gate.set()  # (a failure above would otherwise leave the copying thread waiting)
+    fenced.join(10)
+    assert not fenced.is_alive() and copying.done()
+    opt.step()  # after the fence, as train_step does
+    model_state, optim_state = BackgroundSaves.landed(copying)
+    for name, value in saved.items():
+        assert torch.equal(model_state[name], value), name
+    assert torch.equal(optim_state["state"][0]["exp_avg"], saved_moment)
+    assert not torch.equal(model[0].weight, saved["0.weight"])  # the step did change them
+    assert saves.stalls() >= 0.3 and saves.stalls() == 0.0  # the fence's wait, reported once
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])

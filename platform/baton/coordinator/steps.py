@@ -63,6 +63,9 @@ class StepStats:
         if compiled:  # a new world's first step, or a recompile (a new shape)
             self.compile_s[1] += compiled
             metrics["compile_s"] = compiled
+        stalled = max(r.get("save_stall_s", 0.0) for r in results)
+        if stalled:  # the step waited this long for the checkpoint before it
+            metrics["checkpoint_stall_s"] = stalled
         data_s = [r["data_s"] for r in results if "data_s" in r]
         if data_s:
             metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)

@@ -10,14 +10,11 @@ rank in a new world and `setup` joins it (on a fresh port), without a new proces
 
 from __future__ import annotations
 
-import concurrent.futures
-import copy
 import dataclasses
 import functools
 import gc
 import os
 import socket
-import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
@@ -26,7 +23,6 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves, tree_map
 
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.store import SHARDS
@@ -40,8 +36,9 @@ from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
 from baton.tasks import VALID, example_inputs, make_task, padded
 from baton.tracking import profile
-from baton.training import local, param_digest
+from baton.training import param_digest
 from baton.workers import host
+from baton.workers.saves import BackgroundSaves, empty_like, empty_shards
 
 if TYPE_CHECKING:
     from baton.checkpoint import sharded
@@ -96,17 +93,7 @@ class Worker:
         self.broken: Optional[str] = None  # the call that broke this world (`_in_world`)
         self.kept = None  # (step, pp_rank, sharded, model state, optimizer state) kept by `leave`
         self.kept_save = None  # a sharded `write_kept` between its two rounds
-        # background saves (checkpoint.async): one writing thread; step -> its write
-        self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-save",
-                                                            initializer=_yield_to_training)
-        self.writes: dict[int, concurrent.futures.Future] = {}
-        self.writes_changed = threading.Condition()
-        self.world_left = 0  # how many times this worker has left a world
-        # host memory a background save copies the state into, kept for the next one (filling
-        # buffers already mapped is several times faster than allocating new ones)
-        self.snapshot, self.last_write = None, None
-        self.prestaged: Optional[concurrent.futures.Future] = None  # the first copy's buffers
-        self.planned: dict[int, tuple] = {}  # a sharded background save between its two rounds
+        self.saves = BackgroundSaves(self.device)  # checkpoint.async
         self.last_step = 0
         self.assign(spec, dims, rank)
 
@@ -134,10 +121,7 @@ class Worker:
         the survivors' state can be written as a checkpoint (`write_kept`). A sharded worker
         keeps its shards: with another replica group alive, every shard has a survivor."""
         self.kept, kept_step = None, -1
-        self._settle_writes()
-        # the next world makes its own copy: a sharded one's tensors name this world's mesh,
-        # and the next world may shard differently or not at all
-        self.planned, self.snapshot, self.prestaged = {}, None, None
+        self.saves.settle(self.spec.checkpoint.timeout_s)
         if self.engine is not None:
             self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
                          *self.engine.state_dicts())
@@ -152,15 +136,6 @@ class Worker:
         sharded.release_groups(self.kept)
         gc.collect()
         return kept_step
-
-    def _settle_writes(self) -> None:
-        """Let background writes finish (bounded: files, no collectives) and forget them: a
-        save in flight when the world breaks is never committed."""
-        with self.writes_changed:
-            writes, self.writes = list(self.writes.values()), {}
-            self.world_left += 1  # a `written` still waiting gives up
-            self.writes_changed.notify_all()
-        concurrent.futures.wait(writes, timeout=self.spec.checkpoint.timeout_s)
 
     def write_kept(self, root: str, step: int) -> dict:
         """Write the state kept by `leave` as its part of checkpoint `step`: its stage's files
@@ -267,11 +242,15 @@ class Worker:
         # profile one replica's (rank 0's: the others train unprofiled)
         trace = trace and (self.dims.pp > 1 or self.rank == 0)
         sums, out = self.engine.forward_backward(micro, self._batch, self._scale(batch), trace)
+        self.saves.fence()  # a background save's copy has read what the step changes
         grad_norm = self.engine.apply(lr)
         # read once the optimizer step is queued: on a GPU the loss read before it left the
         # device idle while the host queued the clip and the step (one wait a step, not two)
         out.update(sums.out(), grad_norm=float(grad_norm))
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
+        stalled = self.saves.stalls()
+        if stalled:  # training's time in the last background save and its fence
+            out["save_stall_s"] = stalled
         if not self.state_reported:  # sizes are fixed within a world: measured once
             out["state_bytes"] = self.engine.state_bytes()  # what sharding saves, live tensors
             self.state_reported = True
@@ -335,96 +314,74 @@ class Worker:
     @_in_world
     def save(self, root: str, step: int, background: bool = False) -> Optional[Any]:
         """Write this worker's parts of checkpoint `step`; returns their records (name, size,
-        SHA-256) for the commit. `background`: copy the state (host memory) and return at
-        once; a thread writes the copy, and `written(step)` returns the records. Sharded state
-        in the background is written in DCP's two rounds with the coordinator carrying the
-        plans, as the survivors' save does: this returns {"plan": this worker's local plan},
-        and `write_planned` starts the write of its part of the global plan. (DCP's own rounds
-        are collectives: on the writing thread they would race the failure handling that
-        tears the group down.)"""
-        store = CheckpointStore(root)
+        SHA-256) for the commit. `background`: copy the state to host memory, off the training
+        thread where it can be (workers/saves.py), and return at once; a thread writes the
+        copy, and `written(step)` returns the records. Sharded state in the background is
+        written in DCP's two rounds with the coordinator carrying the plans, as the survivors'
+        save does: this returns {"plan": this worker's local plan}, and `write_planned` starts
+        the write of its part of the global plan. (DCP's own rounds are collectives: on the
+        writing thread they would race the failure handling that tears the group down.)"""
+        t0 = time.perf_counter()
+        try:
+            return self._save(CheckpointStore(root), step, background)
+        finally:  # what training waited for: reported with the next step
+            self.saves.stalled_s += time.perf_counter() - t0
+
+    def _save(self, store: CheckpointStore, step: int, background: bool) -> Optional[Any]:
         rng = {"cpu": torch.get_rng_state()}
         if self.use_cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
         state = self.engine.state_dicts() if self.engine.sharded or self.dp_rank == 0 else None
         if not background:
             return self._write(store, step, state, rng)
-        if self.last_write is not None:
-            concurrent.futures.wait([self.last_write])  # its buffers are free again
-        if self.prestaged is not None:
-            self.snapshot, self.prestaged = self.prestaged.result(), None
         if self.engine.sharded:
             model_state, optim_state = state
-            # a plan not yet written (its write_planned, on the io thread, can come after this
-            # next save) still reads the last copy: copy into new buffers then, not over it
-            # (seen in CI: checkpoint 1 of an every-step run held step 2's shards)
-            reuse = None if self.planned else self.snapshot
-            self.snapshot = _stage_shards(reuse, {"model": model_state, "optim": optim_state["state"]},
-                                          pin=self.use_cuda)
-            planned = _sharded().PlannedSave(self.snapshot, store.shards(step))
-            self.planned[step] = (planned, store, rng)
+            copied = self.saves.stage_shards({"model": model_state, "optim": optim_state["state"]})
+            planned = _sharded().PlannedSave(copied, store.shards(step))
+            self.saves.planned[step] = (planned, store, rng)
             return {"plan": planned.plan()}
-        self.snapshot = _copy_into(self.snapshot, state, pin=self.use_cuda)
-        if self.use_cuda:
-            torch.cuda.synchronize()  # the copies into page-locked memory have landed
-        self._started(step, self.writer.submit(self._write, store, step, self.snapshot, rng))
+        copying = self.saves.copy(state, self._param_pointers()) if state is not None else None
+
+        def write():
+            return self._write(store, step, copying and self.saves.landed(copying), rng)
+        self.saves.started(step, self.saves.writer.submit(write))
         return None
+
+    def _param_pointers(self) -> set[int]:
+        return {q.data_ptr() for q in self.engine.module.parameters()}
 
     def _prestage(self) -> None:
         """After a world's first step (the optimizer's state exists from then on), allocate the
-        host buffers background saves copy into, on the writing thread: mapping 1.4 GB took
-        about 2 s on a CPU (a copy into mapped buffers 0.1 s), and on a GPU page-locked memory
-        is slower to allocate still, so the first save no longer holds training for it."""
+        host buffers background saves copy into (workers/saves.py)."""
         if not (self.spec.checkpoint.async_ and self.spec.checkpoint.every_steps > 0
                 and (self.engine.sharded or self.dp_rank == 0)):
             return
         model_state, optim_state = self.engine.state_dicts()
         pin = self.use_cuda
         if self.engine.sharded:
-            from torch.distributed._state_dict_utils import _create_cpu_state_dict
-
-            def allocate():
-                buffers = _create_cpu_state_dict({"model": model_state, "optim": optim_state["state"]},
-                                                 pin_memory=pin)
-                for t in tree_leaves(buffers):
-                    if isinstance(t, torch.Tensor):
-                        local(t).zero_()  # its pages mapped now, not by the first copy
-                return buffers
+            state = {"model": model_state, "optim": optim_state["state"]}
+            self.saves.prestage(lambda: empty_shards(state, pin))
         else:
-            def allocate():
-                return _empty_like((model_state, optim_state), pin)
-        self.prestaged = self.writer.submit(allocate)
+            _, later = BackgroundSaves.split((model_state, optim_state), self._param_pointers())
+            self.saves.prestage(lambda: ({}, empty_like(later, pin)))
 
     @ray.method(concurrency_group="io")
     def write_planned(self, step: int, plan) -> None:
         """Start writing this worker's part of background save `step`'s global plan; `written`
         returns (DCP's results, the records of its files)."""
-        planned, store, rng = self.planned.pop(step)
+        planned, store, rng = self.saves.planned.pop(step)
 
         def write():
             results, names = planned.write(plan)
             parts = store.records(step, [f"{SHARDS}/{n}" for n in names])
             return results, parts + [store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)]
-        self._started(step, self.writer.submit(write))
-
-    def _started(self, step: int, write: concurrent.futures.Future) -> None:
-        self.last_write = write
-        with self.writes_changed:
-            self.writes[step] = write
-            self.writes_changed.notify_all()
+        self.saves.started(step, self.saves.writer.submit(write))
 
     @ray.method(concurrency_group="io")
     def written(self, step: int) -> list[dict]:
         """The records of background save `step`'s parts, once written (on a thread of its
         own, so training calls queued meanwhile are not held up)."""
-        with self.writes_changed:
-            world = self.world_left
-            self.writes_changed.wait_for(lambda: step in self.writes or self.world_left != world,
-                                         timeout=self.spec.checkpoint.timeout_s)
-            write = self.writes.pop(step, None)
-        if write is None:
-            raise RuntimeError(f"checkpoint {step} was abandoned: this worker left its world")
-        return write.result()
+        return self.saves.written(step, self.spec.checkpoint.timeout_s)
 
     def _write(self, store: CheckpointStore, step: int, state: Optional[tuple], rng: dict) -> list[dict]:
         parts = []
@@ -446,6 +403,7 @@ class Worker:
         """Load parameters and optimizer state, whatever the layout (dp, pp, shard level) the
         checkpoint was written at: by name from per-stage files, or through DCP from shards."""
         store = CheckpointStore(root)
+        self.saves.fence()  # loading overwrites what a background copy may still be reading
         if store.is_sharded(step):
             self.engine.load_sharded(self._shards(store, step))
         else:
@@ -472,57 +430,6 @@ class Worker:
 
     def shutdown(self) -> None:
         self.leave()
-
-
-def _yield_to_training() -> None:
-    """The background writer's thread runs at nice 10 (Linux sets it per thread): on a CPU
-    the training threads need, a save in the background takes the cores they leave."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):  # another system: the default priority
-        pass
-
-
-def _copy_into(buffers, tree, pin: bool = False):
-    """`tree` (a state: dicts and lists of tensors and plain values) copied into host memory,
-    reusing `buffers` (the previous copy) wherever a tensor's shape and dtype still match.
-    `pin`: page-locked buffers, which a GPU copies into without staging."""
-    if isinstance(tree, torch.Tensor):
-        if not (isinstance(buffers, torch.Tensor) and buffers.shape == tree.shape
-                and buffers.dtype == tree.dtype):
-            buffers = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=pin)
-        buffers.copy_(tree.detach(), non_blocking=pin)
-        return buffers
-    if isinstance(tree, dict):
-        old = buffers if isinstance(buffers, dict) else {}
-        return {k: _copy_into(old.get(k), v, pin) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        old = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(tree) else [None] * len(tree)
-        return type(tree)(_copy_into(b, v, pin) for b, v in zip(old, tree))
-    return copy.deepcopy(tree)
-
-
-def _empty_like(tree, pin: bool):
-    """Host buffers shaped as `tree`'s tensors, zeroed (their pages mapped now, not by the
-    first copy), for `_copy_into` to fill; other values None, which it copies anew."""
-    return tree_map(lambda v: torch.zeros(v.shape, dtype=v.dtype, pin_memory=pin)
-                    if isinstance(v, torch.Tensor) else None, tree)
-
-
-def _stage_shards(buffers: Optional[dict], state: dict, pin: bool) -> dict:
-    """A sharded state (DTensors) copied into host memory, reusing `buffers` (the previous copy,
-    of this world). Each copy stays a DTensor of the same mesh and placements, its local shard
-    on the CPU, which is what DCP's planner reads: torch's own helpers for this, those its
-    async checkpointing stages with (`staging.BlockingAsyncStager`; that class pins memory
-    always, which a CPU-only torch cannot)."""
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-    if buffers is None:
-        buffers = _create_cpu_state_dict(state, pin_memory=pin)
-    copied = _copy_state_dict(state, buffers, non_blocking=pin)
-    if pin:
-        torch.cuda.synchronize()  # the copies into page-locked memory have landed
-    return copied
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,231 @@
+"""A worker's background saves (`checkpoint.async`): the copy of its state off the training
+path, and one writing thread.
+
+A save copies the state into host buffers and a thread writes the copy. The copy of the
+parameters and the optimizer state is itself off the training thread (CheckFreq's pipelined
+snapshot): it runs while the next step's forward and backward do, which read those tensors
+and change none of them; the next optimizer step, the first thing that changes them, waits
+for the copy (`fence`). On a GPU the copy runs on a stream of its own and the wait is the
+device's (the training stream waits on the copy's event), so the host never waits for it.
+What a forward may change (a module's buffers, such as BatchNorm's running statistics) is
+copied at the save itself. Sharded state keeps its copy at the save (`stage_shards`): DCP's
+plan for it is agreed between two calls of the coordinator."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from baton.training import local
+
+
+class BackgroundSaves:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pin = device.type == "cuda"  # page-locked buffers: a GPU copies into them directly
+        self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-save",
+                                                            initializer=_yield_to_training)
+        # the copy at the default priority: training waits for it at its next optimizer step
+        self.copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-copy")
+        self.stream = torch.cuda.Stream(device) if self.pin else None
+        self.writes: dict[int, concurrent.futures.Future] = {}  # step -> its write
+        self.changed = threading.Condition()
+        self.world_left = 0  # how many times this worker has left a world
+        # host memory a save copies the state into, kept for the next one (filling buffers
+        # already mapped is several times faster than allocating new ones)
+        self.buffers, self.last_write = None, None
+        self.prestaged: Optional[concurrent.futures.Future] = None  # the first copy's buffers
+        self.copying: Optional[concurrent.futures.Future] = None  # (copy, its CUDA event)
+        self.planned: dict[int, tuple] = {}  # a sharded save between its two rounds
+        self.stalled_s = 0.0  # training's time in saves and fences since the last `stalls`
+
+    # -- the copy --------------------------------------------------------------------------------
+
+    def prestage(self, allocate: Callable[[], Any]) -> None:
+        """Allocate the first copy's buffers on the writing thread: mapping 1.4 GB took about
+        2 s on a CPU (a copy into mapped buffers 0.1 s), and page-locked memory is slower to
+        allocate still, so the first save no longer holds training for it."""
+        self.prestaged = self.writer.submit(allocate)
+
+    def ready(self) -> None:
+        """Before a save's copy: the last write is done (its buffers are free again), and the
+        buffers made ahead are in hand."""
+        if self.last_write is not None:
+            concurrent.futures.wait([self.last_write])
+        if self.copying is not None and self.copying.exception() is None:
+            self.buffers = self.copying.result()[0]
+        self.copying = None
+        if self.prestaged is not None:
+            self.buffers, self.prestaged = self.prestaged.result(), None
+
+    @staticmethod
+    def split(state: tuple[dict, dict], params: set[int]) -> tuple[dict, tuple[dict, dict]]:
+        """(model state, optimizer state) as (what a forward may change: the model state's
+        tensors that are not parameters, (the parameters, the optimizer state)); `params`: the
+        parameters' data pointers."""
+        model_state, optim_state = state
+        now = {k: v for k, v in model_state.items()
+               if not (isinstance(v, torch.Tensor) and v.data_ptr() in params)}
+        return now, ({k: v for k, v in model_state.items() if k not in now}, optim_state)
+
+    def copy(self, state: tuple[dict, dict], params: set[int]) -> concurrent.futures.Future:
+        """Start copying (model state, optimizer state) into the host buffers; returns the
+        future of the copy (and of its CUDA event). `params`: the parameters' data pointers;
+        the model state's other tensors are copied before this returns."""
+        self.ready()
+        now, later = self.split(state, params)
+        old = self.buffers or ({}, None)
+        copied_now = _copy_into(old[0], now)  # pageable: copied before this returns
+        ready = None
+        if self.stream is not None:  # the state as of now, on the training stream
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def run():
+            if self.stream is None:
+                return (copied_now, _copy_into(old[1], later)), None
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                copied = _copy_into(old[1], later, pin=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            return (copied_now, copied), done
+        self.copying = self.copier.submit(run)
+        return self.copying
+
+    def fence(self) -> None:
+        """Before anything changes parameters or optimizer state in place (the optimizer step,
+        a load): the copy in flight has read them."""
+        copying = self.copying
+        if copying is None:
+            return
+        t0 = time.perf_counter()
+        concurrent.futures.wait([copying])
+        if copying.exception() is None:
+            done = copying.result()[1]
+            if done is not None:  # the device waits, not the host
+                torch.cuda.current_stream().wait_event(done)
+        self.stalled_s += time.perf_counter() - t0
+
+    @staticmethod
+    def landed(copying: concurrent.futures.Future) -> tuple[dict, dict]:
+        """On the writing thread: the copy, once in host memory (raises the copy's error)."""
+        (now, (model_state, optim_state)), done = copying.result()
+        if done is not None:
+            done.synchronize()
+        return {**model_state, **now}, optim_state
+
+    def stage_shards(self, state: dict) -> dict:
+        """A sharded state (DTensors) copied into host memory now, reusing the last copy's
+        buffers unless a plan not yet written still reads them (its write can come after this
+        next save: seen in CI, checkpoint 1 of an every-step run held step 2's shards)."""
+        self.ready()
+        self.buffers = _stage_shards(None if self.planned else self.buffers, state, self.pin)
+        return self.buffers
+
+    def stalls(self) -> float:
+        """Training's seconds in saves (the worker adds them) and fences since the last call."""
+        spent, self.stalled_s = self.stalled_s, 0.0
+        return spent
+
+    # -- the writes ------------------------------------------------------------------------------
+
+    def started(self, step: int, write: concurrent.futures.Future) -> None:
+        self.last_write = write
+        with self.changed:
+            self.writes[step] = write
+            self.changed.notify_all()
+
+    def written(self, step: int, timeout_s: float) -> Any:
+        """Save `step`'s write's result, once written; raises when this worker left the world
+        the save was of."""
+        with self.changed:
+            world = self.world_left
+            self.changed.wait_for(lambda: step in self.writes or self.world_left != world,
+                                  timeout=timeout_s)
+            write = self.writes.pop(step, None)
+        if write is None:
+            raise RuntimeError(f"checkpoint {step} was abandoned: this worker left its world")
+        return write.result()
+
+    def settle(self, timeout_s: float) -> None:
+        """Let writes finish (bounded: files, no collectives) and forget them and the copies: a
+        save in flight when the world breaks is never committed, and the next world makes its
+        own copy (a sharded one's tensors name this world's mesh)."""
+        with self.changed:
+            writes, self.writes = list(self.writes.values()), {}
+            self.world_left += 1  # a `written` still waiting gives up
+            self.changed.notify_all()
+        concurrent.futures.wait(writes, timeout=timeout_s)
+        self.planned, self.buffers, self.prestaged, self.copying = {}, None, None, None
+
+
+def _yield_to_training() -> None:
+    """The writing thread runs at nice 10 (Linux sets it per thread): on a CPU the training
+    threads need, a save in the background takes the cores they leave."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # another system: the default priority
+        pass
+
+
+def _copy_into(buffers, tree, pin: bool = False):
+    """`tree` (a state: dicts and lists of tensors and plain values) copied into host memory,
+    reusing `buffers` (the previous copy) wherever a tensor's shape and dtype still match.
+    `pin`: page-locked buffers, which a GPU copies into without staging (the caller waits for
+    the copies)."""
+    if isinstance(tree, torch.Tensor):
+        if not (isinstance(buffers, torch.Tensor) and buffers.shape == tree.shape
+                and buffers.dtype == tree.dtype):
+            buffers = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=pin)
+        buffers.copy_(tree.detach(), non_blocking=pin)
+        return buffers
+    if isinstance(tree, dict):
+        old = buffers if isinstance(buffers, dict) else {}
+        return {k: _copy_into(old.get(k), v, pin) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        old = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(tree) else [None] * len(tree)
+        return type(tree)(_copy_into(b, v, pin) for b, v in zip(old, tree))
+    return copy.deepcopy(tree)
+
+
+def empty_like(tree, pin: bool):
+    """Host buffers shaped as `tree`'s tensors, zeroed (their pages mapped now, not by the
+    first copy), for `_copy_into` to fill; other values None, which it copies anew."""
+    return tree_map(lambda v: torch.zeros(v.shape, dtype=v.dtype, pin_memory=pin)
+                    if isinstance(v, torch.Tensor) else None, tree)
+
+
+def empty_shards(state: dict, pin: bool) -> dict:
+    """`empty_like` for a sharded state: DTensors of the same meshes and placements, their
+    local shards in host memory."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+    buffers = _create_cpu_state_dict(state, pin_memory=pin)
+    for t in tree_leaves(buffers):
+        if isinstance(t, torch.Tensor):
+            local(t).zero_()  # its pages mapped now, not by the first copy
+    return buffers
+
+
+def _stage_shards(buffers: Optional[dict], state: dict, pin: bool) -> dict:
+    """A sharded state (DTensors) copied into host memory, reusing `buffers` (the previous copy,
+    of this world). Each copy stays a DTensor of the same mesh and placements, its local shard
+    on the CPU, which is what DCP's planner reads: torch's own helpers for this, those its
+    async checkpointing stages with (`staging.BlockingAsyncStager`; that class pins memory
+    always, which a CPU-only torch cannot)."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    if buffers is None:
+        buffers = _create_cpu_state_dict(state, pin_memory=pin)
+    copied = _copy_state_dict(state, buffers, non_blocking=pin)
+    if pin:
+        torch.cuda.synchronize()  # the copies into page-locked memory have landed
+    return copied
