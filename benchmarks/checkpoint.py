@@ -8,7 +8,10 @@ and the same written in the background. The checkpoints go to a local folder (fs
 
 Measured per run, over the steps after `--skip` (warm-up): the time of those steps and their
 tokens/s. Per save: the stall, (time of the steps with checkpoints - time without) / saves in
-that window, against the median step time; throughput against no checkpoints. Ratios are the
+that window, against the median step time (what saves cost the run, the write's competition
+for the host included); and how long training itself waited for each save (the metric
+`checkpoint_stall_s`: the slowest worker's time in the save call and, in the background, its
+optimizer step's wait for the copy); throughput against no checkpoints. Ratios are the
 median over rounds of each round's paired ratio. The run's last checkpoint (at its end) is not
 in the window for any of them.
 
@@ -67,12 +70,18 @@ def run(args, data: str, model: str, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec = spec_from_dict(job(args, data, tmp, model, mode))
         t0 = time.perf_counter()
-        result = api.run(spec, show_progress=False)
+        waits = []  # checkpoint_stall_s of the steps in the window: training's own wait
+
+        def on_step(c):
+            if c.step > args.skip and "checkpoint_stall_s" in c.last_metrics:
+                waits.append(c.last_metrics["checkpoint_stall_s"])
+        result = api.run(spec, show_progress=False, on_step=on_step)
         assert result.state == "finished", result.state
     window = result.step_times_s[args.skip:]
     saves = sum(1 for s in range(args.skip + 1, args.steps) if s % args.every == 0) if mode != "none" else 0
     return {"model": model, "mode": mode, "params": sum(layer_params(spec.model)),
             "window_s": sum(window), "median_step_s": statistics.median(window), "saves": saves,
+            "waits_s": waits, "step_times_s": [round(t, 4) for t in window],
             "tokens_per_s": spec.train.global_batch * spec.model.seq_len * len(window) / sum(window),
             "wall_s": time.perf_counter() - t0}
 
@@ -90,8 +99,13 @@ def main() -> int:
     p.add_argument("--store", default=None, help="checkpoint URI (default: a local temporary folder)")
     p.add_argument("--shard", default="none", choices=["none", "optimizer", "grads", "full"],
                    help="parallel.shard: sharded state is saved through DCP")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="which of the three to run (none is needed for the ratios)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    modes = [m for m in MODES if m in args.modes]
+    if "none" not in modes:
+        p.error("--modes needs none: every ratio is against it")
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,14 +115,15 @@ def main() -> int:
                  **({"num_cpus": 2} if args.device == "cpu" else {}))
         ray.data.DataContext.get_current().enable_progress_bars = False
         for model in args.models:
-            runs: dict[str, list[dict]] = {m: [] for m in MODES}
+            runs: dict[str, list[dict]] = {m: [] for m in modes}
             for r in range(args.rounds):
-                for mode in MODES[r % 3:] + MODES[:r % 3]:
+                k = r % len(modes)
+                for mode in modes[k:] + modes[:k]:
                     out = run(args, data, model, mode)
                     runs[mode].append(out)
                     print(f"{model} round {r + 1} {mode}: window {out['window_s']:.2f} s, "
                           f"{out['tokens_per_s']:,.0f} tokens/s", flush=True)
-            for mode in MODES:
+            for mode in modes:
                 paired = list(zip(runs[mode], runs["none"]))
                 rows.append({
                     "model": model, "mode": mode, "params": runs[mode][0]["params"],
@@ -118,18 +133,25 @@ def main() -> int:
                                                        for a, b in paired), 4),
                     "stall_s": (round(statistics.median((a["window_s"] - b["window_s"]) / a["saves"]
                                                         for a, b in paired), 4) if mode != "none" else None),
+                    "wait_s": (round(statistics.median(sum(x["waits_s"]) / x["saves"]
+                                                       for x in runs[mode]), 4)
+                               if mode != "none" else None),
                     "rounds": runs[mode]})
         ray.shutdown()
 
     print(f"\ncheckpoint every {args.every} steps, steps {args.skip + 1}-{args.steps} measured, "
           f"{args.rounds} rounds, {args.device}, shard {args.shard}, store {args.store or 'local folder'}")
-    print("| model | params | mode | step s | tokens/s | vs none | stall per save | stall / step |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("| model | params | mode | step s | tokens/s | vs none | stall per save | stall / step "
+          "| training waited per save | / step |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        stall = "" if r["stall_s"] is None else f"{r['stall_s']:.3f} s"
-        frac = "" if r["stall_s"] is None else f"{r['stall_s'] / r['median_step_s']:.1%}"
+        cells = ["", "", "", ""]
+        if r["stall_s"] is not None:
+            step = r["median_step_s"]
+            cells = [f"{r['stall_s']:.3f} s", f"{r['stall_s'] / step:.1%}",
+                     f"{r['wait_s']:.3f} s", f"{r['wait_s'] / step:.1%}"]
         print(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['mode']} | {r['median_step_s']:.3f} | "
-              f"{r['tokens_per_s']:,.0f} | {r['vs_none']:.3f}x | {stall} | {frac} |")
+              f"{r['tokens_per_s']:,.0f} | {r['vs_none']:.3f}x | " + " | ".join(cells) + " |")
     shard = "" if args.shard == "none" else f"_{args.shard}"
     write_result(args.out or HERE / "results" / f"checkpoint{shard}_{args.device}.json",
                  {"args": vars(args), "rows": rows})

@@ -91,6 +91,31 @@ def test_nccl_training_tracks_the_cpu_reference(tmp_path, compiled):
     _assert_close(got, want, rtol=1e-3, atol=spec.train.lr / 10)
 
 
+def test_background_saves_on_cuda_equal_the_synchronous_ones(tmp_path):
+    """checkpoint.async on a GPU, a checkpoint every step: the copy runs on a stream of its
+    own beside the next step's forward and backward, and that step's optimizer waits for it on
+    the device (workers/saves.py). Every checkpoint holds what a synchronous save writes at the
+    same step, within the bound of the test above (a copy that caught the next update, whole or
+    in part, is off by about lr: Adam's early updates are about lr in size); whether the two
+    are bit for bit equal is printed."""
+    data = write_dataset(tmp_path / "data", 64, 32)
+    stores = {}
+    for mode in ("sync", "async"):
+        raw = tiny_spec(tmp_path / mode, data, name=f"gpu-save-{mode}", parallel={"dp": 1},
+                        resources={"cpus_per_worker": 1, "gpus_per_worker": 1},
+                        train={"steps": 4, "global_batch": 8, "micro_batch": 4, "compile": False},
+                        checkpoint={"every_steps": 1, "keep": 10, "async": mode == "async"})
+        result = api.run(spec_from_dict(raw), show_progress=False)
+        assert result.state == "finished" and result.events == [], result.events
+        stores[mode] = CheckpointStore(spec_from_dict(raw).checkpoint_dir)
+    lr = spec_from_dict(raw).train.lr
+    for step in (1, 2, 3, 4):
+        assert stores["async"].verify(step) is None
+        got, want = stores["async"].read_model(step), stores["sync"].read_model(step)
+        print(f"step {step}: bit for bit {all(torch.equal(got[k], want[k]) for k in want)}")
+        _assert_close(got, {k: v.float().cpu() for k, v in want.items()}, rtol=1e-3, atol=lr / 10)
+
+
 def test_bf16_training_learns(tmp_path):
     data = write_dataset(tmp_path / "data", 512, 32)
     spec = _gpu_spec(tmp_path, data, steps=40, precision="bf16", lr=3e-3, min_lr=3e-3)

@@ -59,9 +59,7 @@ class BackgroundSaves:
         buffers made ahead are in hand."""
         if self.last_write is not None:
             concurrent.futures.wait([self.last_write])
-        if self.copying is not None and self.copying.exception() is None:
-            self.buffers = self.copying.result()[0]
-        self.copying = None
+        self.fence()  # (a copy no step has waited for yet: two saves in a row)
         if self.prestaged is not None:
             self.buffers, self.prestaged = self.prestaged.result(), None
 
@@ -94,6 +92,9 @@ class BackgroundSaves:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
                 copied = _copy_into(old[1], later, pin=True)
+                for t in tree_leaves(later):  # freed meanwhile, not reused until copied
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        t.record_stream(self.stream)
                 done = torch.cuda.Event()
                 done.record(self.stream)
             return (copied_now, copied), done
@@ -103,13 +104,13 @@ class BackgroundSaves:
     def fence(self) -> None:
         """Before anything changes parameters or optimizer state in place (the optimizer step,
         a load): the copy in flight has read them."""
-        copying = self.copying
+        copying, self.copying = self.copying, None
         if copying is None:
             return
         t0 = time.perf_counter()
         concurrent.futures.wait([copying])
-        if copying.exception() is None:
-            done = copying.result()[1]
+        if copying.exception() is None:  # (else the write raises it: the save fails)
+            self.buffers, done = copying.result()  # the next save copies into them
             if done is not None:  # the device waits, not the host
                 torch.cuda.current_stream().wait_event(done)
         self.stalled_s += time.perf_counter() - t0
