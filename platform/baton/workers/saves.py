@@ -28,7 +28,6 @@ from baton.training import local
 
 class BackgroundSaves:
     def __init__(self, device: torch.device):
-        self.device = device
         self.pin = device.type == "cuda"  # page-locked buffers: a GPU copies into them directly
         self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-save",
                                                             initializer=_yield_to_training)
@@ -59,7 +58,7 @@ class BackgroundSaves:
         buffers made ahead are in hand."""
         if self.last_write is not None:
             concurrent.futures.wait([self.last_write])
-        self.fence()  # (a copy no step has waited for yet: two saves in a row)
+        self._take_copy()  # (one no step has waited for yet: two saves in a row)
         if self.prestaged is not None:
             self.buffers, self.prestaged = self.prestaged.result(), None
 
@@ -104,16 +103,21 @@ class BackgroundSaves:
     def fence(self) -> None:
         """Before anything changes parameters or optimizer state in place (the optimizer step,
         a load): the copy in flight has read them."""
+        t0 = time.perf_counter()
+        if self._take_copy():
+            self.stalled_s += time.perf_counter() - t0
+
+    def _take_copy(self) -> bool:
+        """Wait for the copy in flight, if any, and keep its buffers for the next save."""
         copying, self.copying = self.copying, None
         if copying is None:
-            return
-        t0 = time.perf_counter()
+            return False
         concurrent.futures.wait([copying])
         if copying.exception() is None:  # (else the write raises it: the save fails)
-            self.buffers, done = copying.result()  # the next save copies into them
+            self.buffers, done = copying.result()
             if done is not None:  # the device waits, not the host
                 torch.cuda.current_stream().wait_event(done)
-        self.stalled_s += time.perf_counter() - t0
+        return True
 
     @staticmethod
     def landed(copying: concurrent.futures.Future) -> tuple[dict, dict]:
