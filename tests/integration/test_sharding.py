@@ -143,12 +143,12 @@ def test_checkpoints_load_at_any_layout(tmp_path, data):
 
 @pytest.mark.parametrize("shard", ["full", "none"], ids=["zero3", "ddp"])
 def test_checkpoints_written_in_the_background_equal_the_synchronous_ones(tmp_path, data, shard):
-    """checkpoint.async, a checkpoint every step. Under ZeRO-3 each worker copies its shards
-    to host memory at the step boundary, DCP's plans go through the coordinator, and the
-    shards are written on the workers' threads while training goes on. Under DDP the copy
-    itself runs beside the next step's forward and backward, whose optimizer step waits for
-    it (workers/saves.py). Every checkpoint commits and verifies, and holds bit for bit what
-    the synchronous run writes at the same step."""
+    """checkpoint.async, a checkpoint every step. The copy of the parameters and optimizer
+    state runs beside the next step's forward and backward, whose optimizer step waits for it
+    (workers/saves.py). Under ZeRO-3 each worker copies its shards so, DCP's plans (made from
+    the copy's shapes at the save) go through the coordinator, and the shards are written on
+    the workers' threads once copied, while training goes on. Every checkpoint commits and
+    verifies, and holds bit for bit what the synchronous run writes at the same step."""
     stores = {}
     for mode in ("sync", "async"):
         raw = tiny_spec(tmp_path / mode, data, name=f"bg-{mode}", model=MODELS["gpt"],

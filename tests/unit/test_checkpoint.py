@@ -206,6 +206,69 @@ def test_a_background_copy_holds_the_state_of_its_save_while_the_next_step_runs(
     assert saves.stalls() >= 0.3 and saves.stalls() == 0.0  # the fence's wait, reported once
 
 
+def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(tmp_path):
+    """The same for sharded state (FSDP2's DTensors, a world of one here): the copy's DCP plan
+    is made at the save, before any value has landed; the parameters' and moments' shards are
+    copied beside the next step (held here until it is about to update), the buffer its
+    forward changes at the save; the checkpoint written from the plan holds the saved step."""
+    import threading
+
+    import pyarrow.fs as pafs
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from baton.checkpoint import sharded
+    from baton.training import local
+    from baton.workers.saves import BackgroundSaves
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+        mesh = init_device_mesh("cpu", (1,))
+        for unit in (model[0], model[2], model):
+            fully_shard(unit, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        model_state, optim_state = get_state_dict(model, opt)
+        saved = {k: local(v).clone() for k, v in model_state.items()}
+        saved_moment = local(optim_state["state"]["0.weight"]["exp_avg"]).clone()
+
+        saves = BackgroundSaves(torch.device("cpu"))
+        gate = threading.Event()
+        saves.copier.submit(gate.wait)  # the copy below queues behind this
+        params = {local(q).data_ptr() for q in model.parameters()}
+        copied, copying = saves.copy_shards({"model": model_state, "optim": optim_state["state"]}, params)
+        where = sharded.Location(pafs.LocalFileSystem(), str(tmp_path / "shards"))
+        planned = sharded.PlannedSave(copied, where)
+        plans, finish = sharded.plan_globally(where, [planned.plan()])  # nothing landed yet
+        fenced = threading.Thread(target=saves.fence, daemon=True)
+        try:
+            model(torch.randn(5, 4)).sum().backward()  # the next step's forward and backward
+            fenced.start()
+            fenced.join(0.3)
+            assert fenced.is_alive() and not copying.done()
+        finally:
+            gate.set()
+        fenced.join(10)
+        assert not fenced.is_alive()
+        opt.step()
+        assert not torch.equal(local(model[0].weight), saved["0.weight"])  # the step changed it
+        assert saves.buffers is copied  # kept for the next save
+        BackgroundSaves.landed_shards(copying)
+        results, _ = planned.write(plans[0])
+        finish([results])
+        written = sharded.read_full(where, "model")
+        for name, value in saved.items():
+            assert torch.equal(written[name], value), name
+        assert torch.equal(sharded.read_full(where, "optim")["0.weight"]["exp_avg"], saved_moment)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
 def test_device_checksums_see_one_changed_bit_and_two_swapped_elements(dtype):
     """What replicas' digests compare on a GPU (computed there): run here on CPU tensors."""

@@ -8,8 +8,9 @@ and change none of them; the next optimizer step, the first thing that changes t
 for the copy (`fence`). On a GPU the copy runs on a stream of its own and the wait is the
 device's (the training stream waits on the copy's event), so the host never waits for it.
 What a forward may change (a module's buffers, such as BatchNorm's running statistics) is
-copied at the save itself. Sharded state keeps its copy at the save (`stage_shards`): DCP's
-plan for it is agreed between two calls of the coordinator."""
+copied at the save itself. A sharded state's copy is the same, its DTensors' local shards
+copied (`copy_shards`): DCP plans from the copy's shapes at the save, and its writes read the
+values once they have landed."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from baton.training import local
 
@@ -80,6 +81,43 @@ class BackgroundSaves:
         now, later = self.split(state, params)
         old = self.buffers or ({}, None)
         copied_now = _copy_into(old[0], now)  # pageable: copied before this returns
+        return self._beside_next_step(lambda pin: (copied_now, _copy_into(old[1], later, pin)),
+                                      tree_leaves(later))
+
+    def copy_shards(self, state: dict, params: set[int]) -> tuple[dict, concurrent.futures.Future]:
+        """`copy` for a sharded state ({"model", "optim"}, DTensors): returns the host copy at
+        once, DTensors of the same meshes and placements with their local shards in host
+        memory (DCP plans from their shapes alone, so the plan can be made now), and the future
+        its values land by (`landed_shards`). The model's tensors that are not parameters are
+        copied before this returns, the rest beside the next step. The last copy's buffers are
+        reused unless a plan not yet written still reads them (its write can come after this
+        next save: seen in CI, checkpoint 1 of an every-step run held step 2's shards).
+        `params`: the parameters' local shards' data pointers."""
+        self.ready()
+        buffers = None if self.planned else self.buffers
+        if buffers is None or not _same_shapes(state, buffers):
+            buffers = empty_shards(state, self.pin, zero=False)
+        pairs = [(local(s), local(d)) for s, d in zip(tree_leaves(state), tree_leaves(buffers))
+                 if isinstance(s, torch.Tensor)]
+        now = {local(t).data_ptr() for t in tree_leaves(state["model"])
+               if isinstance(t, torch.Tensor)} - params
+        later = [(s, d) for s, d in pairs if s.data_ptr() not in now]
+        for s, d in pairs:
+            if s.data_ptr() in now:
+                d.copy_(s)  # blocking: copied before this returns
+
+        def copy_later(pin: bool) -> dict:
+            for s, d in later:
+                d.copy_(s, non_blocking=pin)
+            return buffers
+        return buffers, self._beside_next_step(copy_later, [s for s, _ in later])
+
+    def _beside_next_step(self, copy_later: Callable[[bool], Any],
+                          sources: list) -> concurrent.futures.Future:
+        """Run `copy_later(pin)` on the copying thread, beside the next step's forward and
+        backward, which `fence` holds from the optimizer step until it is done; on a GPU on a
+        stream of its own, after what the training stream has queued so far. The future's
+        result: (the copy, the CUDA event it is done by, or None)."""
         ready = None
         if self.stream is not None:  # the state as of now, on the training stream
             ready = torch.cuda.Event()
@@ -87,16 +125,16 @@ class BackgroundSaves:
 
         def run():
             if self.stream is None:
-                return (copied_now, _copy_into(old[1], later)), None
+                return copy_later(False), None
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
-                copied = _copy_into(old[1], later, pin=True)
-                for t in tree_leaves(later):  # freed meanwhile, not reused until copied
+                copied = copy_later(True)
+                for t in sources:  # freed meanwhile, not reused until copied
                     if isinstance(t, torch.Tensor) and t.is_cuda:
                         t.record_stream(self.stream)
                 done = torch.cuda.Event()
                 done.record(self.stream)
-            return (copied_now, copied), done
+            return copied, done
         self.copying = self.copier.submit(run)
         return self.copying
 
@@ -120,20 +158,18 @@ class BackgroundSaves:
         return True
 
     @staticmethod
-    def landed(copying: concurrent.futures.Future) -> tuple[dict, dict]:
+    def landed_shards(copying: concurrent.futures.Future) -> dict:
         """On the writing thread: the copy, once in host memory (raises the copy's error)."""
-        (now, (model_state, optim_state)), done = copying.result()
+        copied, done = copying.result()
         if done is not None:
             done.synchronize()
-        return {**model_state, **now}, optim_state
+        return copied
 
-    def stage_shards(self, state: dict) -> dict:
-        """A sharded state (DTensors) copied into host memory now, reusing the last copy's
-        buffers unless a plan not yet written still reads them (its write can come after this
-        next save: seen in CI, checkpoint 1 of an every-step run held step 2's shards)."""
-        self.ready()
-        self.buffers = _stage_shards(None if self.planned else self.buffers, state, self.pin)
-        return self.buffers
+    @staticmethod
+    def landed(copying: concurrent.futures.Future) -> tuple[dict, dict]:
+        """`landed_shards` for a replica's copy: (model state, optimizer state)."""
+        now, (model_state, optim_state) = BackgroundSaves.landed_shards(copying)
+        return {**model_state, **now}, optim_state
 
     def stalls(self) -> float:
         """Training's seconds in saves (the worker adds them) and fences since the last call."""
@@ -208,29 +244,25 @@ def empty_like(tree, pin: bool):
                     if isinstance(v, torch.Tensor) else None, tree)
 
 
-def empty_shards(state: dict, pin: bool) -> dict:
+def empty_shards(state: dict, pin: bool, zero: bool = True) -> dict:
     """`empty_like` for a sharded state: DTensors of the same meshes and placements, their
-    local shards in host memory."""
+    local shards in host memory (torch's own helper, the one its async checkpointing stages
+    with), zeroed when `zero` (their pages mapped now, not by the first copy)."""
     from torch.distributed._state_dict_utils import _create_cpu_state_dict
 
     buffers = _create_cpu_state_dict(state, pin_memory=pin)
-    for t in tree_leaves(buffers):
+    for t in tree_leaves(buffers) if zero else ():
         if isinstance(t, torch.Tensor):
-            local(t).zero_()  # its pages mapped now, not by the first copy
+            local(t).zero_()
     return buffers
 
 
-def _stage_shards(buffers: Optional[dict], state: dict, pin: bool) -> dict:
-    """A sharded state (DTensors) copied into host memory, reusing `buffers` (the previous copy,
-    of this world). Each copy stays a DTensor of the same mesh and placements, its local shard
-    on the CPU, which is what DCP's planner reads: torch's own helpers for this, those its
-    async checkpointing stages with (`staging.BlockingAsyncStager`; that class pins memory
-    always, which a CPU-only torch cannot)."""
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-    if buffers is None:
-        buffers = _create_cpu_state_dict(state, pin_memory=pin)
-    copied = _copy_state_dict(state, buffers, non_blocking=pin)
-    if pin:
-        torch.cuda.synchronize()  # the copies into page-locked memory have landed
-    return copied
+def _same_shapes(state: dict, buffers: dict) -> bool:
+    """Whether `buffers` (a copy of an earlier state) can hold a copy of `state`: the same
+    keys in the same order, and tensors of the same local shapes and dtypes."""
+    leaves, spec = tree_flatten(state)
+    old, old_spec = tree_flatten(buffers)
+    return spec == old_spec and all(
+        isinstance(b, torch.Tensor) and local(b).shape == local(t).shape and b.dtype == t.dtype
+        if isinstance(t, torch.Tensor) else not isinstance(b, torch.Tensor)
+        for t, b in zip(leaves, old))

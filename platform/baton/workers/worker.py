@@ -36,7 +36,7 @@ from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
 from baton.tasks import VALID, example_inputs, make_task, padded
 from baton.tracking import profile
-from baton.training import param_digest
+from baton.training import local, param_digest
 from baton.workers import host
 from baton.workers.saves import BackgroundSaves, empty_like, empty_shards
 
@@ -336,9 +336,10 @@ class Worker:
             return self._write(store, step, state, rng)
         if self.engine.sharded:
             model_state, optim_state = state
-            copied = self.saves.stage_shards({"model": model_state, "optim": optim_state["state"]})
-            planned = _sharded().PlannedSave(copied, store.shards(step))
-            self.saves.planned[step] = (planned, store, rng)
+            copied, copying = self.saves.copy_shards(
+                {"model": model_state, "optim": optim_state["state"]}, self._param_pointers())
+            planned = _sharded().PlannedSave(copied, store.shards(step))  # from shapes: values later
+            self.saves.planned[step] = (planned, store, rng, copying)
             return {"plan": planned.plan()}
         copying = self.saves.copy(state, self._param_pointers()) if state is not None else None
 
@@ -348,7 +349,8 @@ class Worker:
         return None
 
     def _param_pointers(self) -> set[int]:
-        return {q.data_ptr() for q in self.engine.module.parameters()}
+        """The parameters' data pointers (of their local shards: a DTensor's own is 0)."""
+        return {local(q).data_ptr() for q in self.engine.module.parameters()}
 
     def _prestage(self) -> None:
         """After a world's first step (the optimizer's state exists from then on), allocate the
@@ -369,9 +371,10 @@ class Worker:
     def write_planned(self, step: int, plan) -> None:
         """Start writing this worker's part of background save `step`'s global plan; `written`
         returns (DCP's results, the records of its files)."""
-        planned, store, rng = self.saves.planned.pop(step)
+        planned, store, rng, copying = self.saves.planned.pop(step)
 
         def write():
+            BackgroundSaves.landed_shards(copying)  # the values DCP's writes read
             results, names = planned.write(plan)
             parts = store.records(step, [f"{SHARDS}/{n}" for n in names])
             return results, parts + [store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)]
