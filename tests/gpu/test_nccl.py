@@ -91,10 +91,12 @@ def test_nccl_training_tracks_the_cpu_reference(tmp_path, compiled):
     _assert_close(got, want, rtol=1e-3, atol=spec.train.lr / 10)
 
 
-def test_background_saves_on_cuda_equal_the_synchronous_ones(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_background_saves_on_cuda_equal_the_synchronous_ones(tmp_path, shard):
     """checkpoint.async on a GPU, a checkpoint every step: the copy runs on a stream of its
     own beside the next step's forward and backward, and that step's optimizer waits for it on
-    the device (workers/saves.py). Every checkpoint holds what a synchronous save writes at the
+    the device (workers/saves.py); `full`: FSDP2's shards into page-locked DTensors, written
+    through DCP (a world of one GPU, which elastic.max_dp lets shard). Every checkpoint holds what a synchronous save writes at the
     same step, within the bound of the test above (measured there for GPU against CPU: 0.0165
     of it; two GPU runs of the same kernels can only be closer, and this comparison has not
     run on a GPU yet), while a copy that caught the next update, whole or in part, is off by
@@ -103,7 +105,8 @@ def test_background_saves_on_cuda_equal_the_synchronous_ones(tmp_path):
     data = write_dataset(tmp_path / "data", 64, 32)
     stores = {}
     for mode in ("sync", "async"):
-        raw = tiny_spec(tmp_path / mode, data, name=f"gpu-save-{mode}", parallel={"dp": 1},
+        raw = tiny_spec(tmp_path / mode, data, name=f"gpu-save-{mode}",
+                        parallel={"dp": 1, "shard": shard}, elastic={"min_dp": 1, "max_dp": 2},
                         resources={"cpus_per_worker": 1, "gpus_per_worker": 1},
                         train={"steps": 4, "global_batch": 8, "micro_batch": 4, "compile": False},
                         checkpoint={"every_steps": 1, "keep": 10, "async": mode == "async"})
@@ -113,6 +116,7 @@ def test_background_saves_on_cuda_equal_the_synchronous_ones(tmp_path):
     lr = spec_from_dict(raw).train.lr
     for step in (1, 2, 3, 4):
         assert stores["async"].verify(step) is None
+        assert stores["async"].is_sharded(step) == (shard == "full")
         got, want = stores["async"].read_model(step), stores["sync"].read_model(step)
         print(f"step {step}: bit for bit {all(torch.equal(got[k], want[k]) for k in want)}")
         _assert_close(got, {k: v.float().cpu() for k, v in want.items()}, rtol=1e-3, atol=lr / 10)

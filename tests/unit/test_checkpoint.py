@@ -265,6 +265,13 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
         for name, value in saved.items():
             assert torch.equal(written[name], value), name
         assert torch.equal(sharded.read_full(where, "optim")["0.weight"]["exp_avg"], saved_moment)
+        model_state, optim_state = get_state_dict(model, opt)  # the next save: the same buffers
+        again, copying = saves.copy_shards({"model": model_state, "optim": optim_state["state"]}, params)
+        BackgroundSaves.landed_shards(copying)
+        for a, b in [(again["model"]["0.weight"], copied["model"]["0.weight"]),
+                     (again["optim"]["2.bias"]["exp_avg_sq"], copied["optim"]["2.bias"]["exp_avg_sq"])]:
+            assert local(a).data_ptr() == local(b).data_ptr()
+        assert torch.equal(local(again["model"]["0.weight"]), local(model[0].weight))
     finally:
         dist.destroy_process_group()
 

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from baton.training import local
 
@@ -97,8 +97,11 @@ class BackgroundSaves:
         buffers = None if self.planned else self.buffers
         if buffers is None or not _same_shapes(state, buffers):
             buffers = empty_shards(state, self.pin, zero=False)
-        pairs = [(local(s), local(d)) for s, d in zip(tree_leaves(state), tree_leaves(buffers))
-                 if isinstance(s, torch.Tensor)]
+        leaves, spec = tree_flatten(state)  # plain values (none in baton's states) as of now
+        copies = [b if isinstance(b, torch.Tensor) else copy.deepcopy(v)
+                  for v, b in zip(leaves, tree_leaves(buffers))]
+        buffers = tree_unflatten(copies, spec)
+        pairs = [(local(v), local(b)) for v, b in zip(leaves, copies) if isinstance(v, torch.Tensor)]
         now = {local(t).data_ptr() for t in tree_leaves(state["model"])
                if isinstance(t, torch.Tensor)} - params
         later = [(s, d) for s, d in pairs if s.data_ptr() not in now]
