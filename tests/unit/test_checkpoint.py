@@ -221,7 +221,7 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
 
     from baton.checkpoint import sharded
     from baton.training import local
-    from baton.workers.saves import BackgroundSaves
+    from baton.workers.saves import BackgroundSaves, empty_shards
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -238,10 +238,13 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
         saved_moment = local(optim_state["state"]["0.weight"]["exp_avg"]).clone()
 
         saves = BackgroundSaves(torch.device("cpu"))
+        state = {"model": model_state, "optim": optim_state["state"]}
+        saves.prestage(lambda: empty_shards(state, pin=False))  # as after a world's first step
+        ahead = saves.prestaged.result()
         gate = threading.Event()
         saves.copier.submit(gate.wait)  # the copy below queues behind this
         params = {local(q).data_ptr() for q in model.parameters()}
-        copied, copying = saves.copy_shards({"model": model_state, "optim": optim_state["state"]}, params)
+        copied, copying = saves.copy_shards(state, params)
         where = sharded.Location(pafs.LocalFileSystem(), str(tmp_path / "shards"))
         planned = sharded.PlannedSave(copied, where)
         plans, finish = sharded.plan_globally(where, [planned.plan()])  # nothing landed yet
@@ -257,6 +260,9 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
         assert not fenced.is_alive()
         opt.step()
         assert not torch.equal(local(model[0].weight), saved["0.weight"])  # the step changed it
+        for a, b in [(copied["model"]["0.weight"], ahead["model"]["0.weight"]),
+                     (copied["optim"]["2.bias"]["exp_avg_sq"], ahead["optim"]["2.bias"]["exp_avg_sq"])]:
+            assert local(a).data_ptr() == local(b).data_ptr()  # the buffers allocated ahead
         assert saves.buffers is copied  # kept for the next save
         BackgroundSaves.landed_shards(copying)
         results, _ = planned.write(plans[0])

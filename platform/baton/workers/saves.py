@@ -22,7 +22,8 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import (tree_flatten, tree_flatten_with_path, tree_leaves, tree_map,
+                                 tree_unflatten)
 
 from baton.training import local
 
@@ -261,11 +262,12 @@ def empty_shards(state: dict, pin: bool, zero: bool = True) -> dict:
 
 
 def _same_shapes(state: dict, buffers: dict) -> bool:
-    """Whether `buffers` (a copy of an earlier state) can hold a copy of `state`: the same
-    keys in the same order, and tensors of the same local shapes and dtypes."""
-    leaves, spec = tree_flatten(state)
-    old, old_spec = tree_flatten(buffers)
-    return spec == old_spec and all(
-        isinstance(b, torch.Tensor) and local(b).shape == local(t).shape and b.dtype == t.dtype
-        if isinstance(t, torch.Tensor) else not isinstance(b, torch.Tensor)
-        for t, b in zip(leaves, old))
+    """Whether `buffers` (a copy of an earlier state, or allocated ahead) can hold a copy of
+    `state`: the same keys in the same order (a dict's type aside: a state dict is an
+    OrderedDict, torch's copy of it a dict), and tensors of the same local shapes and dtypes."""
+    leaves, old = tree_flatten_with_path(state)[0], tree_flatten_with_path(buffers)[0]
+    return len(leaves) == len(old) and all(
+        path == old_path and (isinstance(b, torch.Tensor) and local(b).shape == local(t).shape
+                              and b.dtype == t.dtype
+                              if isinstance(t, torch.Tensor) else not isinstance(b, torch.Tensor))
+        for (path, t), (old_path, b) in zip(leaves, old))
