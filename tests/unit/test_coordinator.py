@@ -297,11 +297,11 @@ class OrderOnlyFeed:
         pass
 
 
-def _coordinator(tmp_path, cluster, **elastic):
+def _coordinator(tmp_path, cluster, parallel=None, **elastic):
     spec = spec_from_dict({
         "name": "fake", "data": {"source": "parquet", "path": str(tmp_path)},
         "train": {"steps": 8, "global_batch": 4, "warmup_steps": 0},
-        "parallel": {"dp": 2}, "checkpoint": {"path": str(tmp_path / "ckpt"), "every_steps": 2},
+        "parallel": parallel or {"dp": 2}, "checkpoint": {"path": str(tmp_path / "ckpt"), "every_steps": 2},
         "tracking": {"enabled": False}, "elastic": {"max_failures": 3, **elastic}})
     c = Coordinator(spec, NullTracker(), record_samples=True, show_progress=False,
                     group_factory=lambda s, d: FakeGroup(s, d, cluster))
@@ -515,16 +515,18 @@ def test_background_saves_commit_at_the_next_boundary_and_the_end_waits_for_the_
     assert c.commits.pending is None and c.commits.last.endswith("step_00000008")
 
 
-@pytest.mark.parametrize("free", [1, 2])
-def test_parameters_are_hashed_only_where_there_are_replicas_to_compare(tmp_path, free):
+@pytest.mark.parametrize("free,shard", [(1, "none"), (2, "none"), (2, "full")])
+def test_parameters_are_hashed_only_where_there_are_replicas_to_compare(tmp_path, free, shard):
     """Each checkpoint compares the replicas' parameter digests; a world of one replica (here
-    the cluster holds one worker) has nothing to compare and hashes nothing."""
-    c = _coordinator(tmp_path, FakeCluster(free=free), min_dp=1)
+    the cluster holds one worker, or two hold one replica's shards) has nothing to compare
+    and hashes nothing."""
+    c = _coordinator(tmp_path, FakeCluster(free=free), parallel={"dp": 2, "shard": shard}, min_dp=1)
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert c.dims.dp == free and c.store.committed_steps() == [6, 8]
     digests = [r for m, r in c.group.calls if m == "digest"]
-    assert digests == ([] if free == 1 else [0, 1] * 4)
-    assert c.commits.replica_digests == (["same", "same"] if free == 2 else [])
+    replicas = free == 2 and shard == "none"
+    assert digests == ([0, 1] * 4 if replicas else [])
+    assert c.commits.replica_digests == (["same", "same"] if replicas else [])
 
 
 def test_saves_due_faster_than_the_store_writes_them_are_said_once_and_all_commit(tmp_path, capsys):

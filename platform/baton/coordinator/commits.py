@@ -60,12 +60,13 @@ class Commits:
         """Start checkpoint `step`: a clean folder, and each worker's save and parameter digest
         queued behind the step in flight (with replicas to compare: hashing the parameters of
         a world of one replica, 0.2-0.3 s of the training thread for 113 M parameters on a CPU,
-        would check nothing). A save still being written is committed first."""
+        would check nothing; nor would hashing shards no other worker holds, under `full`
+        sharding with one replica group). A save still being written is committed first."""
         self._drain_before(group, step)
         self._begin(step)
         background = self.background if background is None else background
         return Save(step, dims, group.submit("save", self.store.root, step, background),
-                    group.submit("digest") if dims.dp > 1 else [], background)
+                    group.submit("digest") if dims.dp_replicate > 1 else [], background)
 
     def staged(self, group, save: Save, meta: dict) -> None:
         """`save`'s step has completed: commit it now (sync), or once written (background)."""
