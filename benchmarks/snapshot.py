@@ -84,7 +84,7 @@ def main() -> None:
             return {"model": model_state, "optim": optim_state["state"]}
         buffers = empty_shards(state(), pin=False)
         copy_between = lambda: _copy_state_dict(state(), buffers)  # noqa: E731
-        copy_beside = lambda: saves.copy_shards(state(), params)  # noqa: E731
+        copy_beside = lambda: saves.copy_shards(state(), params, lambda c: c)  # noqa: E731
         first = state()
         saves.prestage(lambda: empty_shards(first, pin=False))
     else:

@@ -206,6 +206,34 @@ def test_a_background_copy_holds_the_state_of_its_save_while_the_next_step_runs(
     assert saves.stalls() >= 0.3 and saves.stalls() == 0.0  # the fence's wait, reported once
 
 
+def test_the_writing_thread_runs_behind_training_in_a_worker_at_rays_priority():
+    """Ray starts its workers at nice 15; the thread that writes background saves must come
+    after the training thread that starts it, not before (it took a fixed nice 10, ahead of
+    training wherever the process could raise a thread's priority, as root)."""
+    import os
+    import threading
+
+    from baton.workers.saves import BackgroundSaves
+
+    seen = {}
+
+    def as_a_ray_worker():  # a thread at Ray's worker niceness starts the saves
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 15)
+        seen["training"] = os.getpriority(os.PRIO_PROCESS, tid)
+        saves = BackgroundSaves(torch.device("cpu"))
+        seen["writer"] = saves.writer.submit(
+            lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        ).result(10)
+        saves.writer.shutdown()
+    t = threading.Thread(target=as_a_ray_worker)
+    t.start()
+    t.join(20)
+    policy, nice = seen["writer"]
+    assert seen["training"] == 15
+    assert policy == os.SCHED_IDLE or (policy == os.SCHED_OTHER and nice > 15), seen
+
+
 def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(tmp_path):
     """The same for sharded state (FSDP2's DTensors, a world of one here): the copy's DCP plan
     is made at the save, before any value has landed; the parameters' and moments' shards are
@@ -244,9 +272,9 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
         gate = threading.Event()
         saves.copier.submit(gate.wait)  # the copy below queues behind this
         params = {local(q).data_ptr() for q in model.parameters()}
-        copied, copying = saves.copy_shards(state, params)
         where = sharded.Location(pafs.LocalFileSystem(), str(tmp_path / "shards"))
-        planned = sharded.PlannedSave(copied, where)
+        (copied, planned), copying = saves.copy_shards(
+            state, params, lambda c: (c, sharded.PlannedSave(c, where)))
         plans, finish = sharded.plan_globally(where, [planned.plan()])  # nothing landed yet
         fenced = threading.Thread(target=saves.fence, daemon=True)
         try:
@@ -272,7 +300,8 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
             assert torch.equal(written[name], value), name
         assert torch.equal(sharded.read_full(where, "optim")["0.weight"]["exp_avg"], saved_moment)
         model_state, optim_state = get_state_dict(model, opt)  # the next save: the same buffers
-        again, copying = saves.copy_shards({"model": model_state, "optim": optim_state["state"]}, params)
+        again, copying = saves.copy_shards({"model": model_state, "optim": optim_state["state"]},
+                                           params, lambda c: c)
         BackgroundSaves.landed_shards(copying)
         for a, b in [(again["model"]["0.weight"], copied["model"]["0.weight"]),
                      (again["optim"]["2.bias"]["exp_avg_sq"], copied["optim"]["2.bias"]["exp_avg_sq"])]:

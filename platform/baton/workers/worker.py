@@ -336,11 +336,13 @@ class Worker:
             return self._write(store, step, state, rng)
         if self.engine.sharded:
             model_state, optim_state = state
-            copied, copying = self.saves.copy_shards(
-                {"model": model_state, "optim": optim_state["state"]}, self._param_pointers())
-            planned = _sharded().PlannedSave(copied, store.shards(step))  # from shapes: values later
+            def plan(copied: dict) -> tuple:  # from the copy's shapes: its values land later
+                planned = _sharded().PlannedSave(copied, store.shards(step))
+                return planned, planned.plan()
+            (planned, local_plan), copying = self.saves.copy_shards(
+                {"model": model_state, "optim": optim_state["state"]}, self._param_pointers(), plan)
             self.saves.planned[step] = (planned, store, rng, copying)
-            return {"plan": planned.plan()}
+            return {"plan": local_plan}
         copying = self.saves.copy(state, self._param_pointers()) if state is not None else None
 
         def write():
