@@ -292,7 +292,7 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
                      (copied["optim"]["2.bias"]["exp_avg_sq"], ahead["optim"]["2.bias"]["exp_avg_sq"])]:
             assert local(a).data_ptr() == local(b).data_ptr()  # the buffers allocated ahead
         assert saves.buffers is copied  # kept for the next save
-        BackgroundSaves.landed_shards(copying)
+        BackgroundSaves.landed_copy(copying)
         results, _ = planned.write(plans[0])
         finish([results])
         written = sharded.read_full(where, "model")
@@ -302,7 +302,7 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
         model_state, optim_state = get_state_dict(model, opt)  # the next save: the same buffers
         again, copying = saves.copy_shards({"model": model_state, "optim": optim_state["state"]},
                                            params, lambda c: c)
-        BackgroundSaves.landed_shards(copying)
+        BackgroundSaves.landed_copy(copying)
         for a, b in [(again["model"]["0.weight"], copied["model"]["0.weight"]),
                      (again["optim"]["2.bias"]["exp_avg_sq"], copied["optim"]["2.bias"]["exp_avg_sq"])]:
             assert local(a).data_ptr() == local(b).data_ptr()

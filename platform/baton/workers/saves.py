@@ -91,8 +91,8 @@ class BackgroundSaves:
         same meshes and placements with their local shards in host memory; `plan(copy)` runs
         before any value has landed (DCP plans from shapes alone) and before the copying thread
         starts (a plan is Python work, and the copy's thread would contend with it for the
-        interpreter: 0.26-0.32 s against 0.1 s alone, measured through baton on 2 cores).
-        Returns what `plan` returns and the future the values land by (`landed_shards`). The
+        interpreter: 0.26-0.32 s against 0.1 s alone in a probe through baton on 2 cores).
+        Returns what `plan` returns and the future the values land by (`landed_copy`). The
         model's tensors that are not parameters are copied before this returns, the rest
         beside the next step. The last copy's buffers are reused unless a plan not yet written
         still reads them (its write can come after this next save: seen in CI, checkpoint 1 of
@@ -108,24 +108,21 @@ class BackgroundSaves:
         buffers = tree_unflatten(copies, spec)
         now = {local(t).data_ptr() for t in tree_leaves(state["model"])
                if isinstance(t, torch.Tensor)} - params
-        later: tuple[list, list] = ([], [])  # (sources, copies)
-        for v, b in zip(leaves, copies):
-            if isinstance(v, torch.Tensor):
-                v, b = local(v), local(b)
-                if v.data_ptr() in now:
-                    b.copy_(v)  # blocking: copied before this returns
-                else:
-                    later[0].append(v), later[1].append(b)
+        pairs = [(local(v), local(b)) for v, b in zip(leaves, copies) if isinstance(v, torch.Tensor)]
+        for v, b in pairs:
+            if v.data_ptr() in now:
+                b.copy_(v)  # blocking: copied before this returns
+        later = [(v, b) for v, b in pairs if v.data_ptr() not in now]
         planned = plan(buffers)
 
         def copy_later(pin: bool) -> dict:
             if pin:  # device to host: each copy is queued on the copying stream
-                for v, b in zip(*later):
+                for v, b in later:
                     b.copy_(v, non_blocking=True)
             else:  # one call for all: Python's lock taken once, not once a tensor
-                torch._foreach_copy_(later[1], later[0])
+                torch._foreach_copy_([b for _, b in later], [v for v, _ in later])
             return buffers
-        return planned, self._beside_next_step(copy_later, later[0])
+        return planned, self._beside_next_step(copy_later, [v for v, _ in later])
 
     def _beside_next_step(self, copy_later: Callable[[bool], Any],
                           sources: list) -> concurrent.futures.Future:
@@ -173,7 +170,7 @@ class BackgroundSaves:
         return True
 
     @staticmethod
-    def landed_shards(copying: concurrent.futures.Future) -> dict:
+    def landed_copy(copying: concurrent.futures.Future) -> dict:
         """On the writing thread: the copy, once in host memory (raises the copy's error)."""
         copied, done = copying.result()
         if done is not None:
@@ -182,8 +179,8 @@ class BackgroundSaves:
 
     @staticmethod
     def landed(copying: concurrent.futures.Future) -> tuple[dict, dict]:
-        """`landed_shards` for a replica's copy: (model state, optimizer state)."""
-        now, (model_state, optim_state) = BackgroundSaves.landed_shards(copying)
+        """`landed_copy` for a replica's copy: (model state, optimizer state)."""
+        now, (model_state, optim_state) = BackgroundSaves.landed_copy(copying)
         return {**model_state, **now}, optim_state
 
     def stalls(self) -> float:

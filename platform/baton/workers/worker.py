@@ -376,7 +376,7 @@ class Worker:
         planned, store, rng, copying = self.saves.planned.pop(step)
 
         def write():
-            BackgroundSaves.landed_shards(copying)  # the values DCP's writes read
+            BackgroundSaves.landed_copy(copying)  # the values DCP's writes read
             results, names = planned.write(plan)
             parts = store.records(step, [f"{SHARDS}/{n}" for n in names])
             return results, parts + [store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)]
