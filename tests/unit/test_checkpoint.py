@@ -247,6 +247,7 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from baton import storage
     from baton.checkpoint import sharded
     from baton.training import local
     from baton.workers.saves import BackgroundSaves, empty_shards
@@ -293,8 +294,11 @@ def test_a_sharded_background_copy_is_planned_at_the_save_and_written_as_of_it(t
             assert local(a).data_ptr() == local(b).data_ptr()  # the buffers allocated ahead
         assert saves.buffers is copied  # kept for the next save
         BackgroundSaves.landed_copy(copying)
-        results, _ = planned.write(plans[0])
-        finish([results])
+        results, records = planned.write(plans[0])
+        records += finish([results])  # the index's record
+        assert sorted(r["name"] for r in records) == sorted(f"shards/{f.name}" for f in (tmp_path / "shards").iterdir())
+        for r in records:  # counted and checksummed as written, as a read-back finds them
+            assert r == {"name": r["name"], **storage.file_record(where.fs, f"{tmp_path}/{r['name']}")}
         written = sharded.read_full(where, "model")
         for name, value in saved.items():
             assert torch.equal(written[name], value), name

@@ -86,6 +86,65 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, w
     assert store.latest_verified() == (10, [])
 
 
+def test_parts_recorded_with_sha256_by_older_versions_still_verify(tmp_path):
+    """New parts carry CRC-32; a checkpoint whose meta.json records SHA-256 (baton before the
+    change) verifies with SHA-256, and a flipped byte still fails it."""
+    import hashlib
+
+    store = CheckpointStore(str(tmp_path / "job"))
+    parts = _write(store, 5)
+    assert all(sorted(p) == ["crc32", "name", "size"] for p in parts)
+    step_dir = tmp_path / "job" / "step_00000005"
+    for p in parts:  # as an older writer recorded them
+        del p["crc32"]
+        p["sha256"] = hashlib.sha256((step_dir / p["name"]).read_bytes()).hexdigest()
+    store.commit(5, _meta(5), keep=1, parts=parts)
+    assert store.latest_verified() == (5, [])
+    _flip(step_dir / "model-0000.pt")
+    assert store.latest_verified() == (None, [(5, "part model-0000.pt does not match its checksum")])
+
+
+def test_parts_skip_the_zip_checksum_torch_save_computes_and_still_load(tmp_path):
+    """torch.save's zip computes a CRC-32 of every tensor's bytes, which torch.load never
+    reads: a part carries its own checksum, so baton's writes switch torch's off (process-wide
+    in torch) and put it back after."""
+    import zipfile
+
+    store = CheckpointStore(str(tmp_path / "job"))
+    parts = _write(store, 5, value=3.0)
+    with zipfile.ZipFile(tmp_path / "job" / "step_00000005" / "model-0000.pt") as z:
+        assert [i.CRC for i in z.infolist() if i.filename.endswith("/data/0")] == [0]
+    assert torch.serialization.get_crc32_options() is True
+    store.commit(5, _meta(5), keep=1, parts=parts)
+    assert torch.equal(store.read_tensors(5, "model-0000.pt")["w"], torch.full((64,), 3.0))
+
+
+def test_a_sharded_checkpoint_records_its_files_as_dcp_writes_them(tmp_path):
+    """DCP's files (each worker's shards and the index) are counted and checksummed on their
+    way to the disk, not read back: every record matches the file, none is missing, and a
+    flipped byte in a shard fails verification."""
+    import torch.distributed as dist
+
+    from baton import storage
+    from baton.checkpoint import sharded
+
+    store = CheckpointStore(str(tmp_path / "job"))
+    store.begin(3)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        records = sharded.save({"model": {"w": torch.randn(1000), "b": torch.arange(7.0)}}, store.shards(3))
+    finally:
+        dist.destroy_process_group()
+    shards = tmp_path / "job" / "step_00000003" / "shards"
+    assert sorted(r["name"] for r in records) == sorted(f"shards/{f.name}" for f in shards.iterdir())
+    for r in records:
+        assert r == {"name": r["name"], **storage.file_record(store.fs, f"{store.step_dir(3)}/{r['name']}")}
+    store.commit(3, {"step": 3, "layout": {"dp": 1, "pp": 1, "shard": "full"}}, keep=1, parts=records)
+    assert store.latest_verified() == (3, [])
+    _flip(next(f for f in shards.iterdir() if f.suffix == ".distcp"))
+    assert store.latest_verified()[0] is None
+
+
 def test_keep_1_never_deletes_the_only_good_checkpoint(tmp_path):
     """v0.5 committed a checkpoint with no parts and, at keep 1, deleted the good one."""
     store = CheckpointStore(str(tmp_path / "job"))

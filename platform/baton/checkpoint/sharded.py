@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from baton.checkpoint.store import METADATA
+from baton import storage
+from baton.checkpoint.store import METADATA, SHARDS, no_zip_checksums
 from baton.errors import CheckpointError
 
 # (module, name) pairs a DCP .metadata may name; anything else is refused
@@ -112,24 +113,55 @@ class ArrowFileSystem(FileSystemBase):
         return [i.path for i in infos]
 
 
+class _Recorded:
+    """DCP's file operations (`files`), with every file written counted and checksummed as it
+    goes through (`storage.ChecksumWriter`), so that the commit has each file's record without
+    reading 1.4 GB back (0.14 s of a core here for a 685 MB shard, beside the checksum itself).
+    Records are keyed by the file's name in the checkpoint's folder; a rename (DCP writes its
+    index under a temporary name) moves its record."""
+
+    def __init__(self, files: FileSystemBase):
+        self.files, self.records = files, {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.files, name)
+
+    @staticmethod
+    def _name(path) -> str:
+        return f"{SHARDS}/{str(path).rstrip('/').rsplit('/', 1)[-1]}"
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator:
+        with self.files.create_stream(path, mode) as stream:
+            if mode != "wb":
+                yield stream
+                return
+            counted = storage.ChecksumWriter(stream)
+            yield counted
+        self.records[self._name(path)] = counted.record()
+
+    def rename(self, path, new_path) -> None:
+        self.files.rename(path, new_path)
+        self.records[self._name(new_path)] = self.records.pop(self._name(path))
+
+
 class _Writer(dcp.FileSystemWriter):
-    """DCP's writer, on any pyarrow filesystem, remembering the files it wrote (the commit
-    records each one's size and checksum)."""
+    """DCP's writer, on any pyarrow filesystem, recording the files it writes (name, size and
+    checksum: what the commit records of each part)."""
 
     def __init__(self, where: Location):
         super().__init__(where.path, sync_files=where.local)
         if not where.local:
             self.fs, self.path = ArrowFileSystem(where.fs), where.path
-        self.written: list[str] = []  # file names in the checkpoint's folder
+        self.fs = _Recorded(self.fs)
 
     def write_data(self, plan, planner):
-        done = super().write_data(plan, planner)  # written by the time it returns
-        self.written += sorted({r.storage_data.relative_path for r in done.wait()})
-        return done
+        with no_zip_checksums():  # DCP torch.saves each tensor into its file
+            return super().write_data(plan, planner)  # written by the time it returns
 
-    def finish(self, metadata, results) -> None:  # the index, on the coordinating rank
-        super().finish(metadata, results)
-        self.written.append(METADATA)
+    @property
+    def records(self) -> list[dict]:
+        return [{"name": name, **rec} for name, rec in sorted(self.fs.records.items())]
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -155,12 +187,12 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def save(state: dict, where: Location) -> list[str]:
+def save(state: dict, where: Location) -> list[dict]:
     """Write this worker's shards of `state` (every worker of the world calls it); returns the
-    names of the files this worker wrote in `where` (the index too, on the coordinating rank)."""
+    records of the files this worker wrote (the index too, on the coordinating rank)."""
     writer = _Writer(where)
     dcp.save(state, storage_writer=writer, process_group=where.group)
-    return writer.written
+    return writer.records
 
 
 def forget_meshes() -> None:
@@ -241,20 +273,24 @@ class PlannedSave:
     def plan(self) -> SavePlan:
         return self.writer.prepare_local_plan(self.planner.create_local_plan())
 
-    def write(self, plan: SavePlan) -> tuple[list, list[str]]:
+    def write(self, plan: SavePlan) -> tuple[list, list[dict]]:
         """Write this worker's part of the global plan. Returns the results, for
-        `plan_globally`'s `finish`, and the names of the files written."""
+        `plan_globally`'s `finish`, and the records of the files written."""
         writes = self.writer.write_data(self.planner.finish_plan(plan), self.planner)
-        return writes.wait(), self.writer.written
+        return writes.wait(), self.writer.records
 
 
 def plan_globally(where: Location, plans: list[SavePlan]) -> tuple[list[SavePlan], Callable]:
     """The coordinator's round of a `PlannedSave`: each worker's part of the global plan (a
     tensor several workers hold is written by one), and `finish(results)`, which writes the
-    index once every worker has written its part."""
+    index once every worker has written its part and returns the index's record."""
     planner, writer = DefaultSavePlanner(), _Writer(where)
     global_plans, metadata = planner.create_global_plan(plans)
-    return writer.prepare_global_plan(global_plans), lambda results: writer.finish(metadata, results)
+
+    def finish(results: list) -> list[dict]:
+        writer.finish(metadata, results)
+        return writer.records
+    return writer.prepare_global_plan(global_plans), finish
 
 
 def load(state: dict, where: Location) -> None:

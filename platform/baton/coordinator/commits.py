@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from baton.checkpoint import CheckpointStore
-from baton.checkpoint.store import METADATA, SHARDS
 from baton.checkpoint.lease import Lease
 from baton.errors import WorkerError
 from baton.parallel import ParallelDims
@@ -42,7 +41,7 @@ class Save:
     background: bool
     meta: Optional[dict] = None  # when its step has completed
     written_refs: Optional[list] = None  # background: each worker's parts, once written
-    finish: Optional[Callable] = None  # background and sharded: writes DCP's index
+    finish: Optional[Callable] = None  # background and sharded: writes DCP's index, returns its record
 
 
 class Commits:
@@ -121,9 +120,8 @@ class Commits:
         if save.finish is None:
             self._finish(group, save, [p for parts in written for p in parts])
             return
-        save.finish([results for results, _ in written])  # the index, once every shard is written
-        self._finish(group, save, [p for _, parts in written for p in parts]
-                     + self.store.records(save.step, [f"{SHARDS}/{METADATA}"]))
+        index = save.finish([results for results, _ in written])  # once every shard is written
+        self._finish(group, save, [p for _, parts in written for p in parts] + index)
 
     def abandon(self) -> None:
         """A failure: the save in flight is never committed (its folder stays torn)."""

@@ -20,7 +20,6 @@ from typing import Any, Optional
 import ray
 
 from baton.checkpoint import CheckpointStore
-from baton.checkpoint.store import METADATA, SHARDS
 from baton.errors import WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
@@ -332,8 +331,8 @@ class WorkerGroup:
             plans, finish = sharded.plan_globally(store.shards(step), [k["plan"] for k in kept])
             written = ray.get([a.write_kept_shards.remote(root, step, p) for a, p in zip(actors, plans)],
                               timeout=timeout)
-            finish([results for results, _ in written])
-            return [p for _, parts in written for p in parts] + store.records(step, [f"{SHARDS}/{METADATA}"])
+            index = finish([results for results, _ in written])
+            return [p for _, parts in written for p in parts] + index
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, OSError, ValueError):
             return None  # ValueError: DCP found the plans inconsistent
 

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from baton.checkpoint import CheckpointStore
-from baton.checkpoint.store import SHARDS
 from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
 from baton.errors import WorkerError
@@ -157,10 +156,9 @@ class Worker:
     def write_kept_shards(self, root: str, step: int, plan) -> tuple[list, list[dict]]:
         """This worker's part of the global plan: DCP's results, and the records of its files."""
         try:
-            results, names = self.kept_save.write(plan)
+            return self.kept_save.write(plan)
         finally:
             self.kept_save = None
-        return results, CheckpointStore(root).records(step, [f"{SHARDS}/{n}" for n in names])
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and the port of the group's store, which rank 0 hosts: bound here to
@@ -314,7 +312,7 @@ class Worker:
     @_in_world
     def save(self, root: str, step: int, background: bool = False) -> Optional[Any]:
         """Write this worker's parts of checkpoint `step`; returns their records (name, size,
-        SHA-256) for the commit. `background`: copy the state to host memory, off the training
+        checksum) for the commit. `background`: copy the state to host memory, off the training
         thread where it can be (workers/saves.py), and return at once; a thread writes the
         copy, and `written(step)` returns the records. Sharded state in the background is
         written in DCP's two rounds with the coordinator carrying the plans, as the survivors'
@@ -377,8 +375,7 @@ class Worker:
 
         def write():
             BackgroundSaves.landed_copy(copying)  # the values DCP's writes read
-            results, names = planned.write(plan)
-            parts = store.records(step, [f"{SHARDS}/{n}" for n in names])
+            results, parts = planned.write(plan)
             return results, parts + [store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)]
         self.saves.started(step, self.saves.writer.submit(write))
 
@@ -392,8 +389,7 @@ class Worker:
         parts = []
         if self.engine.sharded:  # every worker writes its shards, in parallel
             model_state, optim_state = state
-            names = _sharded().save({"model": model_state, "optim": optim_state["state"]}, self._shards(store, step))
-            parts += store.records(step, [f"{SHARDS}/{n}" for n in names])  # read back: DCP wrote them
+            parts += _sharded().save({"model": model_state, "optim": optim_state["state"]}, self._shards(store, step))
         elif state is not None:  # replicas are identical: one copy of each stage is enough
             model_state, optim_state = state
             parts.append(store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state))
