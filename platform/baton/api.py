@@ -49,16 +49,16 @@ def plan_resume(spec: JobSpec, source: str,
                 resume: Optional[bool]) -> tuple[Optional[dict], list[tuple[int, str]]]:
     """The metadata of the checkpoint to resume from (None for a fresh start), and the newer
     committed checkpoints that failed verification (step, what failed): the run goes back
-    to the newest that verifies.
+    to the newest that verifies. Verified here by their metadata and their parts' sizes; the
+    workers check the checksums before they load (`Commits.newest_whole`): reading every
+    part here would bring the whole checkpoint through this process.
 
     resume=None resumes automatically when the job's checkpoint folder holds a committed
     checkpoint of this job; resume=True requires one."""
     store = CheckpointStore(spec.checkpoint_dir)
-    step, failed = store.latest_verified()
+    step, failed = store.latest_verified(checksums=False)
     if step is None and failed:
-        what = "; ".join(f"checkpoint {s}: {why}" for s, why in failed)
-        raise CheckpointError(f"{source}: no checkpoint in {storage.redact(spec.checkpoint_dir)} "
-                              f"verifies ({what}); move the folder aside to start over")
+        raise CheckpointError(f"{source}: {store.none_verifies(failed)}")
     if step is None:
         if resume:
             raise CheckpointError(f"{source}: --resume given but {spec.checkpoint_dir} holds no "

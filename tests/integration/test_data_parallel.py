@@ -56,6 +56,25 @@ def test_dp2_matches_single_process(tmp_path, model):
     assert overlap[0] == 2 and 0 <= overlap[1] <= 1  # a share; how much is in docs/benchmarks.md
 
 
+def test_a_resume_goes_back_past_a_part_whose_checksum_the_workers_find_wrong(tmp_path, capfd):
+    """A resume's checksums are read by the workers, each its share of the parts (the driver
+    checks sizes): a flipped byte in checkpoint 2 sends the run back to checkpoint 1."""
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
+    spec = tiny_spec(tmp_path, data, name="sums", train={"steps": 2})
+    assert api.run(spec_from_dict(spec), show_progress=False).step == 2
+    store = CheckpointStore(spec["checkpoint"]["path"] + "/sums")
+    part = Path(store.step_dir(2)) / "optim-0000.pt"
+    damaged = bytearray(part.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01
+    part.write_bytes(bytes(damaged))
+    result = api.run(spec_from_dict({**spec, "train": {**spec["train"], "steps": 3}}), show_progress=False)
+    assert result.state == "finished" and result.step == 3 and result.resumed_from == 1
+    assert [(e["step"], e["why"]) for e in result.events if e["kind"] == "checkpoint_rejected"] == [
+        (2, "part optim-0000.pt does not match its checksum")]
+    assert "checkpoint 2 failed verification (part optim-0000.pt does not match its checksum); it is " \
+           "set aside and the run goes back to checkpoint 1" in capfd.readouterr().out
+
+
 def test_every_sample_exactly_once_per_epoch(tmp_path):
     # 101 samples, batches of 12: 8 full batches and a short one of 5, split 3 + 2 across
     # replicas and further into micro-batches, some of them empty

@@ -18,7 +18,7 @@ from baton.data import EpochOrder
 from baton.data.feed import Batch
 from baton.data.manifest import FileEntry, Manifest
 from baton.data.source import JobData, columns
-from baton.errors import SpecError, WorkerError, WorkerLost, raised_cause
+from baton.errors import CheckpointError, SpecError, WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.spec import spec_from_dict
 from baton.tracking.mlflow_tracker import NullTracker
@@ -258,6 +258,10 @@ class FakeGroup:
         self.kept_written.append((ranks, step))
         return written_parts(CheckpointStore(root), step, [
             f"{kind}-{self.dims.coords(r)[1]:04d}.pt" for r in ranks for kind in ("model", "optim")])
+
+    def check_sums(self, root, step, parts):  # read here, as the workers would
+        self.calls.append(("check_sums", step))
+        return CheckpointStore(root).check_sums(step, parts)
 
     def kill(self, ranks):
         pass
@@ -501,6 +505,41 @@ def test_a_recovery_skips_a_checkpoint_that_fails_verification(tmp_path):
     assert c.store.committed_steps() == [4]  # 6 stays on disk (REJECTED), never loaded
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert c.store.latest() == 8 and c.store.verify(6) is None  # step 6 written again, whole
+
+
+def test_a_resume_whose_checkpoint_fails_its_checksums_on_the_workers_goes_back(tmp_path):
+    """The driver checks a resume's checkpoint by size only (api.plan_resume); the workers
+    check the checksums before loading. A flipped byte in checkpoint 6 sends the run back to
+    4 (set aside, warned, the resume's tag corrected); with every checkpoint damaged the run
+    is refused rather than started over on top of them."""
+    first = _coordinator(tmp_path, FakeCluster(free=2))
+    _tick_until(first, lambda c: c.store.latest() == 6)
+    first.group.shutdown()
+
+    def flip(step):
+        part = tmp_path / "ckpt" / "fake" / f"step_{step:08d}" / "model-0000.pt"
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        part.write_bytes(bytes(data))
+
+    flip(6)
+    assert first.store.latest_verified(checksums=False) == (6, [])  # what the driver sees
+    c = _coordinator(tmp_path, FakeCluster(free=2))
+    c.resume_meta = c.store.read_meta(6)
+    c.tick()
+    assert c.state is State.RUNNING and c.step == 4 and c.resume_meta["step"] == 4
+    assert ("check_sums", 6) in c.group.calls and ("check_sums", 4) in c.group.calls
+    assert [(e["step"], e["why"]) for e in c.events if e["kind"] == "checkpoint_rejected"] == [
+        (6, "part model-0000.pt does not match its checksum")]
+    assert c.store.committed_steps() == [4]  # (keep: 2 had dropped 2)
+
+    flip(4)
+    c = _coordinator(tmp_path, FakeCluster(free=2))
+    c.resume_meta = c.store.read_meta(4)
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies \(checkpoint 4: part "
+                                              r"model-0000.pt does not match its checksum\); move"):
+        c.tick()
+    assert c.store.committed_steps() == []
 
 
 def test_background_saves_commit_at_the_next_boundary_and_the_end_waits_for_the_last(tmp_path):

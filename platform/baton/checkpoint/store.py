@@ -132,25 +132,39 @@ class CheckpointStore:
 
     # -- verifying ------------------------------------------------------------------------------
 
-    def verify(self, step: int) -> Optional[str]:
+    def verify(self, step: int, checksums: bool = True) -> Optional[str]:
         """None when checkpoint `step` is whole: its metadata readable and every part it records
-        present, at its size and checksum; else what is wrong, in a few words. A checkpoint
-        written before parts were recorded (before baton 0.7) has only its metadata checked."""
-        d = self.step_dir(step)
+        present, at its size and (`checksums`) its checksum; else what is wrong, in a few
+        words. A checkpoint written before parts were recorded (before baton 0.7) has only its
+        metadata checked. Without `checksums` nothing is read but the metadata: the caller
+        has the parts' checksums checked where they are read (`check_sums`, by the workers)."""
         try:
-            meta = json.loads(storage.read_bytes(self.fs, f"{d}/{META}"))
-            parts = meta.get("parts", {}) if isinstance(meta, dict) else None
-            if not isinstance(parts, dict) or "step" not in meta:
-                return f"{META} is not a checkpoint's metadata"
-            problem = self._wrong_size(step, parts)
-            if problem:
-                return problem
-            for name, rec in sorted(parts.items()):
-                kind = storage.checksum_kind(rec)
-                if storage.file_record(self.fs, f"{d}/{name}", kind)[kind] != rec[kind]:
-                    return f"part {name} does not match its checksum"
+            parts = self.recorded_parts(step)
+            return self._wrong_size(step, parts) or (self.check_sums(step, parts) if checksums else None)
+        except CheckpointError as e:
+            return str(e)
         except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: JSON's errors
             return f"{type(e).__name__}: {e}"
+
+    def recorded_parts(self, step: int) -> dict:
+        """{part name: its record} from checkpoint `step`'s metadata (OSError, ValueError: not
+        readable; CheckpointError: not a checkpoint's)."""
+        meta = json.loads(storage.read_bytes(self.fs, f"{self.step_dir(step)}/{META}"))
+        parts = meta.get("parts", {}) if isinstance(meta, dict) else None
+        if not isinstance(parts, dict) or "step" not in meta:
+            raise CheckpointError(f"{META} is not a checkpoint's metadata")
+        return parts
+
+    def check_sums(self, step: int, parts: dict) -> Optional[str]:
+        """The first of `parts` ({name: record}) whose bytes do not match the checksum its
+        record carries, in a few words; None when all match."""
+        for name, rec in sorted(parts.items()):
+            kind = storage.checksum_kind(rec)
+            try:
+                if storage.file_record(self.fs, f"{self.step_dir(step)}/{name}", kind)[kind] != rec[kind]:
+                    return f"part {name} does not match its checksum"
+            except OSError as e:
+                return f"part {name}: {type(e).__name__}: {e}"
         return None
 
     def _wrong_size(self, step: int, parts: dict) -> Optional[str]:
@@ -161,16 +175,22 @@ class CheckpointStore:
                         else f"part {name} is missing")
         return None
 
-    def latest_verified(self) -> tuple[Optional[int], list[tuple[int, str]]]:
-        """The newest committed checkpoint that verifies, and the newer ones that did not
-        (step, what failed), newest first. Reads only: `reject` marks the failed ones."""
+    def latest_verified(self, checksums: bool = True) -> tuple[Optional[int], list[tuple[int, str]]]:
+        """The newest committed checkpoint that verifies (`verify`), and the newer ones that
+        did not (step, what failed), newest first. Reads only: `reject` marks the failed ones."""
         failed = []
         for step in sorted(self.committed_steps(), reverse=True):
-            problem = self.verify(step)
+            problem = self.verify(step, checksums)
             if problem is None:
                 return step, failed
             failed.append((step, problem))
         return None, failed
+
+    def none_verifies(self, failed: list[tuple[int, str]]) -> str:
+        """What to say when no committed checkpoint verifies (`failed`: each one's problem)."""
+        what = "; ".join(f"checkpoint {step}: {why}" for step, why in failed)
+        return (f"no checkpoint in {storage.redact(self.root)} verifies ({what}); move the folder "
+                "aside to start over")
 
     def reject(self, step: int, why: str) -> None:
         """Mark a committed checkpoint that failed verification: never loaded again, and

@@ -127,6 +127,24 @@ class Commits:
         """A failure: the save in flight is never committed (its folder stays torn)."""
         self.pending = None
 
+    def newest_whole(self, group) -> tuple[Optional[dict], list[tuple[int, str]]]:
+        """The metadata of the newest committed checkpoint that is whole, and the newer ones
+        that are not (step, what is wrong), each set aside (`CheckpointStore.reject`). The
+        metadata and the parts' sizes are checked here; the checksums by the workers, each
+        reading its share of the parts where it runs (`WorkerGroup.check_sums`), instead of
+        the whole checkpoint through the driver (all of a model's state, and its moments,
+        through one process and one network link)."""
+        failed = []
+        for step in sorted(self.store.committed_steps(), reverse=True):
+            problem = self.store.verify(step, checksums=False)
+            if problem is None:
+                problem = group.check_sums(self.store.root, step, self.store.recorded_parts(step))
+            if problem is None:
+                return self.store.read_meta(step), failed
+            self.store.reject(step, problem)
+            failed.append((step, problem))
+        return None, failed
+
     def _finish(self, group, save: Save, parts: list[dict]) -> None:
         digests = group.wait(save.digest_refs, f"hashing parameters for checkpoint {save.step}")
         # an invariant of data parallelism, worth the milliseconds: the copies of each stage

@@ -45,7 +45,7 @@ from baton.coordinator.placement import START_WAIT_S, Placement
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.coordinator.report import Report
 from baton.coordinator.result import RunResult
-from baton.errors import WorkerError, WorkerLost
+from baton.errors import CheckpointError, WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
 from baton.spec import JobSpec
 from baton.status import StatusBoard
@@ -230,7 +230,7 @@ class Coordinator:
         self._form(members)
         timer.lap("form")
         if self.resume_meta:
-            self._load(self.resume_meta)
+            self._load_latest(resuming=True)
         timer.lap("load")
         return State.RUNNING
 
@@ -382,20 +382,28 @@ class Coordinator:
             return meta["cursor"]
         return rebased(meta["cursor"])
 
-    def _load_latest(self) -> None:
-        latest, failed = self.store.latest_verified()
+    def _load_latest(self, resuming: bool = False) -> None:
+        """Load the newest whole checkpoint (`Commits.newest_whole`). With none: start over;
+        `resuming` (the driver found the checkpoint whole but for its checksums, which the
+        workers check), refuse."""
+        meta, failed = self.commits.newest_whole(self.group)
+        back_to = f"checkpoint {meta['step']}" if meta else "step 0"
         for step, why in failed:
-            self.store.reject(step, why)
             self._record({"kind": "checkpoint_rejected", "step": step, "why": why})
-            print(f"warning: checkpoint {step} failed verification ({why}); it is set aside",
-                  flush=True)
-        if latest is not None:
-            self._load(self.store.read_meta(latest))
-        else:  # no checkpoint yet: start over (setup built the models from the seed)
+            print(f"warning: checkpoint {step} failed verification ({why}); it is set aside and "
+                  f"the run goes back to {back_to}", flush=True)
+        if meta is None and resuming:
+            raise CheckpointError(self.store.none_verifies(failed))
+        if meta is None:  # no checkpoint yet: start over (setup built the models from the seed)
             self.step = self.submitted = 0
             self.cursor = Cursor()
             self.done_cursor = self.cursor.state_dict()
             self.ledger = []
+            return
+        self._load(meta)
+        if resuming and meta["step"] != self.resume_meta["step"]:
+            self.resume_meta = meta
+            self.tracker.set_tags({"resumed_from_step": meta["step"]})
 
     def _rescale_due(self) -> bool:
         # a recovery or rescale that has not completed its first step yet is still being

@@ -336,6 +336,21 @@ class WorkerGroup:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, OSError, ValueError):
             return None  # ValueError: DCP found the plans inconsistent
 
+    def check_sums(self, root: str, step: int, parts: dict) -> Optional[str]:
+        """Checkpoint `step`'s `parts` ({name: record}) checked against their checksums by the
+        workers, each reading its share (the largest parts first, each to the worker with the
+        fewest bytes so far), in parallel and where they run, rather than the whole checkpoint
+        through this process. What does not match (the first by name), or None."""
+        shares: list[dict] = [{} for _ in self.actors]
+        loads = [0] * len(self.actors)
+        for name, rec in sorted(parts.items(), key=lambda item: (-item[1]["size"], item[0])):
+            least = loads.index(min(loads))
+            shares[least][name] = rec
+            loads[least] += rec["size"]
+        refs = self.submit_each("check_sums", [(root, step, share) for share in shares])
+        problems = self.wait(refs, f"checking checkpoint {step}'s checksums", checkpoint=True)
+        return min((p for p in problems if p), default=None)
+
     def kill(self, ranks: list[int]) -> None:
         for r in ranks:
             ray.kill(self.actors[r])

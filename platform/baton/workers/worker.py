@@ -400,6 +400,11 @@ class Worker:
     def _shards(self, store: CheckpointStore, step: int) -> sharded.Location:
         return dataclasses.replace(store.shards(step), group=self.checkpoint_group)
 
+    def check_sums(self, root: str, step: int, parts: dict) -> Optional[str]:
+        """Read `parts` ({name: record}, this worker's share of checkpoint `step`'s) and check
+        their checksums; what does not match, or None."""
+        return CheckpointStore(root).check_sums(step, parts)
+
     def load(self, root: str, step: int, layout: dict, restore_rng: bool) -> None:
         """Load parameters and optimizer state, whatever the layout (dp, pp, shard level) the
         checkpoint was written at: by name from per-stage files, or through DCP from shards."""
