@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from baton import interrupts, storage
 from baton.checkpoint import CheckpointStore
+from baton.checkpoint.store import sizes_only
 from baton.checkpoint.lease import Lease
 from baton.console import RayMessages
 from baton.data import corpus
@@ -56,7 +57,7 @@ def plan_resume(spec: JobSpec, source: str,
     resume=None resumes automatically when the job's checkpoint folder holds a committed
     checkpoint of this job; resume=True requires one."""
     store = CheckpointStore(spec.checkpoint_dir)
-    step, failed = store.latest_verified(checksums=False)
+    step, failed = store.latest_verified(sizes_only)
     if step is None and failed:
         raise CheckpointError(f"{source}: {store.none_verifies(failed)}")
     if step is None:

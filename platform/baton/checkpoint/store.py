@@ -32,7 +32,7 @@ import io
 import json
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from baton import storage
 from baton.spec import join_path
@@ -48,6 +48,16 @@ SHARDS = "shards"  # a sharded checkpoint's folder (torch.distributed.checkpoint
 METADATA = ".metadata"  # in it: DCP's index (a pickle: see sharded.py)
 STATUS = "status.json"  # beside the step folders: the coordinator's state, for `baton status`
 _STEP_DIR = re.compile(r"step_(\d{8})")
+
+
+# who checks a checkpoint's checksums (`CheckpointStore.verify`): (step, {part: record}) -> what
+# does not match, or None
+Sums = Callable[[int, dict], Optional[str]]
+
+
+def sizes_only(step: int, parts: dict) -> None:
+    """`verify` without reading the parts: the workers check them before they load."""
+    return None
 
 
 class CheckpointStore:
@@ -132,15 +142,16 @@ class CheckpointStore:
 
     # -- verifying ------------------------------------------------------------------------------
 
-    def verify(self, step: int, checksums: bool = True) -> Optional[str]:
+    def verify(self, step: int, sums: Optional[Sums] = None) -> Optional[str]:
         """None when checkpoint `step` is whole: its metadata readable and every part it records
-        present, at its size and (`checksums`) its checksum; else what is wrong, in a few
-        words. A checkpoint written before parts were recorded (before baton 0.7) has only its
-        metadata checked. Without `checksums` nothing is read but the metadata: the caller
-        has the parts' checksums checked where they are read (`check_sums`, by the workers)."""
+        present, at its size and checksum; else what is wrong, in a few words. A checkpoint
+        written before parts were recorded (before baton 0.7) has only its metadata checked.
+        `sums(step, parts)` checks the checksums: by default this process reads every part
+        (`check_sums`); the workers read their shares (`WorkerGroup.check_sums`); `sizes_only`
+        leaves them to whoever loads the checkpoint."""
         try:
             parts = self.recorded_parts(step)
-            return self._wrong_size(step, parts) or (self.check_sums(step, parts) if checksums else None)
+            return self._wrong_size(step, parts) or (sums or self.check_sums)(step, parts)
         except CheckpointError as e:
             return str(e)
         except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: JSON's errors
@@ -175,12 +186,13 @@ class CheckpointStore:
                         else f"part {name} is missing")
         return None
 
-    def latest_verified(self, checksums: bool = True) -> tuple[Optional[int], list[tuple[int, str]]]:
-        """The newest committed checkpoint that verifies (`verify`), and the newer ones that
-        did not (step, what failed), newest first. Reads only: `reject` marks the failed ones."""
+    def latest_verified(self, sums: Optional[Sums] = None) -> tuple[Optional[int], list[tuple[int, str]]]:
+        """The newest committed checkpoint that verifies (`verify`, with `sums`), and the newer
+        ones that did not (step, what failed), newest first. Reads only: `reject` marks the
+        failed ones."""
         failed = []
         for step in sorted(self.committed_steps(), reverse=True):
-            problem = self.verify(step, checksums)
+            problem = self.verify(step, sums)
             if problem is None:
                 return step, failed
             failed.append((step, problem))

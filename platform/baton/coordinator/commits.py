@@ -134,16 +134,11 @@ class Commits:
         reading its share of the parts where it runs (`WorkerGroup.check_sums`), instead of
         the whole checkpoint through the driver (all of a model's state, and its moments,
         through one process and one network link)."""
-        failed = []
-        for step in sorted(self.store.committed_steps(), reverse=True):
-            problem = self.store.verify(step, checksums=False)
-            if problem is None:
-                problem = group.check_sums(self.store.root, step, self.store.recorded_parts(step))
-            if problem is None:
-                return self.store.read_meta(step), failed
-            self.store.reject(step, problem)
-            failed.append((step, problem))
-        return None, failed
+        step, failed = self.store.latest_verified(
+            lambda step, parts: group.check_sums(self.store.root, step, parts))
+        for bad, why in failed:
+            self.store.reject(bad, why)
+        return (None if step is None else self.store.read_meta(step)), failed
 
     def _finish(self, group, save: Save, parts: list[dict]) -> None:
         digests = group.wait(save.digest_refs, f"hashing parameters for checkpoint {save.step}")
