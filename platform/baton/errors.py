@@ -21,6 +21,11 @@ class CheckpointError(BatonError):
     """A checkpoint cannot be written, found or loaded."""
 
 
+class StoreUnavailable(BatonError):
+    """The checkpoint store did not answer a read, tried again and again (an object store's
+    outage, a lost mount): nothing read is judged, and no checkpoint is set aside for it."""
+
+
 class WorkerError(BatonError):
     """A worker failed while training; the message names the rank and the step."""
 

@@ -7,8 +7,11 @@ import hashlib
 import os
 import re
 import threading
+import time
 import zlib
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+from baton.errors import StoreUnavailable
 
 import pyarrow.fs as pafs
 
@@ -196,6 +199,28 @@ def size_of(fs: pafs.FileSystem, path: str) -> int:
 def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
     with fs.open_input_stream(path) as f:
         return f.read()
+
+
+T = TypeVar("T")
+READ_TRIES, READ_FIRST_WAIT_S = 4, 0.5  # waits 0.5, 1 and 2 s between the tries
+
+
+def retried(read: Callable[[], T], path: str) -> T:
+    """`read()` (of `path`), tried again after 0.5, 1 and 2 s when the store fails to answer:
+    an OSError other than the file being absent, which is an answer. After the last try,
+    `StoreUnavailable`: a checkpoint that could not be read has not been found wrong."""
+    tries = 0
+    while True:
+        try:
+            return read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            tries += 1
+            if tries == READ_TRIES:
+                raise StoreUnavailable(f"could not read {redact(path)} ({READ_TRIES} tries): "
+                                       f"{type(e).__name__}: {e}") from e
+            time.sleep(READ_FIRST_WAIT_S * 2 ** (tries - 1))
 
 
 def list_dirs(fs: pafs.FileSystem, path: str) -> list[str]:

@@ -17,9 +17,10 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
+from baton import storage
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.lease import Lease
-from baton.errors import CheckpointError
+from baton.errors import CheckpointError, StoreUnavailable
 
 
 def _write(store, step, pp=1, value=0.0):
@@ -153,6 +154,64 @@ def test_keep_1_never_deletes_the_only_good_checkpoint(tmp_path):
     with pytest.raises(CheckpointError):
         store.commit(10, _meta(10), keep=1, parts=[])
     assert store.latest_verified() == (5, [])
+
+
+class _Outage(pafs.FileSystemHandler):
+    """This machine's disk, whose reads of a file's bytes fail (an OSError, as an object
+    store's outage or a lost mount makes them) while `failures` is above 0, one per read."""
+
+    def __init__(self):
+        self.disk, self.failures = pafs.LocalFileSystem(), 0
+
+    def open_input_stream(self, path):
+        if self.failures:
+            self.failures -= 1
+            raise OSError(f"When reading {path}: connection reset by peer")
+        return self.disk.open_input_stream(path)
+
+    def get_type_name(self): return "outage"
+    def normalize_path(self, path): return path
+    def equals(self, other): return other is self
+    def get_file_info(self, paths): return self.disk.get_file_info(paths)
+    def get_file_info_selector(self, selector): return self.disk.get_file_info(selector)
+    def create_dir(self, path, recursive): self.disk.create_dir(path, recursive=recursive)
+    def delete_dir(self, path): self.disk.delete_dir(path)
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.disk.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+    def delete_root_dir_contents(self): raise OSError("not here")
+    def delete_file(self, path): self.disk.delete_file(path)
+    def move(self, src, dest): self.disk.move(src, dest)
+    def copy_file(self, src, dest): self.disk.copy_file(src, dest)
+    def open_input_file(self, path): return self.disk.open_input_file(path)
+    def open_output_stream(self, path, metadata): return self.disk.open_output_stream(path)
+    def open_append_stream(self, path, metadata): return self.disk.open_append_stream(path)
+
+
+def test_a_failed_read_is_tried_again_and_an_outage_sets_no_checkpoint_aside(tmp_path, monkeypatch):
+    """A checkpoint is set aside (REJECTED, never loaded again) only for what was read from
+    it. A read the store failed is tried again (`storage.retried`); when the store stays away,
+    the verification stops with `StoreUnavailable` and judges nothing."""
+    monkeypatch.setattr(storage, "READ_FIRST_WAIT_S", 0.01)
+    store = CheckpointStore(str(tmp_path / "job"))
+    for step in (5, 10):
+        store.commit(step, _meta(step), keep=2, parts=_write(store, step))
+    outage = _Outage()
+    store.fs = pafs.PyFileSystem(outage)
+    outage.failures = 3  # meta.json's read fails three times, the fourth try reads it
+    assert store.latest_verified() == (10, []) and outage.failures == 0
+    parts = store.recorded_parts(10)
+    outage.failures = 3  # a worker's share: the first part, likewise
+    assert store.check_sums(10, parts) is None and outage.failures == 0
+
+    outage.failures = 10**6  # the store is gone
+    with pytest.raises(StoreUnavailable, match=r"could not read .*step_00000010/meta.json \(4 tries\): "
+                                               r"OSError: .*connection reset by peer"):
+        store.latest_verified()
+    with pytest.raises(StoreUnavailable, match=r"could not read .*step_00000010/model-0000.pt"):
+        store.check_sums(10, parts)
+    outage.failures = 0  # back: nothing was set aside, checkpoint 10 is still the latest
+    assert not (tmp_path / "job" / "step_00000010" / "REJECTED").exists()
+    assert store.latest_verified() == (10, [])
 
 
 def test_resume_goes_back_past_damage_and_refuses_when_nothing_verifies(tmp_path):

@@ -148,7 +148,8 @@ class CheckpointStore:
         written before parts were recorded (before baton 0.7) has only its metadata checked.
         `sums(step, parts)` checks the checksums: by default this process reads every part
         (`check_sums`); the workers read their shares (`WorkerGroup.check_sums`); `sizes_only`
-        leaves them to whoever loads the checkpoint."""
+        leaves them to whoever loads the checkpoint. A store that does not answer, tried again
+        (`storage.retried`), raises `StoreUnavailable`: not a verdict on the checkpoint."""
         try:
             parts = self.recorded_parts(step)
             return self._wrong_size(step, parts) or (sums or self.check_sums)(step, parts)
@@ -160,7 +161,8 @@ class CheckpointStore:
     def recorded_parts(self, step: int) -> dict:
         """{part name: its record} from checkpoint `step`'s metadata (OSError, ValueError: not
         readable; CheckpointError: not a checkpoint's)."""
-        meta = json.loads(storage.read_bytes(self.fs, f"{self.step_dir(step)}/{META}"))
+        path = f"{self.step_dir(step)}/{META}"
+        meta = json.loads(storage.retried(lambda: storage.read_bytes(self.fs, path), path))
         parts = meta.get("parts", {}) if isinstance(meta, dict) else None
         if not isinstance(parts, dict) or "step" not in meta:
             raise CheckpointError(f"{META} is not a checkpoint's metadata")
@@ -170,17 +172,19 @@ class CheckpointStore:
         """The first of `parts` ({name: record}) whose bytes do not match the checksum its
         record carries, in a few words; None when all match."""
         for name, rec in sorted(parts.items()):
-            kind = storage.checksum_kind(rec)
+            kind, path = storage.checksum_kind(rec), f"{self.step_dir(step)}/{name}"
             try:
-                if storage.file_record(self.fs, f"{self.step_dir(step)}/{name}", kind)[kind] != rec[kind]:
-                    return f"part {name} does not match its checksum"
-            except OSError as e:
+                got = storage.retried(lambda: storage.file_record(self.fs, path, kind), path)
+            except FileNotFoundError as e:
                 return f"part {name}: {type(e).__name__}: {e}"
+            if got[kind] != rec[kind]:
+                return f"part {name} does not match its checksum"
         return None
 
     def _wrong_size(self, step: int, parts: dict) -> Optional[str]:
         for name, rec in sorted(parts.items()):
-            got = storage.size_of(self.fs, f"{self.step_dir(step)}/{name}")
+            path = f"{self.step_dir(step)}/{name}"
+            got = storage.retried(lambda: storage.size_of(self.fs, path), path)
             if got != rec["size"]:
                 return (f"part {name} is {got} bytes, {rec['size']} when written" if got >= 0
                         else f"part {name} is missing")
