@@ -251,6 +251,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--faults", default="kill,node")
+    p.add_argument("--systems", default="baton,baton_spare,ray_train",
+                   help="which to run (the ratios need ray_train)")
     p.add_argument("--out", default="benchmarks/results/recovery_cpu.json")
     args = p.parse_args()
 
@@ -263,10 +265,12 @@ def main() -> int:
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(  # a baseline's first
+                 [p for p in (os.environ.get("PYTHONPATH"), str(HERE)) if p])}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     systems = {"baton": run_baton, "baton_spare": lambda *a: run_baton(*a, spares=1),
                "ray_train": run_ray_train}
+    systems = {name: systems[name] for name in args.systems.split(",")}
     runs: dict = {f: {s: [] for s in systems} for f in args.faults.split(",")}
     try:
         for r in range(args.rounds):
@@ -279,9 +283,10 @@ def main() -> int:
                     print(f"round {r + 1}: {fault:4s} {name:11s} recovery {out['recovery_s']:5.1f} s, "
                           f"work lost {out['work_lost_steps']} steps"
                           + (f", phases {out['phases_s']}" if "phases_s" in out else ""), flush=True)
-        grow = run_scale_up(cluster, args, tmp)
-        print(f"scale-up: {grow['latency_s']:.1f} s from a node joining to a step at dp=2 "
-              f"(phases {grow['phases_s']})", flush=True)
+        grow = run_scale_up(cluster, args, tmp) if "baton" in systems else None
+        if grow:
+            print(f"scale-up: {grow['latency_s']:.1f} s from a node joining to a step at dp=2 "
+                  f"(phases {grow['phases_s']})", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -292,19 +297,20 @@ def main() -> int:
     for fault, by in runs.items():
         ratios = {name: statistics.median(b["recovery_s"] / t["recovery_s"]
                                           for b, t in zip(by[name], by["ray_train"]))
-                  for name in ("baton", "baton_spare")}
+                  for name in ("baton", "baton_spare") if name in by and "ray_train" in by}
         for name, outs in by.items():
             med = statistics.median(o["recovery_s"] for o in outs)
             lost = statistics.median(o["work_lost_steps"] for o in outs)
             summary.setdefault(fault, {})[name] = {"recovery_s_median": med, "work_lost_median": lost}
             print(f"{fault:6s} {name:12s} {med:>18.2f} {lost:>18g} "
                   f"{(f'{ratios[name]:.2f}' if name in ratios else ''):>18s}")
-        summary[fault]["baton_vs_ray_train"] = ratios["baton"]
-        summary[fault]["baton_spare_vs_ray_train"] = ratios["baton_spare"]
+        for name, ratio in ratios.items():
+            summary[fault][f"{name}_vs_ray_train"] = ratio
     baton_phases = {f"{f} {name}": {k: statistics.median(o["phases_s"][k] for o in by[name])
                                     for k in by[name][0]["phases_s"]}
-                    for f, by in runs.items() for name in ("baton", "baton_spare")}
-    detect = {f: statistics.median(o["detect_s"] for o in by["baton"]) for f, by in runs.items()}
+                    for f, by in runs.items() for name in ("baton", "baton_spare") if name in by}
+    detect = {f: statistics.median(o["detect_s"] for o in by.get("baton") or by["baton_spare"])
+              for f, by in runs.items() if "baton" in by or "baton_spare" in by}
     print(f"baton phases (median s): {baton_phases}; detect: {detect}")
     print(f"checkpoint every {EVERY} steps; fault after step {FAULT_AFTER_STEP}")
     write_result(args.out, {"config": vars(args), "ray": ray.__version__, "torch": torch.__version__,

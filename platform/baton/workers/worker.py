@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import importlib
 import os
 import socket
 import time
@@ -95,6 +96,12 @@ class Worker:
         self.saves = BackgroundSaves(self.device)  # checkpoint.async
         self.last_step = 0
         self.assign(spec, dims, rank)
+        # what `setup` needs, imported here, where the worker would otherwise wait for the
+        # driver (still reading data and opening MLflow: `Coordinator._prepare`): the engines
+        # (FSDP2, DCP) and the torch._dynamo that DDP's first wrap imports
+        importlib.import_module("baton.workers.engines")
+        if dims.dp > 1:
+            importlib.import_module("torch._dynamo")
 
     def assign(self, spec: JobSpec, dims: ParallelDims, rank: int) -> None:
         """Take `rank` in a world of `dims` (before `setup`)."""
