@@ -79,7 +79,7 @@ class WorkerGroup:
         return started
 
     def keep_spares(self, n: int) -> int:
-        """Keep `n` warm spares: worker processes started (torch imported) and not in the
+        """Keep `n` warm spares: worker processes started (their imports done) and not in the
         world, which `start` hands out before creating any, so a lost worker is replaced in
         the time a process group takes to form instead of the seconds a new process takes to
         start. New ones are made only in room free now (the caller has found that the job
