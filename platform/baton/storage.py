@@ -11,9 +11,9 @@ import time
 import zlib
 from typing import Any, Callable, TypeVar
 
-from baton.errors import StoreUnavailable
-
 import pyarrow.fs as pafs
+
+from baton.errors import StoreUnavailable
 
 
 STORAGE_ENV = "BATON_STORAGE"

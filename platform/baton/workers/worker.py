@@ -96,9 +96,10 @@ class Worker:
         self.saves = BackgroundSaves(self.device)  # checkpoint.async
         self.last_step = 0
         self.assign(spec, dims, rank)
-        # what `setup` needs, imported here, where the worker would otherwise wait for the
-        # driver (still reading data and opening MLflow: `Coordinator._prepare`): the engines
-        # (FSDP2, DCP) and the torch._dynamo that DDP's first wrap imports
+        # what `setup` needs, imported now, so that a warm spare has it before a fault: the
+        # engines (FSDP2, DCP) and the torch._dynamo that DDP's first wrap imports (recovery
+        # with a spare 3.07 -> 2.03 s on 2 cores; a fresh start neither gains nor loses:
+        # docs/benchmarks.md, Recovery)
         importlib.import_module("baton.workers.engines")
         if dims.dp > 1:
             importlib.import_module("torch._dynamo")
