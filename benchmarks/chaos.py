@@ -63,7 +63,7 @@ def main() -> int:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="ERROR", runtime_env={
         "env_vars": {"PYTHONPATH": str(TESTS)},
-        "worker_process_setup_hook": "helpers.pause_between_checkpoint_parts"})
+        "worker_process_setup_hook": "fault_hooks.pause_between_checkpoint_parts"})
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
         with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "mlflow-server.log", "w") as log:

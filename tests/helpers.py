@@ -404,29 +404,13 @@ class TrackingServer:
         self.proc.wait()
 
 
-def pause_between_checkpoint_parts() -> None:
-    """A Ray `worker_process_setup_hook` for the fault tests: in each worker process, every
-    model part of a checkpoint is followed by a 0.5 s pause, so that a test can kill a worker
-    while its checkpoint is half written. Injected by the test, not a hook in baton."""
-    from baton.checkpoint import store
-
-    write = store.CheckpointStore.write_tensors
-
-    def write_then_pause(self, step, name, obj):
-        record = write(self, step, name, obj)
-        if name.startswith("model-"):
-            time.sleep(0.5)
-        return record
-    store.CheckpointStore.write_tensors = write_then_pause
-
-
 class Chaos:
     """Faults of mixed kinds at seeded random steps of a run on a simulated cluster
     (`ray.cluster_utils.Cluster`), injected from the run's `on_step` hook, as the fault tests
     do one at a time: a worker SIGKILLed (`kill`), a worker's node removed and a fresh node
     added (`node`), a worker frozen with SIGSTOP (`stop`, declared dead after
     elastic.hang_timeout_s), a worker killed half-way through writing a checkpoint (`saving`:
-    needs `pause_between_checkpoint_parts` in the workers), and, given the run's MLflow server,
+    needs `fault_hooks.pause_between_checkpoint_parts` in the workers), and, given the run's MLflow server,
     the server killed and started again on its database `OUTAGE_STEPS` later, in the background
     as a real store comes back (`tracking`). `injected` records what was done, at which step and
     wall time."""

@@ -45,8 +45,13 @@ NUM_SAMPLES, STEPS = 40, 8  # batches of 8: epoch 0 is steps 1-5, epoch 1 steps 
 
 @pytest.fixture(scope="module")
 def cluster():
+    # num_workers_soft_limit: Ray keeps that many idle task workers per node instead of as
+    # many as the node has CPUs (none on this head), so Ray Data's read worker on the
+    # driver's node lives from one run to the next instead of starting again for every read
+    # (seconds each on a busy 2-core machine). baton's reads are the same either way.
     c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 0, "include_dashboard": False})
+                head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                "_system_config": {"num_workers_soft_limit": 3}})
     for _ in range(3):
         c.add_node(num_cpus=1)
     c.wait_for_nodes()
@@ -54,7 +59,7 @@ def cluster():
     # checkpoint so that a test can kill one while its checkpoint is half written
     ray.init(address=c.address, logging_level="WARNING", runtime_env={
         "env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(helpers.__file__))},
-        "worker_process_setup_hook": "helpers.pause_between_checkpoint_parts"})
+        "worker_process_setup_hook": "fault_hooks.pause_between_checkpoint_parts"})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield c
     ray.shutdown()
@@ -439,7 +444,7 @@ def test_a_worker_killed_while_a_checkpoint_is_written_leaves_it_torn(
         tmp_path, data, nodes, uninterrupted, background, store, request):
     """The hook runs on the coordinator's thread between step 3 and the commit of step 4:
     once rank 0 (pipeline stage 0) has written its first part of checkpoint 4 (and pauses
-    before the next: helpers.pause_between_checkpoint_parts), it is killed: in the save itself, or (async)
+    before the next: fault_hooks.pause_between_checkpoint_parts), it is killed: in the save itself, or (async)
     on the thread writing it while training goes on. No survivor holds stage 0, so
     checkpoint 4 never gets its commit marker and the run goes back to 2. `s3`: the
     checkpoints on a real S3 endpoint (moto's server), the key in the URI (the workers'

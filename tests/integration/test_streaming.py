@@ -196,6 +196,76 @@ def test_the_next_epoch_is_read_before_the_epoch_ends(tmp_path, block):
         feed.close()
 
 
+def _feed(tmp_path, block: int):
+    from baton.data.feed import DataFeed
+    from baton.data.local import job_order
+    from baton.data.manifest import Manifest
+    from baton.data.source import columns
+
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32, row_group_rows=8)
+    spec = spec_from_dict(tiny_spec(tmp_path, data, data={"shuffle_block": block},
+                                    train={"global_batch": 16}))
+    return DataFeed(Manifest.build(str(data)), job_order(spec), columns(spec))
+
+
+def test_a_recovery_that_rewinds_within_an_epoch_keeps_the_next_epochs_read(tmp_path):
+    """A recovery closes the feed and asks again from the cursor it resumes at. The batch there
+    starts the next epoch's read-ahead (half the epoch or less is left) and restarts the
+    current epoch's reads: the restart used to cancel that read-ahead as well, and waited for
+    its first block to do so (a cold Ray Data read: 3.3-4.4 s of a fault test's recovery)."""
+    from baton.data import Cursor
+
+    feed = _feed(tmp_path, block=1024)  # the corpus is one block: read here, the next through Ray Data
+    try:
+        cursor = Cursor()
+        for _ in range(3):
+            feed.next_batch(cursor, 16)
+        feed.close(wait=False)  # a recovery's stop
+        rewound = Cursor(epoch=0, consumed=32)
+        feed.next_batch(rewound, 16)
+        ahead = feed.next_epoch
+        assert ahead is not None and ahead.epoch == 1 and not ahead.cancelled, feed.ranges_read
+        assert len([r for r in feed.ranges_read if r[0] == 0]) == 2  # the start, the restart
+        feed.next_batch(rewound, 16)  # the epoch's last batch, then the next epoch's first
+        feed.next_batch(rewound, 16)
+        assert rewound.epoch == 1 and feed.reads == [ahead], feed.ranges_read
+    finally:
+        feed.close()
+
+
+def test_a_read_cancelled_while_its_execution_starts_is_not_waited_for(tmp_path, monkeypatch):
+    """Ray Data's first execution in a job returns with its first block (a read worker's
+    start: seconds on a busy machine), and a read cancelled before then has nothing to stop
+    yet. Cancelling returns at once; the read's thread stops the execution once it exists, and
+    close() waits for that, as a run's end must before Ray shuts down."""
+    import threading
+
+    from baton.data import feed as feed_module
+
+    starting, release, executors = threading.Event(), threading.Event(), []
+    execute = feed_module._execute
+
+    def held_start(dataset):
+        starting.set()
+        assert release.wait(120)
+        bundles, executor = execute(dataset)
+        executors.append(executor)
+        return bundles, executor
+    monkeypatch.setattr(feed_module, "_execute", held_start)
+    feed = _feed(tmp_path, block=1024)
+    read = feed_module._Read(feed, 1, 0, 8)  # through Ray Data, as a read-ahead is
+    assert starting.wait(60)
+    feed.next_epoch = read
+    closing = threading.Thread(target=feed.close, kwargs={"wait": False})
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive() and read.cancelled and not read.finished
+    release.set()
+    feed.close()  # waits for the cancelled read's thread
+    assert read.finished and read.refs == {} and read.error is None
+    assert executors and executors[0]._shutdown  # stopped by the thread, not drained
+
+
 # `api.run` in a process of its own, writing the sample ledger after every step (atomically)
 LEDGER_RUN = """
 import json, os, sys

@@ -298,7 +298,7 @@ class OrderOnlyFeed:
     def next_batch(self, cursor, global_batch):
         return Batch(self.order.next_batch(cursor, global_batch), {})
 
-    def close(self):
+    def close(self, wait=True):
         pass
 
 

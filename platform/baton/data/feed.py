@@ -293,7 +293,13 @@ class _Read:
                     return
                 yield [ray.put(table)], table.num_rows
             return
-        bundles, self.executor = _execute(_read_units(self._root, self._units, self._columns))
+        bundles, executor = _execute(_read_units(self._root, self._units, self._columns))
+        with self._cond:
+            self.executor, cancelled = executor, self.cancelled
+        if cancelled:  # while the execution started: cancel() could not stop it, stopped here
+            if executor is not None:
+                executor.shutdown(force=True)
+            return
         for bundle in bundles:
             yield list(bundle.block_refs), bundle.num_rows()
 
@@ -324,14 +330,20 @@ class _Read:
                         "files change under it?)")
 
     def cancel(self) -> None:
-        self.cancelled = True
-        if self.executor is not None and not self.finished:
-            self.executor.shutdown(force=True)
-        # Waited for (a read here ends within one row group, a stopped execution at once), so
-        # that the thread never calls Ray after the run has shut it down: Ray's calls start a
-        # new Ray when there is none (ray.init by its auto-init), which a fault test's
-        # cluster then refused to shut down under (seen in CI: Ray Data's executor,
-        # stopped, cancelling its tasks after the test's ray.shutdown)
+        """Stop reading, without waiting: an execution still starting (Ray Data's first one
+        returns with its first block: a read worker's start, seconds on a busy machine) is
+        stopped by the thread once it has started."""
+        with self._cond:
+            self.cancelled, executor = True, self.executor
+        if executor is not None and not self.finished:
+            executor.shutdown(force=True)
+
+    def join(self) -> None:
+        """Wait for the thread (a read here ends within one row group, a stopped execution at
+        once), so that it never calls Ray after the run has shut it down: Ray's calls start a
+        new Ray when there is none (ray.init by its auto-init), which a fault test's cluster
+        then refused to shut down under (seen in CI: Ray Data's executor, stopped, cancelling
+        its tasks after the test's ray.shutdown)."""
         self._thread.join(timeout=60)
 
 
@@ -350,6 +362,7 @@ class DataFeed:
         self.dropped_below = 0  # units below this index are let go
         self.ranges_read: list[tuple[int, int, int]] = []  # (epoch, first, last) of every read
         self._rows_done = 0  # rows of reads already let go
+        self._stopping: list[_Read] = []  # cancelled, their threads perhaps still running
 
     @property
     def rows_read(self) -> int:
@@ -413,9 +426,15 @@ class DataFeed:
 
     def _restart(self, epoch: int, first: int) -> None:
         ahead, self.next_epoch = self.next_epoch, None
-        if ahead is not None and not (ahead.epoch == epoch and ahead.first <= first < ahead.last):
-            self.next_epoch, ahead = ahead, None  # not what is asked for: closed below
-        self.close()
+        if ahead is not None and ahead.epoch == epoch and ahead.first <= first < ahead.last:
+            later = None  # the next epoch's read-ahead is where the run goes on
+        else:
+            # a read-ahead of the epoch after this one is still that (a recovery that rewinds
+            # within an epoch used to cancel it, and waited for its first block to do so)
+            later = ahead if ahead is not None and ahead.epoch == epoch + 1 else None
+            self.next_epoch, ahead = ahead if later is None else None, None  # closed below
+        self.close(wait=False)
+        self.next_epoch = later
         if ahead is not None:
             self.reads = [ahead]
         else:
@@ -424,11 +443,18 @@ class DataFeed:
         self.epoch, self.dropped_below = epoch, first
         logging.getLogger(__name__).debug("data: reading epoch %d from unit %d", epoch, first)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop every read. `wait`: for their threads too, as before Ray shuts down; a seek or
+        a recovery goes on while a cancelled read that was still starting ends."""
         for read in self.reads + ([self.next_epoch] if self.next_epoch else []):
             read.cancel()
             self._rows_done += read.rows
+            self._stopping.append(read)
         self.reads, self.next_epoch = [], None
+        if wait:
+            for read in self._stopping:
+                read.join()
+        self._stopping = [read for read in self._stopping if not read.finished]
 
 
 def _execute(dataset) -> tuple[Iterator, object]:
