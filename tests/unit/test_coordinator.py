@@ -298,7 +298,10 @@ class OrderOnlyFeed:
     def next_batch(self, cursor, global_batch):
         return Batch(self.order.next_batch(cursor, global_batch), {})
 
-    def close(self, wait=True):
+    def close(self):
+        pass
+
+    def rewind(self):
         pass
 
 

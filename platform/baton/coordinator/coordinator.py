@@ -280,9 +280,7 @@ class Coordinator:
         left = self.group.leave(alive, self.spec.parallel.timeout_s + LEAVE_GRACE_S)
         self.group.kill([r for r in alive if r not in left])
         self.group.discard(stale)
-        # read again from the cursor the world resumes at; nothing lost is reused (and no read
-        # still starting is waited for)
-        self.feed.close(wait=False)
+        self.feed.rewind()  # read again from the cursor the world resumes at
         timer.lap("stop")
         from_survivors = self.commits.commit_survivors(self.group, self.dims, self.step, left,
                                                        self._meta(self.done_cursor, rng=[]))

@@ -443,6 +443,16 @@ class DataFeed:
         self.epoch, self.dropped_below = epoch, first
         logging.getLogger(__name__).debug("data: reading epoch %d from unit %d", epoch, first)
 
+    def rewind(self) -> None:
+        """After a failure: stop reading the current epoch, without waiting; the run resumes at
+        or before the cursor and reads again from there. The next epoch's read-ahead goes on:
+        it is the same whatever step the run resumes at (dropped by the restart if the run goes
+        back to an earlier epoch), and its blocks live on the driver's node, which a lost
+        worker node does not take along."""
+        ahead, self.next_epoch = self.next_epoch, None
+        self.close(wait=False)
+        self.next_epoch = ahead
+
     def close(self, wait: bool = True) -> None:
         """Stop every read. `wait`: for their threads too, as before Ray shuts down; a seek or
         a recovery goes on while a cancelled read that was still starting ends."""
