@@ -426,17 +426,20 @@ class DataFeed:
 
     def _restart(self, epoch: int, first: int) -> None:
         ahead, self.next_epoch = self.next_epoch, None
+        # the read-ahead is where the run goes on; or it is of the epoch after this one, and
+        # stays that wherever in this epoch the run goes on (a recovery used to cancel it, and
+        # wait for its first block to do so); or it is closed with the rest
+        resumed = later = None
         if ahead is not None and ahead.epoch == epoch and ahead.first <= first < ahead.last:
-            later = None  # the next epoch's read-ahead is where the run goes on
+            resumed = ahead
+        elif ahead is not None and ahead.epoch == epoch + 1:
+            later = ahead
         else:
-            # a read-ahead of the epoch after this one is still that (a recovery that rewinds
-            # within an epoch used to cancel it, and waited for its first block to do so)
-            later = ahead if ahead is not None and ahead.epoch == epoch + 1 else None
-            self.next_epoch, ahead = ahead if later is None else None, None  # closed below
+            self.next_epoch = ahead
         self.close(wait=False)
         self.next_epoch = later
-        if ahead is not None:
-            self.reads = [ahead]
+        if resumed is not None:
+            self.reads = [resumed]
         else:
             k = self._block_of(epoch, first)
             self.reads = [_Read(self, epoch, first, self.order.block_units(epoch, k)[1], here=True)]
