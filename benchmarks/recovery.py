@@ -70,6 +70,21 @@ def job(args, tmp: str, name: str, **extra) -> dict:
 
 # -- the cluster --------------------------------------------------------------------------------
 
+def start_cluster(workers_path: Path, logging_level: str = "WARNING") -> Cluster:
+    """A head with no CPUs and three one-CPU worker nodes, with this process connected. The
+    workers import from `workers_path`, after the caller's PYTHONPATH (a baseline's first)."""
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(3):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level=logging_level,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                 [p for p in (os.environ.get("PYTHONPATH"), str(workers_path)) if p])}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return cluster
+
+
 def worker_nodes(cluster: Cluster) -> list:
     return [n for n in cluster.list_all_nodes() if not n.head]
 
@@ -259,15 +274,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="baton-bench-recovery-")
     os.environ.setdefault("RAY_TMPDIR", f"{tmp}/ray")
     prepare_stdlib(f"{tmp}/data", args.seq_len)
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(3):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(  # a baseline's first
-                 [p for p in (os.environ.get("PYTHONPATH"), str(HERE)) if p])}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    cluster = start_cluster(HERE)
     systems = {"baton": run_baton, "baton_spare": lambda *a: run_baton(*a, spares=1),
                "ray_train": run_ray_train}
     systems = {name: systems[name] for name in args.systems.split(",")}

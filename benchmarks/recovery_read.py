@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import ray
-from ray.cluster_utils import Cluster
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
@@ -39,6 +38,7 @@ sys.path.insert(0, str(TESTS))
 from baton import api  # noqa: E402
 from baton.spec import spec_from_dict  # noqa: E402
 from helpers import tiny_spec, write_dataset  # noqa: E402
+from recovery import start_cluster  # noqa: E402
 from results_io import write_result  # noqa: E402
 
 SAMPLES, STEPS, KILL_AFTER = 40, 8, 3
@@ -74,15 +74,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="baton-rr-"))
     os.environ.setdefault("RAY_TMPDIR", f"{tmp}/ray")
     data = write_dataset(tmp / "data", SAMPLES, 32)
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(3):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(  # a baseline's first
-                 [p for p in (os.environ.get("PYTHONPATH"), str(TESTS)) if p])}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    cluster = start_cluster(TESTS, logging_level="ERROR")  # recovery.py's cluster
     rounds = []
     try:
         for r in range(args.rounds):

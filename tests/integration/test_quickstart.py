@@ -28,7 +28,7 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
     job = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
     assert job["train"]["steps"] > STEPS and job["checkpoint"] == {
         "path": "checkpoints", "every_steps": 100, "keep": 2}
-    steps = STEPS
+    steps = STEPS  # the job as run
     baton = shutil.which("baton")
     assert baton, "the baton console script is installed"
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
