@@ -5,9 +5,11 @@
 # rows and the shard levels. On one H100 (2026-11-26) the first five took about 500 s.
 # Each step has its own time limit and the whole a budget (LIMIT seconds), so a short lease
 # still returns what ran.
-# Logs and JSON go to $OUT (default benchmarks/results/gpu-DATE).
+# Logs and JSON go to $OUT (default benchmarks/results/gpu-DATE). ONLY names the steps to run
+# (default all), for a lease too short for all of them.
 #
 #   LIMIT=540 OUT=/tmp/gpu bash benchmarks/gpu_suite.sh
+#   ONLY="tests compile_mb64 dp_compiled sharding" LIMIT=540 bash benchmarks/gpu_suite.sh
 #
 # Needs the project's Python packages importable (pip install -e . on the GPU machine, or
 # PYTHONPATH=platform with ray, mlflow-skinny and pyarrow installed).
@@ -23,6 +25,7 @@ W=$(nvidia-smi -L | wc -l)  # one worker per GPU: NCCL reduces for real from two
 step() {  # step NAME SECONDS COMMAND...: bounded by its own limit and by what LIMIT leaves
   local name=$1 want=$2 left t
   shift 2
+  case " ${ONLY:-$name} " in *" $name "*) ;; *) return ;; esac
   left=$((LIMIT - ($(date +%s) - START)))
   t=$((want < left ? want : left))
   if [ "$t" -lt 15 ]; then echo "== $name: skipped, ${left}s of the budget left"; return; fi

@@ -154,6 +154,40 @@ def test_a_busy_coordinator_does_not_make_a_live_worker_look_frozen(tmp_path):
         ray.kill(group.actors[0])
 
 
+def test_a_worker_given_room_is_waited_for_past_the_wait_for_room():
+    """parallel.timeout_s is a wait for room: a worker whose process runs (its imports, CUDA)
+    is waited for past it, up to START_WAIT_S; one the cluster has no room for is not. Once
+    failed in CI: four workers starting at once on a 2-core machine took more than 10 s
+    (parallel.timeout_s) and the job failed with 'could place only 0' and no CPU free."""
+    import ray
+
+    from baton.workers.group import START_WAIT_S, has_process, wait_started
+
+    @ray.remote(num_cpus=0.1)
+    class Slow:
+        def __init__(self, seconds):
+            time.sleep(seconds)
+
+        def ready(self):
+            return True
+
+    slow = Slow.remote(5.0)
+    deadline = time.monotonic() + 60
+    while not has_process(slow):  # room given: its process runs, and sleeps 5 s from now
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    unplaceable = Slow.options(num_cpus=10_000).remote(0.0)
+    assert not has_process(unplaceable)
+    t0 = time.monotonic()
+    ref = slow.ready.remote()
+    assert wait_started([slow], [ref], 1, timeout_s=0.5) == [ref]  # waited past 0.5 s
+    ref = unplaceable.ready.remote()
+    assert wait_started([unplaceable], [ref], 1, timeout_s=0.5) == []
+    assert time.monotonic() - t0 < START_WAIT_S / 2  # the one without room: not waited for
+    for actor in (slow, unplaceable):
+        ray.kill(actor)
+
+
 def test_powersgd_trains_within_a_measured_margin_of_fp32(tmp_path):
     """parallel.grad_comm: powersgd (rank 2, plain all-reduce for the first 10 steps) against
     the same job with fp32 gradients: the loss of the last 10 of 40 steps."""

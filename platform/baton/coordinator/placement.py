@@ -10,8 +10,8 @@ from typing import NoReturn
 from baton.coordinator.policy import ScalePolicy
 from baton.errors import WorkerError
 from baton.spec import JobSpec
+from baton.workers.group import START_WAIT_S
 
-START_WAIT_S = 60.0  # how long workers the cluster has room for may take to start
 TOP_UP_GRACE_S = 5.0  # how long to wait for workers beyond those (room being freed)
 
 

@@ -29,6 +29,7 @@ from baton.workers.worker import Worker
 RemoteWorker = ray.remote(concurrency_groups={"health": 1, "io": 1})(Worker)
 
 BEAT_S = 0.5  # how often a waiting coordinator sends each worker a heartbeat
+START_WAIT_S = 60.0  # how long a worker given room may take to start (imports, CUDA)
 
 
 class WorkerGroup:
@@ -50,9 +51,9 @@ class WorkerGroup:
 
     def start(self, n: int, timeout_s: float, need: Optional[int] = None,
               grace_s: float = 0.0) -> list[tuple[Any, dict]]:
-        """Start up to `n` new workers: wait up to `timeout_s` for `need` of them (default all),
-        then `grace_s` more for the rest; those not running by then (no room for them) are
-        killed. Returns (actor, info) of the ones that started."""
+        """Start up to `n` new workers: wait up to `timeout_s` for room for `need` of them
+        (default all), then `grace_s` more for the rest (`wait_started`); those with no room
+        by then are killed. Returns (actor, info) of the ones that started."""
         launched, self._launched = self._launched, []
         if len(launched) != n:
             for actor in launched:
@@ -64,9 +65,7 @@ class WorkerGroup:
         pool = self._take_spares(n - len(launched))
         actors = launched + pool + self._create(n - len(launched) - len(pool))
         refs = [a.ready.remote() for a in actors]
-        ready, _ = ray.wait(refs, num_returns=need, timeout=timeout_s) if need else ([], refs)
-        if len(ready) < n and grace_s > 0:
-            ready, _ = ray.wait(refs, num_returns=n, timeout=grace_s)
+        ready = wait_started(actors, refs, need, timeout_s, grace_s)
         started, self.start_failures = [], []
         for actor, ref in zip(actors, refs):
             try:
@@ -399,6 +398,37 @@ def why_not_started(error: Exception) -> str:
     if getattr(error, "actor_init_failed", False) or isinstance(error, ray.exceptions.RayTaskError):
         return re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1])[:300]  # baton.errors.X: -> X:
     return lines[0][:300]
+
+
+def wait_started(actors: list, refs: list, need: int, timeout_s: float, grace_s: float = 0.0) -> list:
+    """Of `actors` and their `ready` calls `refs`: the calls that answered. Waits up to
+    `timeout_s` for `need` of them and `grace_s` more for the rest, and then for each worker
+    given room by then (its process runs) up to START_WAIT_S from the beginning: those
+    timeouts are for room (an autoscaler's nodes, a peer's freed CPUs), not for a process's
+    imports, which take seconds on a busy node (four at once took more than 10 s on a 2-core
+    machine) and longer where CUDA starts."""
+    began = time.monotonic()
+    ready, _ = ray.wait(refs, num_returns=need, timeout=timeout_s) if need else ([], refs)
+    if len(ready) < len(refs) and grace_s > 0:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+    starting = [ref for actor, ref in zip(actors, refs) if ref not in ready and has_process(actor)]
+    left = began + START_WAIT_S - time.monotonic()
+    if starting and left > 0:
+        ready += ray.wait(starting, num_returns=len(starting), timeout=left)[0]
+    return ready
+
+
+def has_process(actor) -> bool:
+    """Whether Ray has given `actor` room: a worker process of its own, rather than a wait for
+    resources. Read from the GCS's actor table, which has the process id from the moment a
+    node grants the actor's lease (Ray's state API has the same, but needs the dashboard)."""
+    from ray._private import state
+
+    try:
+        info = state.actors(actor._actor_id.hex())
+    except Exception:  # an older or newer Ray's table: every worker waits as for room
+        return False
+    return bool(info and info.get("Pid"))
 
 
 def _alive(actor, timeout_s: float) -> bool:
