@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import re
 import threading
 import time
 import zlib
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -221,6 +222,67 @@ def retried(read: Callable[[], T], path: str) -> T:
                 raise StoreUnavailable(f"could not read {redact(path)} ({READ_TRIES} tries): "
                                        f"{type(e).__name__}: {e}") from e
             time.sleep(READ_FIRST_WAIT_S * 2 ** (tries - 1))
+
+
+def read_retried(fs: pafs.FileSystem, path: str) -> bytes:
+    """A whole file's bytes, the read tried again when the store fails to answer (`retried`)."""
+    return retried(lambda: read_bytes(fs, path), path)
+
+
+class RetryingInput(io.RawIOBase):
+    """A file of `fs` open for random reads (what DCP's reader seeks in and reads), whose every
+    seek and read is tried again when the store fails to answer (`retried`): the file is opened
+    again and read on from where the failed call began, so a connection that an object store
+    drops halfway through a shard costs a new request, not the load."""
+
+    def __init__(self, fs: pafs.FileSystem, path: str):
+        super().__init__()
+        self.fs, self.path, self.pos = fs, path, 0
+        self.file: Optional[pafs.NativeFile] = None
+        self._call(lambda f: None)  # opened now: a missing file is an error here, as for open()
+
+    def _call(self, op: Callable[[Any], T]) -> T:
+        def once() -> T:
+            if self.file is None:
+                self.file = self.fs.open_input_file(self.path)
+                self.file.seek(self.pos)
+            try:
+                return op(self.file)
+            except OSError:
+                self.file, broken = None, self.file
+                with contextlib.suppress(OSError):
+                    broken.close()
+                raise
+        return retried(once, self.path)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = self._call(lambda f: f.seek(offset, whence))
+        return self.pos
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._call(lambda f: f.read() if size is None or size < 0 else f.read(size))
+        self.pos += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        n = self._call(lambda f: f.readinto(buffer))
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        super().close()
 
 
 def list_dirs(fs: pafs.FileSystem, path: str) -> list[str]:

@@ -158,16 +158,45 @@ def test_keep_1_never_deletes_the_only_good_checkpoint(tmp_path):
 
 class _Outage(pafs.FileSystemHandler):
     """This machine's disk, whose reads of a file's bytes fail (an OSError, as an object
-    store's outage or a lost mount makes them) while `failures` is above 0, one per read."""
+    store's outage or a lost mount makes them) while `failures` is above 0, one per read:
+    the opening of a stream, or a read from a file open for random access (as an object
+    store drops a connection halfway through a shard)."""
 
     def __init__(self):
         self.disk, self.failures = pafs.LocalFileSystem(), 0
 
-    def open_input_stream(self, path):
+    def fail(self, path):
         if self.failures:
             self.failures -= 1
             raise OSError(f"When reading {path}: connection reset by peer")
+
+    def open_input_stream(self, path):
+        self.fail(path)
         return self.disk.open_input_stream(path)
+
+    def open_input_file(self, path):
+        import pyarrow as pa
+
+        outage, disk = self, open(path, "rb")
+
+        class Dropping:  # a file whose reads fail while the outage lasts
+            closed = False
+
+            def read(self, n=-1):
+                outage.fail(path)
+                return disk.read(n)
+
+            def seek(self, offset, whence=0):
+                return disk.seek(offset, whence)
+
+            def tell(self):
+                return disk.tell()
+
+            def close(self):
+                disk.close()
+                self.closed = True
+
+        return pa.PythonFile(Dropping(), mode="r")
 
     def get_type_name(self): return "outage"
     def normalize_path(self, path): return path
@@ -182,7 +211,6 @@ class _Outage(pafs.FileSystemHandler):
     def delete_file(self, path): self.disk.delete_file(path)
     def move(self, src, dest): self.disk.move(src, dest)
     def copy_file(self, src, dest): self.disk.copy_file(src, dest)
-    def open_input_file(self, path): return self.disk.open_input_file(path)
     def open_output_stream(self, path, metadata): return self.disk.open_output_stream(path)
     def open_append_stream(self, path, metadata): return self.disk.open_append_stream(path)
 
@@ -212,6 +240,42 @@ def test_a_failed_read_is_tried_again_and_an_outage_sets_no_checkpoint_aside(tmp
     outage.failures = 0  # back: nothing was set aside, checkpoint 10 is still the latest
     assert not (tmp_path / "job" / "step_00000010" / "REJECTED").exists()
     assert store.latest_verified() == (10, [])
+
+
+def test_a_load_tries_a_failed_read_again(tmp_path, monkeypatch):
+    """Loading reads as verification does: a read the store failed is tried again, for the
+    per-stage files (each read whole) and for a sharded checkpoint's index and shards (DCP
+    seeks and reads in them: the file is opened again and read on from where it failed)."""
+    import torch.distributed as dist
+
+    from baton.checkpoint import sharded
+
+    monkeypatch.setattr(storage, "READ_FIRST_WAIT_S", 0.01)
+    store = CheckpointStore(str(tmp_path / "job"))
+    store.commit(5, _meta(5), keep=2, parts=_write(store, 5, value=5.0))
+    state = {"model": {"w": torch.randn(1000), "b": torch.arange(7.0)}}
+    store.begin(6)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        records = sharded.save(state, store.shards(6))
+    finally:
+        dist.destroy_process_group()
+    store.commit(6, {"step": 6, "layout": {"dp": 1, "pp": 1, "shard": "full"}}, keep=2, parts=records)
+    outage = _Outage()
+    store.fs = pafs.PyFileSystem(outage)
+
+    outage.failures = 3  # the whole read of model-0000.pt fails three times
+    assert torch.equal(store.read_model(5, 1)["w"], torch.full((64,), 5.0)) and outage.failures == 0
+    outage.failures = 3
+    assert store.read_meta(5)["step"] == 5 and outage.failures == 0
+    for failures in (1, 2, 3):  # reads inside the index and the shards, failing on and off
+        outage.failures = failures
+        got = store.read_model(6)
+        assert torch.equal(got["w"], state["model"]["w"]) and torch.equal(got["b"], state["model"]["b"])
+        assert outage.failures == 0
+    outage.failures = 10**6  # the store is gone: named, not a verdict on the checkpoint
+    with pytest.raises(StoreUnavailable, match=r"could not read .*step_00000006/shards/.* \(4 tries\)"):
+        store.read_model(6)
 
 
 def test_resume_goes_back_past_damage_and_refuses_when_nothing_verifies(tmp_path):

@@ -82,8 +82,12 @@ class ArrowFileSystem(FileSystemBase):
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator:
-        opener = {"wb": self.fs.open_output_stream, "rb": self.fs.open_input_file}[mode]
-        with opener(str(path)) as stream:
+        """Writes as they come; reads tried again where the store fails to answer."""
+        if mode == "rb":
+            stream = storage.RetryingInput(self.fs, str(path))
+        else:
+            stream = self.fs.open_output_stream(str(path))
+        with stream:
             yield stream
 
     def concat_path(self, path, suffix: str) -> str:

@@ -162,7 +162,7 @@ class CheckpointStore:
         """{part name: its record} from checkpoint `step`'s metadata (OSError, ValueError: not
         readable; CheckpointError: not a checkpoint's)."""
         path = f"{self.step_dir(step)}/{META}"
-        meta = json.loads(storage.retried(lambda: storage.read_bytes(self.fs, path), path))
+        meta = json.loads(storage.read_retried(self.fs, path))
         parts = meta.get("parts", {}) if isinstance(meta, dict) else None
         if not isinstance(parts, dict) or "step" not in meta:
             raise CheckpointError(f"{META} is not a checkpoint's metadata")
@@ -235,12 +235,12 @@ class CheckpointStore:
         return d
 
     def read_meta(self, step: int) -> dict:
-        return json.loads(storage.read_bytes(self.fs, f"{self._committed_dir(step)}/{META}"))
+        return json.loads(storage.read_retried(self.fs, f"{self._committed_dir(step)}/{META}"))
 
     def read_tensors(self, step: int, name: str) -> Any:
         import torch
 
-        data = storage.read_bytes(self.fs, f"{self._committed_dir(step)}/{name}")
+        data = storage.read_retried(self.fs, f"{self._committed_dir(step)}/{name}")
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
     def read_model(self, step: int, shards: Optional[int] = None) -> dict[str, torch.Tensor]:
