@@ -488,6 +488,43 @@ def test_growing_twice_in_a_row_records_both_rescales(tmp_path):
     assert [e["kind"] for e in c.events] == ["rescale", "rescale"]
 
 
+def test_a_rescale_verifies_the_checkpoint_it_loads(tmp_path):
+    """A growth writes a checkpoint and loads it into the larger world; that load is verified
+    as a recovery's is. Here the checkpoint the growth wrote is damaged between its commit
+    and the load: it is set aside, the world goes back to the checkpoint before it, and the
+    run still trains every step once."""
+    damaged = []
+
+    class Damaging(FakeGroup):
+        def form(self, members, spec, dims):
+            if dims.dp == 2:  # the growth's world, formed after its checkpoint was committed
+                store = CheckpointStore(str(tmp_path / "ckpt" / "fake"))
+                damaged.append(store.latest())
+                part = tmp_path / "ckpt" / "fake" / f"step_{damaged[0]:08d}" / "model-0000.pt"
+                data = bytearray(part.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                part.write_bytes(bytes(data))
+            super().form(members, spec, dims)
+
+    cluster = FakeCluster(free=1)
+    c = _coordinator(tmp_path, cluster, min_dp=1, rescale_check_s=1e-9)
+    c.group_factory = lambda s, d: Damaging(s, d, cluster)
+    c._launch()
+    _tick_until(c, lambda c: c.step == 4)
+    assert c.dims.dp == 1 and c.store.latest() == 4
+    cluster.free = 1  # room for dp 2
+    _tick_until(c, lambda c: c.state is State.RESCALING)
+    c.tick()
+    (step,) = damaged
+    assert step > 4 and step % 2 == 1  # written for the growth (every_steps is 2)
+    assert c.state is State.RUNNING and c.dims.dp == 2 and c.step == 4
+    rejected = [e for e in c.events if e["kind"] == "checkpoint_rejected"]
+    assert [(e["step"], e["why"]) for e in rejected] == [
+        (step, "part model-0000.pt does not match its checksum")]
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert c.step == 8 and sorted({step for step, _, _ in c.ledger}) == list(range(8))
+
+
 def test_a_recovery_skips_a_checkpoint_that_fails_verification(tmp_path):
     """Checkpoint 6 is damaged on disk after its commit (one byte of a part flipped); the
     failure at step 7 leaves no survivor state newer than it, so the recovery loads a

@@ -304,7 +304,8 @@ class Coordinator:
 
     def _rescale(self) -> State:
         """Grow at a step boundary: finish the queued steps, checkpoint here, start the new
-        workers, re-form the world with them and load the checkpoint just written."""
+        workers, re-form the world with them and load the newest whole checkpoint: the one
+        just written, verified as every load's is (the previous one if it fails)."""
         timer = Phases("rescale")
         while self.inflight:
             self._complete(self.inflight[0])
@@ -329,7 +330,7 @@ class Coordinator:
         timer.lap("reschedule")
         self._form(members)
         timer.lap("group_init")
-        self._load(self.store.read_meta(self.step))
+        self._load_latest()
         timer.lap("checkpoint_load")
         timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
                         "workers_new": len(new)}
