@@ -370,7 +370,10 @@ def test_a_node_lost_under_hybrid_sharding_loses_no_completed_step(tmp_path, dat
     as step 5; with no room left for a fourth worker the world re-forms at dp 2 (one group:
     ZeRO-3 over 2), resharding that checkpoint, and no completed step is trained again.
     Checkpoints are written in the background (checkpoint 4's shards on the workers' threads,
-    its plans through the coordinator), as the worker-killed case writes them synchronously."""
+    its plans through the coordinator), as the worker-killed case writes them synchronously.
+    A node goes more slowly than a SIGKILLed process: its loss fails step 6, or step 7 where
+    step 6 ended before the node's processes were gone (seen once in CI on a loaded machine),
+    and then the survivors hold step 6. Either way the survivors' last step is committed."""
     nodes.add_node(num_cpus=1)
     nodes.wait_for_nodes()
     _wait_free_cpus(4)
@@ -386,12 +389,13 @@ def test_a_node_lost_under_hybrid_sharding_loses_no_completed_step(tmp_path, dat
 
     assert result.state == "finished" and result.step == STEPS
     failure, recovery = result.events[:2]
-    assert failure["cause"] == "node_died" and failure["step"] == 6, failure
+    lost = failure["step"]
+    assert failure["cause"] == "node_died" and lost in (6, 7), failure
     assert failure["message"].startswith("lost node ") and "with worker rank 1 while" in failure["message"]
-    assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 5
+    assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == lost - 1
     assert recovery["dp"] == 2 and recovery["workers_reused"] == 3  # survivors kept; 2 of them form it
     store = CheckpointStore(spec.checkpoint_dir)
-    assert store.is_sharded(5) and store.is_sharded(4) and store.verify(4) is None
+    assert store.is_sharded(lost - 1) and store.is_sharded(4) and store.verify(4) is None
     _assert_exactly_once(result)
     # against one process (dp changed): FSDP's reduce order; the sharding tests' bound
     want, _, _ = reference_run(spec, data, steps=STEPS)
@@ -405,8 +409,8 @@ def test_a_stage_worker_killed_under_hybrid_sharding_in_a_pipeline_loses_no_comp
     group holds the same shard of the same stage, so the survivors' shards of both stages are
     committed as step 5 (through DCP, the plans through the coordinator) and no completed step
     is trained again. The model sleeps 0.4 s in stage 0's forward, so the kill lands before
-    step 6's collectives. timeout_s 30: eight workers start within it on a loaded 2-core
-    machine (10 s was too short once)."""
+    step 6's collectives. timeout_s 30 is the collectives' (eight workers on three CPUs);
+    their start is waited for whatever it is (group.wait_started)."""
     spec = _spec(tmp_path, data, "kill-pp-hybrid",
                  parallel={"dp": 4, "pp": 2, "microbatches": 2, "shard": "full", "shard_group": 2,
                            "timeout_s": 30},
