@@ -12,7 +12,8 @@
 #   ONLY="tests compile_mb64 dp_compiled sharding" LIMIT=540 bash benchmarks/gpu_suite.sh
 #
 # Needs the project's Python packages importable (pip install -e . on the GPU machine, or
-# PYTHONPATH=platform with ray, mlflow-skinny and its needs, sqlalchemy and pyarrow installed).
+# PYTHONPATH=platform with ray, mlflow-skinny and its needs, sqlalchemy and pyarrow installed:
+# benchmarks/gpu_site.sh packs them for a machine that reaches no package index).
 # Ray Train's row of dp_compiled needs ray[default]: its controller polls Ray's state API,
 # and on a bare ray (2.60) it waited past the step's limit (H100, 2026-11-27).
 set -u
