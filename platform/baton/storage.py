@@ -243,15 +243,16 @@ class RetryingInput(io.RawIOBase):
 
     def _call(self, op: Callable[[Any], T]) -> T:
         def once() -> T:
-            if self.file is None:
-                self.file = self.fs.open_input_file(self.path)
-                self.file.seek(self.pos)
             try:
+                if self.file is None:  # (again) at the position the failed call began at
+                    self.file = self.fs.open_input_file(self.path)
+                    self.file.seek(self.pos)
                 return op(self.file)
             except OSError:
-                self.file, broken = None, self.file
-                with contextlib.suppress(OSError):
-                    broken.close()
+                broken, self.file = self.file, None
+                if broken is not None:
+                    with contextlib.suppress(OSError):
+                        broken.close()
                 raise
         return retried(once, self.path)
 
