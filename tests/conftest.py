@@ -39,6 +39,21 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def warm_workers():
+    """The module's runs keep their workers warm for the next one (resources.keep_warm_s, set
+    by helpers.tiny_spec while this holds): a module of runs on one local Ray starts a worker
+    process only where the run before had fewer, or other resources. Its first run, every run
+    of the other modules and every `baton run` start theirs as a user's single run does."""
+    import helpers
+    from baton.workers import warm
+
+    helpers.KEEP_WARM_S = 60.0
+    yield
+    helpers.KEEP_WARM_S = 0.0
+    warm.drain()
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_runs():
     yield

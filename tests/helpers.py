@@ -47,6 +47,9 @@ def write_dataset(folder: Path, num_samples: int, seq_len: int, shards: int = 2,
     return folder
 
 
+KEEP_WARM_S = 0.0  # resources.keep_warm_s of tiny_spec's jobs (conftest's warm_workers sets it)
+
+
 def tiny_spec(tmp: Path, data_dir: Path, **sections) -> dict:
     """A small job as a dict; `sections` override whole keys of each section."""
     spec = {
@@ -56,7 +59,7 @@ def tiny_spec(tmp: Path, data_dir: Path, **sections) -> dict:
         "train": {"steps": 3, "global_batch": 8, "micro_batch": 2, "lr": 1e-2, "min_lr": 1e-3,
                   "warmup_steps": 1, "seed": 7},
         "parallel": {"dp": 2, "timeout_s": 60},
-        "resources": {"cpus_per_worker": 0.5},
+        "resources": {"cpus_per_worker": 0.5, **({"keep_warm_s": KEEP_WARM_S} if KEEP_WARM_S else {})},
         "checkpoint": {"path": str(tmp / "ckpt"), "every_steps": 1, "keep": 2},
         "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "tests"},
     }

@@ -118,6 +118,9 @@ class ResourcesSpec:
     # a cluster with an autoscaler and too little room now (scaled to zero): how long the
     # start waits for the nodes it asked for before refusing the job
     wait_for_nodes_s: float = 600.0
+    # after a run that finishes, keep its workers (and their resources) this long for the
+    # next run of the same driver, which then starts no new processes (a sweep, a notebook)
+    keep_warm_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,7 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(r.cpus_per_worker > 0, "resources.cpus_per_worker", r.cpus_per_worker, "must be > 0")
     need(r.gpus_per_worker >= 0, "resources.gpus_per_worker", r.gpus_per_worker, "must be >= 0")
     need(r.wait_for_nodes_s >= 0, "resources.wait_for_nodes_s", r.wait_for_nodes_s, "must be >= 0 seconds")
+    need(r.keep_warm_s >= 0, "resources.keep_warm_s", r.keep_warm_s, "must be >= 0 seconds")
     need(r.threads_per_worker >= 1, "resources.threads_per_worker", r.threads_per_worker,
          "must be at least 1")
 
@@ -154,6 +155,7 @@ MOST: dict[str, tuple[float, str]] = {
     "resources.gpus_per_worker": (64, "GPUs on one node"),
     "resources.threads_per_worker": (2**10, "threads"),
     "resources.wait_for_nodes_s": _SECONDS,
+    "resources.keep_warm_s": _SECONDS,
     "checkpoint.every_steps": (10**12, "steps"),
     "checkpoint.keep": (10**6, "checkpoints"),
     "checkpoint.timeout_s": _SECONDS,

@@ -22,7 +22,7 @@ from baton.spec import spec_from_dict
 from baton.tracking.profile import COMPUTE_CPU
 from helpers import assert_like_one_process, reference_run, tiny_spec, write_dataset
 
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
 
 MODELS = {
@@ -186,6 +186,41 @@ def test_a_worker_given_room_is_waited_for_past_the_wait_for_room():
     assert time.monotonic() - t0 < START_WAIT_S / 2  # the one without room: not waited for
     for actor in (slow, unplaceable):
         ray.kill(actor)
+
+
+def test_a_finished_run_keeps_its_workers_warm_for_the_next(tmp_path):
+    """resources.keep_warm_s: the next run of this driver takes the finished run's worker
+    processes (renewed, not started again) and trains as new ones do, bit for bit; a run
+    whose workers take other resources lets them go, and their room is free again; once the
+    time is up, the kept workers are gone."""
+    import ray
+
+    from baton.workers import warm
+
+    data = write_dataset(tmp_path / "data", num_samples=48, seq_len=32)
+    warm.drain()  # what this module's earlier runs kept
+    total = ray.cluster_resources()["CPU"]
+
+    def run(name, **resources):
+        spec = spec_from_dict(tiny_spec(tmp_path / name, data, name=name,
+                                        resources={"cpus_per_worker": 0.5, **resources}))
+        result = api.run(spec, show_progress=False)
+        assert result.state == "finished" and result.step == 3
+        return {w["pid"] for w in result.workers}, CheckpointStore(spec.checkpoint_dir).read_model(3)
+
+    pids, want = run("first", keep_warm_s=60)
+    assert warm.held() == 2
+    assert ray.available_resources().get("CPU", 0) == pytest.approx(total - 1.0)  # still held
+    again, got = run("second", keep_warm_s=60)
+    assert again == pids  # the same processes
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    other, _ = run("other", cpus_per_worker=0.25, keep_warm_s=2)  # not what the kept ones hold
+    assert not other & pids
+    assert warm.held() == 2  # this run's, for 2 s
+    deadline = time.monotonic() + 30
+    while warm.held() or ray.available_resources().get("CPU", 0) < total - 1e-9:
+        assert time.monotonic() < deadline, (warm.held(), ray.available_resources())
+        time.sleep(0.2)
 
 
 def test_powersgd_trains_within_a_measured_margin_of_fp32(tmp_path):

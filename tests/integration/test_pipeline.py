@@ -21,7 +21,7 @@ from baton.parallel.mesh import split_micro
 from helpers import (assert_like_one_process, assert_params_close, batch_in_store, job_order, read_table,
                      reference_grads, reference_run, tiny_spec, write_dataset)
 
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
 GPT = {"name": "gpt", "layers": 2, "width": 32, "heads": 2, "seq_len": 32}  # 4 layers
 

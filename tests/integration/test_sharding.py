@@ -12,7 +12,7 @@ from baton.checkpoint import CheckpointStore
 from baton.spec import spec_from_dict
 from helpers import assert_like_one_process, assert_params_close, reference_run, tiny_spec, write_dataset
 
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
 MODELS = {
     "gpt": {"name": "gpt", "layers": 2, "width": 32, "heads": 2, "seq_len": 32},

@@ -23,6 +23,8 @@ from baton.errors import CheckpointError, DataError
 from baton.spec import spec_from_dict
 from helpers import SLOW_MODEL, assert_params_close, reference_run, start_baton, tiny_spec, write_dataset
 
+pytestmark = pytest.mark.usefixtures("warm_workers")  # after the module's own Ray (autouse)
+
 OBJECT_STORE_MIB = 100
 BIG_MIB = 400  # the generated corpus: 4x the object store
 

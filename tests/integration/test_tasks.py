@@ -23,7 +23,7 @@ from baton.spec import spec_from_dict
 from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
 from helpers import assert_params_close, read_columns, regression, tiny_spec, write_table
 
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
 
 @pytest.fixture(scope="module")

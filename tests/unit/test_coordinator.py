@@ -276,7 +276,7 @@ class FakeGroup:
     def discard(self, refs):
         pass
 
-    def shutdown(self):
+    def shutdown(self, finished=False):
         self.cluster.free += len(self.actors) - len(self.dead)
         self.actors = []
 

@@ -162,7 +162,7 @@ class Coordinator:
             raise
         finally:
             if self.group is not None:
-                self.group.shutdown()
+                self.group.shutdown(finished=self.state == State.FINISHED)
             for feed in (self.feed, self.evaluation):
                 if feed is not None:
                     feed.close()

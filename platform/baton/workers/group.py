@@ -23,6 +23,7 @@ from baton.checkpoint import CheckpointStore
 from baton.errors import WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
+from baton.workers import warm
 from baton.workers.capacity import ask_autoscaler
 from baton.workers.worker import Worker
 
@@ -46,6 +47,10 @@ class WorkerGroup:
         self.spares: list = []  # warm standby workers (elastic.spares), outside the world
         self.spares_taken = 0  # spares handed out by start, in all
         self.start_failures: list[str] = []  # why workers of the last start died before ready
+        # workers an earlier run of this driver kept warm (resources.keep_warm_s), renewed
+        # for this one: the first start takes them before making new ones
+        self.warm: list = warm.claim(spec)
+        self.warm_taken = 0
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -54,16 +59,19 @@ class WorkerGroup:
         """Start up to `n` new workers: wait up to `timeout_s` for room for `need` of them
         (default all), then `grace_s` more for the rest (`wait_started`); those with no room
         by then are killed. Returns (actor, info) of the ones that started."""
+        kept, extra, self.warm = self.warm[:max(n, 0)], self.warm[max(n, 0):], []
+        warm.let_go(extra, wait=False)  # kept warm beyond what the job wants
+        self.warm_taken += len(kept)
         launched, self._launched = self._launched, []
-        if len(launched) != n:
+        if len(launched) != n - len(kept):
             for actor in launched:
                 ray.kill(actor)
             launched = []
         if n <= 0:
             return []
         need = n if need is None else min(need, n)
-        pool = self._take_spares(n - len(launched))
-        actors = launched + pool + self._create(n - len(launched) - len(pool))
+        pool = self._take_spares(n - len(kept) - len(launched))
+        actors = kept + launched + pool + self._create(n - len(kept) - len(launched) - len(pool))
         refs = [a.ready.remote() for a in actors]
         ready = wait_started(actors, refs, need, timeout_s, grace_s)
         started, self.start_failures = [], []
@@ -104,7 +112,7 @@ class WorkerGroup:
         """Create `n` workers now, without waiting: the next `start(n)` waits for these instead
         of creating its own, so their processes start (the larger part of a job's start) while
         the coordinator reads the first batch and opens the MLflow run."""
-        self._launched = self._create(n) if n > 0 else []
+        self._launched = self._create(n - len(self.warm)) if n > len(self.warm) else []
 
     def _create(self, n: int) -> list:
         r = self.spec.resources
@@ -130,7 +138,7 @@ class WorkerGroup:
         n = int((free.get("CPU", 0) + 1e-9) // r.cpus_per_worker)
         if r.gpus_per_worker:
             n = min(n, int((free.get("GPU", 0) + 1e-9) // r.gpus_per_worker))
-        return n + len(self.spares)
+        return n + len(self.spares) + len(self.warm)
 
     def describe_free(self) -> dict:
         return ray.available_resources()
@@ -374,10 +382,26 @@ class WorkerGroup:
             except ray.exceptions.RayError:
                 pass
 
-    def shutdown(self) -> None:
-        for actor in self.actors + self._launched + self.spares:
-            ray.kill(actor)
-        self.actors, self.infos, self._launched, self.spares = [], [], [], []
+    def shutdown(self, finished: bool = False) -> None:
+        """Let go of every worker; after a finished run with resources.keep_warm_s, keep those
+        that rest cleanly warm for the driver's next run (workers/warm.py)."""
+        idle = self.actors + self.spares + self.warm
+        kept = []
+        if finished and self.spec.resources.keep_warm_s > 0 and idle:
+            refs = [actor.rest.remote() for actor in idle]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=warm.RENEW_S)
+            for actor, ref in zip(idle, refs):
+                try:
+                    if ref in ready:
+                        ray.get(ref)
+                        kept.append(actor)
+                except ray.exceptions.RayError:
+                    pass
+            warm.keep(self.spec, kept)
+        for actor in idle + self._launched:
+            if not any(actor is k for k in kept):
+                ray.kill(actor)
+        self.actors, self.infos, self._launched, self.spares, self.warm = [], [], [], [], []
         if self._requested:
             self.request_capacity(0)  # let the autoscaler scale down once the nodes idle
 

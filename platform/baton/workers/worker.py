@@ -16,6 +16,7 @@ import gc
 import importlib
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
@@ -65,6 +66,10 @@ def _in_world(method):
 
 class Worker:
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int):
+        self.began = time.time()  # the code this process runs is the code on disk then
+        self._new(spec, dims, rank)
+
+    def _new(self, spec: JobSpec, dims: ParallelDims, rank: int) -> None:
         # A constructor that raises kills the actor, and Ray prints its traceback on the
         # driver's console. The error is kept instead and raised by `ready`, which the group
         # waits on: the group names it in one line and kills this actor.
@@ -103,6 +108,29 @@ class Worker:
         importlib.import_module("baton.workers.engines")
         if dims.dp > 1:
             importlib.import_module("torch._dynamo")
+
+    def rest(self) -> None:
+        """Out of any world and holding no model or state: kept warm for the next run of the
+        driver (resources.keep_warm_s, workers/warm.py)."""
+        self.leave()
+        self.kept = None
+        gc.collect()
+        if self.use_cuda:
+            torch.cuda.empty_cache()
+
+    def renew(self, spec: JobSpec) -> bool:
+        """Become, for a new run of `spec`, the worker the constructor would make, in this
+        process (rested, kept warm). False, and nothing done, when code this process imported
+        (the job's, or baton's in a checkout) has changed on disk since it started: a new
+        process runs the new code."""
+        from baton.workers.warm import changed_code
+
+        if changed_code(self.began) is not None:
+            return False
+        if "torch._dynamo" in sys.modules:  # no compiled code or guards of the last run's models
+            torch._dynamo.reset()
+        self._new(spec, ParallelDims(1), 0)
+        return self.start_error is None
 
     def assign(self, spec: JobSpec, dims: ParallelDims, rank: int) -> None:
         """Take `rank` in a world of `dims` (before `setup`)."""
