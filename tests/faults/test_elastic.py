@@ -271,7 +271,9 @@ def test_a_lost_node_is_one_line_on_the_console_of_baton_run(tmp_path, data, nod
     raylet with it): the console names the node in one line, and Ray's messages about it (the
     dead raylet's last log lines and state dump, 46 of 54 console lines before) are in a file
     the console points to."""
-    raw = tiny_spec(tmp_path, data, name="console", train={"steps": 200, "global_batch": 8,
+    # 60 steps: the node goes within a poll (0.1 s) of checkpoint 6, 54 steps (about 6 s here)
+    # before the run could end; 200, as before, trained 140 more steps and 70 more saves
+    raw = tiny_spec(tmp_path, data, name="console", train={"steps": 60, "global_batch": 8,
                                                            "micro_batch": None},
                     parallel={"dp": 2, "timeout_s": 30}, resources={"cpus_per_worker": 1},
                     checkpoint={"every_steps": 2, "keep": 2},
