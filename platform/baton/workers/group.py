@@ -50,7 +50,6 @@ class WorkerGroup:
         # workers an earlier run of this driver kept warm (resources.keep_warm_s), renewed
         # for this one: the first start takes them before making new ones
         self.warm: list = warm.claim(spec)
-        self.warm_taken = 0
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -61,7 +60,6 @@ class WorkerGroup:
         by then are killed. Returns (actor, info) of the ones that started."""
         kept, extra, self.warm = self.warm[:max(n, 0)], self.warm[max(n, 0):], []
         warm.let_go(extra, wait=False)  # kept warm beyond what the job wants
-        self.warm_taken += len(kept)
         launched, self._launched = self._launched, []
         if len(launched) != n - len(kept):
             for actor in launched:
