@@ -115,12 +115,14 @@ def let_go(actors: list, cpus: float = 0.0, wait: bool = True) -> None:
     in all, free again: a run counts free room right after this."""
     if not actors:
         return
+    if not wait:
+        for actor in actors:
+            ray.kill(actor)
+        return
     free_before = ray.available_resources().get("CPU", 0.0)
     deaths = [actor.heartbeat.remote() for actor in actors]  # fail once each actor is dead
     for actor in actors:
         ray.kill(actor)
-    if not wait:
-        return
     deadline = time.monotonic() + FREED_S
     ray.wait(deaths, num_returns=len(deaths), timeout=FREED_S)
     # an actor is dead before its node has handed its resources back: wait for those too
