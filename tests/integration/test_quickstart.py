@@ -3,7 +3,8 @@
 It runs the first STEPS of the job's 500 (`--set train.steps=150`) with a checkpoint every 50
 steps instead of 100: the rest is the same loop again (at 500 steps the test took 306 s of
 the suite on a slow 2-core machine, at 300 199 s). Three checkpoints of `keep: 2` still
-exercise retention, and the loss is below 2.5 by step 60."""
+exercise retention, and the loss ends below 2.5 (2.29 at step 150; 2.43-2.51 from step 50
+to 110)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,10 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
 
 def listeners_while_running(proc: subprocess.Popen, timeout_s: float) -> set[tuple[str, str]]:
     """(process name, address) of every listening TCP socket held by `proc` or its descendants,
-    sampled every half second until it exits."""
+    sampled every 2 s until it exits. The sockets that matter (Ray's services, the workers',
+    gloo's) live for the whole run; a pass over about 15 processes takes 0.06-0.09 s of CPU
+    here (psutil reads the TCP tables for each process), which every half second took about
+    a fifth of a core from the run it watches."""
     seen, deadline = set(), time.monotonic() + timeout_s
     root = psutil.Process(proc.pid)
     while proc.poll() is None:
@@ -80,7 +84,7 @@ def listeners_while_running(proc: subprocess.Popen, timeout_s: float) -> set[tup
                          if c.status == psutil.CONN_LISTEN}
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 pass
-        time.sleep(0.5)
+        time.sleep(2.0)
     return seen
 
 

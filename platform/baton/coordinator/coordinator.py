@@ -55,12 +55,19 @@ from baton.workers import WorkerGroup
 
 
 PIPELINE_DEPTH = 2  # steps queued on the workers at once
-# A survivor still stuck in the broken collective after the collective's own timeout and this
-# is replaced. A survivor waiting on a peer that left fails at once: a gloo group closes its
-# connections when it is freed, and `Worker.leave` frees every group of the old world (and a
-# worker whose step failed runs nothing more in it). Measured: the survivors of hybrid ZeRO-3
-# (dp 4) and of pp 2 x hybrid ZeRO-3 (8 workers) all left within 1.4 s of a kill; before,
-# they waited out one to three collective timeouts (parallel.timeout_s, 120 s by default).
+# A survivor that has not left this long after the failure is replaced. A survivor waiting on
+# a peer that left or was killed fails at once: a gloo group closes its connections when it is
+# freed, `Worker.leave` frees every group of the old world (and a worker whose step failed runs
+# nothing more in it), and a killed process's sockets close with it. Measured: the survivors
+# of hybrid ZeRO-3 (dp 4) and of pp 2 x hybrid ZeRO-3 (8 workers) all left within 1.4 s of a
+# kill; before, they waited out one to three collective timeouts (parallel.timeout_s, 120 s by
+# default). A lost or frozen node's sockets may stay open (a machine gone from the network
+# sends nothing), so after `node_died` or `hang` survivors get the collective's own timeout on
+# top. After a collective's timeout or a rank's own error, a rank still in its step is a
+# straggler in its own compute: it gets the grace to finish and leave, not a collective's
+# timeout as well (a straggler asleep in its forward held the stop phase 15 s under
+# `parallel.timeout_s: 5`; under the default it would be 130 s). `leave` returns as soon as
+# every survivor has left, so the wait costs only where one does not.
 LEAVE_GRACE_S = 10.0
 
 
@@ -261,7 +268,8 @@ class Coordinator:
         decision = self.failures.decide(f)
         self._record({"kind": "failure", "step": f.step, "cause": f.cause, "ranks": list(f.ranks),
                       "message": f.message, "at": self.failure_at, "recover": decision.recover,
-                      "since_last_step_s": round(time.perf_counter() - self.last_done_at, 3)})
+                      "since_last_step_s": (round(time.perf_counter() - self.last_done_at, 3)
+                                            if self.last_done_at else None)})  # None: no step yet
         self.report.progress.note(f"step {f.step}: {f.cause}: {f.message}")
         self.live.failure(f.cause, alive=len(self.group.actors) - len(f.ranks))
         if not decision.recover:
@@ -277,7 +285,9 @@ class Coordinator:
         gone = set(f.ranks) if f.cause in ("actor_died", "node_died", "hang") else set()
         alive = [r for r, s in state.items() if s == "ok" and r not in gone]
         self.group.kill([r for r in state if r not in alive])  # first: that frees their peers
-        left = self.group.leave(alive, self.spec.parallel.timeout_s + LEAVE_GRACE_S)
+        wait_s = LEAVE_GRACE_S + (self.spec.parallel.timeout_s if f.cause in ("node_died", "hang")
+                                  else 0)
+        left = self.group.leave(alive, wait_s)
         self.group.kill([r for r in alive if r not in left])
         self.group.discard(stale)
         self.feed.rewind()  # read again from the cursor the world resumes at
