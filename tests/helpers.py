@@ -144,20 +144,28 @@ def assert_like_one_process(spec, data_dir, result, steps: int, rtol: float = 1e
 # A user model (the `module:function` path): the GPT, slowed down so that a kill lands
 # between a checkpoint and the end of the run, whatever the machine's speed.
 SLOW_MODEL = '''
+import os
 import time
 import torch
 from baton.models.gpt import build_gpt
 
 class Slow(torch.nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
     def forward(self, x):
-        time.sleep(0.4)
+        time.sleep(self.seconds)
         return x
 
 def build(spec):
     model = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads,
                       seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout)
-    return torch.nn.Sequential(Slow(), *model)
+    return torch.nn.Sequential(Slow(float(os.environ.get("SLOWGPT_S", "0.4"))), *model)
 '''
+# A run that is not to be killed sets SLOWGPT_S=0 (the same maths, without the sleep): Ray's
+# worker processes inherit the environment of the `baton run` that starts the embedded Ray.
+FAST = {"SLOWGPT_S": "0"}
 
 
 def start_baton(args: list[str], cwd: Path, env: dict | None = None,

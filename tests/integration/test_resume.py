@@ -12,7 +12,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from baton.checkpoint import CheckpointStore
-from helpers import SLOW_MODEL, start_baton, tiny_spec, write_dataset, write_spec
+from helpers import FAST, SLOW_MODEL, start_baton, tiny_spec, write_dataset, write_spec
 
 def test_killed_and_resumed_equals_straight(tmp_path):
     (tmp_path / "slowgpt.py").write_text(SLOW_MODEL)  # in the working directory, as a user would
@@ -28,7 +28,8 @@ def test_killed_and_resumed_equals_straight(tmp_path):
                          tracking={"flush_every_s": 3600})  # flush only at commits and the end
         specs[name] = write_spec(tmp_path / f"{name}.yaml", spec)
 
-    straight = start_baton(["run", str(specs["straight"]), "--quiet"], tmp_path)
+    fast = dict(os.environ, **FAST)  # only the killed run needs the sleep
+    straight = start_baton(["run", str(specs["straight"]), "--quiet"], tmp_path, env=fast)
     out, _ = straight.communicate(timeout=300)
     assert straight.returncode == 0, out
 
@@ -45,7 +46,7 @@ def test_killed_and_resumed_equals_straight(tmp_path):
     store = CheckpointStore(str(tmp_path / "ckpt" / "killed"))
     assert store.latest() == 5  # killed before it could finish
 
-    resumed = start_baton(["run", str(specs["killed"]), "--quiet"], tmp_path)
+    resumed = start_baton(["run", str(specs["killed"]), "--quiet"], tmp_path, env=fast)
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out
     assert "resuming killed from step 5" in out

@@ -21,7 +21,7 @@ from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.errors import CheckpointError, DataError
 from baton.spec import spec_from_dict
-from helpers import SLOW_MODEL, assert_params_close, reference_run, start_baton, tiny_spec, write_dataset
+from helpers import FAST, SLOW_MODEL, assert_params_close, reference_run, start_baton, tiny_spec, write_dataset
 
 pytestmark = pytest.mark.usefixtures("warm_workers")  # after the module's own Ray (autouse)
 
@@ -304,14 +304,14 @@ def test_sigkill_then_resume_at_another_dp_trains_every_sample_once(tmp_path):
                     tracking={"enabled": False})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
 
-    def start(dp: int, ledger: Path):
+    def start(dp: int, ledger: Path, slow: bool):
         raw["parallel"]["dp"] = dp
         (tmp_path / f"spec-{dp}.json").write_text(json.dumps(raw))
-        return start_baton([], tmp_path, env=env, argv=[sys.executable, "ledger_run.py",
-                                                        f"spec-{dp}.json", str(ledger)])
+        return start_baton([], tmp_path, env=env if slow else dict(env, **FAST),
+                           argv=[sys.executable, "ledger_run.py", f"spec-{dp}.json", str(ledger)])
 
     first, ledger = tmp_path / "first.json", tmp_path / "resumed.json"
-    killed = start(2, first)
+    killed = start(2, first, slow=True)
     marker = tmp_path / "ckpt" / "killed" / "step_00000004" / "COMMITTED"
     deadline = time.monotonic() + 240
 
@@ -329,7 +329,7 @@ def test_sigkill_then_resume_at_another_dp_trains_every_sample_once(tmp_path):
     before = committed_steps()
     assert CheckpointStore(str(tmp_path / "ckpt" / "killed")).latest() == 4  # killed mid-run
 
-    resumed = start(3, ledger)
+    resumed = start(3, ledger, slow=False)  # the same maths without the sleep
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out[-3000:]
     after = json.loads(ledger.read_text())

@@ -61,13 +61,14 @@ PIPELINE_DEPTH = 2  # steps queued on the workers at once
 # nothing more in it), and a killed process's sockets close with it. Measured: the survivors
 # of hybrid ZeRO-3 (dp 4) and of pp 2 x hybrid ZeRO-3 (8 workers) all left within 1.4 s of a
 # kill; before, they waited out one to three collective timeouts (parallel.timeout_s, 120 s by
-# default). A lost or frozen node's sockets may stay open (a machine gone from the network
-# sends nothing), so after `node_died` or `hang` survivors get the collective's own timeout on
-# top. After a collective's timeout or a rank's own error, a rank still in its step is a
-# straggler in its own compute: it gets the grace to finish and leave, not a collective's
+# default). After a death or a silence, survivors still get the collective's own timeout on
+# top: a lost or frozen node's sockets may stay open (a machine gone from the network sends
+# nothing), and a survivor stuck on such a peer can only time out. After a collective's
+# timeout or a rank's own error every peer is alive and leaves, so a rank still in its step is
+# a straggler in its own compute: it gets the grace to finish and leave, not a collective's
 # timeout as well (a straggler asleep in its forward held the stop phase 15 s under
 # `parallel.timeout_s: 5`; under the default it would be 130 s). `leave` returns as soon as
-# every survivor has left, so the wait costs only where one does not.
+# every survivor has left, so a wait costs only where one does not.
 LEAVE_GRACE_S = 10.0
 
 
@@ -284,9 +285,9 @@ class Coordinator:
         # collective's timeout) are alive and stay
         gone = set(f.ranks) if f.cause in ("actor_died", "node_died", "hang") else set()
         alive = [r for r, s in state.items() if s == "ok" and r not in gone]
-        self.group.kill([r for r in state if r not in alive])  # first: that frees their peers
-        wait_s = LEAVE_GRACE_S + (self.spec.parallel.timeout_s if f.cause in ("node_died", "hang")
-                                  else 0)
+        dead = [r for r in state if r not in alive]
+        self.group.kill(dead)  # first: that frees their peers
+        wait_s = LEAVE_GRACE_S + (self.spec.parallel.timeout_s if dead else 0)
         left = self.group.leave(alive, wait_s)
         self.group.kill([r for r in alive if r not in left])
         self.group.discard(stale)
