@@ -524,6 +524,7 @@ def test_a_collective_that_times_out_is_recovered(tmp_path, data, nodes):
     failure = result.events[0]
     assert failure["cause"] == "timeout" and failure["ranks"] == [0]
     assert "timed out while training step 1" in failure["message"]
+    assert failure["since_last_step_s"] is None  # no step had completed (it was 82,447 s)
     assert result.events[1]["workers_reused"] == 1  # rank 0; the straggler was still stuck
     # The stop phase is the probe (at most 2 s) and the grace: the straggler is not in a
     # collective, so waiting out the collective's timeout as well would gain nothing (it
