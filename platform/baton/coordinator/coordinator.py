@@ -55,20 +55,15 @@ from baton.workers import WorkerGroup
 
 
 PIPELINE_DEPTH = 2  # steps queued on the workers at once
-# A survivor that has not left this long after the failure is replaced. A survivor waiting on
-# a peer that left or was killed fails at once: a gloo group closes its connections when it is
-# freed, `Worker.leave` frees every group of the old world (and a worker whose step failed runs
-# nothing more in it), and a killed process's sockets close with it. Measured: the survivors
-# of hybrid ZeRO-3 (dp 4) and of pp 2 x hybrid ZeRO-3 (8 workers) all left within 1.4 s of a
-# kill; before, they waited out one to three collective timeouts (parallel.timeout_s, 120 s by
-# default). After a death or a silence, survivors still get the collective's own timeout on
-# top: a lost or frozen node's sockets may stay open (a machine gone from the network sends
-# nothing), and a survivor stuck on such a peer can only time out. After a collective's
-# timeout or a rank's own error every peer is alive and leaves, so a rank still in its step is
-# a straggler in its own compute: it gets the grace to finish and leave, not a collective's
-# timeout as well (a straggler asleep in its forward held the stop phase 15 s under
-# `parallel.timeout_s: 5`; under the default it would be 130 s). `leave` returns as soon as
-# every survivor has left, so a wait costs only where one does not.
+# A survivor that has not left its group this long after a failure is replaced. One waiting
+# on a peer that left or was killed fails at once: `Worker.leave` frees every gloo group of the
+# old world, which closes its connections, and a killed process's sockets close with it
+# (measured: the survivors of hybrid ZeRO-3 at dp 4 and of pp 2 x hybrid ZeRO-3 all left
+# within 1.4 s of a kill). After a death or a silence the survivors get the collective's
+# timeout on top, since a lost or frozen machine's sockets may stay open. After a timeout or a
+# rank's own error every peer is alive and leaves, so a rank still in its step is a straggler
+# in its own compute: the grace alone (it held the stop phase 15 s under `parallel.timeout_s:
+# 5`, and would hold it 130 s under the default). `leave` returns once every survivor has left.
 LEAVE_GRACE_S = 10.0
 
 
