@@ -13,9 +13,9 @@
 #
 # Needs the project's Python packages importable (pip install -e . on the GPU machine, or
 # PYTHONPATH=platform with ray, mlflow-skinny and its needs, sqlalchemy and pyarrow installed:
-# benchmarks/gpu_site.sh packs them for a machine that reaches no package index).
-# Ray Train's row of dp_compiled needs ray[default]: its controller polls Ray's state API,
-# and on a bare ray (2.60) it waited past the step's limit (H100, 2026-11-27).
+# benchmarks/gpu_site.sh packs them, ray[default] included, for a machine that reaches no
+# package index). Ray Train's row of dp_compiled needs ray[default]: its controller polls
+# Ray's state API, and on a bare ray (2.60) it waited past the step's limit (H100, 2026-11-27).
 set -u
 START=$(date +%s)
 LIMIT=${LIMIT:-540}
