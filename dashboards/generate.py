@@ -165,6 +165,10 @@ def training() -> dict:
                    "is being recovered.",
                    [(gauge("baton_world_size"), "{{job_name}} world size"),
                     (gauge("baton_workers_alive"), "{{job_name}} alive")]),
+        timeseries("Worker memory", "The largest worker's resident host memory and, on GPUs, "
+                   "its peak of device memory allocated in the step: the worker that runs out "
+                   "first.", [(f"max by (job_name, kind) ({m('baton_worker_memory_bytes')}{SEL})",
+                               "{{job_name}} {{kind}}")], unit="bytes"),
     ])
 
 

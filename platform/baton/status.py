@@ -83,6 +83,11 @@ def describe(s: dict) -> list[str]:
     lines.append(f"  step {s['step']}/{s['steps']}{loss}{tps}")
     lines.append(f"  world: dp {s['dp']} x pp {s['pp']} = {s['world_size']} workers, "
                  f"{s['workers_alive']} alive")
+    held = s.get("memory_mib") or {}  # absent from older status files
+    if held:
+        lines.append("  memory of the largest worker: " + ", ".join(
+            f"{what} {held[kind]:,} MiB" for kind, what in (("host", "host"), ("device", "device peak"))
+            if kind in held))
     lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
     lines.append(f"  failures: {s['failures']}" + (f" ({causes})" if causes else "")

@@ -89,6 +89,12 @@ def test_nccl_training_tracks_the_cpu_reference(tmp_path, compiled):
     # Eager and compiled with fused AdamW on an H100 (torch 2.11, 2026-11-26): the largest
     # difference 0.0165 (eager) and 0.0075 (compiled) of this bound, the loss equal to 7 digits.
     _assert_close(got, want, rtol=1e-3, atol=spec.train.lr / 10)
+    # each step's peak of device memory: above the model's parameters, gradients and AdamW's
+    # two moments (4 fp32 copies), below the device
+    peaks = [mib for _, mib in result.history("device_memory_peak_mib")]
+    params = sum(v.numel() for v in got.values())
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert len(peaks) == 3 and all(4 * 4 * params < mib * 2**20 < total for mib in peaks), peaks
 
 
 @pytest.mark.parametrize("shard", ["none", "full"])

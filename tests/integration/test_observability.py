@@ -160,6 +160,12 @@ def test_prometheus_shows_every_series_the_dashboards_query(run, metrics_ray):
     assert value("ray_baton_step_seconds_count") >= STEPS  # steps re-run after the failure count too
     assert 0 < value("ray_baton_mfu") < 1 and 0 < value("ray_baton_pipeline_bubble") < 1
     assert 0 <= value("ray_baton_data_wait_fraction") < 1
+    # a worker process with torch imported holds a few hundred MB (620 MB in the workers of
+    # benchmarks/dp_throughput.py); this job's CPU workers export no device memory
+    assert 100e6 < value("ray_baton_worker_memory_bytes", kind="host") < 8e9
+    assert not [s for s in ours if s.labels.get("kind") == "device"]
+    assert [v for _, v in result.history("host_memory_mib")][-1] == pytest.approx(
+        value("ray_baton_worker_memory_bytes", kind="host") / 2**20)
     assert value("ray_baton_loss") == pytest.approx(result.loss)
     assert value("ray_baton_checkpoint_save_seconds_count") >= STEPS // 2
     assert value("ray_baton_checkpoint_load_seconds_count") >= 2  # the rescale and the recovery
@@ -217,6 +223,8 @@ def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(ru
     assert one(f"sum by (job_name) (ray_baton_rescales_total{{{job}}})") == 1
     assert one(f"max by (job_name) (ray_baton_loss{{{job}}})") == pytest.approx(result.loss)
     assert 0 < one(f"max by (job_name) (ray_baton_mfu{{{job}}})") < 1
+    assert 100e6 < one(f"max by (job_name, kind) (ray_baton_worker_memory_bytes{{{job}}})",
+                       kind="host") < 8e9  # as in the scrape above
     recovery = [e for e in result.events if e["kind"] == "recovery"][0]["total_s"]
     # Ray 2.60's exporter records a histogram's observation at the middle of its bucket
     # (ray/_private/telemetry/open_telemetry_metric_recorder.py): measured, a 2.65 s recovery
@@ -279,7 +287,8 @@ def test_baton_status_shows_the_coordinator_state(run, capsys):
     assert lines[0].startswith("observed: finished (updated ")
     assert lines[1].startswith(f"  step {STEPS}/{STEPS}, loss ")
     assert lines[2] == "  world: dp 2 x pp 2 = 4 workers, 4 alive"
-    assert lines[4] == "  failures: 1 (actor_died 1); rescales: 1"
+    assert lines[3].startswith("  memory of the largest worker: host ") and lines[3].endswith(" MiB")
+    assert lines[5] == "  failures: 1 (actor_died 1); rescales: 1"
 
     # a submitted job: the same state from the last status line of its log
     log = "training...\n" + status.STATUS_LINE + json.dumps(mid) + "\nmore output\n"

@@ -156,7 +156,7 @@ def test_live_metrics_do_nothing_without_ray():
     assert not ray.is_initialized()
     live = LiveMetrics("job")
     live.step(step=1, loss=1.0, lr=0.1, tokens_per_s=1.0, samples_per_s=1.0, step_s=1.0,
-              data_wait=None, mfu=None, bubble=None)
+              data_wait=None, mfu=None, bubble=None, memory={"host": 1 << 30})
     live.failure("actor_died", alive=1)
     assert live._m == {}
 
@@ -220,3 +220,40 @@ def test_baton_status_says_when_tracking_is_degraded():
     assert status.describe(s)[-1] == "  MLflow run: abc"
     s["tracking"] = "degraded since 10:01:02, 12 metric values waiting"
     assert status.describe(s)[-1] == "  MLflow run: abc (tracking degraded since 10:01:02, 12 metric values waiting)"
+
+
+def test_each_step_reports_its_largest_workers_memory(tmp_path):
+    """Every worker's step reports what it holds; the step's metrics carry the largest (the
+    worker that runs out first), and `baton status` shows it."""
+    import os
+
+    import psutil
+
+    from baton import status
+    from baton.coordinator.steps import StepStats
+    from baton.spec import spec_from_dict
+    from baton.workers.host import resident_bytes
+    from helpers import tiny_spec
+
+    # the reader against psutil's, a few allocations apart in this process: equal on Linux
+    # (both read /proc/self/statm's resident pages); 64 MiB apart would be a wrong unit or field
+    assert abs(resident_bytes() - psutil.Process(os.getpid()).memory_info().rss) < 64 << 20
+    spec = spec_from_dict(tiny_spec(tmp_path, tmp_path))
+    stats = StepStats(spec)
+
+    def result(**memory):
+        return {"tokens": 100, "loss_sum": 250.0, "grad_norm": 1.0, "memory": memory}
+
+    cpu = stats.measure(1, [result(host=300 << 20), result(host=500 << 20)], 0.5, 8, 1e-3, 0,
+                        spec.dims())
+    assert cpu["host_memory_mib"] == 500 and "device_memory_peak_mib" not in cpu
+    gpu = stats.measure(2, [result(host=900 << 20, device=7 << 30), result(host=800 << 20, device=6 << 30)],
+                        0.5, 8, 1e-3, 0, spec.dims())
+    assert (gpu["host_memory_mib"], gpu["device_memory_peak_mib"]) == (900, 7 << 10)
+    assert stats.memory == {"host": 900 << 20, "device": 7 << 30}
+    s = {"job": "j", "state": "running", "updated_at": __import__("time").time(), "pid": 1,
+         "host": "elsewhere", "step": 3, "steps": 9, "dp": 2, "pp": 1, "world_size": 2,
+         "workers_alive": 2, "last_checkpoint": None, "failures": 0, "failures_by_cause": {},
+         "rescales": 0, "memory_mib": {"host": 900, "device": 7168}}
+    assert status.describe(s)[3] == "  memory of the largest worker: host 900 MiB, device peak 7,168 MiB"
+    assert "memory" not in "".join(status.describe({**s, "memory_mib": {}}))  # before the first step

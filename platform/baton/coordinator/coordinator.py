@@ -519,6 +519,7 @@ class Coordinator:
                 "workers_alive": len(self.group.actors) if self.group else 0,
                 "loss": None if math.isnan(self.stats.last_loss) else round(self.stats.last_loss, 6),
                 "tokens_per_s": round(self.stats.tokens_per_s[-1], 1) if self.stats.tokens_per_s else None,
+                "memory_mib": {kind: round(held / 2**20) for kind, held in self.stats.memory.items()},
                 "last_checkpoint": self.commits.last, "failures": sum(causes.values()),
                 "failures_by_cause": dict(causes), "rescales": sum(
                     e["kind"] == "rescale" for e in self.events),

@@ -11,7 +11,7 @@ from typing import Optional
 from baton.progress import Progress
 from baton.status import StatusBoard
 from baton.storage import redact
-from baton.tracking.metrics import LiveMetrics
+from baton.tracking.metrics import MEMORY_MIB, LiveMetrics
 
 
 class Report:
@@ -38,7 +38,9 @@ class Report:
         self.live.step(step=step, loss=metrics["loss"], lr=lr, tokens_per_s=tps,
                        samples_per_s=metrics["samples_per_s"], step_s=step_time_s,
                        data_wait=metrics.get("data_wait_fraction"), mfu=metrics.get("mfu"),
-                       bubble=metrics.get("pipeline_bubble"))
+                       bubble=metrics.get("pipeline_bubble"),
+                       memory={kind: metrics[name] * 2**20 for kind, name in MEMORY_MIB.items()
+                               if name in metrics})
         self.progress.update(step, metrics["loss"], tps)
 
     def evaluated(self, step: int, evaluated: dict) -> None:

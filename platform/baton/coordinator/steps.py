@@ -1,7 +1,7 @@
 """What the completed steps measured: the coordinator's collaborator that turns the workers'
 results of a step into its metrics (for MLflow, the live metrics and the progress line) and
 keeps what the run's result reports: throughput, step times, pipeline bubbles and activation
-peaks, the traced step's timeline, the workers' state bytes."""
+peaks, the traced step's timeline, the workers' state bytes and memory."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 from baton.errors import WorkerError
 from baton.models.flops import job_peak_flops, model_flops_per_token
 from baton.tracking import timeline
+from baton.tracking.metrics import MEMORY_MIB
 from baton.tracking.profile import comm_overlap
 
 
@@ -26,6 +27,9 @@ class StepStats:
         self.pipeline_peaks: list[dict] = []  # per rank: activation_bytes, live
         self.trace: Optional[dict] = None  # the traced step's timeline: {"step", "lanes"}
         self.state_bytes: list[dict] = []  # per worker, at the first step of the last world
+        # the largest worker's memory at the last step, bytes: "host" (resident) and, on GPUs,
+        # "device" (the step's peak allocated)
+        self.memory: dict[str, int] = {}
         self.flops_per_token = model_flops_per_token(spec.model)
         self.peak_flops: Optional[float] = None  # of the current world's devices
         # seconds the current world's slowest worker compiled (train.compile): [in its setup
@@ -66,6 +70,11 @@ class StepStats:
         stalled = max(r.get("save_stall_s", 0.0) for r in results)
         if stalled:  # the step waited this long for the checkpoint before it
             metrics["checkpoint_stall_s"] = stalled
+        for kind, name in MEMORY_MIB.items():
+            held = [r["memory"][kind] for r in results if kind in r.get("memory", {})]
+            if held:  # the largest worker's: the one that runs out first
+                self.memory[kind] = max(held)
+                metrics[name] = self.memory[kind] / 2**20
         data_s = [r["data_s"] for r in results if "data_s" in r]
         if data_s:
             metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)

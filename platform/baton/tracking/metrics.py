@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 JOB = ("job_name",)
+# the MLflow metric of each kind of baton_worker_memory_bytes, in MiB
+MEMORY_MIB = {"host": "host_memory_mib", "device": "device_memory_peak_mib"}
 SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -47,6 +49,10 @@ METRICS = {m.name: m for m in [
     Metric("baton_data_wait_fraction", "gauge", "Share of the step the workers spent getting "
                                                 "their batch (mean over workers)"),
     Metric("baton_pipeline_bubble", "gauge", "Idle share of a pipeline step (pp > 1)"),
+    Metric("baton_worker_memory_bytes", "gauge", "The largest worker's memory at the last "
+                                                 "step: resident host memory (kind=host) and, on "
+                                                 "GPUs, the step's peak of device memory "
+                                                 "allocated (kind=device)", JOB + ("kind",)),
     Metric("baton_workers_alive", "gauge", "Workers running in the job's world"),
     Metric("baton_world_size", "gauge", "Workers the current world was formed with"),
     Metric("baton_dp", "gauge", "Data-parallel replicas in the current world"),
@@ -107,7 +113,7 @@ class LiveMetrics:
 
     def step(self, *, step: int, loss: float, lr: float, tokens_per_s: float,
              samples_per_s: float, step_s: float, data_wait: Optional[float],
-             mfu: Optional[float], bubble: Optional[float]) -> None:
+             mfu: Optional[float], bubble: Optional[float], memory: dict) -> None:
         self._set("baton_step", step)
         self._set("baton_loss", loss)
         self._set("baton_learning_rate", lr)
@@ -117,6 +123,8 @@ class LiveMetrics:
         self._set("baton_data_wait_fraction", data_wait)
         self._set("baton_mfu", mfu)
         self._set("baton_pipeline_bubble", bubble)
+        for kind, held in memory.items():
+            self._set("baton_worker_memory_bytes", held, kind=kind)
 
     def world(self, *, alive: int, world_size: int, dp: int) -> None:
         self._set("baton_workers_alive", alive)

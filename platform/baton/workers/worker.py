@@ -290,10 +290,21 @@ class Worker:
             self.state_reported = True
             self._prestage()
         out.update(self._compiled())
+        out["memory"] = self._memory()
         self.last_step = step + 1
         if self.ledger is not None and self.pp_rank == 0:
             self.ledger += [(step, self.rows.gather(rows)[0].tolist()) for rows in micro if len(rows)]
         return out
+
+    def _memory(self) -> dict:
+        """What this worker holds, in bytes: its process's resident host memory, and on a GPU
+        the most device memory allocated since the last step's report (a counter the allocator
+        keeps on the host: no wait on the device), its peak then reset for the next step."""
+        held = {"host": host.resident_bytes()}
+        if self.use_cuda:
+            held["device"] = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return {kind: n for kind, n in held.items() if n is not None}
 
     def _compiled(self) -> dict:
         """{"compile_s": seconds} spent compiling since the last report (a new world's first
