@@ -253,12 +253,14 @@ def test_the_run_report_is_in_mlflow_and_baton_report_redraws_it(run, tmp_path, 
     assert sorted(listed) == ["report/report.html", "report/report.png"]
 
     rep = report.build(client, client.get_run(result.run_id), str(tmp_path / "r"))
-    assert rep.points["loss"] == STEPS  # one point per step, the re-run step logged once
+    # one point per step (the step trained again after the failure is logged once); no GPU
+    assert rep.points["loss"] == rep.points["host_memory_mib"] == STEPS
+    assert "device_memory_peak_mib" not in rep.points
     assert rep.swimlane_step == 3
     import matplotlib.image
 
     height, width, _ = matplotlib.image.imread(rep.png).shape
-    assert width == 1100 and height > 900  # four panels: loss, throughput, world, swimlane
+    assert width == 1100 and height > 1300  # five panels (four: 1090 px): loss, throughput, world, memory, swimlane
     page = Path(rep.html).read_text()
     assert "data:image/png;base64," in page and "<td>failure</td>" in page
 

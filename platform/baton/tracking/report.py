@@ -1,7 +1,8 @@
 """`baton report`: a run's pictures, from what MLflow holds of it.
 
 One PNG (and an HTML page embedding it): the loss curve, throughput, the world size over time
-with failure and rescale markers, and the pipeline swimlane of a traced step (pp > 1). The
+with failure and rescale markers, the largest worker's memory (runs that logged it), and the
+pipeline swimlane of a traced step (pp > 1). The
 coordinator logs the same files as MLflow artifacts (report/) when a run ends, so a run's
 pictures are beside its metrics, and the traced step's swimlane beside its Chrome trace;
 `baton report` rebuilds them for any run, running or done.
@@ -20,6 +21,7 @@ from typing import Optional
 
 from baton.errors import BatonError
 from baton.tracking import timeline
+from baton.tracking.metrics import MEMORY_MIB
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 ARTIFACT_DIR = "report"
@@ -106,15 +108,26 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     loss = _history(client, run_id, "loss")
     tps = _history(client, run_id, "tokens_per_s")
     world = _history(client, run_id, "world_size")
+    memory = {kind: _history(client, run_id, name) for kind, name in MEMORY_MIB.items()}
+    memory = {kind: points for kind, points in memory.items() if points[0]}
     events = _events(client, run_id)
     trace = _trace(client, run_id, swimlane_step)
     if not loss[0]:
         raise BatonError(f"run {run_id} ({name}) has no logged steps yet")
 
-    rows = 4 if trace else 3
-    fig, axes = plt.subplots(rows, 1, figsize=(11, 2.6 * rows + (0.5 if trace else 0)), dpi=100,
-                             gridspec_kw={"height_ratios": [1, 1, 0.8] + ([1.3] if trace else [])})
+    heights = [1, 1, 0.8] + ([0.8] if memory else []) + ([1.3] if trace else [])
+    fig, axes = plt.subplots(len(heights), 1, figsize=(11, 2.6 * len(heights) + (0.5 if trace else 0)),
+                             dpi=100, gridspec_kw={"height_ratios": heights})
     ax_loss, ax_tps, ax_world = axes[:3]
+    plotted = [ax_loss, ax_tps, ax_world]
+    if memory:
+        ax_memory = axes[3]
+        for kind, (steps, mib) in memory.items():
+            ax_memory.plot(steps, mib, lw=1.0, label={"host": "host", "device": "device peak"}[kind])
+        ax_memory.set_ylabel("MiB, largest\nworker")
+        ax_memory.set_ylim(0, 1.15 * max(max(mib) for _, mib in memory.values()))  # off the frame
+        ax_memory.legend(loc="lower right", fontsize=7, frameon=False, ncols=len(memory))
+        plotted.append(ax_memory)
     ax_loss.plot(*loss, color="#4C72B0", lw=1.2, marker="." if len(loss[0]) <= 60 else None)
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(f"{name}: {len(loss[0])} steps, final loss {loss[1][-1]:.4f}  "
@@ -140,21 +153,22 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
                  "recovery": ("#937860", "-.")}.get(kind, ("grey", ":"))
         label = None if kind in marked else kind
         marked.add(kind)
-        for ax in (ax_loss, ax_tps, ax_world):
+        for ax in plotted:
             ax.axvline(step, color=style[0], ls=style[1], lw=1, label=label if ax is ax_world else None)
     if marked:
         ax_world.legend(loc="lower right", fontsize=7, frameon=False, ncols=len(marked))
-    for ax in (ax_loss, ax_tps, ax_world):
+    for ax in plotted:
         ax.grid(alpha=0.3)
     if trace:
         step, lanes, _ = trace
-        timeline.draw_swimlane(axes[3], lanes, f"pipeline step {step}")
+        timeline.draw_swimlane(axes[-1], lanes, f"pipeline step {step}")
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
     png = os.path.join(out_dir, "report.png")
     fig.savefig(png)
     points = {"loss": len(ax_loss.lines[0].get_xdata()), "tokens_per_s": len(ax_tps.lines[0].get_xdata()),
-              "world_size": len(ax_world.lines[0].get_xdata())}
+              "world_size": len(ax_world.lines[0].get_xdata()),
+              **{MEMORY_MIB[kind]: len(points[0]) for kind, points in memory.items()}}
     plt.close(fig)
     page = os.path.join(out_dir, "report.html")
     with open(page, "w") as f:
@@ -176,7 +190,7 @@ def _html(name: str, run, png: str, events: list[dict]) -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>baton report: "
             f"{html.escape(name)}</title></head><body style='font-family:sans-serif'>"
             f"<h1>{html.escape(name)}</h1><p>MLflow run {run.info.run_id}, status "
-            f"{run.info.status}</p><img alt='loss, throughput, world size' "
+            f"{run.info.status}</p><img alt='loss, throughput, world size, memory' "
             f"src='data:image/png;base64,{image}' style='max-width:100%'>"
             + (f"<h2>Events</h2><table><tr><th>event</th><th>step</th><th>what</th></tr>"
                f"{listed}</table>" if events else "")
