@@ -30,6 +30,11 @@ class WorkerError(BatonError):
     """A worker failed while training; the message names the rank and the step."""
 
 
+class OutOfMemory(WorkerError):
+    """A worker's allocation failed (device or host memory): the message says which, how much
+    was asked for, and what lowers it."""
+
+
 class WorkerLost(WorkerError):
     """Workers died, froze or failed: the coordinator may recover. `cause` is one of
     baton.coordinator.policy.CAUSES; `ranks` the ranks found dead or silent, where known."""

@@ -178,3 +178,16 @@ def test_full_sharding_with_bf16_tracks_the_cpu_reference(tmp_path):
     assert result.loss == pytest.approx(losses[-1], rel=0.005)
     got = CheckpointStore(spec.checkpoint_dir).read_model(3)
     assert all(t.dtype == torch.float32 for t in got.values())  # master weights stay fp32
+
+
+def test_a_failed_device_allocation_is_named_by_what_it_asked_for():
+    """torch's CUDA message, as this torch writes it, gives the line baton prints for a step
+    that ran out of device memory (tests/integration/test_failures.py runs the same on the
+    host's allocator through `baton run`)."""
+    from baton.workers.worker import out_of_memory
+
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB
+    print(str(caught.value).splitlines()[0])
+    # torch's units stop at GiB (the strings of libc10_cuda.so in torch 2.13's CUDA wheel)
+    assert out_of_memory(caught.value) == "out of device memory (tried to allocate 1048576.00 GiB)"

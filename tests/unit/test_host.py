@@ -63,3 +63,24 @@ def test_a_users_own_allocator_settings_win(monkeypatch):
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")
     assert host.keep_freed_memory() is False
+
+
+def test_a_failed_allocation_is_named_the_same_way_each_time():
+    """The failure policy gives up when the same message comes back at the same step, so an
+    allocation that fails says what it asked for and leaves out the free memory that torch's
+    CUDA message goes on with (it differs between two tries of the same step)."""
+    import torch
+
+    from baton.workers.worker import out_of_memory
+
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: more than any address space
+    except RuntimeError as e:
+        assert out_of_memory(e) == "out of host memory (tried to allocate 1,048,576.00 GiB)"
+    cuda = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 "
+            "GiB of which {} MiB is free. Including non-PyTorch memory, this process has 77.1 GiB "
+            "memory in use.")
+    first, second = (out_of_memory(torch.OutOfMemoryError(cuda.format(free))) for free in (3.56, 17.2))
+    assert first == second == "out of device memory (tried to allocate 2.00 GiB)"
+    assert out_of_memory(ValueError("you tried to allocate 5 bytes")) is None
+    assert out_of_memory(RuntimeError("a collective timed out")) is None

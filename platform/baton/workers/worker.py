@@ -15,6 +15,7 @@ import functools
 import gc
 import importlib
 import os
+import re
 import socket
 import sys
 import time
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from baton.checkpoint import CheckpointStore
 from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
-from baton.errors import WorkerError
+from baton.errors import OutOfMemory, WorkerError
 from baton.models import build_model
 from baton.parallel import ParallelDims
 from baton.parallel.compiled import compile_seconds
@@ -60,8 +61,28 @@ def _in_world(method):
             return method(self, *args, **kwargs)
         except BaseException as e:
             self.broken = f"{method.__name__}: {type(e).__name__}"
+            short = out_of_memory(e)
+            if short is not None:
+                raise OutOfMemory(f"{short}; lower train.micro_batch, set "
+                                  "train.activation_checkpointing: blocks, or shard the model's "
+                                  "state (parallel.shard)") from e
             raise
     return call
+
+
+def out_of_memory(error: BaseException) -> Optional[str]:
+    """What an allocation that failed asked for, in words that are the same each time it
+    fails at the same place (torch's CUDA message goes on with the device's free memory, which
+    varies, and the failure policy gives up when the same message comes back at the same
+    step); None for any other error."""
+    text = str(error)
+    if isinstance(error, torch.OutOfMemoryError):  # CUDA's (and other accelerators')
+        asked = re.search(r"Tried to allocate ([\d.]+ (?:[KMG]iB|bytes))", text)  # torch's units
+        return "out of device memory" + (f" (tried to allocate {asked[1]})" if asked else "")
+    asked = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
+    if isinstance(error, RuntimeError) and asked:  # torch's CPU allocator
+        return f"out of host memory (tried to allocate {int(asked[1]) / 2**30:,.2f} GiB)"
+    return None
 
 
 class Worker:
