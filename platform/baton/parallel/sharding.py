@@ -107,6 +107,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
     # The data-parallel engine runs one stage (pp = 1): its dp group is the whole world. A
     # world of one runs the model itself: no wrapper, no all-reduce, nothing to keep in sync.
     alone = not shard_optimizer and dist.get_world_size() == 1
+    module.to(device)  # every replica holds the whole model
     wrapped = module if alone else DDP(module, device_ids=[0] if device.type == "cuda" else None)
     if not alone:
         comm.register(wrapped, grad_comm)
@@ -164,6 +165,10 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
 def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                 reshard_after_forward: bool, unit_mib: float = UNIT_MIB,
                 grad_comm: str = "fp32") -> Replica:
+    """`module` as the host built it: FSDP2 moves each unit's parameters to the mesh's device
+    as it shards that unit, so the device holds this worker's shards and at most one unit
+    whole, never the whole model (moved first, as before, a model larger than one device could
+    not be sharded across several)."""
     first = _shard_root(module, mesh, train, reshard_after_forward, unit_mib, grad_comm)
     optimizer = make_optimizer(module, train)
 

@@ -69,7 +69,8 @@ class DataParallelEngine(_Engine):
         self.spec, self.device, self.task = spec, device, task
         self.bf16 = spec.train.precision == "bf16"
         self.dp = spec.parallel.dp
-        self.module = build_model(spec.model, spec.train.seed).to(device)
+        # built on the host; the wrapping puts it on the device (sharded: unit by unit)
+        self.module = build_model(spec.model, spec.train.seed)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
         compile_blocks(self.module, spec.train.compile, device.type)
         level = spec.parallel.shard
