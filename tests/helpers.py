@@ -280,6 +280,25 @@ def stalling_gpt(spec):
     return torch.nn.Sequential(_StallOnce(o["seconds"], o["marker"], o["rank"]), *gpt)
 
 
+class _Allocate(torch.nn.Module):
+    """Asks the host's allocator for 1 PiB, more than any address space, in every training
+    forward."""
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():
+            torch.empty(1 << 50, dtype=torch.uint8)
+        return x
+
+
+def allocating_gpt(spec):
+    """A user model (`helpers:allocating_gpt`) whose every training step runs out of memory."""
+    from baton.models.gpt import build_gpt
+
+    gpt = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
+                    vocab_size=spec.vocab_size)
+    return torch.nn.Sequential(_Allocate(), *gpt)
+
+
 class _Sleep(torch.nn.Module):
     def __init__(self, seconds: float):
         super().__init__()

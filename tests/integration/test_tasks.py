@@ -1,6 +1,7 @@
 """Tasks other than next-token prediction, on a local Ray with gloo: classification and a
 user's task over mapped columns equal one plain process, and held-out evaluation equals a
-direct computation over the held-out rows, which training never sees."""
+direct computation over the held-out rows, which training never sees. A user's model that
+runs out of memory is named in one line."""
 
 from __future__ import annotations
 
@@ -243,3 +244,22 @@ def test_a_classification_run_resumed_mid_epoch_ends_where_an_uninterrupted_one_
     assert_params_close(CheckpointStore(spec.checkpoint_dir).read_model(6), want, rtol=1e-5, atol=4e-5)
     trained = Counter(i for step, _, ids in first.ledger + second.ledger if step < 5 for i in ids)
     assert len(trained) == 72 and set(trained.values()) == {1}  # epoch 0: each sample once
+
+
+def test_a_step_that_runs_out_of_memory_is_one_line_that_says_what_lowers_it(tmp_path):
+    """torch's own line is "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator:
+    can't allocate memory: ..."; the CLI prints the run's error as `baton: error: ` and this
+    line (tests/integration/test_failures.py)."""
+    from baton.errors import WorkerError
+    from helpers import write_dataset
+
+    data = write_dataset(tmp_path / "data", 16, 16)
+    spec = spec_from_dict(tiny_spec(tmp_path, data, name="oom", parallel={"dp": 1},
+                                    model={"name": "helpers:allocating_gpt", "layers": 1,
+                                           "width": 16, "heads": 2, "seq_len": 16}))
+    with pytest.raises(WorkerError) as failed:
+        api.run(spec, show_progress=False)
+    assert str(failed.value) == (
+        "worker rank 0 failed while training step 1: OutOfMemory: out of host memory (tried to "
+        "allocate 1,048,576.00 GiB); lower train.micro_batch, set train.activation_checkpointing: "
+        "blocks, or shard the model's state (parallel.shard)")
