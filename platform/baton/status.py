@@ -12,6 +12,7 @@ from typing import Optional
 
 from baton.checkpoint import CheckpointStore
 from baton.spec import CheckpointSpec, join_path
+from baton.tracking.metrics import MEMORY_LABEL
 
 STATUS_LINE = "baton-status: "  # what the coordinator prints under Ray's job API
 EVERY_S = 5.0  # how often a running job's status.json is rewritten between events
@@ -86,8 +87,7 @@ def describe(s: dict) -> list[str]:
     held = s.get("memory_mib") or {}  # absent from older status files
     if held:
         lines.append("  memory of the largest worker: " + ", ".join(
-            f"{what} {held[kind]:,} MiB" for kind, what in (("host", "host"), ("device", "device peak"))
-            if kind in held))
+            f"{what} {held[kind]:,} MiB" for kind, what in MEMORY_LABEL.items() if kind in held))
     lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
     lines.append(f"  failures: {s['failures']}" + (f" ({causes})" if causes else "")

@@ -182,8 +182,8 @@ def test_full_sharding_with_bf16_tracks_the_cpu_reference(tmp_path):
 
 def test_a_failed_device_allocation_is_named_by_what_it_asked_for():
     """torch's CUDA message, as this torch writes it, gives the line baton prints for a step
-    that ran out of device memory (tests/integration/test_failures.py runs the same on the
-    host's allocator through `baton run`)."""
+    that ran out of device memory (tests/integration/test_tasks.py runs the same on the host's
+    allocator through a run)."""
     from baton.workers.worker import out_of_memory
 
     with pytest.raises(torch.OutOfMemoryError) as caught:

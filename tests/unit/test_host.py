@@ -73,10 +73,9 @@ def test_a_failed_allocation_is_named_the_same_way_each_time():
 
     from baton.workers.worker import out_of_memory
 
-    try:
+    with pytest.raises(RuntimeError) as caught:
         torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: more than any address space
-    except RuntimeError as e:
-        assert out_of_memory(e) == "out of host memory (tried to allocate 1,048,576.00 GiB)"
+    assert out_of_memory(caught.value) == "out of host memory (tried to allocate 1,048,576.00 GiB)"
     cuda = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 "
             "GiB of which {} MiB is free. Including non-PyTorch memory, this process has 77.1 GiB "
             "memory in use.")

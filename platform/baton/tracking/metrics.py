@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 JOB = ("job_name",)
-# the MLflow metric of each kind of baton_worker_memory_bytes, in MiB
+# the MLflow metric of each kind of baton_worker_memory_bytes, in MiB, and how it is shown
 MEMORY_MIB = {"host": "host_memory_mib", "device": "device_memory_peak_mib"}
+MEMORY_LABEL = {"host": "host", "device": "device peak"}
 SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 

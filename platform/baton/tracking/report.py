@@ -21,7 +21,7 @@ from typing import Optional
 
 from baton.errors import BatonError
 from baton.tracking import timeline
-from baton.tracking.metrics import MEMORY_MIB
+from baton.tracking.metrics import MEMORY_LABEL, MEMORY_MIB
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 ARTIFACT_DIR = "report"
@@ -123,7 +123,7 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     if memory:
         ax_memory = axes[3]
         for kind, (steps, mib) in memory.items():
-            ax_memory.plot(steps, mib, lw=1.0, label={"host": "host", "device": "device peak"}[kind])
+            ax_memory.plot(steps, mib, lw=1.0, label=MEMORY_LABEL[kind])
         ax_memory.set_ylabel("MiB, largest\nworker")
         ax_memory.set_ylim(0, 1.15 * max(max(mib) for _, mib in memory.values()))  # off the frame
         ax_memory.legend(loc="lower right", fontsize=7, frameon=False, ncols=len(memory))
@@ -168,7 +168,7 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     fig.savefig(png)
     points = {"loss": len(ax_loss.lines[0].get_xdata()), "tokens_per_s": len(ax_tps.lines[0].get_xdata()),
               "world_size": len(ax_world.lines[0].get_xdata()),
-              **{MEMORY_MIB[kind]: len(points[0]) for kind, points in memory.items()}}
+              **{MEMORY_MIB[kind]: len(series[0]) for kind, series in memory.items()}}
     plt.close(fig)
     page = os.path.join(out_dir, "report.html")
     with open(page, "w") as f:
