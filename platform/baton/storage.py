@@ -229,24 +229,35 @@ def read_retried(fs: pafs.FileSystem, path: str) -> bytes:
     return retried(lambda: read_bytes(fs, path), path)
 
 
+READ_WINDOW_BYTES = 1 << 20  # one request's worth of a file read in small pieces
+
+
 class RetryingInput(io.RawIOBase):
-    """A file of `fs` open for random reads (what DCP's reader seeks in and reads), whose every
-    seek and read is tried again when the store fails to answer (`retried`): the file is opened
-    again and read on from where the failed call began, so a connection that an object store
-    drops halfway through a shard costs a new request, not the load."""
+    """A file of `fs` open for random reads (what DCP's reader seeks in and reads), in few
+    requests, each tried again when the store fails to answer (`retried`).
+
+    Reads smaller than READ_WINDOW_BYTES are served from one window of the file, fetched in
+    one request and kept until a read falls outside it; larger reads are one request each.
+    DCP loads each tensor with `torch.load` on a view of its file: a zip archive read in
+    pieces of a few bytes (its directory at the end, a header per record), and on an object
+    store each piece was a request of its own. Measured resuming a 2-layer GPT's ZeRO-3
+    checkpoint from moto's S3 server under DDP at dp 2, for one step: 8,528 GET requests of
+    the shards' files and 64 s for the run before the window, 6 and 12.6 s with it. A seek is only a position; a failed request is made again
+    from a file opened again, so a connection that an object store drops halfway through a
+    shard costs a new request, not the load."""
 
     def __init__(self, fs: pafs.FileSystem, path: str):
         super().__init__()
         self.fs, self.path, self.pos = fs, path, 0
         self.file: Optional[pafs.NativeFile] = None
-        self._call(lambda f: None)  # opened now: a missing file is an error here, as for open()
+        self.size = self._call(lambda f: f.size())  # opened now: a missing file fails here
+        self._window: tuple[int, bytes] = (0, b"")
 
     def _call(self, op: Callable[[Any], T]) -> T:
         def once() -> T:
             try:
-                if self.file is None:  # (again) at the position the failed call began at
+                if self.file is None:  # (again)
                     self.file = self.fs.open_input_file(self.path)
-                    self.file.seek(self.pos)
                 return op(self.file)
             except OSError:
                 broken, self.file = self.file, None
@@ -266,16 +277,35 @@ class RetryingInput(io.RawIOBase):
         return self.pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = self._call(lambda f: f.seek(offset, whence))
-        return self.pos
+        pos = offset + {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos} in {redact(self.path)}")
+        self.pos = pos
+        return pos
 
     def read(self, size: int = -1) -> bytes:
-        data = self._call(lambda f: f.read() if size is None or size < 0 else f.read(size))
-        self.pos += len(data)
-        return data
+        want = self.size - self.pos if size is None or size < 0 else size
+        buffer = bytearray(max(0, min(want, self.size - self.pos)))
+        return bytes(buffer[:self.readinto(buffer)])
 
     def readinto(self, buffer) -> int:
-        n = self._call(lambda f: f.readinto(buffer))
+        n, at = max(0, min(len(buffer), self.size - self.pos)), self.pos
+        if n == 0:
+            return 0
+        view = memoryview(buffer).cast("B")[:n]
+        if n >= READ_WINDOW_BYTES:
+            def whole(f) -> int:
+                f.seek(at)
+                return f.readinto(view)
+            n = self._call(whole)
+        else:
+            start, data = self._window
+            if not start <= at <= at + n <= start + len(data):
+                start = max(0, min(at, self.size - READ_WINDOW_BYTES))
+                data = self._call(lambda f: f.read_at(READ_WINDOW_BYTES, start))
+                self._window = (start, data)
+            n = min(n, start + len(data) - at)  # a file cut short since it was opened
+            view[:n] = data[at - start:at - start + n]
         self.pos += n
         return n
 
@@ -283,6 +313,7 @@ class RetryingInput(io.RawIOBase):
         if self.file is not None:
             self.file.close()
             self.file = None
+        self._window = (0, b"")
         super().close()
 
 
