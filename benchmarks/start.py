@@ -50,9 +50,10 @@ def baton_start(data: str, work: Path, source: str | None = None) -> dict:
     job = work / "job.yaml"
     job.write_text((REPO / "jobs" / "quickstart.yaml").read_text())
     t0 = time.monotonic()
-    proc = subprocess.Popen(["baton", "run", str(job), "--set", "train.steps=2", "--set",
-                             f"data.path={data}"], cwd=work, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    # `python -m baton.cli`: the `baton` command's code, whichever checkout is on the path
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "run", str(job), "--set",
+                             "train.steps=2", "--set", f"data.path={data}"], cwd=work,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out = {}
     for line in proc.stdout:
         if line.startswith("start:") and "to_first_step_s" not in out:
@@ -61,9 +62,14 @@ def baton_start(data: str, work: Path, source: str | None = None) -> dict:
             total, phases = PHASES.search(line).groups()
             out["run_s"] = float(total)
             out["phases_s"] = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", phases)}
+        if ": finished at step " in line:
+            finished = time.monotonic()
     proc.wait()
     assert proc.returncode == 0 and out, f"baton run failed ({proc.returncode})"
     out["before_run_s"] = round(out["to_first_step_s"] - out["run_s"], 2)  # imports, ray.init
+    # the end: from the run's last line to the process's exit (Ray stopped before that line)
+    out["finished_to_exit_s"] = round(time.monotonic() - finished, 2)
+    out["to_exit_s"] = round(time.monotonic() - t0, 2)
     return out
 
 
@@ -158,7 +164,8 @@ def main() -> None:
                 runs[who].append(out)
                 print(f"round {r + 1} {who}: {out['to_first_step_s']} s to the first step"
                       + (f" (before the run {out['before_run_s']} s, then {out['phases_s']}; "
-                         f"CPU seconds {out['cpu_s']})" if who != "ray_train" else ""), flush=True)
+                         f"CPU seconds {out['cpu_s']}); from its last line to its exit "
+                         f"{out['finished_to_exit_s']} s" if who != "ray_train" else ""), flush=True)
     med = {k: statistics.median(x["to_first_step_s"] for x in v) for k, v in runs.items()}
 
     def paired(a: str, b: str) -> float:
@@ -167,12 +174,16 @@ def main() -> None:
 
     result = {"rounds": args.rounds, "median_s": med, "baton_vs_ray_train": paired("baton", "ray_train"),
               "runs": runs}
+    ends = {k: statistics.median(x["finished_to_exit_s"] for x in v) for k, v in runs.items()
+            if k != "ray_train"}
+    result["median_finished_to_exit_s"] = ends
     print(f"\nmedian to the first step: baton {med['baton']:.1f} s, Ray Train {med['ray_train']:.1f} s; "
-          f"baton / Ray Train (paired) {result['baton_vs_ray_train']:.2f}")
+          f"baton / Ray Train (paired) {result['baton_vs_ray_train']:.2f}; baton's last line to "
+          f"its exit {ends['baton']:.2f} s")
     if args.baseline:
         result |= {"baseline": args.baseline, "baton_vs_baseline": paired("baton", "baseline")}
         print(f"baseline ({args.baseline}) {med['baseline']:.1f} s; baton / baseline (paired) "
-              f"{result['baton_vs_baseline']:.2f}")
+              f"{result['baton_vs_baseline']:.2f}; its last line to its exit {ends['baseline']:.2f} s")
     write_result(args.out, result)
 
 

@@ -4,6 +4,7 @@ non-zero exit code; `BATON_DEBUG=1` shows the traceback."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -194,6 +195,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 128 + signum
 
 
+def console() -> int:
+    """The `baton` command: `main`, then an exit that skips Python's last garbage collection.
+    At exit the interpreter collects every object the process made (torch's, Ray's and
+    MLflow's modules among them): 2.7 s after a `baton run` on the 2-core machine, once the
+    run was over and printed. Frozen (`gc.freeze`), they go with the process instead: 0.4 s.
+    Nothing is lost: by then baton has closed its files and ended the MLflow run and Ray,
+    and the interpreter still flushes stdout and stderr and runs the atexit handlers. Only
+    here, never in `main`, which tests and programs call in a process that goes on."""
+    code = main()
+    gc.freeze()
+    return code
+
+
 def _sharding_line(spec) -> str:
     """The layout of a sharded job and the state each worker holds, next to DDP's."""
     from baton.models import layer_params
@@ -314,8 +328,10 @@ def _report(args: argparse.Namespace) -> int:
 
     from baton.errors import BatonError
     from baton.tracking import report
-    from baton.tracking.mlflow_tracker import default_uri
+    from baton.tracking.mlflow_tracker import HTTP_DEFAULTS, default_uri
 
+    for key, value in HTTP_DEFAULTS.items():  # no download bars; a server away fails in 10 s
+        os.environ.setdefault(key, value)
     uri = args.tracking_uri or default_uri()
     if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///"):]):
         raise BatonError(f"no MLflow store at {uri}; set --tracking-uri or $MLFLOW_TRACKING_URI")
@@ -498,4 +514,4 @@ def _key_value(item: str, flag: str) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())
