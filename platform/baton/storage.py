@@ -242,9 +242,11 @@ class RetryingInput(io.RawIOBase):
     pieces of a few bytes (its directory at the end, a header per record), and on an object
     store each piece was a request of its own. Measured resuming a 2-layer GPT's ZeRO-3
     checkpoint from moto's S3 server under DDP at dp 2, for one step: 8,528 GET requests of
-    the shards' files and 64 s for the run before the window, 6 and 12.6 s with it. A seek is only a position; a failed request is made again
-    from a file opened again, so a connection that an object store drops halfway through a
-    shard costs a new request, not the load."""
+    the shards' files and 64 s for the run before the window, 6 and 12.6 s with it.
+
+    A seek is only a position. A failed request is made again from a file opened again, so a
+    connection that an object store drops halfway through a shard costs a new request, not
+    the load."""
 
     def __init__(self, fs: pafs.FileSystem, path: str):
         super().__init__()
@@ -304,7 +306,7 @@ class RetryingInput(io.RawIOBase):
                 start = max(0, min(at, self.size - READ_WINDOW_BYTES))
                 data = self._call(lambda f: f.read_at(READ_WINDOW_BYTES, start))
                 self._window = (start, data)
-            n = min(n, start + len(data) - at)  # a file cut short since it was opened
+            n = max(0, min(n, start + len(data) - at))  # a file cut short since it was opened
             view[:n] = data[at - start:at - start + n]
         self.pos += n
         return n

@@ -270,6 +270,38 @@ def test_a_sharded_load_reads_an_object_store_in_few_requests(tmp_path):
     assert counted.reads <= 8, counted.reads
 
 
+def test_random_reads_through_the_window_return_the_files_bytes(tmp_path, monkeypatch):
+    """storage.RetryingInput against the file itself, with a 64-byte window so that reads fall
+    inside it, across its edge, past it (a request of their own) and past the end; a store
+    failing on and off underneath changes nothing."""
+    import random
+
+    monkeypatch.setattr(storage, "READ_WINDOW_BYTES", 64)
+    monkeypatch.setattr(storage, "READ_FIRST_WAIT_S", 0.001)
+    data = random.Random(0).randbytes(1000)
+    (tmp_path / "f").write_bytes(data)
+    outage = _Outage()
+    f = storage.RetryingInput(pafs.PyFileSystem(outage), str(tmp_path / "f"))
+    rng = random.Random(1)
+    for i in range(300):
+        outage.failures = i % 3  # a request may fail twice and succeed on its third try
+        at, n = rng.randrange(1100), rng.choice([1, 7, 40, 63, 64, 65, 200])
+        whence = rng.choice([os.SEEK_SET, os.SEEK_END])
+        f.seek(at - 1000 if whence == os.SEEK_END else at, whence)
+        assert f.tell() == at
+        if i % 2:
+            got = f.read(n)
+        else:
+            buf = bytearray(n)
+            got = bytes(buf[:f.readinto(buf)])
+        assert got == data[at:at + n] and f.tell() == at + len(got), (at, n)
+    f.seek(10)
+    assert f.read() == data[10:] and f.read() == b""
+    with pytest.raises(ValueError, match="negative seek position"):
+        f.seek(-1)
+    f.close()
+
+
 def test_a_load_tries_a_failed_read_again(tmp_path, monkeypatch):
     """Loading reads as verification does: a read the store failed is tried again, for the
     per-stage files (each read whole) and for a sharded checkpoint's index and shards (DCP
