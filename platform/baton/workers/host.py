@@ -14,15 +14,18 @@ against DDP's 126-128 ms; before, 135-142 ms against 130-133 ms), the RSS unchan
 `python benchmarks/host_memory.py` runs the same step on a second thread: 1,248 page faults
 a step with glibc's defaults, none with these settings, and a 0.969x step time.
 
-It also reads how much memory the worker holds, which every step reports (`memory`).
+It also reads how much memory the worker holds, which every step reports (`memory`), and
+keeps Python's garbage collector off while a worker's modules load (`collector_paused`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import os
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 # mallopt's parameters (malloc.h)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
@@ -64,3 +67,24 @@ def resident_bytes() -> Optional[int]:
     except (ImportError, OSError):
         return None
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+@contextlib.contextmanager
+def collector_paused(freeze: bool = False) -> Iterator[None]:
+    """Python's cyclic garbage collector off while modules load. Importing torch, Ray's
+    pieces and baton's worker modules makes some 370 thousand objects that live as long as
+    the process, and the collector's full passes over them as they piled up cost each worker
+    about 1.5 CPU-s of its start on the 2-core machine (5 passes of 70-320 ms, seen with a
+    `gc.callbacks` probe; docs/benchmarks.md). Loading makes little garbage (a collection
+    after it finds about 10 thousand objects), so nothing is collected for it. `freeze`: then
+    move what the process holds out of the collector's sight (`gc.freeze`, once per process),
+    so that its later passes skip the modules; only in a worker's own process."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze and gc.get_freeze_count() == 0:
+            gc.freeze()
+        if was_on:
+            gc.enable()

@@ -126,9 +126,10 @@ class Worker:
         # engines (FSDP2, DCP) and the torch._dynamo that DDP's first wrap imports (recovery
         # with a spare 3.07 -> 2.03 s on 2 cores; a fresh start neither gains nor loses:
         # docs/benchmarks.md, Recovery)
-        importlib.import_module("baton.workers.engines")
-        if dims.dp > 1:
-            importlib.import_module("torch._dynamo")
+        with host.collector_paused(freeze=True):  # and this process's objects frozen (host.py)
+            importlib.import_module("baton.workers.engines")
+            if dims.dp > 1:
+                importlib.import_module("torch._dynamo")
 
     def rest(self) -> None:
         """Out of any world and holding no model or state: kept warm for the next run of the
