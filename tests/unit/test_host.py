@@ -83,3 +83,39 @@ def test_a_failed_allocation_is_named_the_same_way_each_time():
     assert first == second == "out of device memory (tried to allocate 2.00 GiB)"
     assert out_of_memory(ValueError("you tried to allocate 5 bytes")) is None
     assert out_of_memory(RuntimeError("a collective timed out")) is None
+
+
+def test_the_collector_is_off_only_while_modules_load_and_a_worker_freezes_once():
+    """host.collector_paused in a fresh process (gc.freeze is for the whole process): the
+    collector is back on after the block, after one that raised, and stays off where the
+    program had turned it off; `freeze` freezes the process's objects the first time only."""
+    code = r"""
+import gc, json
+from baton.workers import host
+out = {}
+with host.collector_paused():
+    out["inside"] = gc.isenabled()
+out["after"] = gc.isenabled()
+try:
+    with host.collector_paused():
+        raise KeyError
+except KeyError:
+    out["after_error"] = gc.isenabled()
+gc.disable()
+with host.collector_paused():
+    pass
+out["program_off"] = gc.isenabled()
+gc.enable()
+before = gc.get_freeze_count()
+with host.collector_paused(freeze=True):
+    pass
+frozen = gc.get_freeze_count()
+with host.collector_paused(freeze=True):
+    kept = [[] for _ in range(1000)]
+out["frozen"] = [before, frozen > 0, gc.get_freeze_count() == frozen, gc.isenabled()]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"inside": False, "after": True, "after_error": True,
+                                       "program_off": False, "frozen": [0, True, True, True]}
