@@ -198,8 +198,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 def console() -> int:
     """The `baton` command: `main`, then an exit that skips Python's last garbage collection.
     At exit the interpreter collects every object the process made (torch's, Ray's and
-    MLflow's modules among them): 2.7 s after a `baton run` on the 2-core machine, once the
-    run was over and printed. Frozen (`gc.freeze`), they go with the process instead: 0.4 s.
+    MLflow's modules among them): 2.8 s after a `baton run` on the 2-core machine, once the
+    run was over and printed. Frozen (`gc.freeze`), they go with the process instead: 0.44 s
+    (medians, `benchmarks/start.py`, docs/benchmarks.md).
     Nothing is lost: by then baton has closed its files and ended the MLflow run and Ray,
     and the interpreter still flushes stdout and stderr and runs the atexit handlers. Only
     here, never in `main`, which tests and programs call in a process that goes on."""

@@ -120,22 +120,27 @@ def test_parts_skip_the_zip_checksum_torch_save_computes_and_still_load(tmp_path
     assert torch.equal(store.read_tensors(5, "model-0000.pt")["w"], torch.full((64,), 3.0))
 
 
+def _save_sharded(store: CheckpointStore, step: int, state: dict) -> list[dict]:
+    """Begin checkpoint `step` and write `state` into it through DCP, in a world of one;
+    returns the records of the files written (not committed)."""
+    import torch.distributed as dist
+
+    from baton.checkpoint import sharded
+
+    store.begin(step)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return sharded.save(state, store.shards(step))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_sharded_checkpoint_records_its_files_as_dcp_writes_them(tmp_path):
     """DCP's files (each worker's shards and the index) are counted and checksummed on their
     way to the disk, not read back: every record matches the file, none is missing, and a
     flipped byte in a shard fails verification."""
-    import torch.distributed as dist
-
-    from baton import storage
-    from baton.checkpoint import sharded
-
     store = CheckpointStore(str(tmp_path / "job"))
-    store.begin(3)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        records = sharded.save({"model": {"w": torch.randn(1000), "b": torch.arange(7.0)}}, store.shards(3))
-    finally:
-        dist.destroy_process_group()
+    records = _save_sharded(store, 3, {"model": {"w": torch.randn(1000), "b": torch.arange(7.0)}})
     shards = tmp_path / "job" / "step_00000003" / "shards"
     assert sorted(r["name"] for r in records) == sorted(f"shards/{f.name}" for f in shards.iterdir())
     for r in records:
@@ -246,22 +251,14 @@ def test_a_failed_read_is_tried_again_and_an_outage_sets_no_checkpoint_aside(tmp
 def test_a_sharded_load_reads_an_object_store_in_few_requests(tmp_path):
     """DCP reads each tensor with `torch.load` on a view of its file, a zip archive read in
     small pieces; on an object store each piece was a request (8,528 GETs to resume a 2-layer
-    GPT's checkpoint from moto's S3 server: 64 s for a run of one step, 12.6 s now). Through storage.RetryingInput's window, 60
-    small tensors and a large one in a file of 1.5 MB are a handful of reads (measured: 7,
-    the index twice and the shards' file 5 times; 1,291 read piece by piece)."""
-    import torch.distributed as dist
-
-    from baton.checkpoint import sharded
-
+    GPT's checkpoint from moto's S3 server: 64 s for a run of one step, 12.6 s now). Through
+    storage.RetryingInput's window, 60 small tensors and a large one in a file of 1.5 MB are
+    a handful of reads (measured: 7, the index twice and the shards' file 5 times; 1,291 read
+    piece by piece)."""
     store = CheckpointStore(str(tmp_path / "job"))
     state = {"model": {f"w{i}": torch.randn(8, 100) for i in range(60)}}
     state["model"]["big"] = torch.randn(300_000)  # 1.2 MB: read in a request of its own
-    store.begin(2)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        records = sharded.save(state, store.shards(2))
-    finally:
-        dist.destroy_process_group()
+    records = _save_sharded(store, 2, state)
     store.commit(2, {"step": 2, "layout": {"dp": 1, "pp": 1, "shard": "full"}}, keep=1, parts=records)
     counted = _Outage()
     store.fs = pafs.PyFileSystem(counted)
@@ -306,20 +303,11 @@ def test_a_load_tries_a_failed_read_again(tmp_path, monkeypatch):
     """Loading reads as verification does: a read the store failed is tried again, for the
     per-stage files (each read whole) and for a sharded checkpoint's index and shards (DCP
     seeks and reads in them: the file is opened again and read on from where it failed)."""
-    import torch.distributed as dist
-
-    from baton.checkpoint import sharded
-
     monkeypatch.setattr(storage, "READ_FIRST_WAIT_S", 0.01)
     store = CheckpointStore(str(tmp_path / "job"))
     store.commit(5, _meta(5), keep=2, parts=_write(store, 5, value=5.0))
     state = {"model": {"w": torch.randn(1000), "b": torch.arange(7.0)}}
-    store.begin(6)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        records = sharded.save(state, store.shards(6))
-    finally:
-        dist.destroy_process_group()
+    records = _save_sharded(store, 6, state)
     store.commit(6, {"step": 6, "layout": {"dp": 1, "pp": 1, "shard": "full"}}, keep=2, parts=records)
     outage = _Outage()
     store.fs = pafs.PyFileSystem(outage)

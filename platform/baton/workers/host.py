@@ -73,9 +73,10 @@ def resident_bytes() -> Optional[int]:
 def collector_paused(freeze: bool = False) -> Iterator[None]:
     """Python's cyclic garbage collector off while modules load. Importing torch, Ray's
     pieces and baton's worker modules makes some 370 thousand objects that live as long as
-    the process, and the collector's full passes over them as they piled up cost each worker
-    about 1.5 CPU-s of its start on the 2-core machine (5 passes of 70-320 ms, seen with a
-    `gc.callbacks` probe; docs/benchmarks.md). Loading makes little garbage (a collection
+    the process, and the collector's full passes over them as they piled up took 0.9 s of
+    each worker's start on the 2-core machine (5 passes of 70-320 ms, seen with a
+    `gc.callbacks` probe); loading with it off costs 0.7 CPU-s less (median of 5 paired runs,
+    docs/benchmarks.md). Loading makes little garbage (a collection
     after it finds about 10 thousand objects), so nothing is collected for it. `freeze`: then
     move what the process holds out of the collector's sight (`gc.freeze`, once per process),
     so that its later passes skip the modules; only in a worker's own process."""
