@@ -110,6 +110,12 @@ def held() -> int:
         return len(_kept)
 
 
+def held_cpus() -> float:
+    """The CPUs the workers kept now hold (the next run of their kind takes them)."""
+    with _lock:
+        return sum(key[1] for key, _, _ in _kept)
+
+
 def let_go(actors: list, cpus: float = 0.0, wait: bool = True) -> None:
     """Kill `actors` and, with `wait`, wait (up to FREED_S) until Ray shows their room, `cpus`
     in all, free again: a run counts free room right after this."""
