@@ -1,8 +1,8 @@
 """The dataset before Ray starts: it exists, its shape fits the model and the task, its
 manifest, and the held-out evaluation split.
 
-Nothing here reads rows beyond the first one: the manifest comes from the Parquet footers, and
-the rows stream through Ray Data once the job runs (`feed.py`).
+Nothing here reads rows beyond the first row group: the manifest comes from the Parquet footers,
+and the rows stream through Ray Data once the job runs (`feed.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from baton import storage
-from baton.data.feed import Columns, Field, token_columns
+from baton.data.feed import Columns, Field, read_unit, token_columns
 from baton.data.manifest import Manifest
 from baton.data.order import EpochOrder
 from baton.errors import SpecError
@@ -66,6 +66,7 @@ def preflight(spec: JobSpec, source: str) -> JobData:
     what the run reads."""
     manifest, schema = _dataset(spec, spec.data.path, "data.path", source)
     columns = job_columns(spec, schema, source, manifest)
+    _check_first_rows(manifest, columns)
     data = JobData(manifest, columns)
     e = spec.eval
     if e.fraction:
@@ -82,11 +83,21 @@ def preflight(spec: JobSpec, source: str) -> JobData:
         if theirs != columns:
             raise SpecError(f"{source}: eval.path: {e.path!r} holds other columns than data.path "
                             "(names, types or sizes); evaluation reads what training reads")
+        _check_first_rows(data.eval_manifest, columns)
     if spec.task != "language_model":
         problem = task_problem_on_meta(spec, columns)
         if problem:
             raise SpecError(f"{source}: task: {spec.task}: {problem}")
     return data
+
+
+def _check_first_rows(manifest: Manifest, columns: Columns) -> None:
+    """The first row group, read and checked as a worker reads it (token ids inside the
+    vocabulary, labels inside the classes, lists of one length, no nulls): data that does not
+    fit the model is refused here, in a second, and not after Ray and the workers have started
+    (10 s on a 2-core machine) and the first block is read. Later row groups are checked as
+    they are read (DataError, naming the file and row group)."""
+    read_unit(manifest.root, next(u for u in manifest.units if u.rows), columns)
 
 
 def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
