@@ -57,7 +57,12 @@ def plan_resume(spec: JobSpec, source: str,
     resume=None resumes automatically when the job's checkpoint folder holds a committed
     checkpoint of this job; resume=True requires one."""
     store = CheckpointStore(spec.checkpoint_dir)
-    step, failed = store.latest_verified(sizes_only)
+    try:
+        step, failed = store.latest_verified(sizes_only)
+    except OSError as e:  # an endpoint that does not answer, credentials it refuses
+        raise CheckpointError(f"{source}: checkpoint.path: cannot read "
+                              f"{storage.redact(spec.checkpoint_dir)} ({storage.reason(e)}); "
+                              "check its address and credentials") from None
     if step is None and failed:
         raise CheckpointError(f"{source}: {store.none_verifies(failed)}")
     if step is None:

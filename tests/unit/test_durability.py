@@ -399,6 +399,34 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
+def test_an_object_store_that_does_not_answer_is_one_line_before_ray(tmp_path):
+    """checkpoint.path or data.path on an S3 endpoint nobody listens on (a wrong address, a
+    proxy down) ended `baton run` in pyarrow's traceback from the first listing; now each is
+    one line naming the key and the store, before Ray starts. The credentials in the URI are
+    not in it."""
+    from baton import api
+    from baton.data.source import preflight
+    from baton.errors import SpecError
+    from baton.spec import spec_from_dict
+    from helpers import free_ports, tiny_spec, write_dataset
+
+    [port] = free_ports(1)  # closed: connections to it are refused at once
+    store = f"s3://user:s3cr3t@nowhere/x?endpoint_override=127.0.0.1:{port}&scheme=http"
+    data = write_dataset(tmp_path / "data", 16, 8)
+    spec = spec_from_dict(tiny_spec(tmp_path, data, checkpoint={"path": store}))
+    with pytest.raises(CheckpointError, match=r"^job.yaml: checkpoint.path: cannot read s3://\*\*\*@"
+                                              r"nowhere/x/tiny\?\S+ \(OSError: .+\); check its "
+                                              r"address and credentials$") as e:
+        api.plan_resume(spec, "job.yaml", None)
+    assert "s3cr3t" not in str(e.value)
+    spec = spec_from_dict(tiny_spec(tmp_path, data, data={"path": store}))
+    with pytest.raises(SpecError, match=r"^job.yaml: data.path: cannot read 's3://\*\*\*@nowhere/x"
+                                        r"\?\S+' \(OSError: .+\); check its address and "
+                                        r"credentials$") as e:
+        preflight(spec, "job.yaml")
+    assert "s3cr3t" not in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_lease_on_object_storage(tmp_path, s3_endpoint):
     """On a real S3 endpoint: a second writer is refused; a holder that stops renewing is taken
     over after ttl_s, with a warning; the old holder then finds it has lost the lease and

@@ -98,10 +98,8 @@ class Lease:
                 folder = os.path.dirname(folder)
             self.fs.create_dir(self.path, recursive=True)
         except OSError as e:  # a folder this run may not make or write (FileNotFoundError too)
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise CheckpointError(f"checkpoint.path: cannot make {storage.redact(self.root)} "
-                                  f"({type(e).__name__}: {first}); give a folder this run may "
-                                  "write") from None
+                                  f"({storage.reason(e)}); give a folder this run may write") from None
         if storage.is_local(self.fs):
             self._lock()
         else:

@@ -132,8 +132,7 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
             table = pa.Table.from_batches(batches) if batches else \
                 file.read_row_group(unit.row_group, columns=wanted)
     except (OSError, pa.ArrowException) as e:  # damaged pages, a file gone or cut short
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise DataError(f"{where}: cannot be read ({type(e).__name__}: {first}): the file is "
+        raise DataError(f"{where}: cannot be read ({storage.reason(e)}): the file is "
                         "damaged, or changed after the run listed it; restore it, or remove it "
                         "(a resume then needs --rebase-data)") from None
     out = {}

@@ -147,7 +147,12 @@ def held_out(manifest: Manifest, fraction: float, seed: int, source: str) -> tup
 def _dataset(spec: JobSpec, where: str, key: str, source: str) -> tuple[Manifest, pa.Schema]:
     d = spec.data
     fs, path = storage.resolve(where)
-    if not storage.exists(fs, path):
+    try:
+        found = storage.exists(fs, path)
+    except OSError as e:  # an endpoint that does not answer, credentials it refuses
+        raise SpecError(f"{source}: {key}: cannot read {storage.redact(where)!r} "
+                        f"({storage.reason(e)}); check its address and credentials") from None
+    if not found:
         fix = ("run `baton data prepare stdlib --out DIR`, or use data.source: stdlib"
                if d.source == "parquet" or key != "data.path" else "it is prepared on first run")
         raise SpecError(f"{source}: {key}: {where!r} does not exist; {fix}")
