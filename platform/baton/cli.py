@@ -400,13 +400,16 @@ def _follow(cluster, job_id: str) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from baton import status
-    from baton.errors import ClusterError
+    from baton.errors import BatonError, ClusterError
     from baton.submit import resolve_address
 
     found = status.local(args.id, args.checkpoint_path)
     if found is not None:
         print("\n".join(status.describe(found)))
         return 0
+    if status.is_job_file(args.id):  # a local job, not one to look for on a cluster
+        raise BatonError(f"{args.id}: no status in {status.local_root(args.id)}: the job has "
+                         "not started there yet")
     try:
         resolve_address(args.address)
     except ClusterError as e:

@@ -46,18 +46,26 @@ class StatusBoard:
             print(f"{STATUS_LINE}{json.dumps(status)}", flush=True)
 
 
-def local(target: str, checkpoint_path: Optional[str] = None) -> Optional[dict]:
-    """The status of a job given by its YAML file or its name (under `checkpoint_path`, the
-    spec's default `checkpoints` otherwise), or None when there is none."""
-    if target.endswith((".yaml", ".yml")) and os.path.isfile(target):
+def is_job_file(target: str) -> bool:
+    return target.endswith((".yaml", ".yml")) and os.path.isfile(target)
+
+
+def local_root(target: str, checkpoint_path: Optional[str] = None) -> Optional[str]:
+    """The checkpoint folder of a job given by its YAML file or its name (under
+    `checkpoint_path`, the spec's default `checkpoints` otherwise); None for neither."""
+    if is_job_file(target):
         from baton.spec import load_spec
 
-        root = load_spec(target).checkpoint_dir
-    elif "/" in target or target.startswith("."):
+        return load_spec(target).checkpoint_dir
+    if "/" in target or target.startswith("."):
         return None
-    else:
-        root = join_path(checkpoint_path or CheckpointSpec.path, target)
-    return CheckpointStore(root).read_status()
+    return join_path(checkpoint_path or CheckpointSpec.path, target)
+
+
+def local(target: str, checkpoint_path: Optional[str] = None) -> Optional[dict]:
+    """The status of a local job (see `local_root`), or None when there is none."""
+    root = local_root(target, checkpoint_path)
+    return None if root is None else CheckpointStore(root).read_status()
 
 
 def from_logs(text: str) -> Optional[dict]:

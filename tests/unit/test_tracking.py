@@ -210,6 +210,20 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
     assert status.local("other", str(tmp_path / "ckpt")) is None
 
 
+def test_baton_status_of_a_job_file_that_never_ran_is_one_line(tmp_path, monkeypatch, capsys):
+    """`baton status job.yaml` before the job has run looked for a cluster job named
+    "job.yaml" and then named the default checkpoints/ folder, not the file's own."""
+    from baton import cli
+    from helpers import tiny_spec, write_spec
+
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, tmp_path / "data", name="never"))
+    assert cli.main(["status", str(job)]) == 2
+    assert capsys.readouterr().err.strip() == (f"baton: error: {job}: no status in "
+                                               f"{tmp_path / 'ckpt' / 'never'}: the job has not "
+                                               "started there yet")
+
+
 def test_baton_status_says_when_tracking_is_degraded():
     from baton import status
 
