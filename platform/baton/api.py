@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from baton import interrupts, storage
@@ -21,7 +23,7 @@ from baton.console import RayMessages
 from baton.data import corpus
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, needs_prepare, preflight
-from baton.errors import CheckpointError
+from baton.errors import CheckpointError, ClusterError
 from baton.spec import JobSpec, load_spec
 from baton.spec_checks import check_fits
 from baton.tracking import make_tracker
@@ -144,6 +146,8 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         address = cluster_address_from_env()
         if address:
             log(f"joining the Ray cluster at {address} ($RAY_ADDRESS)")
+    if address is not None and not ray.is_initialized():
+        probe_cluster(address)
     resume_meta, failed = plan_resume(spec, source, resume)
     if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
         check_fits(spec, os.cpu_count() or 1, _local_gpus() if spec.resources.gpus_per_worker else 0,
@@ -170,8 +174,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             if address is None:
                 start_local_ray()
             else:
-                ray.init(address=address, include_dashboard=False,
-                         logging_level=logging.WARNING, configure_logging=True)
+                join_cluster(address)
             started_ray = True
             ray.data.DataContext.get_current().enable_progress_bars = False
             _quiet_library_logs()
@@ -245,6 +248,40 @@ def start_local_ray() -> None:
                  configure_logging=True, **options)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+
+
+PROBE_S = 10.0  # how long a cluster's address may take to answer (a head still starting)
+
+
+def probe_cluster(address: str, wait_s: Optional[float] = None) -> None:
+    """Refuse an address where nothing answers, in seconds: Ray's own connect tries a wrong
+    one 20 times for about 41 s each, printing warnings, before it gives up (measured: still
+    trying after 5.5 minutes). "auto" and other forms without a port are left to Ray."""
+    wait_s = PROBE_S if wait_s is None else wait_s
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"cannot reach the Ray cluster at {address}: nothing answered there in "
+                    f"{wait_s:g} s ({storage.reason(e)}); is its head running (`ray start --head` "
+                    "prints its address), and its port open to this machine?") from None
+            time.sleep(0.5)
+
+
+def join_cluster(address: str) -> None:
+    """Connect this process to the running Ray cluster at `address`."""
+    import ray
+
+    probe_cluster(address)
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+             configure_logging=True)
 
 
 def cluster_address_from_env() -> Optional[str]:

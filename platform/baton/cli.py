@@ -70,7 +70,7 @@ def _prepare_text(args) -> int:
 
     import ray
 
-    from baton.api import start_local_ray
+    from baton.api import join_cluster, start_local_ray
     from baton.data.text import prepare_text
 
     if not args.input:
@@ -80,11 +80,13 @@ def _prepare_text(args) -> int:
         print(f"baton: error: {args.out} already exists; choose a new --out", file=sys.stderr)
         return 2
     if args.address:
-        ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING)
+        join_cluster(args.address)
     else:
         start_local_ray()
     ray.data.DataContext.get_current().enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    # a file that cannot be read is one line (prepare_text's error): not Ray Data's ERROR
+    # lines about its task and where its stack trace went, printed before it
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     try:
         info = prepare_text(args.input, args.out, args.seq_len, args.column, args.tokenizer,
                             args.eod_token)

@@ -156,12 +156,13 @@ def _on_ray(files: list[Path], part: Callable[[int, str], dict]) -> list[dict]:
     """`part` of every file as a Ray Data map stage, its tasks kept on this node: they write
     into a local folder, which a task on another node would not see."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    # Ray's default node label: what a hard NodeAffinitySchedulingStrategy did, without Ray
+    # Data's deprecation warning for a remote argument it has no named parameter for
+    here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
     items = [{"index": i, "file": str(f)} for i, f in enumerate(files)]
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
-        lambda row: part(row["index"], row["file"]), scheduling_strategy=here)
+        lambda row: part(row["index"], row["file"]), label_selector=here)
     try:
         return sorted(ds.take_all(), key=lambda p: p["index"])
     except Exception as e:  # raised in a task, wrapped by Ray Data with its traceback
