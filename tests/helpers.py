@@ -319,6 +319,17 @@ def slow_gpt(spec):
     return torch.nn.Sequential(_Sleep(spec.options["seconds"]), *gpt)
 
 
+def not_on_meta(spec):
+    """A user model (`helpers:not_on_meta`) whose builder needs real tensors: it raises on
+    PyTorch's meta device, where the driver builds models for their shapes."""
+    from baton.models.gpt import build_gpt
+
+    if torch.empty(0).is_meta:
+        raise RuntimeError("this builder reads real tensors")
+    return build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
+                     vocab_size=spec.vocab_size)
+
+
 # --- Ray clusters started with `ray start` in their own session (tests stop only those) ---
 
 def free_ports(n: int) -> list[int]:

@@ -30,6 +30,28 @@ def test_same_seed_same_parameters():
     assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
 
 
+def test_a_builder_that_cannot_build_on_meta_has_no_flops_and_its_steps_no_mfu():
+    """The driver counts FLOPs on the meta device; a user's builder that needs real tensors
+    there used to end the run in its traceback before any worker started. Now the run goes on
+    without MFU (the workers build it on their devices)."""
+    from baton.coordinator.steps import StepStats
+    from baton.models.flops import model_flops_per_token
+    from baton.spec import spec_from_dict
+
+    spec = spec_from_dict({"name": "t", "model": {"name": "helpers:not_on_meta", "layers": 1,
+                                                   "width": 16, "heads": 2, "seq_len": 8},
+                           "tracking": {"cpu_peak_tflops": 0.05}})
+    assert model_flops_per_token(spec.model) is None
+    build_model(spec.model, 0)  # on the CPU it builds
+    stats = StepStats(spec)
+    stats.world([{"device_name": "cpu"}], spec)
+    assert stats.peak_flops
+    dims = type("Dims", (), {"world_size": 1, "dp": 1, "pp": 1})()
+    metrics = stats.measure(1, [{"tokens": 8, "loss_sum": 8.0, "grad_norm": 1.0}], 0.1, 1,
+                            1e-3, 0, dims)
+    assert "mfu" not in metrics and metrics["loss"] == 1.0
+
+
 def test_registry_names():
     assert check_model_name("gpt") is None and check_model_name("mlp") is None
     assert check_model_name("baton.models.gpt:build_gpt") is None

@@ -78,7 +78,7 @@ class StepStats:
         data_s = [r["data_s"] for r in results if "data_s" in r]
         if data_s:
             metrics["data_wait_fraction"] = min(1.0, sum(data_s) / len(data_s) / step_time_s)
-        if self.peak_flops:
+        if self.peak_flops and self.flops_per_token:
             metrics["mfu"] = tps * self.flops_per_token / self.peak_flops
         if dims.pp > 1:
             metrics.update(self._pipeline(results, dims))

@@ -29,8 +29,11 @@ def mlp_flops_per_token(layers: int, width: int, context: int, vocab_size: int,
     return 6.0 * (context * embed_dim * width + (layers - 1) * width * width + width * vocab_size)
 
 
-def model_flops_per_token(spec) -> float:
-    """Training FLOPs per token of the job's model (`ModelSpec`)."""
+def model_flops_per_token(spec) -> Optional[float]:
+    """Training FLOPs per token of the job's model (`ModelSpec`); None (no MFU) for a user's
+    builder that does not build on the meta device: one that works on the workers' devices
+    may not there, and the run must not fail for a metric (it ended in the builder's
+    traceback before the workers started)."""
     if spec.name == "gpt":
         return gpt_flops_per_token(spec.layers, spec.width, spec.seq_len, spec.vocab_size)
     if spec.name == "mlp":
@@ -40,7 +43,10 @@ def model_flops_per_token(spec) -> float:
 
     from baton.models import _on_meta
 
-    model = _on_meta(spec)
+    try:
+        model = _on_meta(spec)
+    except Exception:  # noqa: BLE001 - the workers build it for real, and say what failed
+        return None
     return 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
