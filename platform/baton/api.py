@@ -206,6 +206,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                 interrupts.restore(previous_handlers)
                 if ray_messages.where():
                     log(ray_messages.where())
+            tracker.wait_finished()  # a finished run's report, drawn meanwhile
 
 
 def _import_ahead() -> None:

@@ -34,6 +34,26 @@ def test_resume_logs_each_step_once_even_after_a_late_flush(tmp_path):
     assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "10"
 
 
+def test_a_run_finished_in_the_background_is_whole_once_waited_for(tmp_path):
+    """finish(background=True), as a finished run's coordinator calls it: the report is drawn
+    and the run marked FINISHED on a thread while the workers and Ray shut down; after
+    wait_finished (api.run, before it returns) both are there."""
+    from baton.tracking import report
+
+    spec = TrackingSpec(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="t")
+    tracker = MLflowTracker(spec)
+    run_id = tracker.start("job", {"train.lr": 0.1})
+    for step in range(1, 4):
+        tracker.log_metrics(step, {"loss": 3.0 - step, "tokens_per_s": 100.0, "dp": 1})
+    tracker.finish("FINISHED", background=True)
+    tracker.wait_finished()
+    tracker.wait_finished()  # once more: nothing left to wait for
+    client = MlflowClient(spec.uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    listed = sorted(a.path for a in client.list_artifacts(run_id, report.ARTIFACT_DIR))
+    assert listed == ["report/report.html", "report/report.png"]
+
+
 def test_nothing_is_written_before_start(tmp_path):
     spec = TrackingSpec(uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     tracker = MLflowTracker(spec)

@@ -248,7 +248,8 @@ class Coordinator:
             self.inflight.append(self._submit(self.submitted))
         if not self.inflight:
             self.commits.drain(self.group)  # the last checkpoint, if written in the background
-            self.tracker.finish("FINISHED")
+            # the report is drawn while the workers and Ray shut down: api.run waits for it
+            self.tracker.finish("FINISHED", background=True)
             return State.FINISHED
         self._complete(self.inflight[0])  # left queued if it fails: recovery cancels it
         self.inflight.popleft()

@@ -92,6 +92,7 @@ class MLflowTracker:
         self._retry_at, self._backoff = 0.0, RETRY_FIRST_S
         self._opening: Optional[concurrent.futures.Future] = None  # open_ahead's thread
         self._fresh: Optional[Path] = None  # the new sqlite store it prepares, a hidden name
+        self._finishing: Optional[threading.Thread] = None  # finish(background=True)'s thread
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
 
@@ -122,6 +123,12 @@ class MLflowTracker:
                 done.set_exception(e)
 
         threading.Thread(target=prepare, name="baton-mlflow-open").start()
+
+    def wait_finished(self) -> None:
+        """Wait for `finish(background=True)`, if it was called."""
+        if self._finishing is not None:
+            self._finishing.join()
+            self._finishing = None
 
     def drop_ahead(self) -> None:
         """After `open_ahead`: wait for it, and remove a prepared store `start` did not take."""
@@ -232,9 +239,18 @@ class MLflowTracker:
         if self.run_id and self._deliver():
             self._try(lambda: self.client.log_artifacts(self.run_id, local_dir, artifact_path))
 
-    def finish(self, status: str) -> None:
+    def finish(self, status: str, background: bool = False) -> None:
         """status: FINISHED, FAILED or KILLED. The run's pictures (`baton report`) go in first
-        as report/ artifacts; a report that cannot be drawn is a warning, never the error."""
+        as report/ artifacts; a report that cannot be drawn is a warning, never the error.
+
+        `background`: on a thread of its own, which `wait_finished` waits for: a finished
+        run's report is drawn while its workers and Ray shut down (measured at the end of a
+        `baton run`: the report 1.7 s, Ray's shutdown 1.5 s, one after the other before)."""
+        if background:
+            self._finishing = threading.Thread(target=self.finish, args=(status,),
+                                               name="baton-mlflow-finish")
+            self._finishing.start()
+            return
         if not self.run_id:
             return
         deadline = time.monotonic() + FINISH_WAIT_S
@@ -312,6 +328,7 @@ class NullTracker:
 
     def open_ahead(self) -> None: ...
     def drop_ahead(self) -> None: ...
+    def wait_finished(self) -> None: ...
 
     def start(self, run_name: str, params: dict, run_id: Optional[str] = None) -> Optional[str]:
         return None
@@ -321,7 +338,7 @@ class NullTracker:
     def set_tags(self, tags: dict) -> None: ...
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
     def log_dict(self, obj, artifact_file: str) -> None: ...
-    def finish(self, status: str) -> None: ...
+    def finish(self, status: str, background: bool = False) -> None: ...
 
 
 def make_tracker(spec: TrackingSpec):
