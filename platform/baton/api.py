@@ -23,7 +23,7 @@ from baton.console import RayMessages
 from baton.data import corpus
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, needs_prepare, preflight
-from baton.errors import CheckpointError, ClusterError
+from baton.errors import CheckpointError, ClusterError, reason
 from baton.spec import JobSpec, load_spec
 from baton.spec_checks import check_fits
 from baton.tracking import make_tracker
@@ -63,7 +63,7 @@ def plan_resume(spec: JobSpec, source: str,
         step, failed = store.latest_verified(sizes_only)
     except OSError as e:  # an endpoint that does not answer, credentials it refuses
         raise CheckpointError(f"{source}: checkpoint.path: cannot read "
-                              f"{storage.redact(spec.checkpoint_dir)} ({storage.reason(e)}); "
+                              f"{storage.redact(spec.checkpoint_dir)} ({reason(e)}); "
                               "check its address and credentials") from None
     if step is None and failed:
         raise CheckpointError(f"{source}: {store.none_verifies(failed)}")
@@ -271,16 +271,16 @@ def probe_cluster(address: str, wait_s: Optional[float] = None) -> None:
             if time.monotonic() >= deadline:
                 raise ClusterError(
                     f"cannot reach the Ray cluster at {address}: nothing answered there in "
-                    f"{wait_s:g} s ({storage.reason(e)}); is its head running (`ray start --head` "
+                    f"{wait_s:g} s ({reason(e)}); is its head running (`ray start --head` "
                     "prints its address), and its port open to this machine?") from None
             time.sleep(0.5)
 
 
 def join_cluster(address: str) -> None:
-    """Connect this process to the running Ray cluster at `address`."""
+    """Connect this process to the running Ray cluster at `address` (`probe_cluster` it
+    first: Ray waits minutes on an address where nothing answers)."""
     import ray
 
-    probe_cluster(address)
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
              configure_logging=True)
 

@@ -70,7 +70,7 @@ def _prepare_text(args) -> int:
 
     import ray
 
-    from baton.api import join_cluster, start_local_ray
+    from baton.api import join_cluster, probe_cluster, start_local_ray
     from baton.data.text import prepare_text
 
     if not args.input:
@@ -80,6 +80,7 @@ def _prepare_text(args) -> int:
         print(f"baton: error: {args.out} already exists; choose a new --out", file=sys.stderr)
         return 2
     if args.address:
+        probe_cluster(args.address)
         join_cluster(args.address)
     else:
         start_local_ray()

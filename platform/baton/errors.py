@@ -5,6 +5,12 @@ They pickle cleanly (only a message string) so they survive crossing Ray actor b
 """
 
 
+def reason(error: BaseException) -> str:
+    """An exception in one line for a message: its type and the first line of its text."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 class BatonError(Exception):
     """Base class: a failure with a message a user can act on."""
 

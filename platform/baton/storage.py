@@ -43,12 +43,6 @@ def redact(value: Any) -> Any:
     return value
 
 
-def reason(error: BaseException) -> str:
-    """An exception in one line for a message: its type and the first line of its text."""
-    first = (str(error).strip().splitlines() or [""])[0][:300]
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
-
-
 def local_root() -> str:
     """Where a job's relative local paths (data, checkpoints, the default MLflow store) live:
     $BATON_STORAGE when set (a shared folder on a cluster: `baton submit --storage`, the

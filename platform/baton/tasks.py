@@ -21,6 +21,8 @@ import importlib
 import re
 from typing import TYPE_CHECKING, Callable, Optional
 
+from baton.errors import reason
+
 # torch is imported where used: the spec's checks read task names before torch loads. An
 # import of a module already loaded costs 0.1-0.2 us (timeit), a few a micro-batch.
 if TYPE_CHECKING:
@@ -117,9 +119,7 @@ def task_problem(name: str) -> Optional[str]:
     except AttributeError:
         return f"module {module!r} has no {func!r}"
     except (Exception, SystemExit) as e:
-        lines = str(e).strip().splitlines()
-        return f"cannot load the task: importing {module!r} raised {type(e).__name__}" + \
-            (f": {lines[0][:300]}" if lines else "")
+        return f"cannot load the task: importing {module!r} raised {reason(e)}"
     return None if callable(fn) else f"{name} is {type(fn).__name__}, not a function"
 
 

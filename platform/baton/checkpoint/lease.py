@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import pyarrow.fs as pafs
 
 from baton import storage
-from baton.errors import CheckpointError
+from baton.errors import CheckpointError, reason
 
 LEASE = "LEASE"
 TTL_S = 60.0
@@ -99,7 +99,7 @@ class Lease:
             self.fs.create_dir(self.path, recursive=True)
         except OSError as e:  # a folder this run may not make or write (FileNotFoundError too)
             raise CheckpointError(f"checkpoint.path: cannot make {storage.redact(self.root)} "
-                                  f"({storage.reason(e)}); give a folder this run may write") from None
+                                  f"({reason(e)}); give a folder this run may write") from None
         if storage.is_local(self.fs):
             self._lock()
         else:

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from baton import storage
 from baton.data.manifest import Manifest, Unit
 from baton.data.order import Cursor, EpochOrder
-from baton.errors import DataError
+from baton.errors import DataError, reason
 
 # Read tasks ask for no CPU: the workers hold the CPUs (all of them on a small machine), and a
 # task asking for any would never be scheduled beside them. Decoding a row group is cheap next
@@ -132,7 +132,7 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
             table = pa.Table.from_batches(batches) if batches else \
                 file.read_row_group(unit.row_group, columns=wanted)
     except (OSError, pa.ArrowException) as e:  # damaged pages, a file gone or cut short
-        raise DataError(f"{where}: cannot be read ({storage.reason(e)}): the file is "
+        raise DataError(f"{where}: cannot be read ({reason(e)}): the file is "
                         "damaged, or changed after the run listed it; restore it, or remove it "
                         "(a resume then needs --rebase-data)") from None
     out = {}

@@ -20,7 +20,7 @@ from baton import storage
 from baton.data.feed import Columns, Field, read_unit, token_columns
 from baton.data.manifest import Manifest
 from baton.data.order import EpochOrder
-from baton.errors import SpecError
+from baton.errors import SpecError, reason
 from baton.spec import JobSpec
 
 
@@ -117,9 +117,8 @@ def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
             output = model(task.inputs(batch))
             loss, metrics = task.loss(output, batch)
     except Exception as e:
-        lines = str(e).strip().splitlines()
         return (f"the model's output on the data's inputs {list(columns.shapes().get('inputs', ((),))[0])} "
-                f"failed: {type(e).__name__}" + (f": {lines[0][:300]}" if lines else ""))
+                f"failed: {reason(e)}")
     bad = [k for k, v in {"loss": loss, **metrics}.items()
            if not torch.is_tensor(v) or v.dim() != 0]
     if bad:
@@ -151,7 +150,7 @@ def _dataset(spec: JobSpec, where: str, key: str, source: str) -> tuple[Manifest
         found = storage.exists(fs, path)
     except OSError as e:  # an endpoint that does not answer, credentials it refuses
         raise SpecError(f"{source}: {key}: cannot read {storage.redact(where)!r} "
-                        f"({storage.reason(e)}); check its address and credentials") from None
+                        f"({reason(e)}); check its address and credentials") from None
     if not found:
         fix = ("run `baton data prepare stdlib --out DIR`, or use data.source: stdlib"
                if d.source == "parquet" or key != "data.path" else "it is prepared on first run")

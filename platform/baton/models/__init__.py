@@ -13,6 +13,8 @@ import importlib
 import re
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from baton.errors import reason
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -87,7 +89,7 @@ def check_model_name(name: str) -> Optional[str]:
     except AttributeError:
         return f"module {module!r} has no {func!r}"
     except (Exception, SystemExit) as e:
-        return f"cannot load the builder: importing {module!r} raised {_one_line(e)}"
+        return f"cannot load the builder: importing {module!r} raised {reason(e)}"
     if not callable(builder):
         return f"{name} is {type(builder).__name__}, not a function"
     return None
@@ -121,13 +123,8 @@ def options_problem(spec, on_meta: bool) -> Optional[str]:
     try:
         _on_meta(spec)
     except Exception as e:
-        return f"the builder {spec.name} failed on these settings: {_one_line(e)}"
+        return f"the builder {spec.name} failed on these settings: {reason(e)}"
     return None
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
 
 
 def _user_builder(name: str) -> Callable:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import ray
 
 from baton.checkpoint import CheckpointStore
-from baton.errors import WorkerError, WorkerLost, raised_cause
+from baton.errors import WorkerError, WorkerLost, raised_cause, reason
 from baton.parallel import ParallelDims
 from baton.spec import JobSpec
 from baton.workers import warm
@@ -276,7 +276,7 @@ class WorkerGroup:
         collective that lost its peer); otherwise the job's own code failed."""
         gone = [r for r, s in self.probe(2.0).items() if s != "ok"]
         cause = error.cause if getattr(error, "cause", None) is not None else error
-        line = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
+        line = reason(cause)
         if gone:
             return self._lost(gone, None, what, echo=f"rank {rank}: {line}")
         if raised_cause(cause) == "timeout":  # a collective that hung
