@@ -18,6 +18,11 @@ in the window for any of them.
     python benchmarks/checkpoint.py                   # quick-start GPT and a 113 M-parameter GPT
     python benchmarks/checkpoint.py --models quickstart --rounds 5
     python benchmarks/checkpoint.py --models quickstart --shard full   # ZeRO-3's shards, through DCP
+    python benchmarks/checkpoint.py --device cuda --dp 1 --models gpt-113m --seq-len 1024 \
+        --micro-batch 8 --global-batch 8 --steps 240 --every 100 --skip 40 --rounds 1
+                                 # a step that keeps a GPU busy, past the buffers made ahead
+
+The results file is written after every run, marked "complete": false until the last one.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ MODES = ("none", "sync", "async")
 
 def job(args, data: str, tmp: str, model: str, mode: str) -> dict:
     layers, width, heads, micro, batch = MODELS[model]
+    micro, batch = args.micro_batch or micro, args.global_batch or batch
     cuda = args.device == "cuda"
     store = args.store.rstrip("/") + f"/{model}-{mode}-{time.time_ns()}" if args.store else f"{tmp}/ckpt"
     return {
@@ -92,6 +98,8 @@ def main() -> int:
     p.add_argument("--dp", type=int, default=2, help="workers (on CUDA, one GPU each)")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=None, help="instead of the model's (rows)")
+    p.add_argument("--global-batch", type=int, default=None, help="instead of the model's (rows)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the window")
@@ -107,7 +115,9 @@ def main() -> int:
     if "none" not in modes:
         p.error("--modes needs none: every ratio is against it")
 
-    rows = []
+    shard = "" if args.shard == "none" else f"_{args.shard}"
+    out = args.out or HERE / "results" / f"checkpoint{shard}_{args.device}.json"
+    runs: dict[str, dict[str, list[dict]]] = {}  # model -> mode -> its runs
     with tempfile.TemporaryDirectory() as tmp:
         data = f"{tmp}/stdlib"
         prepare_stdlib(data, args.seq_len)
@@ -115,29 +125,19 @@ def main() -> int:
                  **({"num_cpus": 2} if args.device == "cpu" else {}))
         ray.data.DataContext.get_current().enable_progress_bars = False
         for model in args.models:
-            runs: dict[str, list[dict]] = {m: [] for m in modes}
+            runs[model] = {m: [] for m in modes}
             for r in range(args.rounds):
                 k = r % len(modes)
                 for mode in modes[k:] + modes[:k]:
-                    out = run(args, data, model, mode)
-                    runs[mode].append(out)
-                    print(f"{model} round {r + 1} {mode}: window {out['window_s']:.2f} s, "
-                          f"{out['tokens_per_s']:,.0f} tokens/s", flush=True)
-            for mode in modes:
-                paired = list(zip(runs[mode], runs["none"]))
-                rows.append({
-                    "model": model, "mode": mode, "params": runs[mode][0]["params"],
-                    "median_step_s": round(statistics.median(x["median_step_s"] for x in runs[mode]), 4),
-                    "tokens_per_s": round(statistics.median(x["tokens_per_s"] for x in runs[mode]), 1),
-                    "vs_none": round(statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
-                                                       for a, b in paired), 4),
-                    "stall_s": (round(statistics.median((a["window_s"] - b["window_s"]) / a["saves"]
-                                                        for a, b in paired), 4) if mode != "none" else None),
-                    "wait_s": (round(statistics.median(sum(x["waits_s"]) / x["saves"]
-                                                       for x in runs[mode]), 4)
-                               if mode != "none" else None),
-                    "rounds": runs[mode]})
+                    got = run(args, data, model, mode)
+                    runs[model][mode].append(got)
+                    print(f"{model} round {r + 1} {mode}: window {got['window_s']:.2f} s, "
+                          f"{got['tokens_per_s']:,.0f} tokens/s", flush=True)
+                    # after every run: a run cut short by a time limit keeps what it measured
+                    write_result(out, {"args": vars(args), "rows": summarize(runs, modes),
+                                       "complete": False})
         ray.shutdown()
+    rows = summarize(runs, modes)
 
     print(f"\ncheckpoint every {args.every} steps, steps {args.skip + 1}-{args.steps} measured, "
           f"{args.rounds} rounds, {args.device}, shard {args.shard}, store {args.store or 'local folder'}")
@@ -152,10 +152,32 @@ def main() -> int:
                      f"{r['wait_s']:.3f} s", f"{r['wait_s'] / step:.1%}"]
         print(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['mode']} | {r['median_step_s']:.3f} | "
               f"{r['tokens_per_s']:,.0f} | {r['vs_none']:.3f}x | " + " | ".join(cells) + " |")
-    shard = "" if args.shard == "none" else f"_{args.shard}"
-    write_result(args.out or HERE / "results" / f"checkpoint{shard}_{args.device}.json",
-                 {"args": vars(args), "rows": rows})
+    write_result(out, {"args": vars(args), "rows": rows, "complete": True})
     return 0
+
+
+def summarize(runs: dict, modes: list[str]) -> list[dict]:
+    """One row per model and mode, from the runs so far (model -> mode -> runs): ratios over
+    the rounds in which the mode and `none` both ran."""
+    rows = []
+    for model, by_mode in runs.items():
+        for mode in modes:
+            paired = list(zip(by_mode[mode], by_mode["none"]))
+            if not paired:
+                continue
+            rows.append({
+                "model": model, "mode": mode, "params": by_mode[mode][0]["params"],
+                "median_step_s": round(statistics.median(x["median_step_s"] for x, _ in paired), 4),
+                "tokens_per_s": round(statistics.median(x["tokens_per_s"] for x, _ in paired), 1),
+                "vs_none": round(statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
+                                                   for a, b in paired), 4),
+                "stall_s": (round(statistics.median((a["window_s"] - b["window_s"]) / a["saves"]
+                                                    for a, b in paired), 4) if mode != "none" else None),
+                "wait_s": (round(statistics.median(sum(x["waits_s"]) / x["saves"]
+                                                   for x, _ in paired), 4)
+                           if mode != "none" else None),
+                "rounds": by_mode[mode]})
+    return rows
 
 
 if __name__ == "__main__":

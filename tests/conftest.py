@@ -98,3 +98,12 @@ def s3_endpoint(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def pytest_runtest_logreport(report):
+    """A GPU test's failure printed as it happens: a lent GPU machine's time limit can end
+    pytest before its summary (on an H200, 2026-11-27: `....F`, then the step's limit, and the
+    failure's text was lost)."""
+    if report.failed and "gpu" in report.keywords:
+        sys.stderr.write(f"\n{report.nodeid} failed ({report.when}):\n{report.longreprtext}\n")
+        sys.stderr.flush()

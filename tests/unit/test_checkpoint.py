@@ -46,7 +46,56 @@ def test_retention_keeps_the_newest_and_drops_older_torn(tmp_path):
     for step in (2, 4, 6, 8):
         _save(store, step, keep=2)
     assert store.committed_steps() == [6, 8]
+    store.settle()  # the folders are deleted on a thread of their own
     assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["step_00000006", "step_00000008"]
+
+
+def test_retention_deletes_off_the_commit_and_the_old_folder_is_torn_at_once(tmp_path, monkeypatch):
+    """A commit returns before the checkpoint it retires is deleted (a 1.37 GB folder took
+    0.36 s to delete here, which held the coordinator while the workers ran out of queued
+    steps); that checkpoint's marker goes first, so what is left meanwhile, or after a crash,
+    is torn: never loaded, and dropped by the next commit."""
+    import threading
+
+    store = CheckpointStore(str(tmp_path / "job"))
+    release, deleting = threading.Event(), threading.Event()
+    delete = CheckpointStore._delete
+
+    def held(self, d):
+        deleting.set()
+        assert release.wait(30)
+        delete(self, d)
+    monkeypatch.setattr(CheckpointStore, "_delete", held)
+    _save(store, 1, keep=1)
+    _save(store, 2, keep=1, value=2.0)  # retires 1
+    assert deleting.wait(30)
+    old = tmp_path / "job" / "step_00000001"
+    assert old.exists() and not (old / "COMMITTED").exists()  # still there, and torn
+    assert store.committed_steps() == [2] and store.latest_verified() == (2, [])
+    _save(store, 3, keep=1, value=3.0)  # lists 1 again while it is being deleted: once only
+    release.set()
+    store.settle()
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["step_00000003"]
+
+
+def test_a_deletion_that_fails_is_a_warning_and_the_next_commit_tries_again(tmp_path, capsys):
+    import pyarrow.fs as pafs
+
+    class Refusing(pafs.LocalFileSystem):
+        def delete_dir(self, path):
+            raise OSError("permission denied")
+
+    store = CheckpointStore(str(tmp_path / "job"))
+    _save(store, 1, keep=1)
+    store.fs = Refusing()
+    _save(store, 2, keep=1, value=2.0)
+    store.settle()
+    assert "could not delete the old checkpoint" in capsys.readouterr().out
+    assert store.latest() == 2 and (tmp_path / "job" / "step_00000001").exists()
+    store.fs = pafs.LocalFileSystem()
+    _save(store, 3, keep=1, value=3.0)
+    store.settle()
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["step_00000003"]
 
 
 def test_loading_refuses_arbitrary_pickles(tmp_path):

@@ -27,6 +27,7 @@ read back with weights_only=True: no unrestricted unpickling.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from baton import storage
 from baton.spec import join_path
-from baton.errors import CheckpointError
+from baton.errors import CheckpointError, reason
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +66,9 @@ class CheckpointStore:
         self.root = root
         self.fs, self.path = storage.resolve(root)
         self.status_written = False
+        self._dropping: dict[str, concurrent.futures.Future] = {}  # folder -> its deletion
+        self._dropping_lock = threading.Lock()
+        self._dropper: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def step_dir(self, step: int) -> str:
         return f"{self.path}/step_{step:08d}"
@@ -105,6 +109,7 @@ class CheckpointStore:
     def begin(self, step: int) -> None:
         """Make a clean folder for `step` (a torn or rejected attempt at the step is discarded)."""
         d = self.step_dir(step)
+        self.settle(d)  # being dropped (a rejected checkpoint's step, trained again): gone first
         if storage.exists(self.fs, d):
             if step in self.committed_steps():
                 raise CheckpointError(f"checkpoint {d} is already committed")
@@ -137,8 +142,43 @@ class CheckpointStore:
         committed = sorted(self.committed_steps())
         for s, ok in self._steps():
             if (ok and s in committed[:-keep]) or (not ok and s < step):
-                self.fs.delete_dir(self.step_dir(s))
+                self._drop(s)
         return d if "://" not in self.root else join_path(self.root, f"step_{step:08d}")
+
+    def _drop(self, step: int) -> None:
+        """Delete checkpoint `step`'s folder off the caller's path: its marker first, so that
+        what is left is torn (never loaded, and dropped by a later commit if this process ends
+        before the rest is gone), then the rest on a thread of its own (`settle` waits for
+        it). Deleting a 1.37 GB checkpoint took 0.36 s on a local ext4 disk here, in which the
+        commit held the coordinator and the workers ran out of queued steps (a GPU's steps
+        of 50-70 ms, two queued); on an object store it is a listing and a request per file."""
+        d = self.step_dir(step)
+        with self._dropping_lock:
+            if d in self._dropping:
+                return
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.delete_file(f"{d}/{MARKER}")
+            if self._dropper is None:
+                self._dropper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-drop")
+            self._dropping[d] = self._dropper.submit(self._delete, d)
+
+    def _delete(self, d: str) -> None:
+        try:
+            self.fs.delete_dir(d)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # the store's to tidy later: a failed deletion loses nothing
+            print(f"baton: warning: could not delete the old checkpoint {storage.redact(d)} "
+                  f"({reason(e)}); a later commit tries again", flush=True)
+        finally:
+            with self._dropping_lock:
+                self._dropping.pop(d, None)
+
+    def settle(self, folder: Optional[str] = None) -> None:
+        """Wait for the old checkpoints being deleted (`commit`'s retention), or for `folder`."""
+        with self._dropping_lock:
+            dropping = [f for d, f in self._dropping.items() if folder in (None, d)]
+        concurrent.futures.wait(dropping)
 
     # -- verifying ------------------------------------------------------------------------------
 

@@ -169,6 +169,7 @@ class Coordinator:
             for feed in (self.feed, self.evaluation):
                 if feed is not None:
                     feed.close()
+            self.store.settle()  # the old checkpoints retention is deleting
         return self._result()
 
     def tick(self) -> None:
