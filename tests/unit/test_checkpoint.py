@@ -59,9 +59,10 @@ def test_retention_deletes_off_the_commit_and_the_old_folder_is_torn_at_once(tmp
 
     store = CheckpointStore(str(tmp_path / "job"))
     release, deleting = threading.Event(), threading.Event()
-    delete = CheckpointStore._delete
+    delete, deleted = CheckpointStore._delete, []
 
     def held(self, d):
+        deleted.append(d.rsplit("/", 1)[-1])
         deleting.set()
         assert release.wait(30)
         delete(self, d)
@@ -76,6 +77,7 @@ def test_retention_deletes_off_the_commit_and_the_old_folder_is_torn_at_once(tmp
     release.set()
     store.settle()
     assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["step_00000003"]
+    assert deleted == ["step_00000001", "step_00000002"]  # each once
 
 
 def test_a_deletion_that_fails_is_a_warning_and_the_next_commit_tries_again(tmp_path, capsys):
