@@ -135,7 +135,7 @@ def main() -> int:
                           f"{got['tokens_per_s']:,.0f} tokens/s", flush=True)
                     # after every run: a run cut short by a time limit keeps what it measured
                     write_result(out, {"args": vars(args), "rows": summarize(runs, modes),
-                                       "complete": False})
+                                       "complete": False}, announce=False)
         ray.shutdown()
     rows = summarize(runs, modes)
 

@@ -19,6 +19,8 @@ starts once the machine is quiet (`settle`, which prints how long it waited).
     python benchmarks/dp_throughput.py --skip baton,ray_train --bucket-mbs 1 5 100 --width 384 \\
         --global-batch 16 --micro-batch 8 --steps 20 --warmup 4 --rounds 4
                                  # DDP's bucket size (bucket_cap_mb) against its default 25 MB
+
+The results file is written after every run, marked "complete": false until the last one.
 """
 
 from __future__ import annotations
@@ -221,6 +223,7 @@ def main() -> int:
 
     import ray
 
+    out = args.out.format(device=args.device)
     tmp = tempfile.mkdtemp(prefix="baton-bench-")
     data = f"{tmp}/data"
     prepare_stdlib(data, args.seq_len)
@@ -259,6 +262,9 @@ def main() -> int:
             print(f"round {r + 1}: {name:9s} {rates[name][-1]:>12,.0f} tokens/s "
                   f"({time.perf_counter() - t0:.1f} s end to end, after {waited:.0f} s for "
                   "the machine to settle)", flush=True)
+            # after every run: a run cut short by a time limit keeps what it measured
+            write_result(out, {"config": vars(args), "rounds_tokens_per_s": rates,
+                               "complete": False}, announce=False)
     ray.shutdown()
 
     median = {k: statistics.median(v) for k, v in rates.items()}
@@ -287,8 +293,9 @@ def main() -> int:
               "tokens_per_step": tokens_per_step, "grad_mib": grad_mib, "rounds_tokens_per_s": rates,
               "median_tokens_per_s": median,
               "paired_ratios_median": ratios,
-              "mfu": {k: v * flops / (peak * args.workers) for k, v in median.items()} if peak else None}
-    write_result(args.out.format(device=args.device), result)
+              "mfu": {k: v * flops / (peak * args.workers) for k, v in median.items()} if peak else None,
+              "complete": True}
+    write_result(out, result)
     return 0
 
 

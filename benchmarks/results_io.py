@@ -23,9 +23,12 @@ def machine() -> dict:
     return out
 
 
-def write_result(path: str | Path, result: dict) -> Path:
+def write_result(path: str | Path, result: dict, announce: bool = True) -> Path:
+    """`announce`: say where it went (off for the partial results a script writes after each
+    run, so that a run cut short by a time limit keeps what it measured)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**result, "machine": result.get("machine") or machine()}, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    if announce:
+        print(f"\nwrote {out}")
     return out
