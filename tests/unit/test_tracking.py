@@ -54,6 +54,44 @@ def test_a_run_finished_in_the_background_is_whole_once_waited_for(tmp_path):
     assert listed == ["report/report.html", "report/report.png"]
 
 
+def test_the_periodic_delivery_runs_beside_the_steps_and_logs_each_once(tmp_path):
+    """Metrics due by `flush_every_s` go to the store on the tracker's own thread: the
+    coordinator's thread, which logs them, goes on handing out steps while a slow store takes
+    them (55-94 ms a flush on sqlite for 10 s of quick-start steps, measured in a run; the
+    workers have two steps queued). A commit's flush waits for it and delivers the rest."""
+    import threading
+
+    spec = TrackingSpec(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="t", flush_every_s=0.0)
+    tracker = MLflowTracker(spec)
+    run_id = tracker.start("job", {"train.lr": 0.1})
+    real, entered, release, senders = tracker.client, threading.Event(), threading.Event(), []
+
+    class SlowStore:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def log_batch(self, run_id, metrics=(), **kwargs):
+            if metrics:
+                senders.append(threading.current_thread().name)
+                entered.set()
+                assert release.wait(30), "never released"
+            return real.log_batch(run_id, metrics=metrics, **kwargs)
+
+    tracker.client = SlowStore()
+    tracker.log_metrics(1, {"loss": 9.0})  # due at once: handed to the sender
+    assert entered.wait(30)
+    for step in range(2, 6):  # the store is still taking step 1
+        tracker.log_metrics(step, {"loss": 10.0 - step})
+    release.set()
+    tracker.flush()  # as a commit does: after the sender's delivery, the rest
+    assert senders and "baton-mlflow-send" in senders[0]
+    steps = sorted(m.step for m in MlflowClient(spec.uri).get_metric_history(run_id, "loss"))
+    assert steps == [1, 2, 3, 4, 5]
+    tracker.finish("FINISHED")
+    tracker._sender.join(30)
+    assert not tracker._sender.is_alive()  # finish ends the sender's loop
+
+
 def test_nothing_is_written_before_start(tmp_path):
     spec = TrackingSpec(uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     tracker = MLflowTracker(spec)
