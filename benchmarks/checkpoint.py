@@ -19,8 +19,8 @@ in the window for any of them.
     python benchmarks/checkpoint.py --models quickstart --rounds 5
     python benchmarks/checkpoint.py --models quickstart --shard full   # ZeRO-3's shards, through DCP
     python benchmarks/checkpoint.py --device cuda --dp 1 --models gpt-113m --seq-len 1024 \
-        --micro-batch 8 --global-batch 8 --steps 240 --every 100 --skip 40 --rounds 1
-                                 # a step that keeps a GPU busy, past the buffers made ahead
+        --micro-batch 32 --global-batch 64 --steps 160 --every 50 --skip 30 --rounds 1 \
+        --modes none async       # a step that keeps a GPU busy (gpu_suite.sh's checkpoint_busy)
 
 The results file is written after every run, marked "complete": false until the last one.
 """
