@@ -107,3 +107,13 @@ def pytest_runtest_logreport(report):
     if report.failed and "gpu" in report.keywords:
         sys.stderr.write(f"\n{report.nodeid} failed ({report.when}):\n{report.longreprtext}\n")
         sys.stderr.flush()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A crash in the interpreter's end prints every thread's Python stack (pytest's own
+    handler is off by then): a CI run once ended in a segmentation fault after its summary
+    (522 passed, 2026-11-27), with nothing to say where."""
+    import faulthandler
+
+    faulthandler.enable(sys.__stderr__, all_threads=True)
