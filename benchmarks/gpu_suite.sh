@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one bounded call, most important first: the GPU tests,
+# what a background save's write costs a host-bound step (alone, without Ray: 31 s on CPU),
 # checkpoint stalls (a step that keeps the GPU busy, then issue 16's small-batch form),
 # baton against plain DDP and Ray Train (compiled), baton compiled against eager, the
 # compiled ceiling (plain PyTorch), baton at micro-batch 64, then the eager rows and the
@@ -45,6 +46,8 @@ step() {  # step NAME SECONDS COMMAND...: bounded by its own limit and by what L
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 step tests 160 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 140 -rA
+step write_beside 60 python3 benchmarks/write_beside_steps.py --device cuda --rounds 3 \
+    --out "$OUT/write_beside_steps_cuda.json"
 step checkpoint_busy 150 python3 benchmarks/checkpoint.py --device cuda --dp 1 --models gpt-113m \
     --seq-len 1024 --micro-batch 32 --global-batch 64 --steps 160 --every 50 --skip 30 \
     --rounds 1 --modes none async --out "$OUT/checkpoint_busy_cuda.json"

@@ -3,6 +3,7 @@ dir, so tests neither read nor write the user's ~/.ray and never join another Ra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -109,11 +110,42 @@ def pytest_runtest_logreport(report):
         sys.stderr.flush()
 
 
+_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_STATUS] = int(exitstatus)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    """A crash in the interpreter's end prints every thread's Python stack (pytest's own
-    handler is off by then): a CI run once ended in a segmentation fault after its summary
-    (522 passed, 2026-11-27), with nothing to say where."""
-    import faulthandler
+    """The test process ends without the C-level part of its exit. The project's CI and one of
+    two full runs here (2026-11-27/28) ended in a segmentation fault after pytest's summary
+    (522 passed): after Python's own end, since `faulthandler`, on through the atexit
+    handlers, printed nothing (docs/tests.md). What is left then is the libraries' C and
+    C++ static destructors, run while their threads (Ray's and gRPC's, gloo's, Arrow's and
+    the AWS SDK's, all started in this one process) may still be running. So, as the
+    interpreter exits: its threads joined and its atexit handlers run as always (Ray's
+    shutdown, pyarrow's S3 finalisation, tempfile's clean-up), then the process ends with
+    pytest's exit status (`os._exit`), skipping the destructors. No test's outcome passes
+    through here: the status is pytest's own. A crash in an atexit handler still prints
+    every thread's Python stack."""
+    if _STATUS not in config.stash:
+        return  # pytest stopped before its session: the ordinary exit
+    status = config.stash[_STATUS]
 
-    faulthandler.enable(sys.__stderr__, all_threads=True)
+    def end() -> None:
+        import atexit
+        import faulthandler
+
+        faulthandler.enable(sys.__stderr__, all_threads=True)
+        atexit.unregister(end)
+        atexit._run_exitfuncs()  # the others, in their usual order
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+    import atexit
+
+    atexit.register(end)  # the last registered: the first to run
