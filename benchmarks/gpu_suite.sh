@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one bounded call, most important first: the GPU tests,
-# what a background save's write costs a host-bound step (alone, without Ray: 31 s on CPU),
-# checkpoint stalls (a step that keeps the GPU busy, then issue 16's small-batch form),
-# baton against plain DDP and Ray Train (compiled), baton compiled against eager, the
+# what a background save's write costs a host-bound step (alone, without Ray; 31 s for 2
+# rounds on 2 CPU cores), checkpoint stalls (a step that keeps the GPU busy, then issue 16's
+# small-batch form), baton against plain DDP and Ray Train (compiled), baton compiled against eager, the
 # compiled ceiling (plain PyTorch), baton at micro-batch 64, then the eager rows and the
 # shard levels. Measured on one H200 (2026-11-27): the tests about 150 s, dp_compiled 247 s,
 # checkpoint's three modes over 150 s. A lease of 15 minutes holds the first three or four.

@@ -3,7 +3,9 @@ dir, so tests neither read nor write the user's ~/.ray and never join another Ra
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import faulthandler
 import os
 import shutil
 import socket
@@ -135,9 +137,6 @@ def pytest_unconfigure(config):
     status = config.stash[_STATUS]
 
     def end() -> None:
-        import atexit
-        import faulthandler
-
         faulthandler.enable(sys.__stderr__, all_threads=True)
         atexit.unregister(end)
         atexit._run_exitfuncs()  # the others, in their usual order
@@ -145,7 +144,5 @@ def pytest_unconfigure(config):
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(status)
-
-    import atexit
 
     atexit.register(end)  # the last registered: the first to run
