@@ -11,17 +11,20 @@ checkpoints in the background), and a tracking outage (the run's MLflow server, 
 Reported: the faults survived, the samples lost or trained twice within an epoch (the ledger
 of the steps that made the final model), the steps whose metrics reached MLflow other than
 once, the largest parameter difference from the same job run without faults (dp 2 throughout)
-and from one process (another summation order, which AdamW amplifies), and per
-worker fault the time from the fault to the first step completed after it and the completed
-steps trained again.
+and from one process (another summation order, which AdamW amplifies), and per worker fault
+the time the coordinator took to notice it, the recovery's time from there to the first step
+completed after it (its phases are in the JSON's events), and the completed steps trained
+again.
 
     python benchmarks/chaos.py                    # 20 faults, about 6 minutes on 2 cores
     python benchmarks/chaos.py --faults 5 --seed 5 --async
+    python benchmarks/chaos.py --spares 1        # recoveries served by a warm standby worker
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +39,7 @@ TESTS = HERE.parent / "tests"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(TESTS))
 
-from baton import api  # noqa: E402
+from baton import api, ray_settings  # noqa: E402
 from baton.checkpoint import CheckpointStore  # noqa: E402
 from baton.spec import spec_from_dict  # noqa: E402
 from helpers import Chaos, TrackingServer, free_ports, reference_run, tiny_spec, write_dataset  # noqa: E402
@@ -52,12 +55,15 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--async", dest="background", action="store_true",
                    help="checkpoints written in the background (checkpoint.async)")
+    p.add_argument("--spares", type=int, default=0,
+                   help="warm standby workers (elastic.spares); the cluster has room for one")
     p.add_argument("--out", default=str(HERE / "results" / "chaos_cpu.json"))
     args = p.parse_args()
     steps = 8 + 5 * args.faults  # room for the schedule: faults 3 to 5 steps apart
 
     cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+                      head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                      "_system_config": dict(ray_settings.SYSTEM_CONFIG)})
     for _ in range(3):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -77,7 +83,7 @@ def main() -> int:
                 parallel={"dp": 2, "timeout_s": 30}, resources={"cpus_per_worker": 1},
                 checkpoint={"every_steps": 2, "keep": 3, "async": args.background},
                 elastic={"min_dp": 1, "max_failures": 4 * args.faults, "hang_timeout_s": 4,
-                         "rescale_check_s": 1})
+                         "rescale_check_s": 1, "spares": args.spares})
             # the same job without faults, at dp 2 throughout: what the faulted run should equal
             clean = spec_from_dict({**raw, "name": "chaos-clean",
                                     "checkpoint": {**raw["checkpoint"], "path": str(tmp / "clean")}})
@@ -91,7 +97,7 @@ def main() -> int:
             try:
                 result = api.run(spec, record_samples=True, show_progress=False, on_step=chaos)
                 wall_s = time.monotonic() - t0
-                chaos.tracking_restarted()
+                chaos.finish()
                 logged = Counter(m.step for m in MlflowClient(spec.tracking.uri).get_metric_history(
                     result.run_id, "loss"))
             finally:
@@ -124,15 +130,24 @@ def main() -> int:
             rows.append(fault)
             continue
         after = next((r for r in recoveries if r["after_failure_at_step"] > fault["step"]), None)
+        seen_at = next((f["at"] for f in failures if f["at"] >= fault["at"]), None)
         rows.append({**fault, "recovered_s": after and round(after["total_s"], 2),
+                     # from the fault to the coordinator's noticing it (a frozen worker: the
+                     # hang timeout); recovered_s is counted from there
+                     "detect_s": seen_at and round(seen_at - fault["at"], 2),
                      # the failure's step was running: the one before it had completed
                      "steps_retrained": after and after["after_failure_at_step"] - 1 - after["resumed_from_step"],
                      "state_from": after and after["state_from"]})
-        print(f"step {fault['step']:3d} {fault['kind']:6s} rank {fault['rank']}: "
-              f"{rows[-1]['recovered_s']} s to the next step, {rows[-1]['steps_retrained']} "
+        print(f"step {fault['step']:3d} {fault['kind']:6s} rank {fault['rank']}: noticed after "
+              f"{rows[-1]['detect_s']} s, {rows[-1]['recovered_s']} s from there to the next step, "
+              f"{rows[-1]['steps_retrained']} "
               f"completed steps trained again (state from {rows[-1]['state_from']})")
     timed = [r for r in rows if r["kind"] != "tracking"]
     mean_s = sum(r["recovered_s"] or 0 for r in timed) / len(timed)
+    mean_detect_s = sum(r["detect_s"] or 0 for r in timed) / len(timed)
+    by_kind = {kind: round(statistics.median(r["recovered_s"] or 0 for r in timed if r["kind"] == kind), 2)
+               for kind in sorted({r["kind"] for r in timed})}
+    print("median recovery by kind of fault (s): " + ", ".join(f"{k} {v}" for k, v in by_kind.items()))
     print("\n| faults | failures seen | finished | samples lost | samples twice | steps not logged once "
           "| largest difference from the unfaulted run (dp 2) | from one process | mean time lost per "
           "worker fault | wall |")
@@ -142,7 +157,9 @@ def main() -> int:
     write_result(args.out, {"args": vars(args), "steps": steps, "finished": result.state == "finished",
                             "failures": len(failures), "samples_lost": lost, "samples_twice": twice,
                             "steps_not_logged_once": not_once,
-                            "max_param_diff": worst, "max_param_diff_unfaulted": off_unfaulted, "mean_time_lost_s": mean_s, "wall_s": wall_s,
+                            "max_param_diff": worst, "max_param_diff_unfaulted": off_unfaulted, "mean_time_lost_s": mean_s,
+                            "mean_detect_s": mean_detect_s, "median_recovery_by_kind_s": by_kind,
+                            "wall_s": wall_s,
                             "faults": rows, "events": result.events,
                             "ledger": [(step, rank, list(map(int, ids))) for step, rank, ids in result.ledger]})
     return 0 if result.state == "finished" and not lost and not twice and not not_once else 1

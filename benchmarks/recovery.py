@@ -41,7 +41,7 @@ from ray.cluster_utils import Cluster
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from baton import api  # noqa: E402
+from baton import api, ray_settings  # noqa: E402
 from baton.data import Cursor  # noqa: E402
 from baton.data.local import job_order  # noqa: E402
 from baton.data.corpus import prepare_stdlib  # noqa: E402
@@ -74,7 +74,8 @@ def start_cluster(workers_path: Path, logging_level: str = "WARNING") -> Cluster
     """A head with no CPUs and three one-CPU worker nodes, with this process connected. The
     workers import from `workers_path`, after the caller's PYTHONPATH (a baseline's first)."""
     cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+                      head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                      "_system_config": dict(ray_settings.SYSTEM_CONFIG)})
     for _ in range(3):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

@@ -453,8 +453,11 @@ class Chaos:
     elastic.hang_timeout_s), a worker killed half-way through writing a checkpoint (`saving`:
     needs `fault_hooks.pause_between_checkpoint_parts` in the workers), and, given the run's MLflow server,
     the server killed and started again on its database `OUTAGE_STEPS` later, in the background
-    as a real store comes back (`tracking`). `injected` records what was done, at which step and
-    wall time."""
+    as a real store comes back (`tracking`). The new node is added once the recovery from the
+    loss has completed a step: a real one joins on its own, and `Cluster.add_node` must run on
+    the main thread, which is the coordinator's (added at once, its seconds of start-up were
+    counted as the time the coordinator took to notice the loss). `injected` records what was
+    done, at which step and wall time. `finish()` after the run."""
 
     KINDS = ("kill", "node", "stop", "saving")
     OUTAGE_STEPS = 3
@@ -476,12 +479,17 @@ class Chaos:
         assert max([*self.schedule, *back]) < steps - 1, f"{faults} faults do not fit {steps} steps"
         self.cluster, self.checkpoint_dir, self.rng = cluster, checkpoint_dir, rng
         self.tracking, self._back_at, self._restart = tracking, None, None
+        self._add_after = None  # a node is added once the run has recovered this many times
         self.injected: list[dict] = []
 
     def __call__(self, c) -> None:
         if self._back_at is not None and c.step >= self._back_at:
             self._back_at = None
             self._restart = concurrent.futures.ThreadPoolExecutor(1).submit(self.tracking.start)
+        if self._add_after is not None and \
+                sum(e["kind"] == "recovery" for e in c.events) > self._add_after:
+            self._add_after = None
+            self.cluster.add_node(num_cpus=1)
         kind = self.schedule.pop(c.step, None)
         if kind is None:
             return
@@ -493,9 +501,11 @@ class Chaos:
         elif kind == "stop":
             os.kill(pid, signal.SIGSTOP)
         elif kind == "node":
+            if self._add_after is not None:  # the last loss's replacement first
+                self.cluster.add_node(num_cpus=1)
             (node,) = [n for n in self.cluster.list_all_nodes() if n.node_id == c.workers[rank]["node"]]
             self.cluster.remove_node(node)
-            self.cluster.add_node(num_cpus=1)
+            self._add_after = sum(e["kind"] == "recovery" for e in c.events)
         elif kind == "tracking":
             self.injected[-1]["rank"] = None
             if self._restart is not None:  # the last outage's server first finishes starting
@@ -510,11 +520,15 @@ class Chaos:
                 time.sleep(0.005)
             os.kill(pid, signal.SIGKILL)
 
-    def tracking_restarted(self) -> None:
-        """After the run: the tracking server's restart finished (its error, if it failed)."""
+    def finish(self) -> None:
+        """After the run: the tracking server's restart finished (its error, if it failed), and
+        the last lost node replaced."""
         assert self._back_at is None, "the run ended before the tracking server was restarted"
         if self._restart is not None:
             self._restart.result()
+        if self._add_after is not None:
+            self._add_after = None
+            self.cluster.add_node(num_cpus=1)
 
 
 # -- tasks (tests/integration/test_tasks.py) ----------------------------------------------------

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
-from baton import interrupts, storage
+from baton import interrupts, ray_settings, storage
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.store import sizes_only
 from baton.checkpoint.lease import Lease
@@ -239,7 +239,7 @@ def start_local_ray() -> None:
     import ray
     from ray._private import ray_constants
 
-    options = {"num_cpus": os.cpu_count()}
+    options = {"num_cpus": os.cpu_count(), "_system_config": dict(ray_settings.SYSTEM_CONFIG)}
     if os.environ.get("BATON_METRICS_PORT"):
         options["_metrics_export_port"] = int(os.environ["BATON_METRICS_PORT"])
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER

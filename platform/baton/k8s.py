@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import yaml
 
-from baton import __version__
+from baton import __version__, ray_settings
 from baton.errors import SpecError
 from baton.spec import JobSpec
 
@@ -217,7 +217,9 @@ def _container(name: str, opts: K8sOptions, resources: dict, ports: list[tuple[s
         "name": name, "image": opts.image, "resources": resources,
         "ports": [{"name": n, "containerPort": p} for n, p in ports],
     }
-    env = [{"name": k, "value": v} for k, v in _env_vars(opts).items()]
+    # Ray's own settings, read by the raylet as it starts; baton's, for the job's processes too
+    pod_env = {**ray_settings.ray_env(), **_env_vars(opts)}
+    env = [{"name": k, "value": v} for k, v in pod_env.items()]
     if opts.s3_secret:
         env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": opts.s3_secret, "key": key}}}
                 for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]

@@ -146,6 +146,7 @@ class FakeGroup:
     def __init__(self, spec, dims, cluster: FakeCluster):
         self.cluster, self.actors, self.infos = cluster, [], []
         self.dead: set[int] = set()
+        self.probes_skipped: list[frozenset] = []  # the ranks each probe left out
         self.done: dict[int, int] = {}  # rank -> last step completed (the state it holds)
         self.kept_written: list[tuple[list[int], int]] = []
         self.writing: dict[int, list] = {}  # rank -> a background save's parts
@@ -249,8 +250,10 @@ class FakeGroup:
     def finished(self, refs):
         return not self.cluster.slow_writes
 
-    def probe(self, timeout_s):
-        return {r: "dead" if r in self.dead else "ok" for r in range(len(self.actors))}
+    def probe(self, timeout_s, skip=frozenset()):
+        self.probes_skipped.append(skip)
+        return {r: "silent" if r in skip else "dead" if r in self.dead else "ok"
+                for r in range(len(self.actors))}
 
     def leave(self, ranks, timeout_s):
         return {r: self.done.get(r, 0) for r in ranks}
@@ -419,6 +422,8 @@ def test_a_killed_worker_is_replaced_at_the_same_world_size(tmp_path):
     recovery = c.events[1]
     assert cluster.requested == []  # a fixed world asks an autoscaler for nothing
     assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 1
+    assert c.group.probes_skipped == [{0}]  # the dead rank is not asked again (a frozen one
+    # would hold the answer back for the probe's whole timeout)
     # the survivor held step 2, which checkpoint 2 already has: loaded from there
     assert recovery["state_from"] == "checkpoint" and recovery["resumed_from_step"] == 2
     assert set(recovery["phases_s"]) == {"stop", "survivor_save", "reschedule", "group_init",

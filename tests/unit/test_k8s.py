@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from baton import k8s
+from baton import k8s, ray_settings
+from baton.data.feed import READ_CONCURRENCY
 from baton.cli import main
 from baton.errors import SpecError
 from baton.spec import load_spec
@@ -177,6 +178,18 @@ def test_the_worker_group_is_sized_from_parallel_and_elastic():
     assert job["spec"]["entrypoint"] == "baton run /home/ray/baton/jobs/gpt-small-gpu.yaml --set parallel.dp=2"
     assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"env_vars": {
         "BATON_STORAGE": "/mnt/baton", "MLFLOW_TRACKING_URI": "http://mlflow:5000"}}  # k8s/mlflow.yaml
+    # Ray's own settings go to every pod (each raylet reads them as it starts), not to the
+    # job's runtime environment, which Ray's processes never see
+    for where, pod in _pods(job):
+        [container] = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["RAY_kill_worker_timeout_milliseconds"] == "1000", where
+        assert env["RAY_num_workers_soft_limit"] == "4", where
+
+
+def test_the_head_keeps_an_idle_worker_for_each_read_that_may_run_at_once():
+    """Reads run on the driver's node, a head with no CPUs on a cluster: ray_settings.py."""
+    assert ray_settings.SYSTEM_CONFIG["num_workers_soft_limit"] >= READ_CONCURRENCY
 
     pp = load_spec(REPO / "jobs" / "gpt-dp-pp.yaml")
     [group] = k8s.render(pp, "jobs/gpt-dp-pp.yaml", [], k8s.K8sOptions(kind="RayCluster"))[0][

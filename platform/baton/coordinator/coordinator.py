@@ -277,10 +277,10 @@ class Coordinator:
         self.group.cancel(stale)
         self.commits.abandon()
         self.inflight.clear()
-        state = self.group.probe(2.0)
         # ranks named by a death or a silence go; ranks that raised (their own code, a
         # collective's timeout) are alive and stay
-        gone = set(f.ranks) if f.cause in ("actor_died", "node_died", "hang") else set()
+        gone = frozenset(f.ranks) if f.cause in ("actor_died", "node_died", "hang") else frozenset()
+        state = self.group.probe(2.0, skip=gone)
         alive = [r for r, s in state.items() if s == "ok" and r not in gone]
         dead = [r for r in state if r not in alive]
         self.group.kill(dead)  # first: that frees their peers

@@ -37,7 +37,8 @@ from baton.errors import DataError, reason
 
 # Read tasks ask for no CPU: the workers hold the CPUs (all of them on a small machine), and a
 # task asking for any would never be scheduled beside them. Decoding a row group is cheap next
-# to a training step; the concurrency cap bounds how many run at once.
+# to a training step; the concurrency cap bounds how many run at once (and the idle read
+# workers Ray keeps on the driver's node: ray_settings.py).
 READ_CONCURRENCY = 4
 
 TOKENS, IDS = "tokens", "id"  # the columns of a unit as the workers see it

@@ -258,11 +258,14 @@ class WorkerGroup:
                                  f"{self.hang_timeout_s:g} s (elastic.hang_timeout_s) while {what}: "
                                  "frozen or cut off", "hang", (rank,))
 
-    def probe(self, timeout_s: float) -> dict[int, str]:
-        """Each rank's state now: 'ok', 'dead' or 'silent' (no answer within `timeout_s`)."""
-        refs = {actor.heartbeat.remote(): rank for rank, actor in enumerate(self.actors)}
+    def probe(self, timeout_s: float, skip: frozenset = frozenset()) -> dict[int, str]:
+        """Each rank's state now: 'ok', 'dead' or 'silent' (no answer within `timeout_s`).
+        Ranks in `skip` (already known gone) are not asked: a frozen one would hold the
+        answer back for the whole `timeout_s`."""
+        refs = {actor.heartbeat.remote(): rank for rank, actor in enumerate(self.actors)
+                if rank not in skip}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        state = {rank: "silent" for rank in refs.values()}
+        state = {rank: "silent" for rank in range(len(self.actors))}
         for ref in ready:
             try:
                 ray.get(ref)
