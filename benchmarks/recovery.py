@@ -7,6 +7,9 @@ the stdlib corpus, with the same batches, optimizer and a checkpoint every 5 ste
 
   kill  SIGKILL to the process of worker rank 1
   node  the node holding worker rank 1 is removed from the cluster
+  stop  SIGSTOP to the process of worker rank 1 (frozen: baton's elastic.hang_timeout_s is
+        HANG_TIMEOUT_S for this fault; Ray Train has no heartbeat, so its survivor would
+        wait out the collective's timeout, and it is not run with this fault)
 
 Measured, per run: recovery time, from the fault to the first training step completed after
 it; work lost, in steps (steps that had completed and were trained again); for baton, the
@@ -19,6 +22,7 @@ Also measured for baton: scale-up latency, from a node joining a running dp=1 jo
 max_dp 2, rescale_check_s at its default of 10 s) to the first step completed at dp=2.
 
     python benchmarks/recovery.py                 # 2 rounds, about 6 minutes
+    python benchmarks/recovery.py --faults stop --systems baton,baton_spare --out X.json
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr  # noqa:
 from results_io import write_result  # noqa: E402
 
 FAULT_AFTER_STEP, EVERY = 12, 5
+HANG_TIMEOUT_S = 4.0  # a frozen worker declared dead after this (the fault tests' figure)
 
 
 def job(args, tmp: str, name: str, **extra) -> dict:
@@ -104,8 +109,8 @@ def set_worker_nodes(cluster: Cluster, n: int) -> None:
 
 def inject(cluster: Cluster, fault: str, pid: int, node_id: str) -> float:
     """The fault; returns its wall-clock time."""
-    if fault == "kill":
-        os.kill(pid, signal.SIGKILL)
+    if fault in ("kill", "stop"):
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     else:
         (node,) = [n for n in worker_nodes(cluster) if n.node_id == node_id]
         cluster.remove_node(node)
@@ -117,7 +122,8 @@ def inject(cluster: Cluster, fault: str, pid: int, node_id: str) -> float:
 def run_baton(cluster: Cluster, args, tmp: str, fault: str, spares: int = 0) -> dict:
     """baton; with `spares`, elastic.spares (checked every second): the third node holds a
     warm standby worker, which the fault is injected only once it is ready."""
-    elastic = {"max_failures": 3, **({"spares": spares, "rescale_check_s": 1} if spares else {})}
+    elastic = {"max_failures": 3, **({"spares": spares, "rescale_check_s": 1} if spares else {}),
+               **({"hang_timeout_s": HANG_TIMEOUT_S} if fault == "stop" else {})}
     spec = spec_from_dict(job(args, tmp, f"baton-{fault}", elastic=elastic))
     seen: dict = {}
 
@@ -220,6 +226,9 @@ def run_ray_train(cluster: Cluster, args, tmp: str, fault: str) -> dict:
         worker = json.loads((log / "worker-1.json").read_text())
         seen["fault_at"] = inject(cluster, fault, worker["pid"], worker["node"])
 
+    if fault == "stop":
+        raise SystemExit("recovery.py: Ray Train is not run with a frozen worker (--systems "
+                         "baton,baton_spare): nothing of its own notices one")
     thread = threading.Thread(target=injector, daemon=True)
     thread.start()
     trainer = TorchTrainer(
