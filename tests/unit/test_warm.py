@@ -1,11 +1,14 @@
-"""Which kept-warm workers may serve another run: none whose code changed on disk."""
+"""Which kept-warm workers may serve another run: none whose code changed on disk. What a
+new worker (a spare, say) has imported before it joins a world."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from baton.workers.warm import changed_code
 
@@ -22,3 +25,29 @@ def test_a_module_changed_after_the_start_is_named(tmp_path, monkeypatch):
         assert changed_code(began) == "user_model_for_warm"
     finally:
         sys.modules.pop("user_model_for_warm")
+
+
+def test_a_worker_made_for_a_job_of_several_replicas_imports_what_ddp_needs_before_its_world():
+    """The group creates every worker, spares included, in a world of one; a job that may
+    have several replicas has it import torch._dynamo then, not in DDP's first wrap after a
+    fault (0.65 s, which the survivor waited for). A job of one replica does not import it."""
+    code = """
+import sys
+from baton.parallel import ParallelDims
+from baton.spec import spec_from_dict
+from baton.workers.worker import Worker
+
+def made(**parallel):
+    spec = spec_from_dict({"name": "w", "model": {"name": "gpt", "layers": 1, "width": 32,
+                           "heads": 2, "seq_len": 16}, "data": {"source": "parquet", "path": "/nowhere"},
+                           "train": {"steps": 3, "global_batch": 4}, "parallel": parallel})
+    assert Worker(spec, ParallelDims(1), 0).start_error is None
+    return "torch._dynamo" in sys.modules
+
+print(made(dp=1), made(dp=2))
+"""
+    platform = str(Path(__file__).resolve().parents[2] / "platform")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": platform})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]

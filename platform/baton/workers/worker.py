@@ -126,9 +126,12 @@ class Worker:
         # engines (FSDP2, DCP) and the torch._dynamo that DDP's first wrap imports (recovery
         # with a spare 3.07 -> 2.03 s on 2 cores; a fresh start neither gains nor loses:
         # docs/benchmarks.md, Recovery)
+        # The job's spec decides, not `dims`: the group creates every worker, spares included,
+        # in a world of one (it used to be `dims.dp > 1`, so no spare imported torch._dynamo,
+        # and the first DDP wrap after a fault did, 0.65 s, with the survivor waiting for it)
         with host.collector_paused(freeze=True):  # and this process's objects frozen (host.py)
             importlib.import_module("baton.workers.engines")
-            if dims.dp > 1:
+            if spec.dp_range[1] > 1:
                 importlib.import_module("torch._dynamo")
 
     def rest(self) -> None:
