@@ -511,11 +511,12 @@ def test_a_frozen_worker_is_declared_dead_within_the_hang_timeout(tmp_path, data
     assert failure["cause"] == "hang" and failure["ranks"] == [1]
     assert "answered no heartbeat for 4 s" in failure["message"]
     assert _kinds(result.events) == ["failure", "recovery"]
-    # The frozen rank is not probed again (a 2-s wait for no answer), and its raylet SIGKILLs
-    # it 1 s after ray.kill (ray_settings), which frees its peer's collective. The stop phase
-    # of a frozen worker's recovery in benchmarks/chaos.py: 7.07-7.14 s with the probe and
-    # Ray's 5-s default, 1.10-1.18 s now; 5 s is under either of the two waits with the other
-    assert result.events[1]["phases_s"]["stop"] < 5.0
+    # The stop phase is the frozen process's end, which frees its peer's collective: its
+    # raylet SIGKILLs it 1 s after ray.kill with baton's Ray settings (ray_settings.py), 5 s
+    # with Ray's default. Measured (benchmarks/chaos.py, recovery.py --faults stop): 1.10-1.18
+    # s now, 7.07-7.14 s with Ray's default and a 2-s probe of the frozen rank (no longer
+    # sent: test_coordinator holds that)
+    assert result.events[1]["phases_s"]["stop"] < 3.0
     _assert_resumed_from_the_survivor(*result.events)
     _assert_exactly_once(result)
     _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
