@@ -16,7 +16,7 @@ the time the coordinator took to notice it, the recovery's time from there to th
 completed after it (its phases are in the JSON's events), and the completed steps trained
 again.
 
-    python benchmarks/chaos.py                    # 20 faults, about 6 minutes on 2 cores
+    python benchmarks/chaos.py                    # 20 faults, about 4 minutes on 2 cores
     python benchmarks/chaos.py --faults 5 --seed 5 --async
     python benchmarks/chaos.py --spares 1        # recoveries served by a warm standby worker
 """
