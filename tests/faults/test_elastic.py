@@ -197,7 +197,7 @@ def test_a_killed_worker_is_replaced_and_the_survivor_reused(tmp_path, data, nod
     before = {}
 
     def kill(c):
-        before.update(pids=[w["pid"] for w in c.workers])
+        before.update(pids=[w["pid"] for w in c.workers], feed=c.feed)
         os.kill(c.workers[1]["pid"], signal.SIGKILL)
     result = api.run(spec, record_samples=True, show_progress=False, on_step=_at_step(3, kill))
 
@@ -211,6 +211,10 @@ def test_a_killed_worker_is_replaced_and_the_survivor_reused(tmp_path, data, nod
     assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 1
     assert result.workers[0]["pid"] == before["pids"][0]  # the survivor is the same process
     assert result.workers[1]["pid"] != before["pids"][1]
+    # the world resumed in the block it was training on (the corpus is one block), from the
+    # reads the feed held: no block was read twice
+    ranges = before["feed"].ranges_read
+    assert len(set(ranges)) == len(ranges), ranges
     _assert_exactly_once(result)
     _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
     events, metrics = _mlflow_events(spec, result)

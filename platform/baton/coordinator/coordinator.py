@@ -288,7 +288,6 @@ class Coordinator:
         left = self.group.leave(alive, wait_s)
         self.group.kill([r for r in alive if r not in left])
         self.group.discard(stale)
-        self.feed.rewind()  # read again from the cursor the world resumes at
         timer.lap("stop")
         from_survivors = self.commits.commit_survivors(self.group, self.dims, self.step, left,
                                                        self._meta(self.done_cursor, rng=[]))
