@@ -23,6 +23,7 @@ max_dp 2, rescale_check_s at its default of 10 s) to the first step completed at
 
     python benchmarks/recovery.py                 # 2 rounds, about 6 minutes
     python benchmarks/recovery.py --faults stop --systems baton,baton_spare --out X.json
+    python benchmarks/recovery.py --rounds 0 --systems baton --out X.json   # the scale-up alone
 """
 
 from __future__ import annotations
@@ -311,6 +312,7 @@ def main() -> int:
     print(f"\n{'fault':6s} {'system':10s} {'recovery s (median)':>20s} {'work lost (steps)':>18s} "
           f"{'baton / Ray Train':>18s}")
     summary: dict = {}
+    runs = {fault: by for fault, by in runs.items() if all(by.values())}  # --rounds 0: none
     for fault, by in runs.items():
         ratios = {name: statistics.median(b["recovery_s"] / t["recovery_s"]
                                           for b, t in zip(by[name], by["ray_train"]))

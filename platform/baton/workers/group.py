@@ -35,7 +35,10 @@ START_WAIT_S = 60.0  # how long a worker given room may take to start (imports, 
 
 class WorkerGroup:
     def __init__(self, spec: JobSpec, dims: ParallelDims):
-        self.spec, self.dims = spec, dims
+        self.spec, self.dims = spec, dims  # the current world's (`form`)
+        # the job's, elastic range and all: what a new worker is made for, whatever world it
+        # joins (made for a world of one replica, it would not import what DDP needs ahead)
+        self.job = spec
         self.timeout_s = spec.parallel.timeout_s
         self.hang_timeout_s = spec.elastic.hang_timeout_s
         self.actors: list = []  # by rank
@@ -116,7 +119,7 @@ class WorkerGroup:
         r = self.spec.resources
         options = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_restarts": 0,
                    "scheduling_strategy": "SPREAD" if r.placement == "spread" else "DEFAULT"}
-        return [RemoteWorker.options(**options).remote(self.spec, ParallelDims(1), 0)
+        return [RemoteWorker.options(**options).remote(self.job, ParallelDims(1), 0)
                 for _ in range(n)]
 
     def request_capacity(self, workers: int) -> None:
