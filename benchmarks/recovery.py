@@ -259,13 +259,16 @@ def run_scale_up(cluster: Cluster, args, tmp: str) -> dict:
         if c.step == 5 and "joined_at" not in seen:
             cluster.add_node(num_cpus=1)
             cluster.wait_for_nodes()
-            seen["joined_at"] = time.time()
+            seen["joined_at"], seen["joined_step"] = time.time(), c.step
         elif "joined_at" in seen and c.dims.dp == 2 and "first_step_at" not in seen:
-            seen["first_step_at"] = time.time()
+            seen["first_step_at"], seen["grown_step"] = time.time(), c.step
 
     result = api.run(spec, show_progress=False, log=lambda _: None, on_step=hook)
     rescale = next(e for e in result.events if e["kind"] == "rescale")
+    # training stops for the rescale's phases only (`stall_s`); the steps from the join to
+    # the growth's first step are trained at dp 1 (`steps_meanwhile`, that first one included)
     return {"latency_s": seen["first_step_at"] - seen["joined_at"], "phases_s": rescale["phases_s"],
+            "stall_s": rescale["total_s"], "steps_meanwhile": seen["grown_step"] - seen["joined_step"],
             "dp_history": result.dp_history}
 
 
@@ -303,7 +306,8 @@ def main() -> int:
                           + (f", phases {out['phases_s']}" if "phases_s" in out else ""), flush=True)
         grow = run_scale_up(cluster, args, tmp) if "baton" in systems else None
         if grow:
-            print(f"scale-up: {grow['latency_s']:.1f} s from a node joining to a step at dp=2 "
+            print(f"scale-up: {grow['latency_s']:.1f} s from a node joining to a step at dp=2, "
+                  f"{grow['steps_meanwhile']} steps meanwhile; training stopped {grow['stall_s']:.2f} s "
                   f"(phases {grow['phases_s']})", flush=True)
     finally:
         ray.shutdown()

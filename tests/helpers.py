@@ -332,6 +332,18 @@ def not_on_meta(spec):
 
 # --- Ray clusters started with `ray start` in their own session (tests stop only those) ---
 
+def await_growth(coordinator, timeout_s: float = 90) -> None:
+    """From an on_step hook: wait until the workers a growth has started are ready, so that
+    the world grows at the next step boundary. A growth starts its workers while training
+    goes on (`Placement.growth_due`), and the short runs of the tests would otherwise end
+    before a new process is up. Returns at once when no growth is under way."""
+    joining = coordinator.placement.joining
+    deadline = time.monotonic() + timeout_s
+    while joining and not coordinator.group.spares_ready(joining):
+        assert time.monotonic() < deadline, "the growth's workers did not start"
+        time.sleep(0.1)
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:

@@ -37,7 +37,7 @@ from baton.errors import WorkerError
 from baton.spec import spec_from_dict
 from baton.workers import warm
 import helpers
-from helpers import (assert_params_close, free_ports, job_order, read_table, reference_run, tiny_spec,
+from helpers import (assert_params_close, await_growth, free_ports, job_order, read_table, reference_run, tiny_spec,
                      write_dataset, write_spec)
 
 # warm_workers: each run takes the workers the run before kept (6 s less per run here), as a
@@ -574,12 +574,14 @@ def test_with_no_spare_the_run_goes_on_with_fewer_replicas_then_grows_back(tmp_p
             (node,) = [n for n in nodes.list_all_nodes() if n.node_id == node_id]
             nodes.remove_node(node)
             removed.append(time.time())
-        elif c.dims.dp == 1 and len(removed) == 1 and c.step < STEPS - 1:
+        elif c.dims.dp == 1 and len(removed) == 1 and c.step < STEPS - 2:
             nodes.add_node(num_cpus=1)
             nodes.wait_for_nodes()
             _wait_free_cpus(1)
             removed.append(time.time())
             time.sleep(spec.elastic.rescale_check_s)  # steps are faster than the check
+        else:  # the check after the join has started the growth's worker
+            await_growth(c)
     try:
         result = api.run(spec, record_samples=True, show_progress=False, on_step=remove_then_add)
     finally:

@@ -28,7 +28,7 @@ from baton.checkpoint import CheckpointStore
 from baton.spec import spec_from_dict
 from baton.tracking import report
 from baton.tracking.metrics import METRICS, SECONDS, exported_names
-from helpers import free_ports, tiny_spec, write_dataset
+from helpers import await_growth, free_ports, tiny_spec, write_dataset
 
 STEPS = 8
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +107,8 @@ def run(tmp_path_factory, metrics_ray, prometheus):
             while ray.available_resources().get("CPU", 0) < 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
             time.sleep(1)  # past the next rescale check
+        elif c.placement.joining:  # the check after it has started the growth's workers
+            await_growth(c)
         elif c.dims.dp == 2 and "killed" not in seen:
             seen["killed"] = c.step
             ray.kill(c.group.actors[1])

@@ -14,7 +14,7 @@ from baton.coordinator import Coordinator
 from baton.coordinator.coordinator import State
 from baton.spec import spec_from_dict
 from baton.tracking import make_tracker
-from helpers import assert_params_close, reference_run, tiny_spec, write_dataset
+from helpers import assert_params_close, await_growth, reference_run, tiny_spec, write_dataset
 
 
 def test_growing_before_the_first_step_keeps_the_maths(tmp_path, local_ray):
@@ -34,6 +34,10 @@ def test_growing_before_the_first_step_keeps_the_maths(tmp_path, local_ray):
         while local_ray.available_resources().get("CPU", 0) < 1:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        # what the first step's rescale check does: it starts the growth's worker (training
+        # would go on meanwhile); here the first step waits for it, so the world grows before it
+        assert not c.placement.growth_due(c.dims.dp) and c.placement.joining == 1
+        await_growth(c)
         while c.state not in (State.FINISHED, State.FAILED):
             c.tick()
     finally:

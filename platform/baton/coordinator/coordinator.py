@@ -252,10 +252,7 @@ class Coordinator:
             # the report is drawn while the workers and Ray shut down: api.run waits for it
             self.tracker.finish("FINISHED", background=True)
             return State.FINISHED
-        self._complete(self.inflight[0])  # left queued if it fails: recovery cancels it
-        self.inflight.popleft()
-        if self.on_step is not None:
-            self.on_step(self)
+        self._complete_next()
         return State.RUNNING
 
     def _recover(self) -> State:
@@ -315,8 +312,7 @@ class Coordinator:
         just written, verified as every load's is (the previous one if it fails)."""
         timer = Phases("rescale")
         while self.inflight:
-            self._complete(self.inflight[0])
-            self.inflight.popleft()
+            self._complete_next()
         grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
         if grow_to is None or self.step >= self.spec.train.steps:
             return State.RUNNING
@@ -457,6 +453,14 @@ class Coordinator:
             pending.eval_refs = self.evaluation.submit(self.group, t.global_batch)
         self.submitted += 1
         return pending
+
+    def _complete_next(self) -> None:
+        """Complete the oldest queued step (left queued if it fails: recovery cancels it),
+        then call `on_step`: after every completed step, those a rescale finishes first too."""
+        self._complete(self.inflight[0])
+        self.inflight.popleft()
+        if self.on_step is not None:
+            self.on_step(self)
 
     def _complete(self, p: "_Pending") -> None:
         results = self.group.wait(p.refs, f"training step {p.step + 1}")  # steps count from 1

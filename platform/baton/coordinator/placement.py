@@ -20,6 +20,8 @@ class Placement:
         self.group, self.base, self.scale = group, base, scale
         self.most = base.dp_range[1] * base.parallel.pp  # workers at max_dp
         self.next_check = 0.0  # when `growth_due` looks for room again (monotonic)
+        self.joining = 0  # workers started for a growth, which it waits for (`growth_due`)
+        self.joining_until = 0.0  # ...up to then (monotonic); the growth's `start` then decides
 
     def first_workers(self) -> int:
         """As many workers as the cluster has room for, up to max_dp replicas; at least min_dp
@@ -56,10 +58,15 @@ class Placement:
             time.sleep(1.0)
 
     def growth_due(self, dp: int) -> bool:
-        """Whether the world of `dp` replicas should grow now: looked at every
-        elastic.rescale_check_s. Room the job cannot grow into keeps its warm spares
+        """Whether the world of `dp` replicas should grow now. Room is looked for every
+        elastic.rescale_check_s. Room the job can grow into gets its new workers at once, as
+        spares, and the world grows once they have started: training goes on meanwhile
+        instead of waiting out their processes' start in the growth (3.4-3.9 s on 2 cores, more
+        where a worker initialises a GPU). Room the job cannot grow into keeps its warm spares
         (elastic.spares)."""
         spares, most = self.base.elastic.spares, self.base.dp_range[1]
+        if self.joining:  # asked at every step until they have started
+            return self._joined()
         if dp >= most and not spares:
             return False
         now = time.monotonic()
@@ -68,11 +75,24 @@ class Placement:
         self.next_check = now + self.base.elastic.rescale_check_s
         if dp < most:
             self.group.request_capacity(self.most)  # renewed while short
-            if self.scale.grow_to(dp, self.group.free_workers()) is not None:
-                return True
+            grow_to = self.scale.grow_to(dp, self.group.free_workers())
+            if grow_to is not None:
+                self.joining = (grow_to - dp) * self.base.parallel.pp
+                self.joining_until = now + START_WAIT_S
+                self.group.keep_spares(self.joining)  # the spares there are first
+                return self._joined()
         if spares:
             self.group.keep_spares(spares)
         return False
+
+    def _joined(self) -> bool:
+        """Whether the workers started for a growth are ready, or failed, or have had
+        START_WAIT_S (one still queued for room another job took first): the growth's `start`
+        then grows by those that started, lets go of the rest and says why they did not."""
+        if not self.group.spares_ready(self.joining) and time.monotonic() < self.joining_until:
+            return False
+        self.joining = 0
+        return True
 
     def no_room(self, placed: int, started: list, wanted: int) -> NoReturn:
         """Too few workers: those that could not start and why, else a worker bigger than

@@ -48,6 +48,7 @@ class WorkerGroup:
         self._requested = False  # an autoscaler request stands (request_capacity)
         self._launched: list = []  # workers created by launch, for the next start
         self.spares: list = []  # warm standby workers (elastic.spares), outside the world
+        self._spare_ready: dict[int, Any] = {}  # id(spare) -> its `ready` call
         self.spares_taken = 0  # spares handed out by start, in all
         self.start_failures: list[str] = []  # why workers of the last start died before ready
         # workers an earlier run of this driver kept warm (resources.keep_warm_s), renewed
@@ -94,10 +95,19 @@ class WorkerGroup:
         cannot grow into it), so a spare never waits for resources and never takes room a
         growth would use. Returns how many spares there are."""
         self.spares = [a for a in self.spares if _alive(a, 0.5)]
+        self._spare_ready = {id(a): self._spare_ready[id(a)] for a in self.spares}
         make = min(n, self.free_workers()) - len(self.spares)  # free_workers counts spares
         if make > 0:
-            self.spares += self._create(make)
+            new = self._create(make)
+            self.spares += new
+            self._spare_ready.update({id(a): a.ready.remote() for a in new})
         return len(self.spares)
+
+    def spares_ready(self, n: int) -> bool:
+        """Whether the first `n` spares (as many as there are) have finished starting: ready,
+        or failed to start. Does not wait."""
+        refs = [self._spare_ready[id(a)] for a in self.spares[:n]]
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
 
     def _take_spares(self, n: int) -> list:
         """Up to `n` live spares, which leave the pool (those that died are dropped)."""
