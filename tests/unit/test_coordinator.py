@@ -386,11 +386,14 @@ def test_training_goes_on_while_a_growths_workers_start(tmp_path):
     c.tick()
     c.tick()
     assert c.dims.dp == 1 and c.step == 1
+    notes = []
+    c.report.progress.note = notes.append
     cluster.free = 1  # a node joins
     for _ in range(3):  # its worker is starting: dp 1 trains on
         c.tick()
         assert c.state is State.RUNNING and c.dims.dp == 1 and len(c.group.spares) == 1
     assert c.step == 4
+    assert notes == ["step 1: room to grow: 1 new worker starting, training goes on at dp=1"]
     c.tick()
     assert c.state is State.RESCALING and c.step == 4
     c.tick()

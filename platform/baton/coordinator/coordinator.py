@@ -412,7 +412,15 @@ class Coordinator:
     def _rescale_due(self) -> bool:
         # a recovery or rescale that has not completed its first step yet is still being
         # measured (self.resumed): growing again now would lose its event
-        return self.resumed is None and self.placement.growth_due(self.dims.dp)
+        if self.resumed is not None:
+            return False
+        joining = self.placement.joining
+        due = self.placement.growth_due(self.dims.dp)
+        if self.placement.joining and not joining:  # a growth's workers started: say so
+            n = self.placement.joining
+            self.report.progress.note(f"step {self.step}: room to grow: {n} new worker{'s' * (n > 1)} "
+                                      f"starting, training goes on at dp={self.dims.dp}")
+        return due
 
     def _record(self, event: dict) -> None:
         self.report.record(event, self._tags())
