@@ -376,6 +376,24 @@ def test_a_warm_spare_replaces_a_lost_worker_and_never_blocks_a_growth(tmp_path)
     assert g.state is State.RUNNING and g.dims.dp == 2 and grow.free == 0 and not g.group.spares
 
 
+def test_a_spare_taken_by_a_recovery_is_replaced_at_the_next_step(tmp_path):
+    """The pool refills right after a recovery takes its spare, not at the next rescale check
+    (every 10 s by default): a second fault soon after should find a spare too."""
+    cluster = FakeCluster(free=3)
+    cluster.failures[5] = ("actor_died", 1, False)
+    c = _coordinator(tmp_path, cluster, spares=1, rescale_check_s=1000)
+    c.tick()
+    c.tick()  # the first step's check keeps a spare; the next check is 1000 s away
+    assert len(c.group.spares) == 1
+    _tick_until(c, lambda c: c.state is State.RECOVERING)
+    c.tick()
+    assert c.state is State.RUNNING and not c.group.spares
+    cluster.free = 1  # the dead worker's room
+    c.tick()  # the recovery's first step, then the next one's check
+    c.tick()
+    assert len(c.group.spares) == 1 and cluster.free == 0
+
+
 def test_training_goes_on_while_a_growths_workers_start(tmp_path):
     """Room to grow into gets its workers at once, and the world grows once they are ready:
     the steps in between are trained at the old size, not spent waiting for the new

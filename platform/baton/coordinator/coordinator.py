@@ -294,6 +294,8 @@ class Coordinator:
         spares_before = self.group.spares_taken
         members = survivors + self.placement.top_up(len(survivors))
         timer.lap("reschedule")
+        if self.group.spares_taken > spares_before:
+            self.placement.check_soon()  # its replacement starts at the first step after
         self._form(members)
         timer.lap("group_init")
         self._load_latest()

@@ -85,6 +85,11 @@ class Placement:
             self.group.keep_spares(spares)
         return False
 
+    def check_soon(self) -> None:
+        """Look for room (and keep the spares) at the next step instead of after
+        elastic.rescale_check_s: a recovery took a spare, and the next fault should find one."""
+        self.next_check = 0.0
+
     def _joined(self) -> bool:
         """Whether the workers started for a growth are ready, or failed, or have had
         START_WAIT_S (one still queued for room another job took first): the growth's `start`
