@@ -173,7 +173,10 @@ def test_prometheus_shows_every_series_the_dashboards_query(run, metrics_ray):
     assert [v for _, v in result.history("host_memory_mib")][-1] == pytest.approx(
         value("ray_baton_worker_memory_bytes", kind="host") / 2**20)
     assert value("ray_baton_loss") == pytest.approx(result.loss)
-    assert value("ray_baton_checkpoint_save_seconds_count") >= STEPS // 2
+    # every 2 steps, but the failure's step may lose its save to the survivors' state, which
+    # is committed without a save (seen in CI: 3; the growth, once at step 3, now waits for
+    # its workers and so often lands on a saved step, where it writes no checkpoint of its own)
+    assert value("ray_baton_checkpoint_save_seconds_count") >= STEPS // 2 - 1
     assert value("ray_baton_checkpoint_load_seconds_count") >= 2  # the rescale and the recovery
     assert {want[s.name].name for s in ours} == set(METRICS)  # every metric, for this job
 
