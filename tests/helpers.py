@@ -330,8 +330,6 @@ def not_on_meta(spec):
                      vocab_size=spec.vocab_size)
 
 
-# --- Ray clusters started with `ray start` in their own session (tests stop only those) ---
-
 def await_growth(coordinator, timeout_s: float = 90) -> None:
     """From an on_step hook: wait until the workers a growth has started are ready, so that
     the world grows at the next step boundary. A growth starts its workers while training
@@ -343,6 +341,8 @@ def await_growth(coordinator, timeout_s: float = 90) -> None:
         assert time.monotonic() < deadline, "the growth's workers did not start"
         time.sleep(0.1)
 
+
+# --- Ray clusters started with `ray start` in their own session (tests stop only those) ---
 
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]

@@ -57,8 +57,7 @@ def test_the_group_makes_new_workers_for_the_job_whatever_world_it_is_in(monkeyp
     """A world of fewer replicas than the job's most runs a spec of that one world (`at_dp`,
     its elastic range dropped). Workers made while it runs (a growth, a spare, a replacement)
     are made for the job: made for the world of one, a worker skipped torch._dynamo at its
-    start and imported it in its first DDP wrap, 0.59 s of a growth's group_init."""
-    from baton.parallel import ParallelDims
+    start and imported it in its first DDP wrap, 0.46-0.64 s of a growth's group_init."""
     from baton.spec import spec_from_dict
     from baton.workers import group as group_module
 
