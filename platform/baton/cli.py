@@ -279,7 +279,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if lo < hi or e.max_failures:
             print(f"  elastic: dp {spec.valid_dps()} ({spec.batch_policy}), recovers from up to "
                   f"{e.max_failures} failures, looks for room every {e.rescale_check_s:g} s, a "
-                  f"worker silent for {e.hang_timeout_s:g} s is dead")
+                  f"worker silent for {e.hang_timeout_s:g} s is dead"
+                  + ("; after a loss it goes on with the survivors" if e.recovery == "continue" else ""))
         return 0
     if args.command == "data":
         from baton.data.corpus import prepare_stdlib

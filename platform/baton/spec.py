@@ -176,6 +176,10 @@ class ElasticSpec:
     # well under a second instead of the seconds a new process takes; each holds a worker's
     # CPUs and GPUs while it waits
     spares: int = 0
+    # after a loss with no spare ready: replace waits for new workers (the run trains bit for
+    # bit as an unfaulted one); continue goes on at once with the replicas the survivors make
+    # (at least min_dp) and grows back once the replacements have started
+    recovery: Literal["replace", "continue"] = "replace"
 
 
 @dataclass(frozen=True)

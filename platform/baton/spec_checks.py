@@ -123,7 +123,7 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
          tr.cpu_peak_tflops, "must be > 0 (or null: no MFU on CPU)")
     problem = tracking_uri_problem(tr.uri)
     need(problem is None, "tracking.uri", tr.uri, problem or "")
-    _check_elastic(spec, need)
+    _check_elastic(spec, need, one_world)
 
 
 MOST_INT = 2**63 - 1  # what a 64-bit integer holds: every count and size, before its own bound
@@ -245,7 +245,7 @@ def _check_task(spec: JobSpec, need) -> None:
         need(problem is None and bool(e.path), "eval.path", e.path, problem or "give a folder or URI")
 
 
-def _check_elastic(spec: JobSpec, need) -> None:
+def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
     e, dp = spec.elastic, spec.parallel.dp
     lo, hi = spec.dp_range
     need(lo >= 1, "elastic.min_dp", e.min_dp, "must be at least 1")
@@ -257,6 +257,9 @@ def _check_elastic(spec: JobSpec, need) -> None:
     need(e.rescale_check_s > 0, "elastic.rescale_check_s", e.rescale_check_s, "must be > 0 seconds")
     need(e.hang_timeout_s > 0, "elastic.hang_timeout_s", e.hang_timeout_s, "must be > 0 seconds")
     need(e.spares >= 0, "elastic.spares", e.spares, "must be >= 0 (0: no standby workers)")
+    need(e.recovery == "replace" or lo < hi or one_world, "elastic.recovery", e.recovery,
+         "continue goes on with fewer replicas after a loss: it needs elastic.min_dp below "
+         "elastic.max_dp")
     if lo < hi:
         valid = spec.valid_dps()
         for key, value in (("elastic.min_dp", lo), ("elastic.max_dp", hi)):

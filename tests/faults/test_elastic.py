@@ -595,6 +595,30 @@ def test_with_no_spare_the_run_goes_on_with_fewer_replicas_then_grows_back(tmp_p
     assert_params_close(_final_params(spec), want, rtol=1e-5, atol=1e-5)
 
 
+def test_continue_trains_on_the_survivor_while_its_replacement_starts(tmp_path, data, nodes):
+    """elastic.recovery continue, no spare: a killed worker's peer goes on alone at once
+    (dp 1, the same global batch) instead of waiting for a new process, the replacement
+    starts at the recovery's first step, and the world grows back to dp 2. The model matches
+    one process at the shrink-grow test's bound (the same maths, summed in another order)."""
+    spec = _spec(tmp_path, data, "continue", elastic={"min_dp": 1, "recovery": "continue",
+                                                      "rescale_check_s": 1000})
+
+    def kill_then_grow(c):
+        if c.step == 3 and c.dims.dp == 2 and not c.events:
+            os.kill(c.workers[1]["pid"], signal.SIGKILL)
+        await_growth(c)  # the short run would end before the new process is up
+    result = api.run(spec, record_samples=True, show_progress=False, on_step=kill_then_grow)
+    assert _kinds(result.events) == ["failure", "recovery", "rescale"]
+    failure, recovery, rescale = result.events
+    assert recovery["dp"] == 1 and recovery["workers_reused"] == 1 and recovery["workers_new"] == 0
+    # the replacement was started at once, not after rescale_check_s (1000 s)
+    assert rescale["from_dp"] == 1 and rescale["dp"] == 2 and rescale["workers_new"] == 1
+    assert [dp for _, dp in result.dp_history] == [2, 1, 2]
+    _assert_exactly_once(result)
+    want, _, _ = reference_run(spec, data, steps=STEPS)
+    assert_params_close(_final_params(spec), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_failure_budget_ends_the_run_with_its_checkpoint_loadable(tmp_path, data, nodes):
     spec = _spec(tmp_path, data, "budget", elastic={"max_failures": 1})
     kills = []

@@ -119,6 +119,11 @@ def test_elastic_spec_checks_its_range_against_the_batch():
         spec_from_dict({**base, "elastic": {"min_dp": 1, "max_dp": 5}})
     with pytest.raises(SpecError, match="elastic.min_dp: 3 is invalid; must be <= parallel.dp = 2"):
         spec_from_dict({**base, "elastic": {"min_dp": 3}})
+    with pytest.raises(SpecError, match="elastic.recovery: 'continue' is invalid; continue goes on "
+                                        "with fewer replicas after a loss: it needs elastic.min_dp "
+                                        "below elastic.max_dp"):
+        spec_from_dict({**base, "elastic": {"recovery": "continue"}})
+    assert spec_from_dict({**base, "elastic": {"recovery": "continue", "max_dp": 4}}).valid_dps() == [2, 3, 4]
     scaled = spec_from_dict({**base, "batch_policy": "scale_lr", "train": {"global_batch": 24, "lr": 1e-3},
                              "elastic": {"max_dp": 5}})
     assert scaled.at_dp(5).train.global_batch == 60 and scaled.at_dp(5).train.lr == pytest.approx(2.5e-3)
@@ -177,6 +182,12 @@ class FakeGroup:
                             for pid in itertools.islice(self.cluster.pids, make)]
             self.starting = self.cluster.start_checks  # new processes: not ready at once
         return len(self.spares)
+
+    def ready_spares(self):
+        return len(self.spares) if self.starting <= 0 else 0
+
+    def keep_as_spares(self, members):
+        self.spares += members
 
     def spares_ready(self, n):
         """Ready once asked `cluster.start_checks` times since the last were made."""
@@ -310,9 +321,6 @@ class OrderOnlyFeed:
         return Batch(self.order.next_batch(cursor, global_batch), {})
 
     def close(self):
-        pass
-
-    def rewind(self):
         pass
 
 
@@ -480,6 +488,52 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     assert [e["kind"] for e in c.events] == ["failure", "recovery", "rescale"]
     ids = [i for step, _, part in sorted(c.ledger) for i in part]
     assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
+
+
+def test_continue_goes_on_with_the_survivors_and_grows_back_once_replacements_start(tmp_path):
+    """elastic.recovery continue: the world re-forms at once from the survivor (dp 1) instead
+    of waiting for a new worker's process, the replacement starts at the recovery's first
+    step as a growth's worker does, and the world grows back once it is ready. Every sample
+    is still trained once an epoch."""
+    cluster = FakeCluster(free=2)
+    cluster.failures[4] = ("actor_died", 1, False)  # its room is free again at once
+    cluster.start_checks = 2
+    c = _coordinator(tmp_path, cluster, min_dp=1, recovery="continue")  # rescale_check_s 10
+    _tick_until(c, lambda c: c.state is State.RECOVERING)
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 1 and c.step == 3
+    assert cluster.free == 1 and not c.group.spares  # nothing started in the recovery
+    c.tick()  # the recovery's first step, at dp 1
+    recovery = [e for e in c.events if e["kind"] == "recovery"][0]
+    assert recovery["workers_reused"] == 1 and recovery["workers_new"] == 0 and recovery["dp"] == 1
+    c.tick()  # the next step's check starts the replacement (not 10 s later), and dp 1 goes on
+    assert c.state is State.RUNNING and c.dims.dp == 1 and len(c.group.spares) == 1
+    _tick_until(c, lambda c: c.state is State.RESCALING)
+    c.tick()
+    assert c.dims.dp == 2 and not c.group.spares
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert [dp for _, dp in c.dp_history] == [2, 1, 2]
+    assert [e["kind"] for e in c.events] == ["failure", "recovery", "rescale"]
+    ids = [i for step, _, part in sorted(c.ledger) for i in part]
+    assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
+
+
+def test_continue_keeps_a_survivor_beyond_whole_replicas_as_a_spare_for_the_growth(tmp_path):
+    """dp 4 loses one worker: the 3 survivors make 2 replicas (a batch of 4 splits over 1, 2
+    or 4); the third waits as a spare instead of being let go, and the growth back to 4
+    takes it with one new worker."""
+    cluster = FakeCluster(free=4)
+    cluster.failures[2] = ("actor_died", 3, False)
+    c = _coordinator(tmp_path, cluster, parallel={"dp": 4}, min_dp=1, recovery="continue")
+    _tick_until(c, lambda c: c.state is State.RECOVERING)
+    c.tick()
+    assert c.dims.dp == 2 and len(c.group.spares) == 1 and cluster.free == 1
+    kept = c.group.spares[0]
+    _tick_until(c, lambda c: c.state is State.RESCALING)
+    c.tick()
+    assert c.dims.dp == 4 and kept[0] in c.group.actors and cluster.free == 0
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert [dp for _, dp in c.dp_history] == [4, 2, 4]
 
 
 def test_a_killed_worker_is_replaced_at_the_same_world_size(tmp_path):

@@ -290,13 +290,15 @@ class Coordinator:
                                                        self._meta(self.done_cursor, rng=[]))
         timer.lap("survivor_save")
         survivors = self.group.members(list(left))
-        # 2. top up to max_dp where there is room (warm spares first)
+        # 2. top up to max_dp where there is room (warm spares first), or go on with the
+        # survivors (elastic.recovery continue) and grow back once replacements have started
         spares_before = self.group.spares_taken
-        members = survivors + self.placement.top_up(len(survivors))
+        new, going_on = self.placement.refill(len(survivors))
+        members = survivors + new
         timer.lap("reschedule")
         if self.group.spares_taken > spares_before:
             self.placement.check_soon()  # its replacement starts at the first step after
-        self._form(members)
+        self._form(members, rest_as_spares=going_on)
         timer.lap("group_init")
         self._load_latest()
         timer.lap("checkpoint_load")
@@ -344,11 +346,16 @@ class Coordinator:
 
     # -- worlds ---------------------------------------------------------------------------------
 
-    def _form(self, members: list) -> None:
-        """Make `members` the world: as many replicas as they hold (the rest are let go),
-        ranked in order, joined in a new process group, models built from the seed."""
+    def _form(self, members: list, rest_as_spares: bool = False) -> None:
+        """Make `members` the world: as many replicas as they hold (the rest are let go, or
+        kept as spares for a growth that is to follow), ranked in order, joined in a new
+        process group, models built from the seed."""
         dp = self.scale.target(len(members))
-        self.group.release(members[dp * self.pp:])
+        rest = members[dp * self.pp:]
+        if rest_as_spares:
+            self.group.keep_as_spares(rest)
+        else:
+            self.group.release(rest)
         self.spec = self.base.at_dp(dp)
         self.dims = self.spec.dims()
         self.group.form(members[:dp * self.pp], self.spec, self.dims)

@@ -57,6 +57,19 @@ class Placement:
                 self.no_room(have + len(new), new, self.most)
             time.sleep(1.0)
 
+    def refill(self, have: int) -> tuple[list, bool]:
+        """New workers for `have` survivors after a failure, and whether the world goes on
+        without waiting for more. Under elastic.recovery continue, where the survivors and the
+        spares that have started make at least min_dp replicas: those spares only, and the
+        replacements start at the next step as a growth's do, while training goes on (a
+        survivor beyond whole replicas waits as a spare for that growth). Otherwise `top_up`."""
+        if self.base.elastic.recovery == "continue":
+            ready = min(self.group.ready_spares(), self.most - have)
+            if self.scale.target(have + ready) is not None:
+                self.check_soon()
+                return self.group.start(ready, START_WAIT_S), True
+        return self.top_up(have), False
+
     def growth_due(self, dp: int) -> bool:
         """Whether the world of `dp` replicas should grow now. Room is looked for every
         elastic.rescale_check_s. Room the job can grow into gets its new workers at once, as

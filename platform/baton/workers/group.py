@@ -109,6 +109,20 @@ class WorkerGroup:
         refs = [self._spare_ready[id(a)] for a in self.spares[:n]]
         return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
 
+    def ready_spares(self) -> int:
+        """How many spares, from the first, have finished starting (a recovery that does not
+        wait takes only those). Does not wait."""
+        refs = [self._spare_ready[id(a)] for a in self.spares]
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        return next((i for i, ref in enumerate(refs) if ref not in done), len(refs))
+
+    def keep_as_spares(self, members: list[tuple[Any, dict]]) -> None:
+        """Hold started workers that are not in the world as spares (survivors beyond the
+        replicas a recovery could make whole): a growth takes them before making any."""
+        for actor, info in members:
+            self.spares.append(actor)
+            self._spare_ready[id(actor)] = ray.put(info)
+
     def _take_spares(self, n: int) -> list:
         """Up to `n` live spares, which leave the pool (those that died are dropped)."""
         taken = []
