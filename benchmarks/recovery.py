@@ -24,6 +24,10 @@ max_dp 2, rescale_check_s at its default of 10 s) to the first step completed at
     python benchmarks/recovery.py                 # 2 rounds, about 6 minutes
     python benchmarks/recovery.py --faults stop --systems baton,baton_spare --out X.json
     python benchmarks/recovery.py --rounds 0 --systems baton --out X.json   # the scale-up alone
+
+baton_continue is elastic.recovery continue (min_dp 1, no spare): its recovery time is to the
+first step of the smaller world; what the smaller world and the growth back cost is
+`benchmarks/recovery_continue.py`'s.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ HANG_TIMEOUT_S = 4.0  # a frozen worker declared dead after this (the fault test
 def job(args, tmp: str, name: str, **extra) -> dict:
     return {
         "name": name,
-        "model": {"name": "gpt", "layers": 2, "width": 64, "heads": 4, "seq_len": args.seq_len},
+        "model": {"name": "gpt", "layers": args.layers, "width": args.width, "heads": 4,
+                  "seq_len": args.seq_len},
         "data": {"source": "parquet", "path": f"{tmp}/data"},
         "train": {"steps": args.steps, "global_batch": 16, "lr": 1e-3, "warmup_steps": 2, "seed": 0},
         "parallel": {"dp": 2, "timeout_s": 60},
@@ -120,15 +125,23 @@ def inject(cluster: Cluster, fault: str, pid: int, node_id: str) -> float:
 
 # -- baton --------------------------------------------------------------------------------------
 
-def run_baton(cluster: Cluster, args, tmp: str, fault: str, spares: int = 0) -> dict:
+def run_baton(cluster: Cluster, args, tmp: str, fault: str, spares: int = 0,
+              recovery: str = "replace", on_step=None) -> dict:
     """baton; with `spares`, elastic.spares (checked every second): the third node holds a
-    warm standby worker, which the fault is injected only once it is ready."""
+    warm standby worker, which the fault is injected only once it is ready. With `recovery`
+    continue (min_dp 1, no spare): the survivor trains on alone while its replacement starts.
+    `fault` none: no fault (a reference run). `on_step(coordinator)` is called at every step."""
     elastic = {"max_failures": 3, **({"spares": spares, "rescale_check_s": 1} if spares else {}),
+               **({"min_dp": 1, "recovery": recovery} if recovery != "replace" else {}),
                **({"hang_timeout_s": HANG_TIMEOUT_S} if fault == "stop" else {})}
     spec = spec_from_dict(job(args, tmp, f"baton-{fault}", elastic=elastic))
     seen: dict = {}
 
     def hook(c) -> None:
+        if on_step:
+            on_step(c)
+        if fault == "none":
+            return
         if spares and c.step == FAULT_AFTER_STEP - 4 and "spare" not in seen:
             # the spare ready well before the fault, so that waiting here shifts nothing
             deadline = time.monotonic() + 60
@@ -144,10 +157,12 @@ def run_baton(cluster: Cluster, args, tmp: str, fault: str, spares: int = 0) -> 
             seen["first_step"] = c.step
 
     result = api.run(spec, show_progress=False, log=lambda _: None, on_step=hook)
+    if fault == "none":
+        return {"events": result.events}
     failure = next(e for e in result.events if e["kind"] == "failure")
     recovery = next(e for e in result.events if e["kind"] == "recovery")
-    return {"recovery_s": seen["first_step_at"] - seen["fault_at"],
-            "detect_s": failure["at"] - seen["fault_at"],
+    return {"recovery_s": seen["first_step_at"] - seen["fault_at"], "fault_at": seen["fault_at"],
+            "detect_s": failure["at"] - seen["fault_at"], "dp_history": result.dp_history,
             "phases_s": recovery["phases_s"], "cause": failure["cause"],
             "workers_reused": recovery["workers_reused"],
             "workers_from_spares": recovery.get("workers_from_spares", 0),
@@ -279,6 +294,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=64)
     p.add_argument("--faults", default="kill,node")
     p.add_argument("--systems", default="baton,baton_spare,ray_train",
                    help="which to run (the ratios need ray_train)")
@@ -290,6 +307,7 @@ def main() -> int:
     prepare_stdlib(f"{tmp}/data", args.seq_len)
     cluster = start_cluster(HERE)
     systems = {"baton": run_baton, "baton_spare": lambda *a: run_baton(*a, spares=1),
+               "baton_continue": lambda *a: run_baton(*a, recovery="continue"),
                "ray_train": run_ray_train}
     systems = {name: systems[name] for name in args.systems.split(",")}
     runs: dict = {f: {s: [] for s in systems} for f in args.faults.split(",")}
@@ -301,7 +319,7 @@ def main() -> int:
                     set_worker_nodes(cluster, 3)
                     out = systems[name](cluster, args, tmp, fault)
                     runs[fault][name].append(out)
-                    print(f"round {r + 1}: {fault:4s} {name:11s} recovery {out['recovery_s']:5.1f} s, "
+                    print(f"round {r + 1}: {fault:4s} {name:14s} recovery {out['recovery_s']:5.1f} s, "
                           f"work lost {out['work_lost_steps']} steps"
                           + (f", phases {out['phases_s']}" if "phases_s" in out else ""), flush=True)
         grow = run_scale_up(cluster, args, tmp) if "baton" in systems else None
@@ -320,7 +338,7 @@ def main() -> int:
     for fault, by in runs.items():
         ratios = {name: statistics.median(b["recovery_s"] / t["recovery_s"]
                                           for b, t in zip(by[name], by["ray_train"]))
-                  for name in ("baton", "baton_spare") if name in by and "ray_train" in by}
+                  for name in ("baton", "baton_spare", "baton_continue") if name in by and "ray_train" in by}
         for name, outs in by.items():
             med = statistics.median(o["recovery_s"] for o in outs)
             lost = statistics.median(o["work_lost_steps"] for o in outs)
@@ -331,7 +349,8 @@ def main() -> int:
             summary[fault][f"{name}_vs_ray_train"] = ratio
     baton_phases = {f"{f} {name}": {k: statistics.median(o["phases_s"][k] for o in by[name])
                                     for k in by[name][0]["phases_s"]}
-                    for f, by in runs.items() for name in ("baton", "baton_spare") if name in by}
+                    for f, by in runs.items() for name in ("baton", "baton_spare", "baton_continue")
+                    if name in by}
     detect = {f: statistics.median(o["detect_s"] for o in by.get("baton") or by["baton_spare"])
               for f, by in runs.items() if "baton" in by or "baton_spare" in by}
     print(f"baton phases (median s): {baton_phases}; detect: {detect}")

@@ -73,7 +73,8 @@ class RayMessages:
         if not self.count:
             return None
         what = "a message" if self.count == 1 else f"{self.count} messages"
-        return f"ray: {what} from Ray kept out of the console are in {self.path}"
+        verb = "is" if self.count == 1 else "are"
+        return f"ray: {what} from Ray kept out of the console {verb} in {self.path}"
 
     def _print(self, data: dict, ignore_prefix: bool = False) -> None:
         if not self._keep([str(line) for line in data.get("lines", ())]):

@@ -317,7 +317,7 @@ def test_a_lost_node_is_one_line_on_the_console_of_baton_run(tmp_path, data, nod
     assert len(lines) <= 12, text  # start, failure, recovery, pointer, result, progress lines
 
 
-_RAY_MESSAGES = re.compile(r"ray: (?:a message|\d+ messages) from Ray kept out of the console are in (\S+)")
+_RAY_MESSAGES = re.compile(r"ray: (?:a message|\d+ messages) from Ray kept out of the console (?:is|are) in (\S+)")
 
 
 def _read(path) -> str:

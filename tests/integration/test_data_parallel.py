@@ -276,4 +276,4 @@ def test_an_error_nobody_reads_goes_to_the_file_not_the_console(tmp_path, capfd)
         messages.restore()
     assert "abandoned on purpose" in (tmp_path / "ray.log").read_text()
     assert "abandoned on purpose" not in "".join(capfd.readouterr())
-    assert messages.where() == f"ray: a message from Ray kept out of the console are in {tmp_path / 'ray.log'}"
+    assert messages.where() == f"ray: a message from Ray kept out of the console is in {tmp_path / 'ray.log'}"
