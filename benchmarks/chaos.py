@@ -19,6 +19,7 @@ again.
     python benchmarks/chaos.py                    # 20 faults, about 4 minutes on 2 cores
     python benchmarks/chaos.py --faults 5 --seed 5 --async
     python benchmarks/chaos.py --spares 1        # recoveries served by a warm standby worker
+    python benchmarks/chaos.py --recovery continue   # the survivors go on while replacements start
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main() -> int:
                    help="checkpoints written in the background (checkpoint.async)")
     p.add_argument("--spares", type=int, default=0,
                    help="warm standby workers (elastic.spares); the cluster has room for one")
+    p.add_argument("--recovery", choices=("replace", "continue"), default="replace",
+                   help="elastic.recovery: continue goes on with the survivors while a replacement starts")
     p.add_argument("--out", default=str(HERE / "results" / "chaos_cpu.json"))
     args = p.parse_args()
     steps = 8 + 5 * args.faults  # room for the schedule: faults 3 to 5 steps apart
@@ -83,7 +86,7 @@ def main() -> int:
                 parallel={"dp": 2, "timeout_s": 30}, resources={"cpus_per_worker": 1},
                 checkpoint={"every_steps": 2, "keep": 3, "async": args.background},
                 elastic={"min_dp": 1, "max_failures": 4 * args.faults, "hang_timeout_s": 4,
-                         "rescale_check_s": 1, "spares": args.spares})
+                         "rescale_check_s": 1, "spares": args.spares, "recovery": args.recovery})
             # the same job without faults, at dp 2 throughout: what the faulted run should equal
             clean = spec_from_dict({**raw, "name": "chaos-clean",
                                     "checkpoint": {**raw["checkpoint"], "path": str(tmp / "clean")}})
