@@ -266,7 +266,7 @@ def run_ray_train(cluster: Cluster, args, tmp: str, fault: str) -> dict:
 def run_scale_up(cluster: Cluster, args, tmp: str) -> dict:
     set_worker_nodes(cluster, 1)
     raw = job(args, tmp, "baton-grow", elastic={"min_dp": 1, "max_dp": 2})
-    raw["train"]["steps"] = 1000  # long enough to outlast a rescale check (every 10 s)
+    raw["train"]["steps"] = args.grow_steps  # long enough to outlast a rescale check (every 10 s)
     spec = spec_from_dict(raw)
     seen: dict = {}
 
@@ -296,6 +296,8 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--grow-steps", type=int, default=1000,
+                   help="the scale-up run's steps: enough to outlast a rescale check and a start")
     p.add_argument("--faults", default="kill,node")
     p.add_argument("--systems", default="baton,baton_spare,ray_train",
                    help="which to run (the ratios need ray_train)")

@@ -1,7 +1,8 @@
-"""A resize before the first step: the workers save and load a checkpoint of step 0, whose
-optimizer never stepped. torch's get/set_state_dict would "initialise" such an optimizer with a
-zero-gradient step, leaving Adam's step count at 1, and every later update would be off (by
-5e-2 after 8 steps). Found by the autoscaling fault test; here it is forced on a local Ray."""
+"""A resize before the first step: the new world takes a state of step 0, whose optimizer never
+stepped (rank 0 sends it; a sharded world saves and loads a checkpoint of it). torch's
+get/set_state_dict would "initialise" such an optimizer with a zero-gradient step, leaving
+Adam's step count at 1, and every later update would be off (by 5e-2 after 8 steps). Found by
+the autoscaling fault test; here it is forced on a local Ray."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def test_growing_before_the_first_step_keeps_the_maths(tmp_path, local_ray):
             c.group.shutdown()
     assert c.state is State.FINISHED and c.dp_history == [(0, 1), (0, 2)]
     assert [e["kind"] for e in c.events] == ["rescale"] and c.events[0]["resumed_from_step"] == 0
+    assert "state_copy" in c.events[0]["phases_s"]  # rank 0's state, sent to the new worker
     want, _, _ = reference_run(spec, data, steps=8)
     got = CheckpointStore(spec.checkpoint_dir).read_model(8)
     assert_params_close(got, want, rtol=1e-5, atol=1e-5)

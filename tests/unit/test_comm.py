@@ -88,3 +88,42 @@ def test_fsdp_reduce_scatter_on_gloo_gives_each_rank_its_slice_of_the_reduction(
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(_reduce_scatter_worker, args=(world, port), nprocs=world, join=True)
+
+
+def _broadcast_worker(rank: int, port: int, out: str) -> None:
+    from baton.parallel.broadcast import BUCKET_BYTES, broadcast_state
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    state = None
+    if rank == 0:  # what a worker keeps: a model's and AdamW's state, mixed dtypes, plain values
+        gen = torch.Generator().manual_seed(0)
+        big = BUCKET_BYTES // 4 + 1000  # one float32 tensor larger than a bucket
+        state = ({"w": torch.randn(3, 5, generator=gen), "big": torch.randn(big, generator=gen),
+                  "half": torch.randn(7, generator=gen).bfloat16(), "ids": torch.arange(4)},
+                 {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 5, generator=gen)}},
+                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0], "foreach": None}]})
+    torch.save(broadcast_state(state, 0, torch.device("cpu")), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_state_broadcast_from_rank_0_arrives_whole(tmp_path):
+    """What a growth's new workers take from the old rank 0 (`Worker.share_state`): every
+    tensor equal in value, dtype and shape (a tensor beyond a bucket, bf16 and int64 beside
+    float32, a 0-d step count), and the plain values and their containers as they were."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_broadcast_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    sent, got = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    (model, optim), (model_got, optim_got) = sent, got
+    assert model.keys() == model_got.keys()
+    for name, t in model.items():
+        assert t.dtype == model_got[name].dtype and torch.equal(t, model_got[name]), name
+    assert optim_got["param_groups"] == optim["param_groups"]
+    assert optim_got["param_groups"][0]["betas"] == (0.9, 0.95)
+    step = optim_got["state"][0]["step"]
+    assert step.shape == () and float(step) == 3.0
+    assert torch.equal(optim_got["state"][0]["exp_avg"], optim["state"][0]["exp_avg"])

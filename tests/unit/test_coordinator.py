@@ -215,7 +215,7 @@ class FakeGroup:
         ranks = range(len(self.actors)) if ranks is None else ranks
         return [(self.actors[r], self.infos[r]) for r in ranks]
 
-    def setup(self, record_samples, stage_layers, columns=None):
+    def setup(self, record_samples, stage_layers, columns=None, keep_state=False):
         return [{"rank": r, **info} for r, info in enumerate(self.infos)]
 
     def submit(self, method, *args):
@@ -250,6 +250,8 @@ class FakeGroup:
                 out.append(self.ledgers.pop(rank, []))
             elif method == "load":
                 self.done[rank] = args[1]
+            elif method == "share_state":
+                self.done[rank] = args[0]
             elif method == "digest":
                 out.append("same")
             elif method == "save":  # what a worker writes (Worker.save)
@@ -482,10 +484,15 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     assert len(cluster.requested) > asked and set(cluster.requested) == {2}  # renewed at dp 1
     c.tick()
     assert c.state is State.RUNNING and c.dims.dp == 2
-    assert CheckpointStore(c.store.root).latest() == c.step  # checkpointed before growing
+    # every worker took the old rank 0's state of this step over the new group: no
+    # checkpoint was written and read back for the growth
+    assert [r for method, r in c.group.calls if method == "share_state"] == [0, 1]
+    assert CheckpointStore(c.store.root).latest() < c.step
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert c.step == 8 and [dp for _, dp in c.dp_history] == [2, 1, 2]
     assert [e["kind"] for e in c.events] == ["failure", "recovery", "rescale"]
+    assert set(c.events[2]["phases_s"]) == {"checkpoint", "reschedule", "group_init", "state_copy",
+                                            "first_step"}
     ids = [i for step, _, part in sorted(c.ledger) for i in part]
     assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
 
@@ -619,10 +626,11 @@ def test_growing_twice_in_a_row_records_both_rescales(tmp_path):
 
 
 def test_a_rescale_verifies_the_checkpoint_it_loads(tmp_path):
-    """A growth writes a checkpoint and loads it into the larger world; that load is verified
-    as a recovery's is. Here the checkpoint the growth wrote is damaged between its commit
-    and the load: it is set aside, the world goes back to the checkpoint before it, and the
-    run still trains every step once."""
+    """A growth of a world whose replicas hold their state in shards (here ZeRO-1) writes a
+    checkpoint and loads it into the larger world; that load is verified as a recovery's is.
+    Here the checkpoint the growth wrote is damaged between its commit and the load: it is
+    set aside, the world goes back to the checkpoint before it, and the run still trains
+    every step once."""
     damaged = []
 
     class Damaging(FakeGroup):
@@ -637,7 +645,8 @@ def test_a_rescale_verifies_the_checkpoint_it_loads(tmp_path):
             super().form(members, spec, dims)
 
     cluster = FakeCluster(free=1)
-    c = _coordinator(tmp_path, cluster, min_dp=1, rescale_check_s=1e-9)
+    c = _coordinator(tmp_path, cluster, {"dp": 2, "shard": "optimizer"}, min_dp=1,
+                     rescale_check_s=1e-9)
     c.group_factory = lambda s, d: Damaging(s, d, cluster)
     c._launch()
     _tick_until(c, lambda c: c.step == 4)

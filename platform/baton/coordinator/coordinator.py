@@ -311,16 +311,22 @@ class Coordinator:
         return State.RUNNING
 
     def _rescale(self) -> State:
-        """Grow at a step boundary: finish the queued steps, checkpoint here, start the new
-        workers, re-form the world with them and load the newest whole checkpoint: the one
-        just written, verified as every load's is (the previous one if it fails)."""
+        """Grow at a step boundary: finish the queued steps, take the new workers, re-form the
+        world with them and give them the state of this step. A replica's state is whole when
+        each worker holds all of it (data parallel, unsharded): the old rank 0 sends its own
+        to every worker over the new group. Otherwise a checkpoint of this step is written and
+        the world loads the newest whole one: that one, verified as every load's is (the
+        previous one if it fails)."""
         timer = Phases("rescale")
         while self.inflight:
             self._complete_next()
         grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
         if grow_to is None or self.step >= self.spec.train.steps:
             return State.RUNNING
-        if self.store.latest() != self.step:
+        share = self.pp == 1 and self.base.parallel.shard == "none"
+        if share:
+            self.commits.drain(self.group)  # a background save in flight commits first
+        elif self.store.latest() != self.step:
             self._checkpoint_now()
         timer.lap("checkpoint")
         old_dp = self.dims.dp
@@ -335,10 +341,14 @@ class Coordinator:
             raise WorkerLost("a worker did not leave its group for a resize", "timeout",
                              tuple(r for r in range(len(self.group.actors)) if r not in left))
         timer.lap("reschedule")
-        self._form(members)
+        self._form(members, keep_state=share)  # the old workers first: rank 0 is one of them
         timer.lap("group_init")
-        self._load_latest()
-        timer.lap("checkpoint_load")
+        if share:
+            self.group.call("share_state", self.step, what="sharing the state with the new workers")
+            timer.lap("state_copy")
+        else:
+            self._load_latest()
+            timer.lap("checkpoint_load")
         timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
                         "workers_new": len(new)}
         self.resumed = timer
@@ -346,10 +356,11 @@ class Coordinator:
 
     # -- worlds ---------------------------------------------------------------------------------
 
-    def _form(self, members: list, rest_as_spares: bool = False) -> None:
+    def _form(self, members: list, rest_as_spares: bool = False, keep_state: bool = False) -> None:
         """Make `members` the world: as many replicas as they hold (the rest are let go, or
         kept as spares for a growth that is to follow), ranked in order, joined in a new
-        process group, models built from the seed."""
+        process group, models built from the seed (`keep_state`: the workers of the world
+        before hold their state for `share_state`)."""
         dp = self.scale.target(len(members))
         rest = members[dp * self.pp:]
         if rest_as_spares:
@@ -366,7 +377,8 @@ class Coordinator:
             if self.pp > 1:
                 self.tracker.set_tags({"pipeline.layers_per_stage": self.stage_layers,
                                        "pipeline.schedule": self.spec.parallel.schedule})
-        self.workers = self.group.setup(self.record_samples, self.stage_layers, self.data.columns)
+        self.workers = self.group.setup(self.record_samples, self.stage_layers, self.data.columns,
+                                        keep_state=keep_state)
         self.stats.world(self.workers, self.spec)
         self.live.world(alive=len(self.workers), world_size=self.dims.world_size, dp=dp)
         if self.dp_history:

@@ -202,11 +202,13 @@ class WorkerGroup:
         ranks = range(len(self.actors)) if ranks is None else ranks
         return [(self.actors[r], self.infos[r]) for r in ranks]
 
-    def setup(self, record_samples: bool, stage_layers, columns=None) -> list[dict]:
+    def setup(self, record_samples: bool, stage_layers, columns=None,
+              keep_state: bool = False) -> list[dict]:
         """Form the process group (on a fresh port) and build each worker's part of the model;
-        `columns`: what the data's rows hold (None: a language model's token rows)."""
+        `columns`: what the data's rows hold (None: a language model's token rows);
+        `keep_state`: the workers of the world before hold their state for `share_state`."""
         master = self.call_one(0, "rendezvous_address")
-        return self.call("setup", master, record_samples, stage_layers, columns,
+        return self.call("setup", master, record_samples, stage_layers, columns, keep_state,
                          what="joining the group")
 
     # -- calls --------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from baton.checkpoint import CheckpointStore
 from baton.data.feed import Batch, Columns
@@ -33,6 +34,7 @@ from baton.data.rows import UnitRows
 from baton.errors import OutOfMemory, WorkerError
 from baton.models import build_model
 from baton.parallel import ParallelDims
+from baton.parallel.broadcast import broadcast_state
 from baton.parallel.compiled import compile_seconds
 from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
@@ -249,9 +251,13 @@ class Worker:
         return layer_times(model.to(self.device), example.to(self.device), repeats)
 
     def setup(self, master: tuple[str, int], record_samples: bool,
-              stage_layers: Optional[list[int]] = None, columns: Optional[Columns] = None) -> dict:
-        """Join the process group, build this rank's part of the model and its optimizer."""
+              stage_layers: Optional[list[int]] = None, columns: Optional[Columns] = None,
+              keep_state: bool = False) -> dict:
+        """Join the process group, build this rank's part of the model and its optimizer.
+        `keep_state`: hold what `leave` kept for `share_state` (in host memory, so that a GPU
+        holds one state at a time) instead of dropping it."""
         spec = self.spec
+        kept = _on_host(self.kept) if keep_state and self.kept is not None else None
         self.broken = None  # a new world
         self.compile_mark = compile_seconds()
         timeout = timedelta(seconds=spec.parallel.timeout_s)
@@ -279,6 +285,7 @@ class Worker:
             self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers,
                                          self.task, self.shapes)
         torch.manual_seed(spec.train.seed * 100_003 + self.rank)  # dropout differs per replica
+        self.kept = kept
         self.ledger = [] if record_samples else None
         self.data_s = 0.0
         return {"rank": self.rank, "device": str(self.device), "backend": dist.get_backend(),
@@ -494,6 +501,22 @@ class Worker:
             if self.use_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"])
 
+    @_in_world
+    def share_state(self, step: int) -> None:
+        """Every worker of a world that has just grown takes rank 0's state of `step`, sent over
+        the new process group: rank 0 was in the world before, and `leave` kept its state (and
+        `setup`, asked to, held it). No checkpoint is written and read back for the growth."""
+        state = None
+        if self.rank == 0:
+            kept_step, _, _, model_state, optim_state = self.kept
+            if kept_step != step:
+                raise RuntimeError(f"this worker kept the state of step {kept_step}, not {step}")
+            state = (model_state, optim_state)
+        self.kept = None
+        model_state, optim_state = broadcast_state(state, 0, self.device)
+        self.engine.load_state_dicts(model_state, optim_state)
+        self.last_step = step
+
     # -- inspection -----------------------------------------------------------------------------
 
     def digest(self) -> str:
@@ -508,6 +531,11 @@ class Worker:
 
     def shutdown(self) -> None:
         self.leave()
+
+
+def _on_host(kept: tuple) -> tuple:
+    """What `leave` kept, its tensors in host memory."""
+    return tree_map(lambda x: x.cpu() if torch.is_tensor(x) else x, kept)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
