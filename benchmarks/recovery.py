@@ -280,10 +280,11 @@ def run_scale_up(cluster: Cluster, args, tmp: str) -> dict:
 
     result = api.run(spec, show_progress=False, log=lambda _: None, on_step=hook)
     rescale = next(e for e in result.events if e["kind"] == "rescale")
-    # training stops for the rescale's phases only (`stall_s`); the steps from the join to
-    # the growth's first step are trained at dp 1 (`steps_meanwhile`, that first one included)
+    # training stops for the rescale's phases only (`stall_s`), less the steps that were
+    # queued when it came due, which it trains first; the steps from the join to the growth's
+    # first step are trained at dp 1 (`steps_meanwhile`, that first one included)
     return {"latency_s": seen["first_step_at"] - seen["joined_at"], "phases_s": rescale["phases_s"],
-            "stall_s": rescale["total_s"], "steps_meanwhile": seen["grown_step"] - seen["joined_step"],
+            "stall_s": rescale["total_s"] - rescale["phases_s"].get("queued_steps", 0.0), "steps_meanwhile": seen["grown_step"] - seen["joined_step"],
             "dp_history": result.dp_history}
 
 

@@ -491,8 +491,8 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert c.step == 8 and [dp for _, dp in c.dp_history] == [2, 1, 2]
     assert [e["kind"] for e in c.events] == ["failure", "recovery", "rescale"]
-    assert set(c.events[2]["phases_s"]) == {"checkpoint", "reschedule", "group_init", "state_copy",
-                                            "first_step"}
+    assert set(c.events[2]["phases_s"]) == {"queued_steps", "checkpoint", "reschedule", "group_init",
+                                            "state_copy", "first_step"}
     ids = [i for step, _, part in sorted(c.ledger) for i in part]
     assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
 

@@ -318,8 +318,9 @@ class Coordinator:
         the world loads the newest whole one: that one, verified as every load's is (the
         previous one if it fails)."""
         timer = Phases("rescale")
-        while self.inflight:
+        while self.inflight:  # training, not waiting: steps queued before the growth was due
             self._complete_next()
+        timer.lap("queued_steps")
         grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
         if grow_to is None or self.step >= self.spec.train.steps:
             return State.RUNNING
