@@ -118,10 +118,11 @@ class WorkerGroup:
 
     def keep_as_spares(self, members: list[tuple[Any, dict]]) -> None:
         """Hold started workers that are not in the world as spares (survivors beyond the
-        replicas a recovery could make whole): a growth takes them before making any."""
-        for actor, info in members:
+        replicas a recovery could make whole), the state they kept dropped: a growth takes
+        them before making any."""
+        for actor, _ in members:
             self.spares.append(actor)
-            self._spare_ready[id(actor)] = ray.put(info)
+            self._spare_ready[id(actor)] = actor.rest.remote()
 
     def _take_spares(self, n: int) -> list:
         """Up to `n` live spares, which leave the pool (those that died are dropped)."""

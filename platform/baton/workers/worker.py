@@ -120,6 +120,7 @@ class Worker:
         self.engine = self.checkpoint_group = None
         self.broken: Optional[str] = None  # the call that broke this world (`_in_world`)
         self.kept = None  # (step, pp_rank, sharded, model state, optimizer state) kept by `leave`
+        self.needs_state = False  # a growth's new worker, until `share_state`
         self.kept_save = None  # a sharded `write_kept` between its two rounds
         self.saves = BackgroundSaves(self.device)  # checkpoint.async
         self.last_step = 0
@@ -254,8 +255,9 @@ class Worker:
               stage_layers: Optional[list[int]] = None, columns: Optional[Columns] = None,
               keep_state: bool = False) -> dict:
         """Join the process group, build this rank's part of the model and its optimizer.
-        `keep_state`: hold what `leave` kept for `share_state` (in host memory, so that a GPU
-        holds one state at a time) instead of dropping it."""
+        `keep_state` (a growth): a worker of the world before loads the state `leave` kept into
+        its new model (held in host memory meanwhile, so that a GPU holds one state at a time);
+        a new one waits for `share_state`."""
         spec = self.spec
         kept = _on_host(self.kept) if keep_state and self.kept is not None else None
         self.broken = None  # a new world
@@ -285,7 +287,11 @@ class Worker:
             self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers,
                                          self.task, self.shapes)
         torch.manual_seed(spec.train.seed * 100_003 + self.rank)  # dropout differs per replica
-        self.kept = kept
+        self.needs_state = keep_state and kept is None
+        if kept is not None:
+            kept_step, _, _, model_state, optim_state = kept
+            self.engine.load_state_dicts(model_state, optim_state)
+            self.last_step = kept_step
         self.ledger = [] if record_samples else None
         self.data_s = 0.0
         return {"rank": self.rank, "device": str(self.device), "backend": dist.get_backend(),
@@ -503,19 +509,16 @@ class Worker:
 
     @_in_world
     def share_state(self, step: int) -> None:
-        """Every worker of a world that has just grown takes rank 0's state of `step`, sent over
-        the new process group: rank 0 was in the world before, and `leave` kept its state (and
-        `setup`, asked to, held it). No checkpoint is written and read back for the growth."""
-        state = None
-        if self.rank == 0:
-            kept_step, _, _, model_state, optim_state = self.kept
-            if kept_step != step:
-                raise RuntimeError(f"this worker kept the state of step {kept_step}, not {step}")
-            state = (model_state, optim_state)
-        self.kept = None
-        model_state, optim_state = broadcast_state(state, 0, self.device)
-        self.engine.load_state_dicts(model_state, optim_state)
-        self.last_step = step
+        """The new workers of a world that has just grown take rank 0's state of `step`, sent
+        over the new process group: rank 0 was in the world before and holds it again (`setup`).
+        No checkpoint is written and read back for the growth, and a failure meanwhile leaves
+        the old workers holding that state for the recovery's survivors' save."""
+        if self.rank == 0 and self.last_step != step:
+            raise RuntimeError(f"rank 0 holds the state of step {self.last_step}, not {step}")
+        state = broadcast_state(self.engine.state_dicts() if self.rank == 0 else None, 0, self.device)
+        if self.needs_state:
+            self.engine.load_state_dicts(*state)
+            self.last_step, self.needs_state = step, False
 
     # -- inspection -----------------------------------------------------------------------------
 
