@@ -90,8 +90,12 @@ def describe(s: dict) -> list[str]:
     loss = f", loss {s['loss']:.4f}" if s.get("loss") is not None else ""
     tps = f", {s['tokens_per_s']:,.0f} tokens/s" if s.get("tokens_per_s") else ""
     lines.append(f"  step {s['step']}/{s['steps']}{loss}{tps}")
-    lines.append(f"  world: dp {s['dp']} x pp {s['pp']} = {s['world_size']} workers, "
-                 f"{s['workers_alive']} alive")
+    starting, spares = s.get("workers_starting", 0), s.get("spares", 0)  # absent from older files
+    lines.append(f"  world: dp {s['dp']} x pp {s['pp']} = {s['world_size']} "
+                 f"worker{'s' * (s['world_size'] != 1)}, "
+                 f"{s['workers_alive']} alive"
+                 + (f"; {starting} more starting, to grow into" if starting else "")
+                 + (f"; {spares} spare{'s' * (spares > 1)}" if spares else ""))
     held = s.get("memory_mib") or {}  # absent from older status files
     if held:
         lines.append("  memory of the largest worker: " + ", ".join(

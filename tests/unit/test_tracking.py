@@ -262,6 +262,10 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
                           "  world: dp 2 x pp 1 = 2 workers, 1 alive",
                           "  last checkpoint: none yet", "  failures: 1 (hang 1); rescales: 0"]
     assert status.describe({**s, "pid": os.getpid()})[0].startswith("j: running (updated 3 s ago")
+    # elastic.recovery continue, after a loss: the survivor trains on while its replacement starts
+    assert status.describe({**s, "dp": 1, "world_size": 1, "workers_starting": 1})[2] == (
+        "  world: dp 1 x pp 1 = 1 worker, 1 alive; 1 more starting, to grow into")
+    assert status.describe({**s, "spares": 2})[2] == "  world: dp 2 x pp 1 = 2 workers, 1 alive; 2 spares"
     store = CheckpointStore(str(tmp_path / "ckpt" / "j"))
     store.write_status(s)
     assert status.local("j", str(tmp_path / "ckpt")) == s and store.committed_steps() == []

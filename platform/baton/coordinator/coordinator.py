@@ -552,6 +552,9 @@ class Coordinator:
                 "steps": self.spec.train.steps, "dp": self.dims.dp, "pp": self.dims.pp,
                 "world_size": self.dims.world_size,
                 "workers_alive": len(self.group.actors) if self.group else 0,
+                # a growth's workers starting, and standby workers (elastic.spares, survivors)
+                "workers_starting": self.placement.joining if self.placement else 0,
+                "spares": len(self.group.spares) if self.group else 0,
                 "loss": None if math.isnan(self.stats.last_loss) else round(self.stats.last_loss, 6),
                 "tokens_per_s": round(self.stats.tokens_per_s[-1], 1) if self.stats.tokens_per_s else None,
                 "memory_mib": {kind: round(held / 2**20) for kind, held in self.stats.memory.items()},
