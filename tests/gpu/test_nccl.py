@@ -191,3 +191,25 @@ def test_a_failed_device_allocation_is_named_by_what_it_asked_for():
     print(str(caught.value).splitlines()[0])
     # torch's units stop at GiB (the strings of libc10_cuda.so in torch 2.13's CUDA wheel)
     assert out_of_memory(caught.value) == "out of device memory (tried to allocate 1048576.00 GiB)"
+
+
+def test_a_state_broadcast_over_nccl_keeps_each_tensors_device(tmp_path):
+    """What a growth sends (`Worker.share_state`) goes through device memory on NCCL, AdamW's
+    step counts included, and comes back on the device type each tensor had: a world of one
+    here (NCCL needs a device per rank; tests/unit/test_comm.py sends between two on gloo)."""
+    import torch.distributed as dist
+
+    from baton.parallel.broadcast import broadcast_state
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        device = torch.device("cuda", 0)
+        state = {"w": torch.randn(300, 700, device=device), "half": torch.randn(9, device=device).bfloat16(),
+                 "step": torch.tensor(7.0), "lr": 1e-3}
+        got = broadcast_state(state, 0, device)
+    finally:
+        dist.destroy_process_group()
+    assert got["lr"] == 1e-3 and got["step"].device.type == "cpu" and float(got["step"]) == 7.0
+    for name in ("w", "half"):
+        assert got[name].device == device and got[name].dtype == state[name].dtype
+        assert torch.equal(got[name], state[name]), name
