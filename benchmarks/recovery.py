@@ -279,7 +279,10 @@ def run_scale_up(cluster: Cluster, args, tmp: str) -> dict:
             seen["first_step_at"], seen["grown_step"] = time.time(), c.step
 
     result = api.run(spec, show_progress=False, log=lambda _: None, on_step=hook)
-    rescale = next(e for e in result.events if e["kind"] == "rescale")
+    rescale = next((e for e in result.events if e["kind"] == "rescale"), None)
+    if rescale is None:
+        raise SystemExit(f"recovery.py: the scale-up run ended at step {result.step} before it "
+                         "grew: raise --grow-steps")
     # training stops for the rescale's phases only (`stall_s`), less the steps that were
     # queued when it came due, which it trains first; the steps from the join to the growth's
     # first step are trained at dp 1 (`steps_meanwhile`, that first one included)
