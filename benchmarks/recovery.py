@@ -287,7 +287,8 @@ def run_scale_up(cluster: Cluster, args, tmp: str) -> dict:
     # queued when it came due, which it trains first; the steps from the join to the growth's
     # first step are trained at dp 1 (`steps_meanwhile`, that first one included)
     return {"latency_s": seen["first_step_at"] - seen["joined_at"], "phases_s": rescale["phases_s"],
-            "stall_s": rescale["total_s"] - rescale["phases_s"].get("queued_steps", 0.0), "steps_meanwhile": seen["grown_step"] - seen["joined_step"],
+            "stall_s": rescale["total_s"] - rescale["phases_s"].get("queued_steps", 0.0),
+            "steps_meanwhile": seen["grown_step"] - seen["joined_step"],
             "dp_history": result.dp_history}
 
 

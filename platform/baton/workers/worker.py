@@ -292,6 +292,8 @@ class Worker:
             kept_step, _, _, model_state, optim_state = kept
             self.engine.load_state_dicts(model_state, optim_state)
             self.last_step = kept_step
+            if self.rank == 0:  # what `share_state` sends, as `leave` made it
+                self.kept = kept
         self.ledger = [] if record_samples else None
         self.data_s = 0.0
         return {"rank": self.rank, "device": str(self.device), "backend": dist.get_backend(),
@@ -510,12 +512,18 @@ class Worker:
     @_in_world
     def share_state(self, step: int) -> None:
         """The new workers of a world that has just grown take rank 0's state of `step`, sent
-        over the new process group: rank 0 was in the world before and holds it again (`setup`).
-        No checkpoint is written and read back for the growth, and a failure meanwhile leaves
-        the old workers holding that state for the recovery's survivors' save."""
-        if self.rank == 0 and self.last_step != step:
-            raise RuntimeError(f"rank 0 holds the state of step {self.last_step}, not {step}")
-        state = broadcast_state(self.engine.state_dicts() if self.rank == 0 else None, 0, self.device)
+        over the new process group: rank 0 was in the world before and holds it again (`setup`),
+        and sends the state dictionaries `leave` made (made again, they cost a second pass of
+        torch's get_state_dict). No checkpoint is written and read back for the growth, and a
+        failure meanwhile leaves the old workers holding that state for the recovery's
+        survivors' save."""
+        sent = None
+        if self.rank == 0:
+            kept_step, _, _, model_state, optim_state = self.kept
+            if kept_step != step:
+                raise RuntimeError(f"rank 0 holds the state of step {kept_step}, not {step}")
+            sent, self.kept = (model_state, optim_state), None
+        state = broadcast_state(sent, 0, self.device)
         if self.needs_state:
             self.engine.load_state_dicts(*state)
             self.last_step, self.needs_state = step, False
