@@ -181,7 +181,7 @@ def _ray_train_loop(config: dict) -> list[float]:
 
     from baton.models import build_model, loss_sum
     from baton.spec import spec_from_dict
-    from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
+    from baton.training import clip_and_norm, make_optimizer, set_lr
 
     torch.set_num_threads(1)
     spec = spec_from_dict(config["spec"])
@@ -201,7 +201,7 @@ def _ray_train_loop(config: dict) -> list[float]:
         for i, data in enumerate(micro):
             with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
                 (loss_sum(model(data[:, :-1]), data[:, 1:]) * scale).backward()
-        set_lr(optimizer, lr_at(step, t))
+        set_lr(optimizer, t.lr_at(step))
         clip_and_norm(model, t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -52,7 +52,7 @@ from baton.models.flops import gpt_flops_per_token, peak_flops
 from baton.parallel import ParallelDims
 from baton.parallel.mesh import split_micro
 from baton.spec import spec_from_dict
-from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
+from baton.training import clip_and_norm, make_optimizer, set_lr
 
 
 def settle(quiet_pct: float = 10.0, most_s: float = 30.0) -> float:
@@ -114,7 +114,7 @@ def plain_steps(model, spec, tokens: np.ndarray, rank: int, world: int, device) 
                 with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                     logits = model(data[:, :-1])
                 (loss_sum(logits, data[:, 1:]) * scale).backward()
-        set_lr(optimizer, lr_at(step, t))
+        set_lr(optimizer, t.lr_at(step))
         clip_and_norm(model, t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

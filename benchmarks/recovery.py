@@ -57,7 +57,7 @@ from baton.data.corpus import prepare_stdlib  # noqa: E402
 from baton.models import build_model, loss_sum  # noqa: E402
 from baton.parallel import ParallelDims  # noqa: E402
 from baton.spec import spec_from_dict  # noqa: E402
-from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr  # noqa: E402
+from baton.training import clip_and_norm, make_optimizer, set_lr  # noqa: E402
 from results_io import write_result  # noqa: E402
 
 FAULT_AFTER_STEP, EVERY = 12, 5
@@ -206,7 +206,7 @@ def _ray_train_loop(config: dict) -> None:
         data = torch.from_numpy(tokens[dims.replica_part(batch, rank)]).long()
         loss = loss_sum(model(data[:, :-1]), data[:, 1:]) * world / (len(batch) * spec.model.seq_len)
         loss.backward()
-        set_lr(optimizer, lr_at(step, t))
+        set_lr(optimizer, t.lr_at(step))
         clip_and_norm(model, t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -24,7 +24,7 @@ from baton.data.corpus import stdlib_stream, windows
 from baton.data.feed import IDS, TOKENS, Batch
 from baton.data.local import job_order as _job_order, read_corpus
 from baton.models import build_model, loss_sum
-from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
+from baton.training import clip_and_norm, make_optimizer, set_lr
 
 _STREAM = None
 
@@ -88,7 +88,7 @@ def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], 
         batch = torch.from_numpy(tokens[order.next_batch(cursor, spec.train.global_batch)]).long()
         loss = loss_sum(model(batch[:, :-1]), batch[:, 1:]) / batch[:, 1:].numel()
         loss.backward()
-        set_lr(optimizer, lr_at(step, spec.train))
+        set_lr(optimizer, spec.train.lr_at(step))
         norms.append(clip_and_norm(model, spec.train.grad_clip))
         losses.append(loss.item())
         optimizer.step()

@@ -2,8 +2,9 @@
 
 Order matters: everything that can be checked without Ray (the spec, the data's shape, the
 checkpoint folder) is checked first, so bad input is refused before Ray starts and before any
-file, checkpoint or MLflow run is created. Those checks need neither torch nor the workers'
-modules: torch is imported while Ray starts (`_import_ahead`).
+file, checkpoint or MLflow run is created. The driver never imports torch (but to check a
+non-language-model task on the meta device): the workers hold the models
+(`baton.workers.actor`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -168,7 +168,6 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         tracker = make_tracker(spec.tracking)
         _quiet_library_logs()  # MLflow's notes while it makes a new store's tables
         tracker.open_ahead()  # while Ray starts
-        _import_ahead()  # torch too
         started_ray = False
         if not ray.is_initialized():
             if address is None:
@@ -207,25 +206,6 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                 if ray_messages.where():
                     log(ray_messages.where())
             tracker.wait_finished()  # a finished run's report, drawn meanwhile
-
-
-def _import_ahead() -> None:
-    """Import torch on a thread while `ray.init` (which mostly waits for Ray's processes) runs
-    on this one: the coordinator's modules need it, the checks before Ray do not, and its
-    0.8-0.9 s of CPU then overlaps Ray's start instead of coming before it (measured: the
-    first step 0.2 s sooner than with torch imported after `ray.init`, docs/benchmarks.md).
-    Only torch's own modules, which never import Ray's: two threads importing modules that
-    import each other could each get the other's half-made module. A failure here is left to
-    the import that needs the module, which raises it."""
-
-    def load() -> None:
-        try:
-            import torch.distributed  # noqa: F401
-            import torch.nn  # noqa: F401
-        except Exception:  # noqa: BLE001 - raised again by the import that needs it
-            pass
-
-    threading.Thread(target=load, name="baton-import-ahead", daemon=True).start()
 
 
 def start_local_ray() -> None:

@@ -87,6 +87,17 @@ class TrainSpec:
     # auto: on for workers on GPUs (1.18x on an H200), off on CPUs (0.98x): docs/benchmarks.md
     compile: Literal[True, False, "auto"] = "auto"
 
+    def lr_at(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to
+        min_lr at the last step (or constant)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        span = max(1, self.steps - self.warmup_steps - 1)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
 
 @dataclass(frozen=True)
 class ParallelSpec:

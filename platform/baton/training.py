@@ -4,7 +4,6 @@ single-process reference that wants to compute exactly what baton computes."""
 from __future__ import annotations
 
 import hashlib
-import math
 import zlib
 
 import torch
@@ -38,18 +37,6 @@ def optimizer_class(train: TrainSpec) -> tuple[type, dict]:
 def make_optimizer(model: nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
     cls, kwargs = optimizer_class(train)
     return cls(param_groups(model, train), **kwargs)
-
-
-def lr_at(step: int, train: TrainSpec) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to
-    min_lr at the last step (or constant)."""
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    if train.schedule == "constant":
-        return train.lr
-    span = max(1, train.steps - train.warmup_steps - 1)
-    progress = min(1.0, (step - train.warmup_steps) / span)
-    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -21,7 +21,7 @@ from baton.data.manifest import Manifest
 from baton.data.source import held_out
 from baton.models import build_model
 from baton.spec import spec_from_dict
-from baton.training import clip_and_norm, lr_at, make_optimizer, set_lr
+from baton.training import clip_and_norm, make_optimizer, set_lr
 from helpers import assert_params_close, read_columns, regression, tiny_spec, write_table
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
@@ -67,7 +67,7 @@ def reference(spec, folder, columns: dict, task, steps: int, eval_rows=None) -> 
         out = task(model(batch["inputs"]), batch)
         loss = out["loss"] / len(rows)
         loss.backward()
-        set_lr(optimizer, lr_at(step, spec.train))
+        set_lr(optimizer, spec.train.lr_at(step))
         norms.append(clip_and_norm(model, spec.train.grad_clip))
         losses.append(loss.item())
         optimizer.step()

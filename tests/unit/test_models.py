@@ -7,7 +7,6 @@ import torch
 
 from baton.models import build_model, check_model_name
 from baton.spec import ModelSpec, TrainSpec
-from baton.training import lr_at
 
 
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
@@ -61,12 +60,12 @@ def test_registry_names():
 
 def test_lr_schedule_warms_up_then_decays_to_min():
     t = TrainSpec(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10)
-    lrs = [lr_at(s, t) for s in range(100)]
+    lrs = [t.lr_at(s) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[10] == pytest.approx(1.0) and lrs[99] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     const = TrainSpec(steps=100, lr=0.5, warmup_steps=0, schedule="constant")
-    assert {lr_at(s, const) for s in range(100)} == {0.5}
+    assert {const.lr_at(s) for s in range(100)} == {0.5}
 
 
 def test_the_attention_key_bias_changes_no_output():

@@ -91,3 +91,22 @@ def test_the_group_makes_new_workers_for_the_job_whatever_world_it_is_in(monkeyp
     group.form([(Actor(), {})], world, world.dims())
     group._create(1)
     assert made[-1].dp_range == (1, 2)
+
+
+def test_the_actor_offers_every_call_of_the_worker_on_its_thread():
+    """The driver makes actors from `baton.workers.actor` (without torch); each call there runs
+    the worker's method of the same name. A method added to the worker and not to the actor
+    would not exist for the coordinator; the heartbeat must keep its own thread, or a busy
+    worker would look frozen."""
+    import inspect
+
+    from baton.workers import actor
+    from baton.workers.worker import Worker
+
+    public = {name for name, _ in inspect.getmembers(Worker, inspect.isfunction)
+              if not name.startswith("_")}
+    assert set(actor.CALLS) == public
+    assert all(callable(getattr(actor.WorkerActor, name)) for name in actor.CALLS)
+    assert actor.WorkerActor.heartbeat.__ray_concurrency_group__ == "health"
+    assert actor.WorkerActor.written.__ray_concurrency_group__ == "io"
+    assert not hasattr(actor.WorkerActor.train_step, "__ray_concurrency_group__")

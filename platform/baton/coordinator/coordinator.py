@@ -50,7 +50,6 @@ from baton.parallel.partition import plan_stages
 from baton.spec import JobSpec
 from baton.status import StatusBoard
 from baton.storage import redact
-from baton.training import lr_at
 from baton.workers import WorkerGroup
 
 
@@ -466,7 +465,7 @@ class Coordinator:
     def _submit(self, step: int) -> "_Pending":
         t = self.spec.train
         batch = self.sent.strip(self.feed.next_batch(self.cursor, t.global_batch))
-        lr = lr_at(step, t)
+        lr = t.lr_at(step)
         # a pipeline's timeline by default; a data-parallel profile only when asked for, since
         # profiling slows the step it profiles
         traced = step + 1 == self.trace_step and (
@@ -541,7 +540,7 @@ class Coordinator:
                 "layout": self._layout(), "data": self.manifest.summary(),
                 "manifest": self.manifest.to_json(),
                 "mlflow_run_id": self.run_id, "tracking_uri": redact(self.tracker.uri),
-                "schedule": {"step": self.step, "next_lr": lr_at(self.step, self.spec.train)},
+                "schedule": {"step": self.step, "next_lr": self.spec.train.lr_at(self.step)},
                 "rng": rng, "loss": self.stats.last_loss, "baton_version": __version__,
                 "time": time.time()}
 

@@ -25,9 +25,7 @@ from baton.parallel import ParallelDims
 from baton.spec import JobSpec
 from baton.workers import warm
 from baton.workers.capacity import ask_autoscaler
-from baton.workers.worker import Worker
-
-RemoteWorker = ray.remote(concurrency_groups={"health": 1, "io": 1})(Worker)
+from baton.workers.actor import RemoteWorker
 
 BEAT_S = 0.5  # how often a waiting coordinator sends each worker a heartbeat
 START_WAIT_S = 60.0  # how long a worker given room may take to start (imports, CUDA)

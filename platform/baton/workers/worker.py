@@ -3,8 +3,8 @@
 coordinator decides what.
 
 Calls run one at a time, in order, on the actor's default thread. `heartbeat` runs on a thread
-of its own (the "health" concurrency group), so a worker busy in a long step or stuck in a
-collective still answers, and one that does not answer is dead or frozen. A worker outlives
+of its own (the "health" concurrency group, actor.py), so a worker busy in a long step or stuck
+in a collective still answers, and one that does not answer is dead or frozen. A worker outlives
 its process group: after a failure the coordinator calls `leave`, then `assign` gives it a new
 rank in a new world and `setup` joins it (on a fresh port), without a new process."""
 
@@ -171,7 +171,6 @@ class Worker:
             raise self.start_error
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
-    @ray.method(concurrency_group="health")
     def heartbeat(self) -> int:
         """Answered on its own thread: the worker's process is alive and not frozen."""
         return self.last_step
@@ -454,7 +453,6 @@ class Worker:
             _, later = BackgroundSaves.split((model_state, optim_state), self._param_pointers())
             self.saves.prestage(lambda: ({}, empty_like(later, pin)))
 
-    @ray.method(concurrency_group="io")
     def write_planned(self, step: int, plan) -> None:
         """Start writing this worker's part of background save `step`'s global plan; `written`
         returns (DCP's results, the records of its files)."""
@@ -466,7 +464,6 @@ class Worker:
             return results, parts + [store.write_tensors(step, f"rng-rank{self.rank:04d}.pt", rng)]
         self.saves.started(step, self.saves.writer.submit(write))
 
-    @ray.method(concurrency_group="io")
     def written(self, step: int) -> list[dict]:
         """The records of background save `step`'s parts, once written (on a thread of its
         own, so training calls queued meanwhile are not held up)."""
