@@ -175,8 +175,6 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             else:
                 join_cluster(address)
             started_ray = True
-            ray.data.DataContext.get_current().enable_progress_bars = False
-            _quiet_library_logs()
             ray_messages = RayMessages.for_this_ray().install()
             # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
             # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
@@ -274,12 +272,10 @@ def cluster_address_from_env() -> Optional[str]:
 
 
 def _quiet_library_logs() -> None:
-    """Keep the console to baton's progress line: Ray Data's per-read INFO lines, its warning
-    that we turned its progress bars off, and MLflow's schema-migration notes. Levels are set
-    on the named child loggers, which MLflow's own logging set-up on import leaves alone."""
-    for name, level in (("ray.data", logging.WARNING), ("ray.data._internal.progress", logging.ERROR),
-                        ("mlflow.store.db.utils", logging.WARNING)):
-        logging.getLogger(name).setLevel(level)
+    """Keep the console to baton's progress line: not MLflow's schema-migration notes. The
+    level is set on the named child logger, which MLflow's own logging set-up on import leaves
+    alone. (Ray Data's loggers: where the feed imports it, `baton.data.feed._ray_data`.)"""
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
 
 def _local_gpus() -> int:

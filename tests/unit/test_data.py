@@ -202,3 +202,19 @@ def test_a_batch_sends_only_the_references_of_units_the_workers_do_not_hold():
     assert resent == [[0, 1], [2], [3], [0, 4], [5], [6, 7]]  # 0 left the window at step 3
     with pytest.raises(RuntimeError, match="unit 3"):  # a worker of another world: one line
         UnitRows({}).use(Batch(np.zeros(0, dtype=np.int64), {3: (30, None)}, frozenset({3})))
+
+
+def test_ray_data_is_quiet_once_the_feed_imports_it():
+    """The feed imports Ray Data where it first reads through it, and Ray Data's import sets
+    its logger to DEBUG with a console handler at INFO: the levels must be set after it, or
+    each read prints its lines under the progress line. A fresh process, as a driver is."""
+    import subprocess
+    import sys
+
+    probe = ("import logging; from baton.data.feed import _ray_data; data = _ray_data(); "
+             "print(logging.getLogger('ray.data').level, "
+             "logging.getLogger('ray.data._internal.progress').level, "
+             "data.DataContext.get_current().enable_progress_bars, "
+             "data.DataContext.get_current().execution_options.preserve_order)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["30", "40", "False", "True"], out.stdout + out.stderr

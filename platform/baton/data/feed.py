@@ -223,9 +223,25 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t)
 
 
+def _ray_data():
+    """Ray Data, imported where the feed first reads through it (a block ahead of training;
+    never, in a run whose first block holds all it trains on), not on the way to the first
+    step: 0.6 s of the driver's CPU after `ray.init` on the 2-core machine. Its import sets
+    its loggers' levels, so the feed sets them after it: the console is baton's progress line,
+    not Ray Data's INFO lines for each read nor its warning that its progress bars are off."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # blocks come out in the units' order
+    ctx.enable_progress_bars = False
+    for name, level in (("ray.data", logging.WARNING), ("ray.data._internal.progress", logging.ERROR)):
+        logging.getLogger(name).setLevel(level)
+    return ray.data
+
+
 def _read_units(root: str, units: list[Unit], columns: Columns):
     """A Ray Data dataset of `units`, one read task (and one block) each, in this order."""
-    import ray
+    data = _ray_data()
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
@@ -247,9 +263,7 @@ def _read_units(root: str, units: list[Unit], columns: Columns):
                                            input_files=(u.file,)))
                     for u in units]
 
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # blocks come out in the units' order
-    return ray.data.read_datasource(UnitSource(), override_num_blocks=len(units), num_cpus=0,
+    return data.read_datasource(UnitSource(), override_num_blocks=len(units), num_cpus=0,
                                     concurrency=min(READ_CONCURRENCY, len(units)))
 
 
@@ -278,6 +292,8 @@ class _Read:
         perm = feed.order.unit_order(epoch)[0]
         units = [feed.manifest.units[int(u)] for u in perm[first:last]]
         self._units, self._root, self._columns, self._here = units, feed.manifest.root, feed.columns, here
+        if not here:
+            _ray_data()  # imported on this thread, before the read's own starts
         self._thread = threading.Thread(target=self._run, name=f"baton-read-{epoch}-{first}",
                                         daemon=True)
         self._thread.start()
