@@ -108,7 +108,12 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
     # world of one runs the model itself: no wrapper, no all-reduce, nothing to keep in sync.
     alone = not shard_optimizer and dist.get_world_size() == 1
     module.to(device)  # every replica holds the whole model
-    wrapped = module if alone else DDP(module, device_ids=[0] if device.type == "cuda" else None)
+    # Gradients are views into DDP's all-reduce buckets (`gradient_as_bucket_view`): without
+    # it a worker holds every gradient twice at the backward's end, once in the buckets, and
+    # copies between the two each step (benchmarks/ddp_memory.py, 19 M parameters: a peak 58
+    # MiB lower, steps 15 % shorter, the losses bit for bit the same; docs/benchmarks.md)
+    wrapped = module if alone else DDP(module, device_ids=[0] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
     if not alone:
         comm.register(wrapped, grad_comm)
     if not shard_optimizer:
