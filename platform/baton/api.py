@@ -2,9 +2,9 @@
 
 Order matters: everything that can be checked without Ray (the spec, the data's shape, the
 checkpoint folder) is checked first, so bad input is refused before Ray starts and before any
-file, checkpoint or MLflow run is created. The driver never imports torch (but to check a
-non-language-model task on the meta device): the workers hold the models
-(`baton.workers.actor`).
+file, checkpoint or MLflow run is created. The driver imports torch only to check a task other
+than a language model on the meta device, or to count an embedded Ray's GPUs: the workers hold
+the models (`baton.workers.actor`).
 """
 
 from __future__ import annotations

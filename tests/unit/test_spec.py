@@ -145,10 +145,11 @@ def test_validate_command_in_a_fresh_process(tmp_path):
 
 def test_the_driver_imports_no_torch(tmp_path):
     """`baton run`'s driver checks the spec, the data and the checkpoint folder before Ray
-    starts, then runs the coordinator and makes the worker actors: none of it imports torch,
-    which only the workers use. Importing it cost every refusal and `baton validate` 1.5 s
-    (0.43 s against 1.9 s for `baton validate jobs/quickstart.yaml` on the 2-core machine), and
-    every run 1.9 CPU-s of a start that the workers' own imports need (docs/benchmarks.md)."""
+    starts, then runs the coordinator, which makes the worker actors: none of those modules
+    imports torch, which only the workers use. Importing it cost every refusal and `baton
+    validate` 1.5 s (0.43 s against 1.9 s for `baton validate jobs/quickstart.yaml` on the
+    2-core machine), and every run 1.9 CPU-s of a start that the workers' own imports need
+    (docs/benchmarks.md)."""
     data = write_dataset(tmp_path / "data", 64, 128)
     probe = ("import sys; from baton import api; from baton.spec import load_spec; "
              f"spec = load_spec({str(REPO / 'jobs' / 'quickstart.yaml')!r}, "

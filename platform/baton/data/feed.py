@@ -240,8 +240,9 @@ def _ray_data():
 
 
 def _read_units(root: str, units: list[Unit], columns: Columns):
-    """A Ray Data dataset of `units`, one read task (and one block) each, in this order."""
-    data = _ray_data()
+    """A Ray Data dataset of `units`, one read task (and one block) each, in this order (Ray
+    Data imported and set up by `_ray_data`, which the read called first)."""
+    import ray.data
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
@@ -263,7 +264,7 @@ def _read_units(root: str, units: list[Unit], columns: Columns):
                                            input_files=(u.file,)))
                     for u in units]
 
-    return data.read_datasource(UnitSource(), override_num_blocks=len(units), num_cpus=0,
+    return ray.data.read_datasource(UnitSource(), override_num_blocks=len(units), num_cpus=0,
                                     concurrency=min(READ_CONCURRENCY, len(units)))
 
 
@@ -293,7 +294,7 @@ class _Read:
         units = [feed.manifest.units[int(u)] for u in perm[first:last]]
         self._units, self._root, self._columns, self._here = units, feed.manifest.root, feed.columns, here
         if not here:
-            _ray_data()  # imported on this thread, before the read's own starts
+            _ray_data()  # imported and set up on this thread, before the read's own starts
         self._thread = threading.Thread(target=self._run, name=f"baton-read-{epoch}-{first}",
                                         daemon=True)
         self._thread.start()
