@@ -127,3 +127,48 @@ def test_a_state_broadcast_from_rank_0_arrives_whole(tmp_path):
     step = optim_got["state"][0]["step"]
     assert step.shape == () and float(step) == 3.0
     assert torch.equal(optim_got["state"][0]["exp_avg"], optim["state"][0]["exp_avg"])
+
+
+def _flat_grads_worker(rank: int, port: int) -> None:
+    from baton.parallel import comm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    gen = torch.Generator().manual_seed(0)  # the same parameters on both ranks
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((4, 3), (5,), (2, 2))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    flat = comm.FlatGrads(dist.group.WORLD, "fp32")
+    assert not flat.zero()  # nothing to zero before the first step
+    data = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        expected = [torch.zeros_like(q) for q in params]
+        for _ in range(2):  # two micro-batches accumulate
+            xs = [torch.randn(q.shape, generator=data) for q in params]
+            sum((q * x).sum() for q, x in zip(params, xs)).backward()
+            for e, x in zip(expected, xs):
+                e += x
+        for e in expected:
+            dist.all_reduce(e)
+        before = [q.grad.data_ptr() for q in params]
+        flat.all_reduce(params)
+        for q, e, ptr in zip(params, expected, before):
+            assert q.grad._base is flat.flat  # a view, in place from the second step on
+            assert (q.grad.data_ptr() == ptr) == (step > 0)
+            # the same additions in the same order (x1 + x2 a rank, then the ranks' sum)
+            assert torch.equal(q.grad, e)
+        optimizer.step()
+        assert flat.zero()
+        assert all(q.grad._base is flat.flat and not q.grad.any() for q in params)
+    dist.destroy_process_group()
+
+
+def test_a_stage_s_gradients_are_summed_in_their_flat_buffer():
+    """`comm.FlatGrads`, a pipeline stage's all-reduce over its replicas: the gradients end
+    as the sum over the ranks, each a view into one buffer that later backwards accumulate
+    into (the same memory each step), and zeroing keeps them views."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_flat_grads_worker, args=(port,), nprocs=2, join=True)

@@ -82,6 +82,36 @@ def all_reduce(flat: torch.Tensor, group, grad_comm: str) -> None:
     flat.copy_(low)
 
 
+class FlatGrads:
+    """A pipeline stage's gradients as views into one flat buffer, summed over the stage's
+    replicas in place there, as DDP's are in its buckets (`gradient_as_bucket_view`). The
+    first step copies its gradients in and leaves each parameter's `.grad` a view; after
+    that, autograd accumulates into the views, and `zero` clears them with one fill instead
+    of freeing them. Before, each step flattened the gradients into a new tensor and copied
+    the sums back: two more copies of them at the all-reduce (benchmarks/pipeline_grads.py)."""
+
+    def __init__(self, group, grad_comm: str):
+        self.group, self.grad_comm = group, grad_comm
+        self.flat: torch.Tensor | None = None
+        self.count = 0
+
+    def all_reduce(self, params: list) -> None:
+        grads = [q.grad for q in params]
+        if len(grads) != self.count or any(g._base is not self.flat for g in grads):
+            self.flat = torch._utils._flatten_dense_tensors(grads)
+            for q, view in zip(params, torch._utils._unflatten_dense_tensors(self.flat, grads)):
+                q.grad = view
+            self.count = len(grads)
+        all_reduce(self.flat, self.group, self.grad_comm)
+
+    def zero(self) -> bool:
+        """Zero the gradients, keeping them views; False before the first all-reduce."""
+        if self.flat is None:
+            return False
+        self.flat.zero_()
+        return True
+
+
 def fsdp_reduce_scatter():
     """FSDP2's reduce-scatter on gloo, as an all-reduce of the whole buffer of which each rank
     keeps its own slice. Gloo's reduce-scatter was the slower of the two on a 2-core machine:

@@ -48,8 +48,11 @@ class _Engine:
                                   if q.grad is not None)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.clear_grads()
         return grad_norm
+
+    def clear_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def layer_names(self) -> list[str]:
         return list(self.module._modules)
@@ -158,6 +161,9 @@ class PipelineEngine(_Engine):
                                                     unit_mib=spec.parallel.shard_unit_mib,
                                                     grad_comm=spec.parallel.grad_comm)
         self.sharded = sync is not None
+        # whole stages: their replicas sum the gradients here, in a buffer they are views of
+        self.replica_grads = (comm.FlatGrads(self.dp_group, spec.parallel.grad_comm)
+                              if dims.dp > 1 and not self.sharded else None)
         self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank), v,
                                        device, spec.train.precision == "bf16", self.pp_group,
                                        before_backward=sync)
@@ -178,13 +184,8 @@ class PipelineEngine(_Engine):
         # FSDP averages gradients over the stage's dp ranks; the scale undoes it
         st = self._run(self.actions, micro, batch_fn, sums,
                        scale * self.dims.dp if self.sharded else scale)
-        params = [q for q in self.module.parameters() if q.grad is not None]
-        if self.dims.dp > 1 and not self.sharded:  # each stage's replicas sum their gradients
-            grads = [q.grad for q in params]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            comm.all_reduce(flat, self.dp_group, self.spec.parallel.grad_comm)
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+        if self.replica_grads:  # each stage's replicas sum their gradients
+            self.replica_grads.all_reduce([q for q in self.module.parameters() if q.grad is not None])
         return sums, {
                 "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
                          "activation_bytes": st.peak_activation_bytes, "live": st.peak_live},
@@ -229,6 +230,10 @@ class PipelineEngine(_Engine):
 
     def load_sharded(self, where: sharded.Location) -> None:
         sharded.load_into(self.module, self.optimizer, where)
+
+    def clear_grads(self) -> None:
+        if not (self.replica_grads and self.replica_grads.zero()):
+            super().clear_grads()
 
     def clip(self) -> float:
         """Clip by the norm of the whole model's gradient, summed over the pipeline's stages
