@@ -88,7 +88,7 @@ class FlatGrads:
     first step copies its gradients in and leaves each parameter's `.grad` a view; after
     that, autograd accumulates into the views, and `zero` clears them with one fill instead
     of freeing them. Before, each step flattened the gradients into a new tensor and copied
-    the sums back: two more copies of them at the all-reduce (benchmarks/pipeline_grads.py)."""
+    the sums back: a second copy of them at the all-reduce (benchmarks/pipeline_grads.py)."""
 
     def __init__(self, group, grad_comm: str):
         self.group, self.grad_comm = group, grad_comm
