@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from results_io import write_result  # noqa: E402
+from results_io import alternate, memory_table, write_result  # noqa: E402
 
 CHILD = """
 import json, resource, statistics, sys, time, torch
@@ -85,27 +84,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8, help="rows of 128 tokens a step")
     ap.add_argument("--out", default=str(HERE / "results" / "ddp_memory_cpu.json"))
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {"copies": [], "views": []}
-    for r in range(args.rounds):
-        for mode in (("copies", "views") if r % 2 == 0 else ("views", "copies")):
-            out = measure(mode, args.layers, args.width, args.steps, args.rows)
-            runs[mode].append(out)
-            print(f"round {r + 1} {mode}: peak resident {out['peak_rss_mib']:,.0f} MiB, "
-                  f"step {out['step_s'] * 1000:.0f} ms", flush=True)
+    runs = alternate(("copies", "views"), args.rounds,
+                     lambda mode: measure(mode, args.layers, args.width, args.steps, args.rows))
     params = runs["views"][0]["params"]
     same = all(a["losses"] == b["losses"] for a, b in zip(runs["copies"], runs["views"]))
     print(f"\n{params / 1e6:.1f} M parameters, {4 * params / 2**20:,.0f} MiB of fp32 gradients; "
           f"losses bit for bit the same: {same}\n")
-    print("| gradients | peak resident memory, MiB (each round) | median | step, ms (median) |")
-    print("|---|---|---:|---:|")
-    table = {}
-    for mode in ("copies", "views"):
-        rss = [round(o["peak_rss_mib"]) for o in runs[mode]]
-        steps = [o["step_s"] * 1000 for o in runs[mode]]
-        table[mode] = {"peak_rss_mib": rss, "median_peak_rss_mib": statistics.median(rss),
-                       "median_step_ms": round(statistics.median(steps), 1)}
-        print(f"| {mode} | {', '.join(f'{x:,}' for x in rss)} | {statistics.median(rss):,.0f} | "
-              f"{statistics.median(steps):.0f} |")
+    table = memory_table(runs, "gradients")
     write_result(args.out, {"params": params, "grad_mib": round(4 * params / 2**20, 1),
                             "losses_identical": same, "table": table, "runs": runs,
                             "command": " ".join(["python", *sys.argv])})

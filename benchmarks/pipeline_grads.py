@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from results_io import write_result  # noqa: E402
+from results_io import alternate, memory_table, write_result  # noqa: E402
 
 WORLD = 4  # dp 2 x pp 2
 CHILD = """
@@ -87,7 +86,8 @@ def measure(checkout: Path, layers: int, width: int, steps: int, rows: int) -> d
         raise SystemExit(f"a training process failed ({checkout}); its output: {texts}")
     outs = [json.loads(text) for text in texts]
     last = next(o for o in outs if o["last"])
-    return {"peak_rss_mib": [round(o["peak_rss_mib"]) for o in outs],
+    return {"peak_rss_mib": max(o["peak_rss_mib"] for o in outs),
+            "rank_peak_rss_mib": [round(o["peak_rss_mib"]) for o in outs],
             "step_s": max(o["step_s"] for o in outs), "losses": last["losses"],
             "stage_params": [o["params"] for o in outs]}
 
@@ -103,27 +103,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "pipeline_grads_cpu.json"))
     args = ap.parse_args()
     checkouts = {"this": HERE.parent, "baseline": Path(args.baseline).resolve()}
-    runs: dict[str, list[dict]] = {"this": [], "baseline": []}
-    for r in range(args.rounds):
-        for name in (("baseline", "this") if r % 2 == 0 else ("this", "baseline")):
-            out = measure(checkouts[name], args.layers, args.width, args.steps, args.rows)
-            runs[name].append(out)
-            print(f"round {r + 1} {name}: peak resident {out['peak_rss_mib']} MiB (ranks 0-3), "
-                  f"step {out['step_s'] * 1000:.0f} ms", flush=True)
+    runs = alternate(("baseline", "this"), args.rounds,
+                     lambda name: measure(checkouts[name], args.layers, args.width, args.steps, args.rows))
     same = all(a["losses"] == b["losses"] for a, b in zip(runs["this"], runs["baseline"]))
     stage = max(runs["this"][0]["stage_params"])
     print(f"\nthe larger stage: {stage / 1e6:.1f} M parameters, {4 * stage / 2**20:,.0f} MiB of fp32 "
           f"gradients; losses bit for bit the same: {same}\n")
-    print("| checkout | peak resident MiB, the largest rank (each round) | median | step ms (median) |")
-    print("|---|---|---:|---:|")
-    table = {}
-    for name in ("baseline", "this"):
-        rss = [max(o["peak_rss_mib"]) for o in runs[name]]
-        steps = [o["step_s"] * 1000 for o in runs[name]]
-        table[name] = {"peak_rss_mib": rss, "median_peak_rss_mib": statistics.median(rss),
-                       "median_step_ms": round(statistics.median(steps), 1)}
-        print(f"| {name} | {', '.join(f'{x:,}' for x in rss)} | {statistics.median(rss):,.0f} | "
-              f"{statistics.median(steps):.0f} |")
+    table = memory_table(runs, "checkout (peak: the largest rank)")
     write_result(args.out, {"stage_params": stage, "grad_mib": round(4 * stage / 2**20, 1),
                             "losses_identical": same, "table": table, "runs": runs,
                             "baseline": str(checkouts["baseline"]),

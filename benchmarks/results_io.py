@@ -32,3 +32,34 @@ def write_result(path: str | Path, result: dict, announce: bool = True) -> Path:
     if announce:
         print(f"\nwrote {out}")
     return out
+
+
+def alternate(ways: tuple[str, str], rounds: int, measure) -> dict[str, list[dict]]:
+    """Rounds of `measure(way)` for each of two ways, in an order that alternates from round
+    to round. Each result holds `peak_rss_mib` and `step_s`, printed as it comes."""
+    runs: dict[str, list[dict]] = {way: [] for way in ways}
+    for r in range(rounds):
+        for way in (ways if r % 2 == 0 else ways[::-1]):
+            out = measure(way)
+            runs[way].append(out)
+            print(f"round {r + 1} {way}: peak resident {out['peak_rss_mib']:,.0f} MiB, "
+                  f"step {out['step_s'] * 1000:.0f} ms", flush=True)
+    return runs
+
+
+def memory_table(runs: dict[str, list[dict]], label: str) -> dict:
+    """Print each way's peak resident memory (each round and the median) and median step as
+    a Markdown table; return the same as a dict for the JSON."""
+    import statistics
+
+    print(f"| {label} | peak resident memory, MiB (each round) | median | step, ms (median) |")
+    print("|---|---|---:|---:|")
+    table = {}
+    for way, outs in runs.items():
+        rss = [round(o["peak_rss_mib"]) for o in outs]
+        steps = [o["step_s"] * 1000 for o in outs]
+        table[way] = {"peak_rss_mib": rss, "median_peak_rss_mib": statistics.median(rss),
+                      "median_step_ms": round(statistics.median(steps), 1)}
+        print(f"| {way} | {', '.join(f'{x:,}' for x in rss)} | {statistics.median(rss):,.0f} | "
+              f"{statistics.median(steps):.0f} |")
+    return table
