@@ -197,7 +197,7 @@ def test_a_killed_worker_is_replaced_and_the_survivor_reused(tmp_path, data, nod
     before = {}
 
     def kill(c):
-        before.update(pids=[w["pid"] for w in c.workers], feed=c.feed)
+        before.update(pids=[w["pid"] for w in c.workers], feed=c.samples.feed)
         os.kill(c.workers[1]["pid"], signal.SIGKILL)
     result = api.run(spec, record_samples=True, show_progress=False, on_step=_at_step(3, kill))
 

@@ -106,7 +106,7 @@ def test_a_corpus_four_times_the_object_store_trains_with_the_driver_flat(tmp_pa
 
     def watch(coordinator) -> None:
         samples.append(_object_store_mib())
-        reads[coordinator.spec.name] = len(coordinator.feed.ranges_read)
+        reads[coordinator.spec.name] = len(coordinator.samples.feed.ranges_read)
 
     peaks = {}
     for name, data in (("small", small), ("big", big)):
@@ -144,7 +144,7 @@ def test_a_resume_seeks_to_its_block_and_every_sample_is_trained_once(tmp_path):
 
     def watch(coordinator) -> None:
         if not seen_at_first_step:
-            feed = coordinator.feed
+            feed = coordinator.samples.feed
             seen_at_first_step.append((feed.rows_read, list(feed.ranges_read),
                                        feed.order.block_units(0, 5)[0]))
 
@@ -305,7 +305,7 @@ from baton.spec import spec_from_dict
 
 def dump(coordinator):
     with open(sys.argv[2] + ".tmp", "w") as f:
-        json.dump(coordinator.ledger, f)
+        json.dump(coordinator.samples.ledger, f)
     os.replace(sys.argv[2] + ".tmp", sys.argv[2])
 
 api.run(spec_from_dict(json.load(open(sys.argv[1]))), show_progress=False, record_samples=True,

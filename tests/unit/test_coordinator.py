@@ -15,6 +15,7 @@ from baton.checkpoint.store import sizes_only
 from baton.coordinator import Coordinator, State
 from baton.coordinator.commits import Commits
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
+from baton.coordinator.samples import Samples
 from baton.data import EpochOrder
 from baton.data.feed import Batch
 from baton.data.manifest import FileEntry, Manifest
@@ -337,8 +338,8 @@ def _coordinator(tmp_path, cluster, parallel=None, **elastic):
     # what _prepare does with Ray and the data, stood in for: 12 samples, 3 steps an epoch
     c.manifest = Manifest(str(tmp_path), [FileEntry("part-0.parquet", 100, (5, 7))])
     c.data = JobData(c.manifest, columns(spec))
-    c.order, c.num_samples, c.run_id = EpochOrder(c.manifest.unit_rows, 0), 12, None
-    c.feed = OrderOnlyFeed(c.order)
+    c.run_id = None
+    c.samples = Samples(OrderOnlyFeed(EpochOrder(c.manifest.unit_rows, 0)), c.manifest)
     c.report.opened(spec.train.steps, 0, "tok")
     c._launch()
     c.state = State.SCHEDULING
@@ -466,8 +467,8 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     c.tick()
     assert c.state is State.RUNNING and c.dims.dp == 1 and c.step == 3
     assert c.group.kept_written == [([0], 3)] and CheckpointStore(c.store.root).latest() == 3
-    assert c.cursor.state_dict() == {"epoch": 1, "consumed": 0}
-    assert {step for step, _, _ in c.ledger} == {0, 1, 2}  # step 4 is not in the ledger
+    assert c.samples.cursor.state_dict() == {"epoch": 1, "consumed": 0}
+    assert {step for step, _, _ in c.samples.ledger} == {0, 1, 2}  # step 4 is not in the ledger
     recovery_at = len(c.events)
     assert [e["kind"] for e in c.events] == ["failure"]
 
@@ -493,7 +494,7 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     assert [e["kind"] for e in c.events] == ["failure", "recovery", "rescale"]
     assert set(c.events[2]["phases_s"]) == {"queued_steps", "checkpoint", "reschedule", "group_init",
                                             "state_copy", "first_step"}
-    ids = [i for step, _, part in sorted(c.ledger) for i in part]
+    ids = [i for step, _, part in sorted(c.samples.ledger) for i in part]
     assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
 
 
@@ -521,7 +522,7 @@ def test_continue_goes_on_with_the_survivors_and_grows_back_once_replacements_st
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert [dp for _, dp in c.dp_history] == [2, 1, 2]
     assert [e["kind"] for e in c.events] == ["failure", "recovery", "rescale"]
-    ids = [i for step, _, part in sorted(c.ledger) for i in part]
+    ids = [i for step, _, part in sorted(c.samples.ledger) for i in part]
     assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
 
 
@@ -661,7 +662,7 @@ def test_a_rescale_verifies_the_checkpoint_it_loads(tmp_path):
     assert [(e["step"], e["why"]) for e in rejected] == [
         (step, "part model-0000.pt does not match its checksum")]
     _tick_until(c, lambda c: c.state is State.FINISHED)
-    assert c.step == 8 and sorted({step for step, _, _ in c.ledger}) == list(range(8))
+    assert c.step == 8 and sorted({step for step, _, _ in c.samples.ledger}) == list(range(8))
 
 
 def test_a_recovery_skips_a_checkpoint_that_fails_verification(tmp_path):
@@ -776,9 +777,9 @@ def test_a_worker_lost_while_its_ledger_is_read_leaves_step_and_cursor_together(
     c = _coordinator(tmp_path, cluster, min_dp=1)
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert [e["kind"] for e in c.events][:1] == ["failure"] and not cluster.ledger_failures
-    assert sorted({step for step, _, _ in c.ledger}) == list(range(8))
+    assert sorted({step for step, _, _ in c.samples.ledger}) == list(range(8))
     for epoch in (0, 1):  # 12 samples, 3 steps an epoch: epochs 0 and 1 whole
-        ids = [i for step, _, part in c.ledger if step // 3 == epoch for i in part]
+        ids = [i for step, _, part in c.samples.ledger if step // 3 == epoch for i in part]
         assert sorted(ids) == list(range(12)), (epoch, sorted(ids))
 
 

@@ -14,8 +14,9 @@
 It decides (which samples, which learning rate, when to checkpoint, what world size); the
 workers execute. The decisions about failures and world sizes come from the pure policies in
 `policy.py`; its collaborators place workers (`placement.py`), commit checkpoints
-(`commits.py`), feed data (`data/feed.py`) and report (`report.py`: MLflow, live metrics, the
-progress line, the status file). It is the only writer to MLflow, through them.
+(`commits.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
+through `data/feed.py`), and report (`report.py`: MLflow, live metrics, the progress line,
+the status file). It is the only writer to MLflow, through them.
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ from typing import Callable, Optional
 from baton import __version__
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.lease import Lease
-from baton.data import Cursor
-from baton.data.feed import DataFeed, UnitsSent
+from baton.data.feed import DataFeed
 from baton.data.manifest import Manifest
-from baton.data.order import rebased
 from baton.data.source import JobData, preflight
 from baton.coordinator.commits import Commits, Save
 from baton.coordinator.evaluation import Evaluation, evaluation
@@ -45,6 +44,7 @@ from baton.coordinator.placement import START_WAIT_S, Placement
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.coordinator.report import Report
 from baton.coordinator.result import RunResult
+from baton.coordinator.samples import Samples
 from baton.errors import CheckpointError, WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
 from baton.spec import JobSpec
@@ -123,14 +123,11 @@ class Coordinator:
         self.resume_meta = resume_meta
         self.data = data  # checked before Ray started (api.run), or in _prepare
         self.manifest: Optional[Manifest] = None
-        self.feed: Optional[DataFeed] = None
-        self.sent = UnitsSent()  # what the current world's workers hold of the feed
+        self.samples: Optional[Samples] = None  # the cursor, the batches, the ledger
         self.evaluation: Optional[Evaluation] = None
         self.record_samples = record_samples
         self.state = State.PENDING
         self.step = 0
-        self.cursor = Cursor()
-        self.done_cursor = self.cursor.state_dict()  # the cursor after the last completed step
         self.group: Optional[WorkerGroup] = None
         self.placement: Optional[Placement] = None  # where the workers come from (_launch)
         self.first_workers = 0  # how many workers the job starts with
@@ -139,7 +136,6 @@ class Coordinator:
         self.submitted = 0  # steps handed to the workers
         self.last_done_at = 0.0
         self.workers: list[dict] = []
-        self.ledger: list = []
         self.stage_layers: Optional[list[int]] = None
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
@@ -165,9 +161,9 @@ class Coordinator:
         finally:
             if self.group is not None:
                 self.group.shutdown(finished=self.state == State.FINISHED)
-            for feed in (self.feed, self.evaluation):
-                if feed is not None:
-                    feed.close()
+            for reads in (self.samples, self.evaluation):
+                if reads is not None:
+                    reads.close()
             self.store.settle()  # the old checkpoints retention is deleting
         return self._result()
 
@@ -196,20 +192,19 @@ class Coordinator:
         self._launch()
         if self.data is None:
             self.data = preflight(self.spec, self.spec.name)
-        self.manifest, self.order = self.data.manifest, self.data.order(self.spec)
-        self.feed = DataFeed(self.manifest, self.order, self.data.columns)
+        self.manifest, order = self.data.manifest, self.data.order(self.spec)
+        self.samples = Samples(DataFeed(self.manifest, order, self.data.columns), self.manifest)
         self.evaluation = evaluation(self.spec, self.data)
-        self.num_samples = self.order.num_samples  # training samples (held-out ones are not)
         meta = self.resume_meta
         if meta:
             self.step = self.submitted = meta["step"]
-            self.cursor.load_state_dict(self._cursor_of(meta))
-        self.feed.prime(self.cursor, self.spec.train.global_batch)  # bad rows: nothing written yet
+            self.samples.seek(meta)
+        self.samples.prime(self.spec.train.global_batch)
         timer.lap("data")
         run_id = self.tracker.start(self.spec.name, self.spec.flat(),
                                     run_id=meta.get("mlflow_run_id") if meta else None)
         self.tracker.set_tags({"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),
-                               "data.samples": self.num_samples, "data.manifest": self.manifest.digest(),
+                               "data.samples": order.num_samples, "data.manifest": self.manifest.digest(),
                                "checkpoint.dir": self.spec.checkpoint_dir,
                                **({"resumed_from_step": self.step} if meta else {})})
         self.run_id = run_id
@@ -286,7 +281,7 @@ class Coordinator:
         self.group.discard(stale)
         timer.lap("stop")
         from_survivors = self.commits.commit_survivors(self.group, self.dims, self.step, left,
-                                                       self._meta(self.done_cursor, rng=[]))
+                                                       self._meta(self.samples.done, rng=[]))
         timer.lap("survivor_save")
         survivors = self.group.members(list(left))
         # 2. top up to max_dp where there is room (warm spares first), or go on with the
@@ -370,7 +365,7 @@ class Coordinator:
         self.spec = self.base.at_dp(dp)
         self.dims = self.spec.dims()
         self.group.form(members[:dp * self.pp], self.spec, self.dims)
-        self.sent = UnitsSent()  # the new world's workers hold no units yet
+        self.samples.new_world()
         if self.stage_layers is None:
             self.stage_layers = plan_stages(
                 self.spec, lambda: self.group.call_one(0, "profile_layers", self.data.columns))
@@ -396,16 +391,7 @@ class Coordinator:
                         checkpoint=True)
         self.live.checkpoint_loaded(time.perf_counter() - t0)
         self.step = self.submitted = meta["step"]
-        self.cursor.load_state_dict(self._cursor_of(meta))
-        self.done_cursor = self.cursor.state_dict()
-        self.ledger = [entry for entry in self.ledger if entry[0] < self.step]
-
-    def _cursor_of(self, meta: dict) -> dict:
-        """The checkpoint's data cursor; on another corpus (the run was started with
-        --rebase-data, api.check_corpus), the start of the next epoch."""
-        if self.manifest.trained(meta):
-            return meta["cursor"]
-        return rebased(meta["cursor"])
+        self.samples.seek(meta)
 
     def _load_latest(self, resuming: bool = False) -> None:
         """Load the newest whole checkpoint (`Commits.newest_whole`). With none: start over;
@@ -421,9 +407,7 @@ class Coordinator:
             raise CheckpointError(self.store.none_verifies(failed))
         if meta is None:  # no checkpoint yet: start over (setup built the models from the seed)
             self.step = self.submitted = 0
-            self.cursor = Cursor()
-            self.done_cursor = self.cursor.state_dict()
-            self.ledger = []
+            self.samples.seek(None)
             return
         self._load(meta)
         if resuming and meta["step"] != self.resume_meta["step"]:
@@ -464,7 +448,7 @@ class Coordinator:
 
     def _submit(self, step: int) -> "_Pending":
         t = self.spec.train
-        batch = self.sent.strip(self.feed.next_batch(self.cursor, t.global_batch))
+        batch, cursor = self.samples.next_batch(t.global_batch)
         lr = t.lr_at(step)
         # a pipeline's timeline by default; a data-parallel profile only when asked for, since
         # profiling slows the step it profiles
@@ -472,7 +456,7 @@ class Coordinator:
             self.dims.pp > 1 or self.spec.tracking.trace_step is not None)
         pending = _Pending(step=step, samples=len(batch), lr=lr, submitted_at=time.perf_counter(),
                            refs=self.group.submit("train_step", step, batch, lr, traced),
-                           cursor=self.cursor.state_dict(), traced=traced)
+                           cursor=cursor, traced=traced)
         if self.record_samples:
             pending.ledger_refs = self.group.submit("take_ledger")
         done = step + 1
@@ -503,7 +487,8 @@ class Coordinator:
         self.last_done_at = now
         metrics = self.stats.measure(p.step + 1, results, step_time_s, p.samples, p.lr,
                                      p.cursor["epoch"], self.dims)  # raises on a NaN loss
-        self.step, self.done_cursor = p.step + 1, p.cursor  # together: see above
+        self.step = p.step + 1
+        self.samples.completed(p.cursor, entries)  # with the step: see above
         if p.traced:
             self.stats.save_trace(self.step, results, self.spec, self.dims, self.tracker)
         if p.eval_refs:  # logged with the step's metrics: a step is logged once
@@ -512,8 +497,6 @@ class Coordinator:
             self.report.evaluated(self.step, evaluated)
         self.report.step(self.step, metrics, p.lr, step_time_s)
         self.last_metrics = metrics  # for on_step observers
-        for rank, taken in enumerate(entries):
-            self.ledger += [(step, rank, ids) for step, ids in taken]
         if p.save:
             self._commit(p.cursor, p.save)
         self.commits.poll(self.group)  # a background save, written by now
@@ -525,7 +508,7 @@ class Coordinator:
 
     def _checkpoint_now(self) -> None:
         """A checkpoint of the current step, between steps (before a resize)."""
-        self._commit(self.cursor.state_dict(),
+        self._commit(self.samples.done,
                      self.commits.queue(self.group, self.dims, self.step, background=False))
 
     def _commit(self, cursor: dict, save: Save) -> None:
@@ -573,7 +556,8 @@ class Coordinator:
                          run_id=self.run_id, checkpoint=self.commits.last,
                          resumed_from=self.resume_meta["step"] if self.resume_meta else None,
                          workers=self.workers, replica_digests=self.commits.replica_digests,
-                         ledger=self.ledger, stage_layers=self.stage_layers, events=self.events,
+                         ledger=self.samples.ledger if self.samples else [],
+                         stage_layers=self.stage_layers, events=self.events,
                          dp_history=self.dp_history, start=self.start,
                          eval=self.evaluation.last if self.evaluation else {},
                          tracking_uri=getattr(self.tracker, "uri", None),

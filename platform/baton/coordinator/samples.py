@@ -1,0 +1,60 @@
+"""The coordinator's data side: where the run stands in its data, the batches it hands the
+workers, and which worker trained which samples."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from baton.data.feed import Batch, DataFeed, UnitsSent
+from baton.data.manifest import Manifest
+from baton.data.order import Cursor, rebased
+
+
+class Samples:
+    """The cursor (where the next batch starts in the epochs' order) and the cursor after the
+    last completed step, which a checkpoint of that step records; the batches the feed reads
+    at the cursor, naming without sending the units the current world's workers hold; and the
+    ledger, (step, rank, sample ids) of every completed step when the run records samples.
+    The cursor runs ahead of the completed steps by the steps queued on the workers."""
+
+    def __init__(self, feed: DataFeed, manifest: Manifest):
+        self.feed, self.manifest = feed, manifest
+        self.cursor = Cursor()
+        self.done = self.cursor.state_dict()
+        self.sent = UnitsSent()
+        self.ledger: list = []
+
+    def seek(self, meta: Optional[dict]) -> None:
+        """Go back (or on) to a checkpoint's place, `meta`, or to the start with None. A
+        checkpoint of another corpus (the run was started with --rebase-data,
+        api.check_corpus) goes on from the start of the next epoch."""
+        if meta is None:
+            state, step = Cursor().state_dict(), 0
+        else:
+            state = meta["cursor"] if self.manifest.trained(meta) else rebased(meta["cursor"])
+            step = meta["step"]
+        self.cursor.load_state_dict(state)
+        self.done = self.cursor.state_dict()
+        self.ledger = [entry for entry in self.ledger if entry[0] < step]
+
+    def prime(self, global_batch: int) -> None:
+        """Read the first batch's units now: bad rows are refused before anything is written."""
+        self.feed.prime(self.cursor, global_batch)
+
+    def next_batch(self, global_batch: int) -> tuple[Batch, dict]:
+        """The next global batch, and the cursor after it."""
+        batch = self.sent.strip(self.feed.next_batch(self.cursor, global_batch))
+        return batch, self.cursor.state_dict()
+
+    def completed(self, cursor: dict, entries: list) -> None:
+        """A step is done: `cursor` is where it left the data, `entries` each rank's ledger."""
+        self.done = cursor
+        for rank, taken in enumerate(entries):
+            self.ledger += [(step, rank, ids) for step, ids in taken]
+
+    def new_world(self) -> None:
+        """The workers of a new world hold no units yet."""
+        self.sent = UnitsSent()
+
+    def close(self) -> None:
+        self.feed.close()
