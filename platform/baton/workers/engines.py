@@ -6,7 +6,6 @@ the whole model on the whole batch."""
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import OrderedDict
 from typing import Callable
 
@@ -235,20 +234,20 @@ class PipelineEngine(_Engine):
         if not (self.replica_grads and self.replica_grads.zero()):
             super().clear_grads()
 
-    def clip(self) -> float:
+    def clip(self) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient, summed over the pipeline's stages
-        (and over a stage's shards)."""
-        params = [q for q in self.module.parameters() if q.grad is not None]
+        (and over a stage's shards). The norm stays a tensor, as `clip_grads` leaves it: on a
+        GPU the optimizer step is queued without the host waiting for the backward to end
+        (the worker reads the norm once, with the loss, after the step)."""
+        grads = [q.grad for q in self.module.parameters() if q.grad is not None]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for q in params:
-            sq += torch.linalg.vector_norm(local(q.grad)) ** 2
+        for g in grads:
+            sq += torch.linalg.vector_norm(local(g)) ** 2
         if self.sharded:  # a stage's shards together hold its gradient (once per group)
             dist.all_reduce(sq, group=self.shard_group)
         dist.all_reduce(sq, group=self.pp_group)
-        norm = math.sqrt(float(sq))
+        norm = sq.sqrt()
         max_norm = self.spec.train.grad_clip
         if max_norm > 0:
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            for q in params:
-                q.grad.mul_(coef)
+            torch._foreach_mul_([local(g) for g in grads], (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
