@@ -35,7 +35,6 @@ class StepTrace:
     """What one rank did in one step. Times are wall-clock seconds (time.time()), so the
     coordinator can line ranks up; compute intervals are what the bubble is measured from."""
 
-    loss_sum: float = 0.0
     events: list = field(default_factory=list)  # (kind, micro-batch, stage, start, end)
     busy_s: float = 0.0
     first_start: float = 0.0
@@ -133,7 +132,6 @@ class PipelineRuntime:
                     target = targets[a.mb]  # a tensor, or a task's batch (a dict of them)
                     part = loss_fn(y, {k: t.to(self.device) for k, t in target.items()}
                                    if isinstance(target, dict) else target.to(self.device))
-                    trace.loss_sum += float(part.detach())
                     y = part * scale
                 else:
                     out.append((y.detach(), self._peer(s + 1), _tag("F", a.mb, s), a.mb, s))
