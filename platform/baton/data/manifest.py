@@ -15,12 +15,14 @@ import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import pyarrow.dataset as pads
 
 from baton import storage
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as pads
 
 FOOTER_THREADS = 16  # footers are small reads: on object storage, latency is what matters
 
@@ -64,6 +66,10 @@ class Manifest:
         """Read every file's footer under `root` (a folder or URI, or one file)."""
         fs, path = storage.resolve(root)
         if dataset is None:
+            # imported here: workers import this module (through the feed's Batch) and never
+            # list a corpus; pyarrow.dataset and the pandas it imports are 0.3 s of a worker's start
+            import pyarrow.dataset as pads
+
             dataset = pads.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=False)
         fragments = list(dataset.get_fragments())
         infos = fs.get_file_info([f.path for f in fragments])
