@@ -120,8 +120,9 @@ def test_a_corpus_four_times_the_object_store_trains_with_the_driver_flat(tmp_pa
     used, spilled = max(s[0] for s in samples), max(s[1] for s in samples)
     assert reads == {"small": 2, "big": 2}  # the first block here, the next through Ray Data
     print(f"driver peak RSS {peaks}; object store peak {used:.1f} MiB, spilled {spilled:.1f} MiB")
-    # measured here, this test alone, 4 runs: +18, +18, +19, +30 MiB (RssAnon; VmHWM from
-    # 637-645 MiB after the small run). The same 8 MiB job run twice grows by +8, +11, +26 MiB
+    # measured here, this test alone, 4 runs: +18, +18, +19, +30 MiB (VmHWM 637-645 MiB after
+    # the small run; the growth private memory); in the whole module, 2 runs: +20, +21 MiB.
+    # The same 8 MiB job run twice grows by +8, +11, +26 MiB
     # (3 runs): a second run's own growth, so the corpus's size adds about 10 MiB. The object
     # store peaked at 5-50 MiB; nothing spilled. Before preflight stopped scanning for its
     # first row, the big run added 920 MiB: this bound catches that

@@ -67,7 +67,8 @@ class Manifest:
         fs, path = storage.resolve(root)
         if dataset is None:
             # imported here: workers import this module (through the feed's Batch) and never
-            # list a corpus; pyarrow.dataset and the pandas it imports are 0.3 s of a worker's start
+            # list a corpus; pyarrow.dataset and the pandas it imports were about 0.2 s and
+            # 36 MiB of each worker's start (docs/benchmarks.md)
             import pyarrow.dataset as pads
 
             dataset = pads.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=False)
