@@ -16,6 +16,7 @@ starts once the machine is quiet (`settle`, which prints how long it waited).
     python benchmarks/dp_throughput.py --device cuda --layers 12 --width 768 --heads 12 \\
         --seq-len 1024 --global-batch 32 --micro-batch 8     # GPU, NCCL, bf16, MFU
     ... --compile                # all three with each block compiled (train.compile), as baton does
+    ... --baseline /tmp/before   # and baton from another checkout, in the same rounds
     python benchmarks/dp_throughput.py --skip baton,ray_train --bucket-mbs 1 5 100 --width 384 \\
         --global-batch 16 --micro-batch 8 --steps 20 --warmup 4 --rounds 4
                                  # DDP's bucket size (bucket_cap_mb) against its default 25 MB
@@ -218,6 +219,10 @@ def main() -> int:
     p.add_argument("--bucket-mbs", type=float, nargs="*", default=[],
                    help="also plain DDP with these bucket_cap_mb (the 'ddp' row is DDP's default, 25)")
     p.add_argument("--skip", default="", help="comma-separated: baton,ddp,ray_train")
+    p.add_argument("--baseline", help="another checkout of baton: both batons then run in "
+                   "processes of their own (its platform/ first on PYTHONPATH for the baseline)")
+    p.add_argument("--data", help=argparse.SUPPRESS)  # the corpus, prepared already
+    p.add_argument("--baton-only", help=argparse.SUPPRESS)  # one baton run: its step times to this file
     p.add_argument("--out", default="benchmarks/results/dp_throughput_{device}.json")
     args = p.parse_args()
 
@@ -225,8 +230,9 @@ def main() -> int:
 
     out = args.out.format(device=args.device)
     tmp = tempfile.mkdtemp(prefix="baton-bench-")
-    data = f"{tmp}/data"
-    prepare_stdlib(data, args.seq_len)
+    data = args.data or f"{tmp}/data"
+    if not args.data:
+        prepare_stdlib(data, args.seq_len)
     spec_dict = job(args, data, tmp)
     spec = spec_from_dict(spec_dict)
     tokens_per_step = args.global_batch * args.seq_len
@@ -245,9 +251,27 @@ def main() -> int:
             shutil.rmtree(ckpt)
         return api.run(spec, show_progress=False, log=lambda _: None).step_times_s
 
+    if args.baton_only:
+        Path(args.baton_only).write_text(json.dumps(baton_run()))
+        ray.shutdown()
+        return 0
+
+    def baton_process(platform: str | None) -> list[float]:
+        """One baton run in a process of its own, with its own embedded Ray."""
+        import subprocess
+
+        times = f"{tmp}/times.json"
+        env = {**os.environ, **({"PYTHONPATH": platform} if platform else {})}
+        subprocess.run([sys.executable, *sys.argv, "--data", data, "--baton-only", times], env=env, check=True)
+        return json.loads(Path(times).read_text())
+
     contenders = {"baton": baton_run,
                   "ddp": lambda: run_ddp(spec_dict, data, args, tmp),
                   "ray_train": lambda: run_ray_train(spec_dict, data, args, tmp)}
+    if args.baseline:
+        contenders["baton"] = lambda: baton_process(None)
+        before = str(Path(args.baseline).resolve() / "platform")
+        contenders["baseline"] = lambda: baton_process(before)
     for mb in args.bucket_mbs:
         contenders[f"ddp_{mb:g}MB"] = lambda mb=mb: run_ddp(spec_dict, data, args, tmp, mb)
     skip = set(filter(None, args.skip.split(",")))
@@ -275,7 +299,9 @@ def main() -> int:
         return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
 
     ratios = {"baton_vs_ddp": paired("baton", "ddp"), "baton_vs_ray_train": paired("baton", "ray_train"),
-              "ray_train_vs_ddp": paired("ray_train", "ddp")}
+              "ray_train_vs_ddp": paired("ray_train", "ddp"),
+              **({"baton_vs_baseline": paired("baton", "baseline"), "baseline": args.baseline}
+                 if args.baseline else {})}
     flops = gpt_flops_per_token(args.layers, args.width, args.seq_len, 256)
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     peak = peak_flops(device_name, spec.train.precision) if args.device == "cuda" else None
@@ -286,6 +312,8 @@ def main() -> int:
         vs_txt = [f"{v:.3f}" if v is not None else "-" for v in vs]
         mfu = f" {rate * flops / (peak * args.workers):7.1%}" if peak else ""
         print(f"{name:10s} {rate:>18,.0f} {vs_txt[0]:>8s} {vs_txt[1]:>13s}{mfu}")
+    if args.baseline:
+        print(f"baton / baseline ({args.baseline}): {ratios['baton_vs_baseline']:.3f}")
     print("(ratios: median over rounds of each round's paired ratio)")
 
     result = {"config": vars(args), "device": device_name, "torch": torch.__version__,

@@ -222,6 +222,9 @@ class FakeGroup:
     def submit(self, method, *args):
         return [(rank, method, args) for rank in range(len(self.actors))]
 
+    def submit_step(self, step, *args):
+        return self.submit("train_step", step, *args)
+
     def call(self, method, *args, what="", checkpoint=False):
         return self.wait(self.submit(method, *args), what or method)
 
@@ -295,7 +298,7 @@ class FakeGroup:
     def release(self, members):
         self.cluster.free += len(members)
 
-    def cancel(self, refs):
+    def abandon(self, refs):
         pass
 
     def discard(self, refs):

@@ -12,6 +12,7 @@ ranks, `setup` on a fresh port.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -193,8 +194,9 @@ class WorkerGroup:
         self.spec, self.dims = spec, dims
         self.actors = [a for a, _ in members]
         self.infos = [info for _, info in members]
+        self.world = os.urandom(6).hex()  # this world's name, for its steps (actor.py)
         for rank, actor in enumerate(self.actors):
-            actor.assign.remote(spec, dims, rank)  # queued ahead of everything sent after it
+            actor.assign.remote(spec, dims, rank, self.world)  # queued ahead of everything sent after it
         self._beats, self._sent = {}, {}
 
     def members(self, ranks: Optional[list[int]] = None) -> list[tuple[Any, dict]]:
@@ -218,6 +220,13 @@ class WorkerGroup:
     def submit(self, method: str, *args: Any) -> list:
         """Queue `method(*args)` on every rank without waiting; actors run calls in order."""
         return [getattr(a, method).remote(*args) for a in self.actors]
+
+    def submit_step(self, step: int, *args: Any) -> list:
+        """Hand step `step` (`train_step(step, *args)`) to every rank's training thread, queued
+        behind the calls sent before; the refs of its results, in rank order (actor.py)."""
+        for a in self.actors:
+            a.train_step.remote(self.world, step, *args)
+        return [a.step_result.remote(self.world, step) for a in self.actors]
 
     def submit_each(self, method: str, args: list[tuple]) -> list:
         """Queue `method(*args[rank])` on each rank without waiting."""
@@ -396,10 +405,13 @@ class WorkerGroup:
         for actor, _ in members:
             ray.kill(actor)
 
-    def cancel(self, refs: list) -> None:
-        """Drop calls not yet started (a call already running finishes or fails on its own)."""
+    def abandon(self, refs: list) -> None:
+        """Give the world up: drop calls not yet started, and the steps each worker's training
+        thread holds queued (a call already running finishes or fails on its own)."""
         for ref in refs:
             ray.cancel(ref)
+        for actor in self.actors:
+            actor.end_world.remote(self.world)
 
     def discard(self, refs: list) -> None:
         """Collect what `refs` ended with, errors included, once they are done (after `leave`):

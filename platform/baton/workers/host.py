@@ -1,7 +1,8 @@
 """How a worker process uses its host's memory allocator.
 
-A worker's steps run on a thread of Ray's (an actor's calls run on its executor threads), so
-glibc serves their allocations from a per-thread arena, and it gives the top of such an arena
+A worker's steps run on a thread that is not the process's main one (the worker's training
+thread, actor.py; before it, Ray's executor thread), so glibc serves their allocations from a
+per-thread arena, and it gives the top of such an arena
 back to the kernel whenever more than its trim threshold lies free there. A CPU step frees its
 activations at the end and allocates them again in the next one, so every step faulted the
 same pages back in: 23-25 thousand minor page faults a second in each worker of

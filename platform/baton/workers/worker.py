@@ -2,9 +2,10 @@
 (pp > 1), its optimizer, and its place in the torch.distributed groups. It executes; the
 coordinator decides what.
 
-Calls run one at a time, in order, on the actor's default thread. `heartbeat` runs on a thread
-of its own (the "health" concurrency group, actor.py), so a worker busy in a long step or stuck
-in a collective still answers, and one that does not answer is dead or frozen. A worker outlives
+Calls run one at a time, in the order sent, on the worker's training thread (actor.py): a step
+starts the moment the one before ends, without waiting for Ray to hand it over. `heartbeat`
+runs on a thread of its own (the "health" concurrency group), so a worker busy in a long step
+or stuck in a collective still answers, and one that does not answer is dead or frozen. A worker outlives
 its process group: after a failure the coordinator calls `leave`, then `assign` gives it a new
 rank in a new world and `setup` joins it (on a fresh port), without a new process."""
 
@@ -115,7 +116,7 @@ class Worker:
                                  ", no driver or no device"))
         self.device = torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
         torch.set_num_threads(spec.resources.threads_per_worker)
-        host.keep_freed_memory()  # steps run on Ray's threads: see host.py
+        host.keep_freed_memory()  # steps run off the main thread: see host.py
         self.ledger: Optional[list] = None
         self.engine = self.checkpoint_group = None
         self.broken: Optional[str] = None  # the call that broke this world (`_in_world`)
@@ -177,7 +178,8 @@ class Worker:
 
     def leave(self) -> int:
         """Drop the process group and the model (after a failure or before a resize). Runs
-        after every call queued before it, so nothing of the old world is still executing.
+        after every call queued before it and the step still running, so nothing of the old
+        world is still executing (steps handed over and not started are dropped: actor.py).
         Keeps the model's state as of the last step this worker completed (a step that failed
         half-way never reached its optimizer update) and returns that step: after a failure,
         the survivors' state can be written as a checkpoint (`write_kept`). A sharded worker
