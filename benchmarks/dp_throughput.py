@@ -16,7 +16,7 @@ starts once the machine is quiet (`settle`, which prints how long it waited).
     python benchmarks/dp_throughput.py --device cuda --layers 12 --width 768 --heads 12 \\
         --seq-len 1024 --global-batch 32 --micro-batch 8     # GPU, NCCL, bf16, MFU
     ... --compile                # all three with each block compiled (train.compile), as baton does
-    ... --baseline /tmp/before   # and baton from another checkout, in the same rounds
+    ... --baseline /tmp/before   # and baton from other checkouts (one or more), in the same rounds
     python benchmarks/dp_throughput.py --skip baton,ray_train --bucket-mbs 1 5 100 --width 384 \\
         --global-batch 16 --micro-batch 8 --steps 20 --warmup 4 --rounds 4
                                  # DDP's bucket size (bucket_cap_mb) against its default 25 MB
@@ -219,8 +219,9 @@ def main() -> int:
     p.add_argument("--bucket-mbs", type=float, nargs="*", default=[],
                    help="also plain DDP with these bucket_cap_mb (the 'ddp' row is DDP's default, 25)")
     p.add_argument("--skip", default="", help="comma-separated: baton,ddp,ray_train")
-    p.add_argument("--baseline", help="another checkout of baton: both batons then run in "
-                   "processes of their own (its platform/ first on PYTHONPATH for the baseline)")
+    p.add_argument("--baseline", nargs="*", default=[],
+                   help="other checkouts of baton, each a system named by its folder: every baton "
+                   "then runs in a process of its own (a checkout's platform/ first on PYTHONPATH)")
     p.add_argument("--data", help=argparse.SUPPRESS)  # the corpus, prepared already
     p.add_argument("--baton-only", help=argparse.SUPPRESS)  # one baton run: its step times to this file
     p.add_argument("--out", default="benchmarks/results/dp_throughput_{device}.json")
@@ -270,25 +271,30 @@ def main() -> int:
                   "ray_train": lambda: run_ray_train(spec_dict, data, args, tmp)}
     if args.baseline:
         contenders["baton"] = lambda: baton_process(None)
-        before = str(Path(args.baseline).resolve() / "platform")
-        contenders["baseline"] = lambda: baton_process(before)
+    for other in args.baseline:
+        contenders[Path(other).name] = lambda p=str(Path(other).resolve() / "platform"): baton_process(p)
     for mb in args.bucket_mbs:
         contenders[f"ddp_{mb:g}MB"] = lambda mb=mb: run_ddp(spec_dict, data, args, tmp, mb)
     skip = set(filter(None, args.skip.split(",")))
     names = [k for k in contenders if k not in skip]
     rates: dict[str, list[float]] = {k: [] for k in names}
+    # each run's median step: a burst of another process's work on this shared machine moves
+    # a run's mean, not its median (a fixed cost every step moves both)
+    median_steps: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             waited = settle()
             t0 = time.perf_counter()
             times = contenders[name]()
             rates[name].append(tokens_per_s(times, args.warmup, tokens_per_step))
-            print(f"round {r + 1}: {name:9s} {rates[name][-1]:>12,.0f} tokens/s "
+            median_steps[name].append(statistics.median(times[args.warmup:]))
+            print(f"round {r + 1}: {name:9s} {rates[name][-1]:>12,.0f} tokens/s, median step "
+                  f"{median_steps[name][-1] * 1e3:.1f} ms "
                   f"({time.perf_counter() - t0:.1f} s end to end, after {waited:.0f} s for "
                   "the machine to settle)", flush=True)
             # after every run: a run cut short by a time limit keeps what it measured
             write_result(out, {"config": vars(args), "rounds_tokens_per_s": rates,
-                               "complete": False}, announce=False)
+                               "rounds_median_step_s": median_steps, "complete": False}, announce=False)
     ray.shutdown()
 
     median = {k: statistics.median(v) for k, v in rates.items()}
@@ -298,10 +304,13 @@ def main() -> int:
             return None
         return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
 
+    def paired_median(b: str, a: str = "baton") -> float:
+        """`a`'s speed over `b`'s, from each round's median steps (paired, median of rounds)."""
+        return statistics.median(y / x for x, y in zip(median_steps[a], median_steps[b]))
+
     ratios = {"baton_vs_ddp": paired("baton", "ddp"), "baton_vs_ray_train": paired("baton", "ray_train"),
               "ray_train_vs_ddp": paired("ray_train", "ddp"),
-              **({"baton_vs_baseline": paired("baton", "baseline"), "baseline": args.baseline}
-                 if args.baseline else {})}
+              **{f"baton_vs_{Path(b).name}": paired("baton", Path(b).name) for b in args.baseline}}
     flops = gpt_flops_per_token(args.layers, args.width, args.seq_len, 256)
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     peak = peak_flops(device_name, spec.train.precision) if args.device == "cuda" else None
@@ -312,13 +321,18 @@ def main() -> int:
         vs_txt = [f"{v:.3f}" if v is not None else "-" for v in vs]
         mfu = f" {rate * flops / (peak * args.workers):7.1%}" if peak else ""
         print(f"{name:10s} {rate:>18,.0f} {vs_txt[0]:>8s} {vs_txt[1]:>13s}{mfu}")
-    if args.baseline:
-        print(f"baton / baseline ({args.baseline}): {ratios['baton_vs_baseline']:.3f}")
+    for b in args.baseline:
+        name = Path(b).name
+        print(f"baton / {name} ({b}): {ratios[f'baton_vs_{name}']:.3f} (paired, of the rounds' "
+              f"tokens/s); {paired_median(name):.3f} (of their median steps)")
     print("(ratios: median over rounds of each round's paired ratio)")
 
     result = {"config": vars(args), "device": device_name, "torch": torch.__version__,
               "ray": ray.__version__, "flops_per_token": flops, "peak_flops": peak,
               "tokens_per_step": tokens_per_step, "grad_mib": grad_mib, "rounds_tokens_per_s": rates,
+              "rounds_median_step_s": median_steps,
+              "median_step_ratios": {f"baton_vs_{k}": paired_median(k) for k in names if k != "baton"}
+              if "baton" in names else None,
               "median_tokens_per_s": median,
               "paired_ratios_median": ratios,
               "mfu": {k: v * flops / (peak * args.workers) for k, v in median.items()} if peak else None,
