@@ -5,14 +5,8 @@ itself (`baton.workers.worker`), the driver would load torch, models and engines
 (docs/benchmarks.md, "From the command to the first step"). Each call here runs the worker's
 method of the same name; the actor's process imports the worker in the constructor.
 
-Steps run on a thread of the worker's own (`Steps`), not on Ray's. Ray starts an actor's next
-queued call only after the one before has returned, and that hand-over took 1-4 ms on a loaded
-2-core machine (0.3 ms idle), every step, with every rank then waiting for the slowest in the
-next all-reduce. So `train_step` only hands the step to the worker's training thread, which
-starts it the moment the step before ends, and the step's result comes back through
-`step_result` on a thread of its own. Every other call still runs on Ray's default thread, in
-the order the calls were sent, once the steps handed over before it have run: a checkpoint
-queued behind step k sees the state after step k, as it did when steps ran there too."""
+# The worker's calls (a unit test holds this list to `Worker`'s public methods): each runs on
+# the worker's training thread, one at a time and in the order sent, but for those in UNORDERED"""
 
 from __future__ import annotations
 
@@ -34,8 +28,8 @@ CALLS = ("rest", "renew", "assign", "ready", "heartbeat", "leave", "write_kept",
          "share_state", "digest", "take_ledger", "shutdown")
 # "health": a busy or stuck worker still answers its heartbeat; "io": a background save's
 # writes and their wait do not hold up the training calls queued meanwhile; "steps": the
-# steps' results, each waited for on a thread of its own (as many as may be queued, and one
-# of a world that ended until `leave` ends its wait)
+# steps' results, each waited for on a thread of its own (as many as the coordinator queues,
+# and a few of a world a recovery gave up, until `end_world` or `leave` ends their wait)
 GROUPS = {"heartbeat": "health", "write_planned": "io", "written": "io", "step_result": "steps",
           "end_world": "health"}
 CONCURRENCY = {"health": 1, "io": 1, "steps": 4}
