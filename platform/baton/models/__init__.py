@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from baton.errors import reason
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from baton.models.layers import Layers
+
 # torch is imported where a model is built, not here: the spec's checks read the names and
 # options below before Ray starts, and `baton run` imports torch while Ray starts (api.py)
 HF_PREFIX = "hf:"  # model.name: hf:TYPE (models/hf.py)
 
-__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "build_model", "blocks", "check_model_name",
+__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "build_lazily", "build_model", "blocks", "check_model_name",
            "layer_count", "layer_params", "loss_sum", "options_problem", "sequential"]
 
 
@@ -46,29 +48,33 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
-def _gpt(spec) -> nn.Module:
-    from baton.models.gpt import build_gpt
+def _gpt(spec) -> Layers:
+    from baton.models.gpt import gpt_layers
 
-    return build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads,
-                     seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout,
-                     **spec.options)
-
-
-def _mlp(spec) -> nn.Module:
-    from baton.models.mlp import build_mlp
-
-    return build_mlp(layers=spec.layers, width=spec.width, context=spec.context,
-                     vocab_size=spec.vocab_size, **spec.options)
+    return gpt_layers(layers=spec.layers, width=spec.width, heads=spec.heads,
+                      seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout,
+                      **spec.options)
 
 
-def _classifier(spec) -> nn.Module:
-    from baton.models.mlp import build_classifier
+def _mlp(spec) -> Layers:
+    from baton.models.mlp import mlp_layers
 
-    return build_classifier(layers=spec.layers, width=spec.width, dropout=spec.dropout,
-                            **spec.options)
+    return mlp_layers(layers=spec.layers, width=spec.width, context=spec.context,
+                      vocab_size=spec.vocab_size, **spec.options)
 
 
-MODELS: dict[str, Callable] = {"gpt": _gpt, "mlp": _mlp, "classifier": _classifier}
+def _classifier(spec) -> Layers:
+    from baton.models.mlp import classifier_layers
+
+    return classifier_layers(layers=spec.layers, width=spec.width, dropout=spec.dropout,
+                             **spec.options)
+
+
+# the built-in models as recipes of layers (models/layers.py): a worker can build the layers
+# it holds without the rest
+RECIPES: dict[str, Callable[..., Layers]] = {"gpt": _gpt, "mlp": _mlp, "classifier": _classifier}
+MODELS: dict[str, Callable] = {name: (lambda spec, r=recipe: r(spec).build())
+                             for name, recipe in RECIPES.items()}
 # the options each built-in model takes: name -> (least, most)
 OPTIONS: dict[str, dict[str, tuple[int, int]]] = {
     "gpt": {}, "mlp": {"embed_dim": (1, 4096)},
@@ -144,6 +150,21 @@ def build_model(spec, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return builder(spec)
+
+
+def build_lazily(spec, seed: int) -> tuple[nn.Module, Callable[[Iterable[nn.Module]], None]]:
+    """The model and `fill(layers)`, which gives those of its layers the values `build_model`
+    would, in the model's order: a built-in model starts on the meta device and gets its
+    layers' values only as they are filled (models/layers.py), so a worker that keeps a part of
+    it (sharded, a pipeline stage) never holds the whole in memory. A builder of the user's is
+    built whole, and `fill` has nothing to do."""
+    recipe = RECIPES.get(spec.name)
+    if recipe is None:
+        return build_model(spec, seed), lambda layers: None
+    from baton.models.layers import LayerByLayer
+
+    lazy = LayerByLayer(recipe(spec), seed)
+    return lazy.module, lazy.fill
 
 
 def _on_meta(spec) -> nn.Module:

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.models.layers import Layers
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, width: int, seq_len: int, dropout: float):
@@ -55,18 +57,20 @@ class Head(nn.Module):
         return self.lm(self.ln(x))
 
 
-def build_gpt(*, layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
-              dropout: float = 0.0) -> nn.Sequential:
-    model = nn.Sequential(
-        Embedding(vocab_size, width, seq_len, dropout),
-        *[Block(width, heads, dropout) for _ in range(layers)],
-        Head(width, vocab_size),
-    )
-    for name, p in model.named_parameters():
+def gpt_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
+               dropout: float = 0.0) -> Layers:
+    def init(name: str, p: torch.Tensor) -> None:
         if name.endswith("bias"):
             nn.init.zeros_(p)
         elif p.dim() >= 2:
             # GPT-2: residual projections scaled down by depth so the stream's variance stays put
             std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
             nn.init.normal_(p, mean=0.0, std=std)
-    return model
+
+    return Layers([lambda: Embedding(vocab_size, width, seq_len, dropout),
+                   *[lambda: Block(width, heads, dropout)] * layers,
+                   lambda: Head(width, vocab_size)], init)
+
+
+def build_gpt(**kwargs) -> nn.Sequential:
+    return gpt_layers(**kwargs).build()

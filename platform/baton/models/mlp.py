@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.models.layers import Layers
+
 
 class ContextEmbedding(nn.Module):
     def __init__(self, vocab_size: int, embed_dim: int, context: int):
@@ -34,21 +36,25 @@ class Dense(nn.Module):
         return F.dropout(F.gelu(self.fc(x)), self.dropout, self.training)
 
 
-def build_mlp(*, layers: int, width: int, context: int, vocab_size: int,
-              embed_dim: int = 16) -> nn.Sequential:
-    return nn.Sequential(
-        ContextEmbedding(vocab_size, embed_dim, context),
-        Dense(context * embed_dim, width),
-        *[Dense(width, width) for _ in range(layers - 1)],
-        nn.Linear(width, vocab_size),
-    )
+def mlp_layers(*, layers: int, width: int, context: int, vocab_size: int,
+               embed_dim: int = 16) -> Layers:
+    return Layers([lambda: ContextEmbedding(vocab_size, embed_dim, context),
+                   lambda: Dense(context * embed_dim, width),
+                   *[lambda: Dense(width, width)] * (layers - 1),
+                   lambda: nn.Linear(width, vocab_size)])
 
 
-def build_classifier(*, layers: int, width: int, inputs: int, classes: int,
-                     dropout: float = 0.0) -> nn.Sequential:
+def build_mlp(**kwargs) -> nn.Sequential:
+    return mlp_layers(**kwargs).build()
+
+
+def classifier_layers(*, layers: int, width: int, inputs: int, classes: int,
+                      dropout: float = 0.0) -> Layers:
     """Features (B, inputs) to class logits (B, classes) through `layers` hidden layers."""
-    return nn.Sequential(
-        Dense(inputs, width, dropout),
-        *[Dense(width, width, dropout) for _ in range(layers - 1)],
-        nn.Linear(width, classes),
-    )
+    return Layers([lambda: Dense(inputs, width, dropout),
+                   *[lambda: Dense(width, width, dropout)] * (layers - 1),
+                   lambda: nn.Linear(width, classes)])
+
+
+def build_classifier(**kwargs) -> nn.Sequential:
+    return classifier_layers(**kwargs).build()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from baton.spec import TrainSpec
 from baton.training import make_optimizer, optimizer_class, param_groups
 
 
+Fill = Callable[[Iterable[nn.Module]], None]  # gives a model's layers their values (models/layers.py)
 NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "ZeRO-3"}
 SHARDED_PARTS = {"none": (), "optimizer": ("optimizer",),
                  "grads": ("params", "grads", "optimizer"), "full": ("params", "grads", "optimizer")}
@@ -134,8 +135,8 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 
 def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool,
-                unit_mib: float, grad_comm: str = "fp32",
-                backward_follows: bool = True) -> Optional[nn.Module]:
+                unit_mib: float, grad_comm: str = "fp32", backward_follows: bool = True,
+                fill: Optional[Fill] = None) -> Optional[nn.Module]:
     """FSDP2 on each of `module`'s blocks, then on `module` itself as a root, over the dp
     axes of the mesh (of this rank's pipeline stage, when pp > 1).
 
@@ -144,7 +145,10 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     parameters whole after its forward even under ZeRO-3: the backward starts with it, so
     freeing them would only gather them again at once, with the peak unchanged (torchtitan
     does the same with its last block). Returns the first unit (a forward begins with it), or
-    None for a module with no blocks (a pipeline stage may hold only an embedding or a head)."""
+    None for a module with no blocks (a pipeline stage may hold only an embedding or a head).
+
+    `fill`: for a model on the meta device, gives a unit's layers their values just before it
+    is sharded (models/layers.py): the host holds this worker's shards and one unit whole."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
@@ -156,9 +160,13 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     groups = units(module, unit_mib)
     for i, group in enumerate(groups):
         last = backward_follows and i == len(groups) - 1
+        if fill is not None:
+            fill(group)
         shard(group if len(group) > 1 else group[0], mesh=dp_mesh,
               reshard_after_forward=reshard_after_forward and not last, mp_policy=mp)
     # the root holds what no unit does; it is needed again at once by the backward
+    if fill is not None:
+        fill(module.children())
     shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     if dist.get_backend(dp_mesh["dp_shard"].get_group()) == "gloo":
         reduce_scatter = comm.fsdp_reduce_scatter()  # stateless: one for every unit
@@ -169,12 +177,14 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
 
 def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                 reshard_after_forward: bool, unit_mib: float = UNIT_MIB,
-                grad_comm: str = "fp32") -> Replica:
-    """`module` as the host built it: FSDP2 moves each unit's parameters to the mesh's device
-    as it shards that unit, so the device holds this worker's shards and at most one unit
-    whole, never the whole model (moved first, as before, a model larger than one device could
-    not be sharded across several)."""
-    first = _shard_root(module, mesh, train, reshard_after_forward, unit_mib, grad_comm)
+                grad_comm: str = "fp32", fill: Optional[Fill] = None) -> Replica:
+    """`module` as the host built it (or on the meta device, its units given their values by
+    `fill` as they are sharded): FSDP2 moves each unit's parameters to the mesh's device as it
+    shards that unit, so the device holds this worker's shards and at most one unit whole,
+    never the whole model (moved first, as before, a model larger than one device could not be
+    sharded across several)."""
+    first = _shard_root(module, mesh, train, reshard_after_forward, unit_mib, grad_comm,
+                        fill=fill)
     optimizer = make_optimizer(module, train)
 
     @contextlib.contextmanager
@@ -201,14 +211,15 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                    lambda where: sharded.load_into(module, optimizer, where))
 
 
+# `fill` (for the levels that shard parameters): see fully_shard
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
-    "none": lambda *a, unit_mib=None, grad_comm="fp32": replicate(*a, grad_comm=grad_comm),
-    "optimizer": lambda *a, unit_mib=None, grad_comm="fp32": replicate(
+    "none": lambda *a, unit_mib=None, grad_comm="fp32", fill=None: replicate(*a, grad_comm=grad_comm),
+    "optimizer": lambda *a, unit_mib=None, grad_comm="fp32", fill=None: replicate(
         *a, shard_optimizer=True, grad_comm=grad_comm),
-    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32": fully_shard(
-        *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm),
-    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32": fully_shard(
-        *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm),
+    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None: fully_shard(
+        *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill),
+    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None: fully_shard(
+        *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill),
 }
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from baton.checkpoint import sharded
-from baton.models import build_model, sequential
+from baton.models import build_lazily, build_model, sequential
 from baton.parallel import ParallelDims
 from baton.parallel import comm
 from baton.parallel import schedule as sched
@@ -23,7 +23,8 @@ from baton.parallel.activations import checkpoint_activations
 from baton.parallel.compiled import compile_blocks
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
-from baton.parallel.sharding import STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard, state_dicts
+from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard,
+                                     state_dicts)
 from baton.spec import JobSpec
 from baton.tasks import Sums, Task, example_inputs, to_device
 from baton.tracking.profile import profiled
@@ -71,15 +72,19 @@ class DataParallelEngine(_Engine):
         self.spec, self.device, self.task = spec, device, task
         self.bf16 = spec.train.precision == "bf16"
         self.dp = spec.parallel.dp
-        # built on the host; the wrapping puts it on the device (sharded: unit by unit)
-        self.module = build_model(spec.model, spec.train.seed)
+        # built on the host; the wrapping puts it on the device (sharded: unit by unit). With
+        # its parameters sharded, the model starts on the meta device and each unit gets its
+        # values as FSDP shards it, so the host never holds the whole model (models/layers.py)
+        level = spec.parallel.shard
+        self.module, fill = (build_lazily(spec.model, spec.train.seed)
+                             if "params" in SHARDED_PARTS[level]
+                             else (build_model(spec.model, spec.train.seed), None))
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
         compile_blocks(self.module, spec.train.compile, device.type)
-        level = spec.parallel.shard
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s) if level != "none" else None
         self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
-                                        grad_comm=spec.parallel.grad_comm)
+                                        grad_comm=spec.parallel.grad_comm, fill=fill)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
 
@@ -139,13 +144,16 @@ class PipelineEngine(_Engine):
         self.spec, self.dims, self.device, self.task = spec, dims, device, task
         self.dp_rank, self.pp_rank = dims.coords(rank)
         p, v = dims.pp, spec.chunks
-        full = sequential(build_model(spec.model, spec.train.seed), spec.model.name)
+        full, fill = build_lazily(spec.model, spec.train.seed)
+        full = sequential(full, spec.model.name)
         checkpoint_activations(full, spec.train.activation_checkpointing)  # on the whole model
         compile_blocks(full, spec.train.compile, device.type)
-        # Every rank builds the whole model from the seed and keeps its slices, so stages
-        # start exactly as the single-process model does (the rest is freed at once).
+        # Every rank keeps its slices of the model and gives only those their values, exactly
+        # as the single-process model has them (a built-in model: the rest stays on the meta
+        # device; a user's builder builds the whole, and the rest is freed at once).
         spans = bounds(stage_layers)
         chunks = [full[slice(*spans[sched.stage_of(self.pp_rank, c, p)])] for c in range(v)]
+        fill(layer for chunk in chunks for layer in chunk)
         self.module = nn.Sequential(OrderedDict(
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
         self.module.to(device)
