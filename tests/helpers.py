@@ -330,6 +330,15 @@ def not_on_meta(spec):
                      vocab_size=spec.vocab_size)
 
 
+def gpt_recipe(spec):
+    """A user model (`helpers:gpt_recipe`) whose builder returns a recipe of layers
+    (`baton.models.layers.Layers`), which sharded workers build layer by layer."""
+    from baton.models.gpt import gpt_layers
+
+    return gpt_layers(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
+                      vocab_size=spec.vocab_size)
+
+
 def await_growth(coordinator, timeout_s: float = 90) -> None:
     """From an on_step hook: wait until the workers a growth has started are ready, so that
     the world grows at the next step boundary. A growth starts its workers while training

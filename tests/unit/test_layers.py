@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from baton.models import RECIPES, blocks, build_lazily, build_model
+from baton.models import MODELS, blocks, build_lazily, build_model, layer_count, options_problem
 from baton.models.layers import Layers, LayerByLayer
 from baton.parallel.activations import checkpoint_activations
 from baton.spec import spec_from_dict
@@ -112,12 +112,30 @@ class Counted:
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_one_layer_at_a_time_beyond_those_kept(name):
     spec = model_spec(name)
-    counted = Counted(RECIPES[name](spec))
+    counted = Counted(MODELS[name](spec))
     lazy = LayerByLayer(counted.layers, seed=0)
     lazy.fill([lazy.module[-1]])  # the last layer: every constructor before it runs, and drops
     # each layer made is dropped before the next is made: one in memory at a time, however
-    # many layers the model has (a whole build holds them all: 6 and 4 here)
+    # many layers the model has (a whole build holds them all: 6 and 5 here)
     assert counted.most == 1
     whole = build_model(spec, seed=0)
     assert torch.equal(lazy.module[-1].weight if name == "mlp" else lazy.module[-1].lm.weight,
                        whole[-1].weight if name == "mlp" else whole[-1].lm.weight)
+
+
+def test_a_builder_of_the_users_that_returns_a_recipe_is_built_layer_by_layer():
+    """`package.module:function` may return `Layers` instead of a module: built whole where a
+    module is needed, layer by layer where a worker keeps a part, checked on meta as any."""
+    spec = spec_from_dict({"name": "layers", "model": {**SPECS["gpt"], "name": "helpers:gpt_recipe",
+                                                       "dropout": 0.0},
+                           "data": {"source": "parquet", "path": "/nonexistent"},
+                           "train": {"steps": 1, "global_batch": 4}}).model
+    builtin = build_model(model_spec("gpt"), seed=2)  # the same recipe, by its built-in name
+    whole = build_model(spec, seed=2)
+    assert isinstance(whole, nn.Sequential)
+    same(whole, builtin)
+    module, fill = build_lazily(spec, seed=2)
+    assert all(p.is_meta for p in module.parameters())
+    fill(module)
+    same(module, whole)
+    assert options_problem(spec, on_meta=True) is None and layer_count(spec) == 6

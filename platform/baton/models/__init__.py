@@ -70,11 +70,9 @@ def _classifier(spec) -> Layers:
                              **spec.options)
 
 
-# the built-in models as recipes of layers (models/layers.py): a worker can build the layers
-# it holds without the rest
-RECIPES: dict[str, Callable[..., Layers]] = {"gpt": _gpt, "mlp": _mlp, "classifier": _classifier}
-MODELS: dict[str, Callable] = {name: (lambda spec, r=recipe: r(spec).build())
-                             for name, recipe in RECIPES.items()}
+# the built-in models, as recipes of layers (models/layers.py): a worker can build the layers
+# it holds without the rest. A builder of the user's may return a recipe too, or a module.
+MODELS: dict[str, Callable[..., Layers]] = {"gpt": _gpt, "mlp": _mlp, "classifier": _classifier}
 # the options each built-in model takes: name -> (least, most)
 OPTIONS: dict[str, dict[str, tuple[int, int]]] = {
     "gpt": {}, "mlp": {"embed_dim": (1, 4096)},
@@ -146,34 +144,47 @@ def build_model(spec, seed: int) -> nn.Module:
     """Build the model with parameters drawn from `seed`, identically in every process."""
     import torch
 
-    builder = MODELS.get(spec.name) or _user_builder(spec.name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return builder(spec)
+        return _whole(_builder(spec)(spec))
 
 
 def build_lazily(spec, seed: int) -> tuple[nn.Module, Callable[[Iterable[nn.Module]], None]]:
     """The model and `fill(layers)`, which gives those of its layers the values `build_model`
-    would, in the model's order: a built-in model starts on the meta device and gets its
-    layers' values only as they are filled (models/layers.py), so a worker that keeps a part of
-    it (sharded, a pipeline stage) never holds the whole in memory. A builder of the user's is
-    built whole, and `fill` has nothing to do."""
-    recipe = RECIPES.get(spec.name)
-    if recipe is None:
-        return build_model(spec, seed), lambda layers: None
-    from baton.models.layers import LayerByLayer
+    would, in the model's order. A model made by a recipe (the built-in ones, or a builder of
+    the user's that returns `Layers`) starts on the meta device and gets its layers' values
+    only as they are filled (models/layers.py), so a worker that keeps a part of it (sharded,
+    a pipeline stage) never holds the whole in memory. A builder that returns a module has
+    built it whole, and `fill` has nothing to do."""
+    import torch
 
-    lazy = LayerByLayer(recipe(spec), seed)
+    from baton.models.layers import LayerByLayer, Layers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        made = _builder(spec)(spec)  # a module is built here, whole, as build_model builds it
+    if not isinstance(made, Layers):
+        return made, lambda layers: None
+    lazy = LayerByLayer(made, seed)
     return lazy.module, lazy.fill
+
+
+def _builder(spec) -> Callable:
+    return MODELS.get(spec.name) or _user_builder(spec.name)
+
+
+def _whole(made) -> nn.Module:
+    from baton.models.layers import Layers
+
+    return made.build() if isinstance(made, Layers) else made
 
 
 def _on_meta(spec) -> nn.Module:
     """The model built on the meta device: shapes only, no memory, no time."""
     import torch
 
-    builder = MODELS.get(spec.name) or _user_builder(spec.name)
     with torch.device("meta"):
-        return builder(spec)
+        return _whole(_builder(spec)(spec))
 
 
 def layer_count(spec) -> int:
