@@ -139,3 +139,21 @@ def test_a_builder_of_the_users_that_returns_a_recipe_is_built_layer_by_layer():
     fill(module)
     same(module, whole)
     assert options_problem(spec, on_meta=True) is None and layer_count(spec) == 6
+
+
+def test_profiling_for_the_stages_takes_one_layer_at_a_time():
+    """parallel.partition: time profiles each layer on one worker: filled, timed and let go in
+    turn, so the whole model is never in memory there either."""
+    from baton.parallel.profile import layer_times
+
+    spec = spec_from_dict({"name": "layers", "model": SPECS["gpt"],
+                           "data": {"source": "parquet", "path": "/nonexistent"},
+                           "train": {"steps": 1, "global_batch": 4, "micro_batch": 2}})
+    model, fill = build_lazily(spec.model, seed=0)
+    filled = []
+    times = layer_times(model, torch.randint(0, 256, (2, 16)), torch.device("cpu"), repeats=1,
+                        fill=lambda layers: (filled.append(sum(not p.is_meta for p in model.parameters())),
+                                             fill(layers)))
+    assert len(times) == len(model) and all(t > 0 for t in times)
+    assert filled == [0] * len(model)  # no other layer held when the next is filled
+    assert all(p.is_meta for p in model.parameters())

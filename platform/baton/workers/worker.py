@@ -33,7 +33,6 @@ from baton.checkpoint import CheckpointStore
 from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
 from baton.errors import OutOfMemory, WorkerError
-from baton.models import build_model
 from baton.parallel import ParallelDims
 from baton.parallel.broadcast import broadcast_state
 from baton.parallel.compiled import compile_seconds
@@ -245,12 +244,13 @@ class Worker:
     def profile_layers(self, columns: Optional[Columns] = None, repeats: int = 3) -> list[float]:
         """Seconds of forward + backward of each layer on one micro-batch (median of
         `repeats`): what parallel.partition = time balances."""
-        from baton.models import sequential
+        from baton.models import build_lazily, sequential
         from baton.parallel.profile import layer_times
 
-        model = sequential(build_model(self.spec.model, self.spec.train.seed), self.spec.model.name)
+        model, fill = build_lazily(self.spec.model, self.spec.train.seed)
         example = example_inputs(self.spec, _shapes(self.spec, columns), self.spec.micro_batch)
-        return layer_times(model.to(self.device), example.to(self.device), repeats)
+        return layer_times(sequential(model, self.spec.model.name), example, self.device, repeats,
+                           fill)
 
     def setup(self, master: tuple[str, int], record_samples: bool,
               stage_layers: Optional[list[int]] = None, columns: Optional[Columns] = None,
