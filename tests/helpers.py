@@ -594,15 +594,23 @@ def read_columns(folder: Path, columns: dict) -> tuple[np.ndarray, dict]:
 
 def regression(output, batch):
     """A user task (`helpers:regression`): squared error of a scalar output against `target`,
-    summed over the valid rows, and the absolute error as a metric."""
+    summed over the valid rows; the absolute error as a metric (a mean over rows), and the
+    weighted absolute percentage error, a ratio of two sums (all errors over all targets)."""
     valid = batch["valid"].float()
     err = output.squeeze(-1).float() - batch["target"]
-    return {"loss": (err ** 2 * valid).sum(), "abs_error": (err.abs() * valid).sum()}
+    return {"loss": (err ** 2 * valid).sum(), "abs_error": (err.abs() * valid).sum(),
+            "wape": ((err.abs() * valid).sum(), (batch["target"].abs() * valid).sum())}
 
 
 def no_loss_task(output, batch):
     """A user task that forgot its loss (`helpers:no_loss_task`)."""
     return {"mse": (output ** 2).sum()}
+
+
+def three_part_ratio_task(output, batch):
+    """A user task whose ratio metric has three parts, not two (`helpers:three_part_ratio_task`)."""
+    s = (output ** 2).sum()
+    return {"loss": s, "f1": (s, s, s)}
 
 
 def regressor(spec):

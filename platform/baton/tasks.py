@@ -12,7 +12,10 @@ across replicas averages exactly as one process would.
 
 A user's task is `package.module:function`, called as `function(output, batch)` and returning a
 dict of scalar tensors: "loss" (summed over the valid rows, differentiable) and any metric sums
-(accuracy: the number of correct rows). Its model's input is `batch["inputs"]`.
+(accuracy: the number of correct rows). Its model's input is `batch["inputs"]`. A metric that
+is not a mean over rows (precision, recall, F1) is a pair of sums, (numerator, denominator):
+both are summed over the step (or the evaluation) and every replica, then divided, as
+`torchmetrics` computes them from summed counts.
 """
 
 from __future__ import annotations
@@ -134,21 +137,43 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 class Sums:
     """A step's (or an evaluation's) loss and metric sums, and how many terms they sum over:
-    kept on the device until `out` (one read a step, not one a micro-batch)."""
+    kept on the device until `out` (one read a step, not one a micro-batch). A ratio metric
+    (a pair of sums) keeps its numerator and denominator apart."""
 
     def __init__(self):
         self.loss = self.count = 0
         self.metrics: dict = {}
+        self.ratios: dict = {}  # name -> [numerator, denominator]
 
     def add(self, task: Task, loss: torch.Tensor, metrics: dict, batch: dict) -> None:
         self.loss = self.loss + loss.detach()
         for k, v in metrics.items():
-            self.metrics[k] = self.metrics.get(k, 0) + v.detach()
+            if isinstance(v, (tuple, list)):
+                num, den = self.ratios.get(k, (0, 0))
+                self.ratios[k] = [num + v[0].detach(), den + v[1].detach()]
+            else:
+                self.metrics[k] = self.metrics.get(k, 0) + v.detach()
         self.count = self.count + batch[VALID].sum() * task.per_sample
 
     def out(self) -> dict:
-        return {"loss_sum": float(self.loss), "tokens": int(self.count),
-                "metrics": {k: float(v) for k, v in self.metrics.items()}}
+        out = {"loss_sum": float(self.loss), "tokens": int(self.count),
+               "metrics": {k: float(v) for k, v in self.metrics.items()}}
+        if self.ratios:
+            out["ratios"] = {k: [float(num), float(den)] for k, (num, den) in self.ratios.items()}
+        return out
+
+
+def metric_values(results: list[dict], count: float) -> dict[str, float]:
+    """The task's metrics over `results` (each a `Sums.out()`, of a replica or a batch): each
+    sum over the `count` valid terms, each ratio its numerators' sum over its denominators'
+    (left out where the denominator is 0: no positive rows, say, make no precision)."""
+    values = {k: sum(r["metrics"].get(k, 0.0) for r in results) / count
+              for k in {k for r in results for k in r["metrics"]}}
+    for k in {k for r in results for k in r.get("ratios", {})}:
+        num, den = (sum(r.get("ratios", {}).get(k, (0.0, 0.0))[i] for r in results) for i in (0, 1))
+        if den:
+            values[k] = num / den
+    return values
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,8 @@ def test_columns_are_read_as_the_task_needs_them(tmp_path):
      "model.options.inputs: 6 does not fit the data; data.columns.inputs gives 5 values a row"),
     ({"task": "helpers:no_loss_task", "data.columns": {"inputs": ["vec", "a", "b"]}},
      "must return a dict with a tensor 'loss'"),
+    ({"task": "helpers:three_part_ratio_task", "data.columns": {"inputs": ["vec", "a", "b"]}},
+     "a metric may be a pair of them, numerator and denominator); f1 is not"),
     ({"model": {"name": "gpt", "layers": 1, "width": 8, "heads": 2}},
      "the model's output on the data's inputs [6] failed"),
     ({"eval": {"fraction": 0.99}}, "eval.fraction: 0.99 holds out 12 of the 12 row groups"),
@@ -288,3 +290,26 @@ def test_a_pad_for_no_column_is_a_spec_error():
     with pytest.raises(SpecError, match="data.pad.x: 4 is invalid; pads a key of data.columns"):
         spec_from_dict({"name": "t", "task": "helpers:regression",
                         "data": {"source": "parquet", "columns": {"inputs": "a"}, "pad": {"x": 4}}})
+
+
+def test_a_ratio_metric_is_its_sums_divided_not_a_mean_of_ratios():
+    """A metric returned as (numerator, denominator) sums both over every micro-batch and
+    replica, then divides (precision: true positives over predicted positives); a mean metric
+    is its sum over the valid rows; a ratio with nothing below it is left out, not 0."""
+    from baton.tasks import Sums, UserTask, metric_values
+
+    task = UserTask("helpers:regression")
+    replicas = []
+    for rows in ([1.0, 2.0], [4.0]):  # two replicas: two micro-batches, and one
+        sums = Sums()
+        for row in rows:
+            batch = {"target": torch.tensor([row]), VALID: torch.ones(1, dtype=torch.bool)}
+            loss, metrics = task.loss(torch.ones(1, 1), batch)  # error = 1 - target
+            sums.add(task, loss, metrics, batch)
+        replicas.append(sums.out())
+    assert replicas[0]["ratios"]["wape"] == [1.0, 3.0] and "ratios" not in Sums().out()
+    values = metric_values(replicas, count=3)
+    # (0 + 1 + 3) / (1 + 2 + 4); the replicas' own ratios, 1/3 and 3/4, average to 0.54
+    assert values == {"abs_error": 4.0 / 3, "wape": 4.0 / 7}
+    nothing = [{"metrics": {}, "ratios": {"precision": [0.0, 0.0]}}]
+    assert metric_values(nothing, count=1) == {}

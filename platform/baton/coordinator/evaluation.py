@@ -16,6 +16,7 @@ from baton.data.feed import DataFeed
 from baton.data.order import Cursor
 from baton.data.source import JobData
 from baton.spec import JobSpec
+from baton.tasks import metric_values
 
 
 class Evaluation:
@@ -38,14 +39,11 @@ class Evaluation:
         return refs
 
     def collect(self, group, refs: list[list], step: int) -> dict:
-        loss = count = 0.0
-        sums: dict[str, float] = {}
-        for batch_refs in refs:
-            for r in group.wait(batch_refs, f"evaluating after step {step}"):
-                loss, count = loss + r["loss_sum"], count + r["tokens"]
-                for k, v in r["metrics"].items():
-                    sums[k] = sums.get(k, 0.0) + v
-        self.last = {"eval_loss": loss / count, **{f"eval_{k}": v / count for k, v in sums.items()},
+        results = [r for batch_refs in refs
+                   for r in group.wait(batch_refs, f"evaluating after step {step}")]
+        count = sum(r["tokens"] for r in results)
+        self.last = {"eval_loss": sum(r["loss_sum"] for r in results) / count,
+                     **{f"eval_{k}": v for k, v in metric_values(results, count).items()},
                      "eval_samples": self.samples}
         return self.last
 

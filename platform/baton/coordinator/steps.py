@@ -13,6 +13,7 @@ import numpy as np
 
 from baton.errors import WorkerError
 from baton.models.flops import job_peak_flops, model_flops_per_token
+from baton.tasks import metric_values
 from baton.tracking import timeline
 from baton.tracking.metrics import MEMORY_MIB
 from baton.tracking.profile import comm_overlap
@@ -58,8 +59,8 @@ class StepStats:
             "loss": self.last_loss, "lr": lr, "grad_norm": results[0]["grad_norm"],
             "tokens_per_s": tps, "samples_per_s": samples / step_time_s,
             "step_time_s": step_time_s, "epoch": epoch, "world_size": dims.world_size, "dp": dims.dp}
-        for key in {k for r in results for k in r.get("metrics", {})}:  # the task's (last stages')
-            metrics[f"train_{key}"] = sum(r["metrics"].get(key, 0.0) for r in results) / tokens
+        # the task's (from the last stages)
+        metrics.update({f"train_{k}": v for k, v in metric_values(results, tokens).items()})
         if "state_bytes" in results[0]:  # the first step of each world
             self.state_bytes = [r["state_bytes"] for r in results]
             metrics["state_mib_per_worker"] = max(sum(b.values()) for b in self.state_bytes) / 2**20

@@ -119,11 +119,17 @@ def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
     except Exception as e:
         return (f"the model's output on the data's inputs {list(columns.shapes().get('inputs', ((),))[0])} "
                 f"failed: {reason(e)}")
+    def scalar(v) -> bool:
+        return torch.is_tensor(v) and v.dim() == 0
+
+    def pair(v) -> bool:  # a ratio metric: (numerator, denominator)
+        return isinstance(v, (tuple, list)) and len(v) == 2 and all(map(scalar, v))
+
     bad = [k for k, v in {"loss": loss, **metrics}.items()
-           if not torch.is_tensor(v) or v.dim() != 0]
+           if not (scalar(v) or (k != "loss" and pair(v)))]
     if bad:
-        return (f"must return scalar tensors (sums over the batch's rows); {', '.join(bad)} "
-                "is not")
+        return (f"must return scalar tensors (sums over the batch's rows; a metric may be a "
+                f"pair of them, numerator and denominator); {', '.join(bad)} is not")
     return None
 
 
