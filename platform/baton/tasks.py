@@ -167,8 +167,8 @@ def metric_values(results: list[dict], count: float) -> dict[str, float]:
     """The task's metrics over `results` (each a `Sums.out()`, of a replica or a batch): each
     sum over the `count` valid terms, each ratio its numerators' sum over its denominators'
     (left out where the denominator is 0: no positive rows, say, make no precision)."""
-    values = {k: sum(r["metrics"].get(k, 0.0) for r in results) / count
-              for k in {k for r in results for k in r["metrics"]}}
+    values = {k: sum(r.get("metrics", {}).get(k, 0.0) for r in results) / count
+              for k in {k for r in results for k in r.get("metrics", {})}}
     for k in {k for r in results for k in r.get("ratios", {})}:
         num, den = (sum(r.get("ratios", {}).get(k, (0.0, 0.0))[i] for r in results) for i in (0, 1))
         if den:
