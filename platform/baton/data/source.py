@@ -119,6 +119,7 @@ def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
     except Exception as e:
         return (f"the model's output on the data's inputs {list(columns.shapes().get('inputs', ((),))[0])} "
                 f"failed: {reason(e)}")
+
     def scalar(v) -> bool:
         return torch.is_tensor(v) and v.dim() == 0
 

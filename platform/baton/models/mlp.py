@@ -44,17 +44,9 @@ def mlp_layers(*, layers: int, width: int, context: int, vocab_size: int,
                    lambda: nn.Linear(width, vocab_size)])
 
 
-def build_mlp(**kwargs) -> nn.Sequential:
-    return mlp_layers(**kwargs).build()
-
-
 def classifier_layers(*, layers: int, width: int, inputs: int, classes: int,
                       dropout: float = 0.0) -> Layers:
     """Features (B, inputs) to class logits (B, classes) through `layers` hidden layers."""
     return Layers([lambda: Dense(inputs, width, dropout),
                    *[lambda: Dense(width, width, dropout)] * (layers - 1),
                    lambda: nn.Linear(width, classes)])
-
-
-def build_classifier(**kwargs) -> nn.Sequential:
-    return classifier_layers(**kwargs).build()
