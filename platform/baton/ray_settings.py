@@ -10,9 +10,10 @@ reads at start) and the simulated clusters' of the tests and benchmarks.
   finish on SIGTERM (a checkpoint commits only once whole, and a half-written one is never
   loaded).
 - `num_workers_soft_limit`: how many idle task workers a raylet keeps instead of ending them
-  (Ray's default: the node's CPU count). baton reads its data with Ray Data tasks on the
-  driver's node, which on a cluster is the head, started with no CPUs (`k8s/`, the simulated
-  clusters): Ray then ended the read worker a second after each read, and the next block's
+  (Ray's default: the node's CPU count). baton reads its data with Ray Data tasks that ask
+  for no CPU, across the nodes, the head included, which is started with no CPUs (`k8s/`,
+  the simulated clusters): Ray then ended a read worker there a second after each read (when
+  every read ran on the driver's node, as they did until data.read: spread), and the next block's
   read started a new process (Ray Data's imports, seconds of CPU). Where a new epoch's first
   block waited for it, the step did: steps of 2.0-3.5 s among steps of 0.05-0.6 s on the
   simulated cluster (`benchmarks/chaos.py`'s 5-step epochs), none above 1.2 s with 4 kept,

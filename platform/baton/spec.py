@@ -54,6 +54,9 @@ class DataSpec:
     # of this many (a corpus this small or smaller gets a full permutation). Ray Data holds
     # about two blocks' row groups in the object store at a time
     shuffle_block: int = 262_144
+    # where row groups are read: spread over the cluster's nodes (Ray Data's default), or all
+    # on the driver's node (data only that node can see: a folder on its own disk)
+    read: Literal["spread", "driver"] = "spread"
 
 
 @dataclass(frozen=True)

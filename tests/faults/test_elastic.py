@@ -95,8 +95,8 @@ def data(tmp_path_factory):
     return write_dataset(tmp_path_factory.mktemp("data"), NUM_SAMPLES, 32)
 
 
-def _spec(tmp_path, data, name, elastic=None, **sections):
-    raw = tiny_spec(tmp_path, data, name=name,
+def _spec(tmp_path, data_dir, name, elastic=None, **sections):
+    raw = tiny_spec(tmp_path, data_dir, name=name,
                     train={"steps": STEPS, "global_batch": 8, "micro_batch": None},
                     parallel={"dp": 2, "timeout_s": 30},
                     resources={"cpus_per_worker": 1},
@@ -272,6 +272,54 @@ def test_a_removed_node_is_replaced_by_the_spare(tmp_path, data, nodes, uninterr
     _assert_resumed_from_the_survivor(*result.events)
     _assert_exactly_once(result)
     _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+
+
+def test_blocks_lost_with_a_node_are_read_again_by_ray(tmp_path, nodes):
+    """Row groups are read across the nodes (data.read: spread), and a block lives on the node
+    that read it. Row groups here are 140 KB, above what Ray keeps in its owner's memory (100
+    KiB), so each block is in a node's object store. After step 3, once the next shuffle block
+    (4 row groups, one a node: Ray Data's SPREAD) is read ahead, a worker's node holding one
+    of them is removed: the world recovers, Ray rebuilds the lost block from its read task,
+    the run crosses into that block at step 16, and every sample is trained once. The feed
+    reads nothing again: the rebuild is Ray's (lineage reconstruction), not a seek."""
+    data = write_dataset(tmp_path / "big", 8192, 128, shards=8, row_group_rows=1024)
+    spec = _spec(tmp_path, data, "blocks-lost", train={"steps": 20, "global_batch": 256,
+                                                       "micro_batch": 64},
+                 model={"seq_len": 128}, data={"shuffle_block": 4096})
+    seen = {}
+
+    def remove(c):
+        feed = c.samples.feed
+        deadline = time.monotonic() + 60
+        while len(feed.reads) < 2 or not all(r.finished for r in feed.reads):
+            assert time.monotonic() < deadline, "the read-ahead did not finish"
+            time.sleep(0.1)
+        # the next block's row groups: no worker has fetched them, so each is on one node
+        ahead = [ref for r in feed.reads[1:] for refs in r.refs.values() for ref in refs]
+        where = Counter(loc["node_ids"][0] for loc in
+                        ray.experimental.get_object_locations(ahead).values())
+        workers = {w["node"] for w in c.workers}
+        candidates = [n for n in nodes.list_all_nodes() if n.node_id in workers and where[n.node_id]]
+        assert candidates, f"no worker's node read a block: {where}"
+        seen.update(blocks=where[candidates[0].node_id], feed=feed)
+        print(f"the read-ahead's blocks by node: {sorted(where.values())}; the removed node "
+              f"held {seen['blocks']}")
+        nodes.remove_node(candidates[0])
+    result = api.run(spec, record_samples=True, show_progress=False, on_step=_at_step(3, remove))
+
+    assert result.state == "finished" and result.step == 20
+    assert seen["blocks"] >= 1
+    assert _kinds(result.events) == ["failure", "recovery"]
+    assert result.events[0]["cause"] == "node_died"
+    ranges = seen["feed"].ranges_read
+    assert len(set(ranges)) == len(ranges), ranges  # nothing read twice by the feed
+    steps, ids = set(), Counter()
+    for step, rank, taken in result.ledger:
+        steps.add(step)
+        ids.update(taken)
+    assert sorted(steps) == list(range(20))
+    assert sum(ids.values()) == 20 * 256 and set(ids.values()) == {1}  # one epoch: each once
+    assert set(ids) <= set(range(1000, 1000 + 8192))
 
 
 def test_a_lost_node_is_one_line_on_the_console_of_baton_run(tmp_path, data, nodes):

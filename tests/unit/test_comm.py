@@ -1,16 +1,21 @@
-"""Gradient communication (`parallel.grad_comm`) between real processes on gloo, without Ray."""
+"""Gradient communication (`parallel.grad_comm`) between real processes on gloo, without Ray.
+
+The processes meet through a file store in the test's temporary folder, not a TCP port: a port
+found free by binding it and letting go can be taken by another process before rank 0 binds
+it again (the race baton's workers retry around). The flat-buffer test failed once in a full
+unit run right after a simulated Ray cluster had shut down on this machine (its output was
+not kept, and 5 runs after did not fail); that race is what in it could fail that way."""
 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
-def _powersgd_worker(rank: int, port: int, steps: int) -> None:
+def _powersgd_worker(rank: int, init: str, steps: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from baton.models import build_model, loss_sum
@@ -18,7 +23,7 @@ def _powersgd_worker(rank: int, port: int, steps: int) -> None:
     from baton.spec import ModelSpec
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     model = DDP(build_model(ModelSpec(name="gpt", layers=4, width=64, heads=4, seq_len=32), seed=0),
                 bucket_cap_mb=0.05)  # a bucket or two a block: many in flight at once
@@ -42,22 +47,23 @@ def _powersgd_worker(rank: int, port: int, steps: int) -> None:
     os._exit(0)
 
 
-def test_powersgd_on_gloo_keeps_the_ranks_collectives_in_step():
+def _meeting(folder, name: str = "store") -> str:
+    """Where a new group's ranks meet: a file no group has used."""
+    return f"file://{folder}/{name}"
+
+
+def test_powersgd_on_gloo_keeps_the_ranks_collectives_in_step(tmp_path):
     """PowerSGD's hook chains a second all-reduce per bucket in a callback; with several
     buckets on gloo the two ranks issued them in different orders and gloo aborted the process
     (3 of 3 tries before the fix, from the first compressed step). 20 compressed steps now."""
     import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_powersgd_worker, args=(port, 30), nprocs=2, join=True)  # raises if a rank dies
+    mp.spawn(_powersgd_worker, args=(_meeting(tmp_path), 30), nprocs=2, join=True)  # raises if a rank dies
 
 
-def _reduce_scatter_worker(rank: int, world: int, port: int) -> None:
+def _reduce_scatter_worker(rank: int, world: int, init: str) -> None:
     from baton.parallel import comm
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     gen = torch.Generator().manual_seed(rank)
     rs = comm.fsdp_reduce_scatter()
@@ -77,23 +83,21 @@ def _reduce_scatter_worker(rank: int, world: int, port: int) -> None:
     os._exit(0)
 
 
-def test_fsdp_reduce_scatter_on_gloo_gives_each_rank_its_slice_of_the_reduction():
+def test_fsdp_reduce_scatter_on_gloo_gives_each_rank_its_slice_of_the_reduction(tmp_path):
     """FSDP's reduce-scatter on gloo is an all-reduce each rank keeps its slice of
     (`comm.fsdp_reduce_scatter`): each rank gets what gloo's own reduce-scatter gives it,
     averaged or summed, at 2 and 3 ranks."""
     import torch.multiprocessing as mp
 
     for world in (2, 3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_reduce_scatter_worker, args=(world, port), nprocs=world, join=True)
+        mp.spawn(_reduce_scatter_worker, args=(world, _meeting(tmp_path, f"store-{world}")),
+                 nprocs=world, join=True)
 
 
-def _broadcast_worker(rank: int, port: int, out: str) -> None:
+def _broadcast_worker(rank: int, init: str, out: str) -> None:
     from baton.parallel.broadcast import BUCKET_BYTES, broadcast_state
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     state = None
     if rank == 0:  # what a worker keeps: a model's and AdamW's state, mixed dtypes, plain values
@@ -112,11 +116,7 @@ def test_a_state_broadcast_from_rank_0_arrives_whole(tmp_path):
     tensor equal in value, dtype and shape (a tensor beyond a bucket, bf16 and int64 beside
     float32, a 0-d step count), and the plain values and their containers as they were."""
     import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_broadcast_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_broadcast_worker, args=(_meeting(tmp_path), str(tmp_path)), nprocs=2, join=True)
     sent, got = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     (model, optim), (model_got, optim_got) = sent, got
     assert model.keys() == model_got.keys()
@@ -129,10 +129,10 @@ def test_a_state_broadcast_from_rank_0_arrives_whole(tmp_path):
     assert torch.equal(optim_got["state"][0]["exp_avg"], optim["state"][0]["exp_avg"])
 
 
-def _flat_grads_worker(rank: int, port: int) -> None:
+def _flat_grads_worker(rank: int, init: str) -> None:
     from baton.parallel import comm
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     gen = torch.Generator().manual_seed(0)  # the same parameters on both ranks
     params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((4, 3), (5,), (2, 2))]
@@ -162,13 +162,9 @@ def _flat_grads_worker(rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_a_stage_s_gradients_are_summed_in_their_flat_buffer():
+def test_a_stage_s_gradients_are_summed_in_their_flat_buffer(tmp_path):
     """`comm.FlatGrads`, a pipeline stage's all-reduce over its replicas: the gradients end
     as the sum over the ranks, each a view into one buffer that later backwards accumulate
     into (the same memory each step), and zeroing keeps them views."""
     import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_flat_grads_worker, args=(port,), nprocs=2, join=True)
+    mp.spawn(_flat_grads_worker, args=(_meeting(tmp_path),), nprocs=2, join=True)

@@ -193,7 +193,8 @@ class Coordinator:
         if self.data is None:
             self.data = preflight(self.spec, self.spec.name)
         self.manifest, order = self.data.manifest, self.data.order(self.spec)
-        self.samples = Samples(DataFeed(self.manifest, order, self.data.columns), self.manifest)
+        self.samples = Samples(DataFeed(self.manifest, order, self.data.columns,
+                                         self.spec.data.read == "spread"), self.manifest)
         self.evaluation = evaluation(self.spec, self.data)
         meta = self.resume_meta
         if meta:

@@ -22,7 +22,8 @@ from baton.tasks import metric_values
 class Evaluation:
     def __init__(self, spec: JobSpec, data: JobData):
         self.every, self.steps = spec.eval.every_steps, spec.train.steps
-        self.feed = DataFeed(data.eval_manifest, data.eval_order(spec), data.columns)
+        self.feed = DataFeed(data.eval_manifest, data.eval_order(spec), data.columns,
+                             spec.data.read == "spread")
         self.samples = data.eval_samples
         self.passes = 0
         self.last: dict = {}  # the metrics of the last pass

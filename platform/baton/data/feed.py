@@ -2,11 +2,13 @@
 
 The driver holds the manifest, the order and a window of object references, never rows. Ray
 Data reads the units (Parquet row groups) of the current epoch in the order's unit sequence,
-one read task per row group: one finite execution per shuffle block, started a block ahead
-and consumed as it goes by a thread of the feed, so the object store holds about the current
-block and the next. Each step's `Batch` names its samples by manifest position and carries
-references to the units that hold them; workers fetch those units from the object store
-(shared memory on their node) and take their own rows.
+one read task per row group, spread across the cluster's nodes (data.read: spread; driver
+keeps them on the driver's node): one finite execution per shuffle block, started a block
+ahead and consumed as it goes by a thread of the feed, so the object store holds about the
+current block and the next. Each step's `Batch` names its samples by manifest position and
+carries references to the units that hold them; workers fetch those units from the object
+store (shared memory on their node, or pulled from the node that read them) and take their
+own rows.
 
 Why one execution per block and not one long, backpressured one: Ray Data 2.60's scheduling
 loop waits in `ray.wait` only while tasks run; an execution held back by its memory budget has
@@ -38,7 +40,7 @@ from baton.errors import DataError, reason
 # Read tasks ask for no CPU: the workers hold the CPUs (all of them on a small machine), and a
 # task asking for any would never be scheduled beside them. Decoding a row group is cheap next
 # to a training step; the concurrency cap bounds how many run at once (and the idle read
-# workers Ray keeps on the driver's node: ray_settings.py).
+# workers Ray keeps on each node: ray_settings.py).
 READ_CONCURRENCY = 4
 
 TOKENS, IDS = "tokens", "id"  # the columns of a unit as the workers see it
@@ -114,9 +116,10 @@ def token_columns(token: str, id_column: Optional[str], width: int, vocab_size: 
                    id_column)
 
 
-def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
+def read_unit(root: str, unit: Unit, columns: Columns, home: Optional[str] = None) -> pa.Table:
     """One row group, checked, with the columns renamed to what the workers read. Bad rows
-    raise DataError naming the file and row group."""
+    raise DataError naming the file and row group. `home`: the driver's node, where the run
+    listed the files, when this runs in a read task that may be on another node."""
     fs = storage.resolve(root)[0]
     wanted = list(dict.fromkeys([c for f in columns.fields for c in f.sources]
                                 + ([columns.id] if columns.id else [])))
@@ -133,6 +136,8 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
             table = pa.Table.from_batches(batches) if batches else \
                 file.read_row_group(unit.row_group, columns=wanted)
     except (OSError, pa.ArrowException) as e:  # damaged pages, a file gone or cut short
+        if isinstance(e, FileNotFoundError) and storage.is_local(fs) and home is not None:
+            _not_here(unit.file, home)
         raise DataError(f"{where}: cannot be read ({reason(e)}): the file is "
                         "damaged, or changed after the run listed it; restore it, or remove it "
                         "(a resume then needs --rebase-data)") from None
@@ -142,6 +147,22 @@ def read_unit(root: str, unit: Unit, columns: Columns) -> pa.Table:
     if columns.id:
         out[IDS] = table.column(columns.id).combine_chunks()
     return pa.table(out)
+
+
+def _not_here(file: str, home: str) -> None:
+    """A file the driver listed is missing where this read runs: on another node, perhaps a
+    folder only the driver's node has (raises DataError saying so); on the driver's node, a
+    file gone (returns, for the caller's message)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    if node == home:
+        return
+    ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node), node[:8])
+    raise DataError(f"data.path: {file} is missing on node {ip}, where a read ran (reads run "
+                    "across the cluster's nodes): if the data is on the driver's node only, put "
+                    "it where every node reads it (a volume mounted at the same path on each, "
+                    "or s3://) or set data.read: driver; if the file was removed, restore it")
 
 
 def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
@@ -239,12 +260,15 @@ def _ray_data():
     return ray.data
 
 
-def _read_units(root: str, units: list[Unit], columns: Columns):
+def _read_units(root: str, units: list[Unit], columns: Columns, spread: bool):
     """A Ray Data dataset of `units`, one read task (and one block) each, in this order (Ray
-    Data imported and set up by `_ray_data`, which the read called first)."""
+    Data imported and set up by `_ray_data`, which the read called first). `spread`: the
+    tasks run across the cluster's nodes (Ray Data's SPREAD), else on the driver's."""
     import ray.data
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
+
+    home = ray.get_runtime_context().get_node_id()
 
     class UnitSource(Datasource):
         def estimate_inmemory_data_size(self) -> Optional[int]:
@@ -252,14 +276,14 @@ def _read_units(root: str, units: list[Unit], columns: Columns):
 
         @property
         def supports_distributed_reads(self) -> bool:
-            # Read on the driver's node, as v0.5 held its table there: a block is stored where
-            # it was read, and a worker node that is lost (the fault tests remove them) would
-            # take the blocks the feed still holds with it. About two blocks, served to the
-            # workers by the object store; read tasks ask for no CPU.
-            return False
+            # A block is stored on the node that read it. Spread: a node that is lost takes
+            # its blocks along, and Ray reads them again (the driver owns them, and a read
+            # task's output is rebuilt from its lineage: Ray starts that as soon as the node
+            # is gone). Driver: every read on the driver's node (data.read: driver).
+            return spread
 
         def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None):
-            return [ReadTask(lambda u=u: [read_unit(root, u, columns)],
+            return [ReadTask(lambda u=u: [read_unit(root, u, columns, home)],
                              BlockMetadata(num_rows=u.rows, size_bytes=None, exec_stats=None,
                                            input_files=(u.file,)))
                     for u in units]
@@ -293,6 +317,7 @@ class _Read:
         perm = feed.order.unit_order(epoch)[0]
         units = [feed.manifest.units[int(u)] for u in perm[first:last]]
         self._units, self._root, self._columns, self._here = units, feed.manifest.root, feed.columns, here
+        self._spread = feed.spread
         if not here:
             _ray_data()  # imported and set up on this thread, before the read's own starts
         self._thread = threading.Thread(target=self._run, name=f"baton-read-{epoch}-{first}",
@@ -310,7 +335,8 @@ class _Read:
                     return
                 yield [ray.put(table)], table.num_rows
             return
-        bundles, executor = _execute(_read_units(self._root, self._units, self._columns))
+        bundles, executor = _execute(_read_units(self._root, self._units, self._columns,
+                                                  self._spread))
         with self._cond:
             self.executor, cancelled = executor, self.cancelled
         if cancelled:  # while the execution started: cancel() could not stop it, stopped here
@@ -371,14 +397,14 @@ class DataFeed:
     there. Across an epoch's end too: once at most half a block (or one batch) of the epoch
     remains, the next epoch's first block is read, so its first batch does not wait for a read.
 
-    A recovery keeps every read: the blocks are read on the driver's node (`_read_units`), which
-    a lost worker node does not take along, so a world that resumes in the block it was
-    training on reads nothing again. It used to stop the current epoch's reads, and the first
-    batch after a recovery then read its block again: 0.4-0.8 s of the first step, the largest
-    phase of a recovery served by a warm spare."""
+    A recovery keeps every read, so a world that resumes in the block it was training on reads
+    nothing again: a block a lost node took along is rebuilt by Ray from its read task
+    (`_read_units`), the rest are where they were. It used to stop the current epoch's reads,
+    and the first batch after a recovery then read its block again: 0.4-0.8 s of the first
+    step, the largest phase of a recovery served by a warm spare."""
 
-    def __init__(self, manifest: Manifest, order: EpochOrder, columns: Columns):
-        self.manifest, self.order, self.columns = manifest, order, columns
+    def __init__(self, manifest: Manifest, order: EpochOrder, columns: Columns, spread: bool = True):
+        self.manifest, self.order, self.columns, self.spread = manifest, order, columns, spread
         self.epoch: Optional[int] = None
         self.reads: list[_Read] = []  # consecutive, in the epoch's unit order
         self.next_epoch: Optional[_Read] = None  # the next epoch's first block, read ahead
