@@ -129,6 +129,39 @@ def test_labels_outside_the_classes_are_refused_naming_the_row_group(tmp_path):
         preflight(spec, "job.yaml")
 
 
+@pytest.mark.parametrize("column, value, what", [
+    ("a", np.nan, "data.columns.inputs"),  # one of the concatenated features
+    ("vec", np.inf, "data.columns.inputs"),  # inside a fixed-size list
+    ("y", 1e39, "data.columns.target"),  # a float64 beyond float32's range
+])
+def test_nan_or_infinite_floats_are_refused_naming_the_row(tmp_path, column, value, what):
+    """A NaN feature used to pass the checks and end the run at its first NaN loss with advice
+    about the learning rate; now its row group is refused, naming the row. The first row group
+    is read before Ray starts, so a value there is refused by `preflight`."""
+    data = write_table(tmp_path / "data")
+    table = pq.read_table(data / "table.parquet")
+    values = table.column(column).combine_chunks()
+    if column == "vec":
+        flat = values.flatten().to_numpy().copy()
+        flat[4 * 11 + 2] = value  # row 11: row group 1, its row 3
+        changed = pa.FixedSizeListArray.from_arrays(pa.array(flat), 4)
+    else:
+        flat = values.to_numpy().astype(np.float64)
+        flat[11] = value
+        changed = pa.array(flat)
+    pq.write_table(table.set_column(table.schema.get_field_index(column), column, changed),
+                   data / "table.parquet", row_group_size=8)
+    spec = spec_from_dict(_spec(tmp_path, data, task="helpers:regression",
+                                model={"name": "helpers:regressor", "width": 4, "options": {"inputs": 6}},
+                                **{"data.columns": {"inputs": ["vec", "a", "b"], "target": "y"}}))
+    got = preflight(spec, "job.yaml")  # row group 0 is clean
+    manifest = Manifest.build(str(data))
+    with pytest.raises(DataError, match=rf"table.parquet row group 1: {what} holds NaN or "
+                                        r"infinite values in 1 row \(the first: row 3 of the row "
+                                        r"group, counted from 0\); drop or fill them"):
+        read_unit(str(data), manifest.units[1], got.columns)
+
+
 def test_built_in_tasks_leave_padding_rows_out():
     shapes = {"inputs": ((3,), torch.float32), "label": ((), torch.int64)}
     batch = {"inputs": torch.randn(2, 3), "label": torch.tensor([1, 0]), VALID: torch.ones(2, dtype=torch.bool)}

@@ -213,9 +213,22 @@ def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
                             f"{field.high} classes (model.options.classes); labels must lie in "
                             f"[0, {field.high})")
     if field.dtype == "float32":  # integers stay as stored (token ids in 16 bits stay so)
-        data = data.astype(np.float32, copy=False)
+        with np.errstate(over="ignore"):  # beyond float32's range: infinite, refused below
+            data = data.astype(np.float32, copy=False)
+        _finite(data.reshape(len(data), -1), field, where)
     flat = pa.array(data.reshape(-1))
     return flat if field.shape == () else pa.FixedSizeListArray.from_arrays(flat, data.shape[1])
+
+
+def _finite(rows: np.ndarray, field: Field, where: str) -> None:
+    """Float rows hold numbers: a NaN or an infinity (one beyond float32's range included) would
+    make the loss NaN and end the run with a message about the learning rate instead."""
+    bad = ~np.isfinite(rows).all(axis=1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise DataError(f"{where}: {field.key} holds NaN or infinite values in {int(bad.sum())} "
+                        f"row{'s' * (int(bad.sum()) != 1)} (the first: row {first} of the row "
+                        "group, counted from 0); drop or fill them")
 
 
 def _padded(table: pa.Table, field: Field, where: str) -> dict:
@@ -235,7 +248,10 @@ def _padded(table: pa.Table, field: Field, where: str) -> dict:
                         f"outside [0, {field.high})")
     mask = np.arange(most)[None, :] < lengths[:, None]
     rows = np.zeros((len(lengths), most), dtype=np.float32 if field.dtype == "float32" else values.dtype)
-    rows[mask] = values
+    with np.errstate(over="ignore"):
+        rows[mask] = values
+    if field.dtype == "float32":
+        _finite(rows, field, where)
     return {field.name: pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), most),
             f"{field.name}_mask": pa.FixedSizeListArray.from_arrays(pa.array(mask.reshape(-1)), most)}
 
