@@ -613,6 +613,24 @@ def three_part_ratio_task(output, batch):
     return {"loss": s, "f1": (s, s, s)}
 
 
+def binary(output, batch):
+    """A user task (`helpers:binary`): is a row of class 0 (of `label`'s 4)? Two logits a row,
+    cross-entropy, accuracy, and the area under the ROC curve and average precision of the
+    positive class's probability: metrics of the whole set's scores."""
+    import torch.nn.functional as F
+
+    from baton.tasks import auroc, average_precision
+
+    valid, target = batch["valid"], (batch["label"] == 0).long()
+    # the valid rows by a mask, as docs/tasks.md's examples: a count of rows that depends on
+    # the data, which `baton validate`'s check on the meta device must let through
+    loss = F.cross_entropy(output, target, reduction="none")[valid].sum()
+    score = output.float().softmax(-1)[:, 1]
+    return {"loss": loss, "accuracy": ((output.argmax(-1) == target) & valid).sum().float(),
+            "auroc": auroc(score, target.bool(), valid),
+            "average_precision": average_precision(score, target.bool(), valid)}
+
+
 def regressor(spec):
     """A user model (`helpers:regressor`): features to one number."""
     return torch.nn.Sequential(torch.nn.Linear(spec.options["inputs"], spec.width),

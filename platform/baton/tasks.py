@@ -15,7 +15,10 @@ dict of scalar tensors: "loss" (summed over the valid rows, differentiable) and 
 (accuracy: the number of correct rows). Its model's input is `batch["inputs"]`. A metric that
 is not a mean over rows (precision, recall, F1) is a pair of sums, (numerator, denominator):
 both are summed over the step (or the evaluation) and every replica, then divided, as
-`torchmetrics` computes them from summed counts.
+`torchmetrics` computes them from summed counts. A metric of the whole set's scores (the area
+under the ROC curve, average precision) is `auroc(...)` or `average_precision(...)`: counts of
+positives and negatives by score bin, summed the same way and read off at the end, as
+`torchmetrics`' binned forms (`thresholds=N`) compute them.
 """
 
 from __future__ import annotations
@@ -135,6 +138,82 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {name: t.to(device) for name, t in batch.items()}
 
 
+class Counts:
+    """A metric of the whole set's scores: positive and negative rows counted by score bin
+    (int64 tensors of one length), summed like every other metric, then read off the summed
+    counts by `kind` (`auroc`, `average_precision`: `COUNTED`)."""
+
+    def __init__(self, kind: str, positives: torch.Tensor, negatives: torch.Tensor):
+        self.kind, self.positives, self.negatives = kind, positives, negatives
+
+    def __add__(self, other: "Counts") -> "Counts":
+        return Counts(self.kind, self.positives + other.positives, self.negatives + other.negatives)
+
+    def detach(self) -> "Counts":
+        return Counts(self.kind, self.positives.detach(), self.negatives.detach())
+
+
+def _binned(kind: str, scores: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+            bins: int) -> Counts:
+    """The valid rows' `scores` (clamped to [0, 1]) counted into `bins` equal bins, positives
+    (`labels` true) and negatives apart. No shape depends on the values (it runs on PyTorch's
+    meta device in `baton validate`)."""
+    import torch
+
+    if scores.shape != labels.shape or scores.shape != valid.shape:
+        raise ValueError(f"{kind}: scores {tuple(scores.shape)}, labels {tuple(labels.shape)} and "
+                         f"valid {tuple(valid.shape)} must have one shape (one score a row)")
+    index = (scores.detach().float().clamp(0, 1) * bins).long().clamp(max=bins - 1)
+    labels, valid = labels.bool(), valid.bool()
+    counts = [torch.zeros(bins, dtype=torch.int64, device=scores.device).scatter_add_(
+        0, index, (valid & side).long()) for side in (labels, ~labels)]
+    return Counts(kind, *counts)
+
+
+def auroc(scores: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, bins: int = 1000) -> Counts:
+    """The area under the ROC curve of `scores` in [0, 1] (a probability: the sigmoid of a
+    logit) against the bool `labels`, over the rows where `valid` is true, from the scores
+    counted into `bins` equal bins: the trapezoids between the bins' edges, so rows whose
+    scores share a bin count as ties (half). A metric of a task: `{"auroc": auroc(...)}`."""
+    return _binned("auroc", scores, labels, valid, bins)
+
+
+def average_precision(scores: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                      bins: int = 1000) -> Counts:
+    """Average precision (the area under the precision-recall curve, as a sum of precision
+    times each step of recall) of `scores` in [0, 1] against the bool `labels`, over the valid
+    rows, with the bins' edges as thresholds."""
+    return _binned("average_precision", scores, labels, valid, bins)
+
+
+def _auroc_of(positives, negatives) -> Optional[float]:
+    """From counts by bin (ascending scores): each negative outranked by every positive of a
+    higher bin and half of those of its own (Mann-Whitney with ties in a bin)."""
+    import numpy as np
+
+    p, n = positives.sum(), negatives.sum()
+    if not p or not n:
+        return None  # no positive (or no negative) row: no curve
+    above = np.cumsum(positives[::-1])[::-1] - positives  # positives in higher bins
+    return float((negatives * (above + positives / 2)).sum() / (p * n))
+
+
+def _average_precision_of(positives, negatives) -> Optional[float]:
+    """Thresholds from the highest bin down: precision at each, times the recall it adds."""
+    import numpy as np
+
+    p = positives.sum()
+    if not p:
+        return None
+    tp, fp = np.cumsum(positives[::-1]), np.cumsum(negatives[::-1])
+    taken = tp + fp
+    precision = np.divide(tp, taken, out=np.zeros(len(tp)), where=taken > 0)
+    return float((positives[::-1] * precision).sum() / p)
+
+
+COUNTED = {"auroc": _auroc_of, "average_precision": _average_precision_of}
+
+
 class Sums:
     """A step's (or an evaluation's) loss and metric sums, and how many terms they sum over:
     kept on the device until `out` (one read a step, not one a micro-batch). A ratio metric
@@ -144,6 +223,7 @@ class Sums:
         self.loss = self.count = 0
         self.metrics: dict = {}
         self.ratios: dict = {}  # name -> [numerator, denominator]
+        self.counts: dict = {}  # name -> Counts
 
     def add(self, task: Task, loss: torch.Tensor, metrics: dict, batch: dict) -> None:
         self.loss = self.loss + loss.detach()
@@ -151,6 +231,8 @@ class Sums:
             if isinstance(v, (tuple, list)):
                 num, den = self.ratios.get(k, (0, 0))
                 self.ratios[k] = [num + v[0].detach(), den + v[1].detach()]
+            elif isinstance(v, Counts):
+                self.counts[k] = self.counts[k] + v.detach() if k in self.counts else v.detach()
             else:
                 self.metrics[k] = self.metrics.get(k, 0) + v.detach()
         self.count = self.count + batch[VALID].sum() * task.per_sample
@@ -160,19 +242,32 @@ class Sums:
                "metrics": {k: float(v) for k, v in self.metrics.items()}}
         if self.ratios:
             out["ratios"] = {k: [float(num), float(den)] for k, (num, den) in self.ratios.items()}
+        if self.counts:
+            out["counts"] = {k: [c.kind, c.positives.tolist(), c.negatives.tolist()]
+                             for k, c in self.counts.items()}
         return out
 
 
 def metric_values(results: list[dict], count: float) -> dict[str, float]:
     """The task's metrics over `results` (each a `Sums.out()`, of a replica or a batch): each
     sum over the `count` valid terms, each ratio its numerators' sum over its denominators'
-    (left out where the denominator is 0: no positive rows, say, make no precision)."""
+    (left out where the denominator is 0: no positive rows, say, make no precision), each
+    counted metric read off the summed counts (left out where it has no value)."""
     values = {k: sum(r.get("metrics", {}).get(k, 0.0) for r in results) / count
               for k in {k for r in results for k in r.get("metrics", {})}}
     for k in {k for r in results for k in r.get("ratios", {})}:
         num, den = (sum(r.get("ratios", {}).get(k, (0.0, 0.0))[i] for r in results) for i in (0, 1))
         if den:
             values[k] = num / den
+    for k in {k for r in results for k in r.get("counts", {})}:
+        import numpy as np
+
+        parts = [r["counts"][k] for r in results if k in r.get("counts", {})]
+        positives, negatives = (np.sum([np.asarray(c[i], dtype=np.int64) for c in parts], axis=0)
+                                for i in (1, 2))
+        value = COUNTED[parts[0][0]](positives, negatives)
+        if value is not None:
+            values[k] = value
     return values
 
 

@@ -21,8 +21,9 @@ from baton.data.manifest import Manifest
 from baton.data.source import held_out
 from baton.models import build_model
 from baton.spec import spec_from_dict
+from baton.tasks import COUNTED, Counts
 from baton.training import clip_and_norm, make_optimizer, set_lr
-from helpers import assert_params_close, read_columns, regression, tiny_spec, write_table
+from helpers import assert_params_close, binary, read_columns, regression, tiny_spec, write_table
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
@@ -82,9 +83,15 @@ def reference(spec, folder, columns: dict, task, steps: int, eval_rows=None) -> 
             with torch.no_grad():
                 got = task(model(held["inputs"]), held)
             n = len(held["inputs"])
-            evals[done] = {f"eval_{k}": float(v[0]) / float(v[1]) if isinstance(v, tuple) else float(v) / n
-                           for k, v in got.items()}
+            evals[done] = {f"eval_{k}": _value(v, n) for k, v in got.items()}
     return model.state_dict(), losses, norms, evals
+
+
+def _value(v, n: int) -> float:
+    """A metric of one process over n rows: a sum's mean, a ratio, a counted metric's value."""
+    if isinstance(v, Counts):
+        return COUNTED[v.kind](v.positives.numpy(), v.negatives.numpy())
+    return float(v[0]) / float(v[1]) if isinstance(v, tuple) else float(v) / n
 
 
 def _history(spec, run_id, key) -> dict:
@@ -166,6 +173,36 @@ def test_a_users_task_on_mapped_columns_with_an_eval_dataset_of_its_own(tmp_path
         np.testing.assert_allclose([got[2], got[4]], [evals[2][key], evals[4][key]], rtol=1e-5,
                                    err_msg=key)
     assert result.eval["eval_samples"] == 40
+
+
+def test_auroc_and_average_precision_at_dp2_are_those_of_one_process(tmp_path):
+    """A user task with metrics of the whole set's scores (`baton.tasks.auroc`,
+    `average_precision`): at dp 2, each replica counts its rows' scores by bin and the
+    coordinator reads the metrics off the summed counts, over every held-out batch at once;
+    one process over the same rows with the same model gets the same values."""
+    data = write_table(tmp_path / "data")
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="binary", task="helpers:binary",
+        model={"name": "classifier", "layers": 2, "width": 16, "options": {"inputs": 6, "classes": 2}},
+        data={"source": "parquet", "path": str(data), "columns": COLUMNS},
+        train={"steps": 4, "global_batch": 16, "micro_batch": 4},
+        eval={"fraction": 0.25, "every_steps": 2}, checkpoint={"every_steps": 4}))
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished"
+
+    ids, table = read_columns(data, COLUMNS)
+    _, held_uids = held_out(Manifest.build(str(data)), 0.25, 0, "")
+    held_rows = np.concatenate([np.arange(u * 8, u * 8 + 8) for u in held_uids])
+    _, _, _, evals = reference(spec, data, COLUMNS, binary, 4,
+                               eval_rows=(None, {k: v[held_rows] for k, v in table.items()}))
+    for key in ("eval_auroc", "eval_average_precision", "eval_accuracy"):
+        got = _history(spec, result.run_id, key)
+        # integer counts of the same scores' bins: equal unless a score moved across a bin's
+        # edge between the two runs (the models differ by about 3e-8); measured equal
+        assert [got[2], got[4]] == pytest.approx([evals[2][key], evals[4][key]], abs=1e-12), key
+    print({k: round(v, 4) for k, v in result.eval.items()})
+    assert 0.5 < result.eval["eval_auroc"] <= 1.0
+    assert len(_history(spec, result.run_id, "train_auroc")) == 4  # each step's batch, too
 
 
 def test_classification_through_a_pipeline_matches_one_process_and_evaluates(tmp_path):

@@ -106,12 +106,16 @@ def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
     import torch
 
     from baton.models import _on_meta
-    from baton.tasks import VALID, make_task, padded
+    from baton.tasks import VALID, Counts, make_task, padded
+
+    import torch.fx.experimental._config as fx_config
 
     task = make_task(spec)
     try:
         model = _on_meta(spec.model)
-        with torch.device("meta"):
+        # a mask's rows (`loss[batch["valid"]]`) have a data-dependent count, which the meta
+        # device refuses by default; taken as every row here, as the two rows are valid
+        with torch.device("meta"), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
             batch = {k: v.to("meta") for k, v in padded({}, 2, columns.shapes()).items()}
             batch[VALID] = torch.ones(2, dtype=torch.bool, device="meta")
             output = model(task.inputs(batch))
@@ -127,10 +131,11 @@ def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
         return isinstance(v, (tuple, list)) and len(v) == 2 and all(map(scalar, v))
 
     bad = [k for k, v in {"loss": loss, **metrics}.items()
-           if not (scalar(v) or (k != "loss" and pair(v)))]
+           if not (scalar(v) or (k != "loss" and (pair(v) or isinstance(v, Counts))))]
     if bad:
         return (f"must return scalar tensors (sums over the batch's rows; a metric may be a "
-                f"pair of them, numerator and denominator); {', '.join(bad)} is not")
+                f"pair of them, numerator and denominator, or baton.tasks.auroc or "
+                f"average_precision); {', '.join(bad)} is not")
     return None
 
 
