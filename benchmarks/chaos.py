@@ -60,13 +60,18 @@ def main() -> int:
                    help="warm standby workers (elastic.spares); the cluster has room for one")
     p.add_argument("--recovery", choices=("replace", "continue"), default="replace",
                    help="elastic.recovery: continue goes on with the survivors while a replacement starts")
+    p.add_argument("--inline-kib", type=float, default=1.0,
+                   help="objects up to this size live in their owner's memory, larger ones in "
+                        "a node's object store (Ray's max_direct_call_object_size, 100 KiB by "
+                        "default): at 1 KiB the 40-row corpus's row groups are in the nodes' "
+                        "stores, where a removed node takes them along, as a real corpus's are")
     p.add_argument("--out", default=str(HERE / "results" / "chaos_cpu.json"))
     args = p.parse_args()
     steps = 8 + 5 * args.faults  # room for the schedule: faults 3 to 5 steps apart
 
+    system = {**ray_settings.SYSTEM_CONFIG, "max_direct_call_object_size": int(args.inline_kib * 1024)}
     cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                      "_system_config": dict(ray_settings.SYSTEM_CONFIG)})
+                      head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system})
     for _ in range(3):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
