@@ -68,7 +68,8 @@ class LanguageModel(Task):
 
 
 class Classification(Task):
-    """Cross-entropy over class logits (samples, classes); accuracy."""
+    """Cross-entropy over class logits (samples, classes); accuracy; with two classes, the
+    AUROC of class 1's probability too."""
 
     name, needs = "classification", ("inputs", "label")
 
@@ -79,7 +80,10 @@ class Classification(Task):
         labels = batch["label"].masked_fill(~valid, IGNORE)
         ls = F.cross_entropy(output.float(), labels, reduction="sum", ignore_index=IGNORE)
         correct = ((output.argmax(-1) == labels) & valid).sum()
-        return ls, {"accuracy": correct.float()}
+        metrics = {"accuracy": correct.float()}
+        if output.shape[-1] == 2:
+            metrics["auroc"] = auroc(output.detach().float().softmax(-1)[:, 1], labels == 1, valid)
+        return ls, metrics
 
 
 class UserTask(Task):

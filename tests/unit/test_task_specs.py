@@ -174,6 +174,11 @@ def test_built_in_tasks_leave_padding_rows_out():
     want, want_metrics = task.loss(logits, batch)
     torch.testing.assert_close(loss, want)  # the padding rows add nothing
     assert metrics["accuracy"] == want_metrics["accuracy"]
+    assert "auroc" not in metrics  # four classes: no single positive class
+    two = torch.tensor([[0.0, 2.0], [1.0, -1.0]])  # row 0 (label 1) scores higher
+    _, binary = task.loss(torch.cat([two, torch.randn(3, 2)]), full)
+    assert torch.equal(binary["auroc"].positives, task.loss(two, batch)[1]["auroc"].positives)
+    assert binary["auroc"].positives.sum() == 1 and binary["auroc"].negatives.sum() == 1
     lm = LanguageModel(seq_len=3)
     tokens = {"tokens": torch.randint(0, 7, (2, 4)), VALID: torch.tensor([True, False])}
     out = torch.randn(2, 3, 7)
