@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from baton import ray_settings  # noqa: E402
-from baton.data.feed import DataFeed, token_columns  # noqa: E402
+from baton.data.feed import Batch, DataFeed, token_columns  # noqa: E402
 from baton.data.manifest import Manifest  # noqa: E402
 from baton.data.order import Cursor, EpochOrder  # noqa: E402
 from results_io import write_result  # noqa: E402
@@ -180,8 +180,6 @@ def one_round(data: Path, way: str, args) -> dict:
         cluster.remove_node(victim)
         perm = order.unit_order(cursor.epoch)[0]
         units = {int(perm[i]): (manifest.units[int(perm[i])].offset, ahead.refs[i]) for i in ahead.refs}
-        from baton.data.feed import Batch
-
         whole = Batch(np.zeros(0, dtype=np.int64), units, frozenset(units))
         t = time.perf_counter()
         fetch = ray.get([c.fetch_all.remote(whole) for c in survivors])

@@ -200,7 +200,6 @@ def test_auroc_and_average_precision_at_dp2_are_those_of_one_process(tmp_path):
         # integer counts of the same scores' bins: equal unless a score moved across a bin's
         # edge between the two runs (the models differ by about 3e-8); measured equal
         assert [got[2], got[4]] == pytest.approx([evals[2][key], evals[4][key]], abs=1e-12), key
-    print({k: round(v, 4) for k, v in result.eval.items()})
     assert 0.5 < result.eval["eval_auroc"] <= 1.0
     assert len(_history(spec, result.run_id, "train_auroc")) == 4  # each step's batch, too
 

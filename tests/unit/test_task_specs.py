@@ -176,8 +176,10 @@ def test_built_in_tasks_leave_padding_rows_out():
     assert metrics["accuracy"] == want_metrics["accuracy"]
     assert "auroc" not in metrics  # four classes: no single positive class
     two = torch.tensor([[0.0, 2.0], [1.0, -1.0]])  # row 0 (label 1) scores higher
-    _, binary = task.loss(torch.cat([two, torch.randn(3, 2)]), full)
-    assert torch.equal(binary["auroc"].positives, task.loss(two, batch)[1]["auroc"].positives)
+    assert "auroc" not in task.loss(two, batch)[1]  # training (gradients on): not counted
+    with torch.no_grad():  # as an evaluation runs
+        _, binary = task.loss(torch.cat([two, torch.randn(3, 2)]), full)
+        assert torch.equal(binary["auroc"].positives, task.loss(two, batch)[1]["auroc"].positives)
     assert binary["auroc"].positives.sum() == 1 and binary["auroc"].negatives.sum() == 1
     lm = LanguageModel(seq_len=3)
     tokens = {"tokens": torch.randint(0, 7, (2, 4)), VALID: torch.tensor([True, False])}
@@ -400,6 +402,7 @@ def test_counted_metrics_on_scores_at_bin_centres_are_exact():
     labels = rng.random(2000) < scores  # higher scores more often positive
     for parts in (1, 3):
         got = _counted(scores, labels, bins=bins, parts=parts)
+        # the same counts either way; 1e-12 leaves room for float sums in another order
         assert got["auroc"] == pytest.approx(_exact_auroc(scores, labels), abs=1e-12)
         assert got["average_precision"] == pytest.approx(_exact_average_precision(scores, labels), abs=1e-12)
 

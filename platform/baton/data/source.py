@@ -104,11 +104,10 @@ def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
     """Why the task cannot train this model on these columns (None: it can): the model and
     the task run on two padding rows on the meta device (shapes only, no memory, no time)."""
     import torch
+    import torch.fx.experimental._config as fx_config
 
     from baton.models import _on_meta
     from baton.tasks import VALID, Counts, make_task, padded
-
-    import torch.fx.experimental._config as fx_config
 
     task = make_task(spec)
     try:
