@@ -165,9 +165,18 @@ def test_ray_job_submit_runs_the_entrypoint_baton_generates(as_user, tmp_path):
          sub.submission_id, "--runtime-env-json", json.dumps(sub.runtime_env), "--",
          *shlex.split(sub.entrypoint)],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + _driver_logs(as_user)
     assert "quickstart: finished at step 3" in proc.stdout
     assert submit.Cluster(as_user.address).status("by-ray-cli") == "SUCCEEDED"
+
+
+def _driver_logs(head: Head, chars: int = 2000) -> str:
+    """The ends of the Ray core logs of this head's drivers, newest last: what a driver that
+    exited without a word (seen once, 2026-11-29: exit 1 after its last status line) logged
+    before it went; the head's folder goes with the module."""
+    logs = sorted((head.root / "ray").glob("session_*/logs/python-core-driver-*.log"),
+                  key=lambda f: f.stat().st_mtime)[-3:]
+    return "".join(f"\n--- {f.name}\n{f.read_text(errors='replace')[-chars:]}" for f in logs)
 
 
 def test_a_long_job_is_stopped_and_listed(as_user, capsys, tmp_path):
