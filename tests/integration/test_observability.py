@@ -37,8 +37,11 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def metrics_ray():
     [port] = free_ports(1)
+    # Ray exports every 10 s by default: the ~10 s run then spans one or two exports, and a CI
+    # run's Prometheus saw the step histogram's count at one value all run (every rate() 0, the
+    # step time quantiles NaN). Every second, each scrape sees the steps so far.
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             _metrics_export_port=port)
+             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield port
     ray.shutdown()
@@ -188,6 +191,17 @@ def _query(url: str, promql: str) -> list:
     return answer["data"]["result"]
 
 
+def _scrape_history(url: str, job: str) -> list[str]:
+    """What the server holds of the run, for a failure's message: each scrape's duration and
+    success, and the step histogram's count as each scrape saw it."""
+    lines = []
+    for promql in ['up{job="ray"}[15m]', 'scrape_duration_seconds{job="ray"}[15m]',
+                   f'ray_baton_step_seconds_count{{job_name="{job}"}}[15m]']:
+        for r in _query(url, promql):
+            lines.append(f"{r['metric']}: " + " ".join(f"{float(t):.0f}={v}" for t, v in r["values"]))
+    return lines
+
+
 def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(run, prometheus):
     if prometheus is None:
         pytest.skip("Debian's prometheus is not installed (apt-get install prometheus; CI "
@@ -215,7 +229,8 @@ def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(ru
                 if not values or not all(v == v for v in values):
                     empty.append((file.name, panel.get("title"), promql, series))
                 answers[promql] = series
-    assert not empty, "\n".join(f"{f} | {t} | {q} | {r}" for f, t, q, r in empty)
+    assert not empty, "\n".join([f"{f} | {t} | {q} | {r}" for f, t, q, r in empty]
+                                 + _scrape_history(prometheus, spec.name))
 
     def one(promql, **labels):
         [v] = [float(r["value"][1]) for r in answers[promql]
