@@ -32,6 +32,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from baton import api, ray_settings, storage
 from baton.checkpoint import CheckpointStore
 from baton.coordinator.coordinator import LEAVE_GRACE_S
+from baton.coordinator.placement import DRAIN_CHECK_S
 from baton.data import Cursor
 from baton.errors import WorkerError
 from baton.spec import spec_from_dict
@@ -272,6 +273,62 @@ def test_a_removed_node_is_replaced_by_the_spare(tmp_path, data, nodes, uninterr
     _assert_resumed_from_the_survivor(*result.events)
     _assert_exactly_once(result)
     _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+
+
+def test_a_draining_node_is_left_before_it_goes_with_nothing_lost(tmp_path, data, nodes,
+                                                                 uninterrupted):
+    """Ray drains a node that is about to go: `ray start` does it on SIGTERM (a Kubernetes
+    pod deleted, a spot VM's preemption notice), with a deadline, and so does its autoscaler.
+    Here the GCS is asked to drain rank 0's node for a preemption, as `ray start`'s handler
+    asks it, 60 s ahead. The run moves that worker to the spare node at a step boundary, from
+    a checkpoint written with both workers alive: no failure, no step trained again, the final
+    model bit for bit the uninterrupted run's. Ray then stops the node, which nothing holds
+    any longer, long before its deadline."""
+    from ray.core.generated import autoscaler_pb2
+
+    spec = _spec(tmp_path, data, "drained")
+    drained = {}
+
+    def drain(c):
+        if c.step == 3 and not drained:
+            node_id = drained["node"] = c.workers[0]["node"]
+            gcs = ray._raylet.GcsClient(address=nodes.address)
+            accepted, why = gcs.drain_node(
+                node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                "a preemption notice", int(time.time() * 1000) + 60_000)
+            assert accepted, why
+            drained["at"] = time.monotonic()
+        elif drained and not c.events:
+            # these steps are faster than the check (every second) and than the replacement's
+            # start (seconds), which training goes on through: hold them until both are done
+            if not c.placement.drains:
+                time.sleep(DRAIN_CHECK_S)
+            deadline = time.monotonic() + 60
+            while c.placement.drains and not c.group.spares_ready(c.placement.replacing):
+                assert time.monotonic() < deadline, "the replacement never started"
+                time.sleep(0.1)
+    try:
+        result = api.run(spec, record_samples=True, show_progress=False, on_step=drain)
+        assert result.state == "finished" and result.step == STEPS
+        assert _kinds(result.events) == ["drain", "move"]
+        notice, move = result.events
+        assert notice["moved"] and notice["ranks"] == [0] and notice["nodes"] == [drained["node"]]
+        assert 50 < notice["deadline_in_s"] <= 60
+        assert move["from_dp"] == move["dp"] == 2 and move["resumed_from_step"] == notice["step"]
+        assert move["workers_moved"] == move["workers_new"] == 1
+        assert drained["node"] not in [w["node"] for w in result.workers]
+        _assert_exactly_once(result)
+        _assert_bitwise(_final_params(spec), uninterrupted["ref-dp"])
+        deadline = time.monotonic() + 30
+        while any(n["NodeID"] == drained["node"] and n["Alive"] for n in ray.nodes()):
+            assert time.monotonic() < deadline, "the drained node is still up"
+            time.sleep(0.5)
+        print(f"drained node gone {time.monotonic() - drained['at']:.1f} s after the notice")
+        print("\n".join(json.dumps({k: v for k, v in e.items() if k != "wall_time"})
+                        for e in result.events))
+    finally:  # the node's pod is gone: out of the cluster (the next test's fixture adds one)
+        for node in [n for n in nodes.list_all_nodes() if n.node_id == drained.get("node")]:
+            nodes.remove_node(node)
 
 
 def test_blocks_lost_with_a_node_are_read_again_by_ray(tmp_path, nodes):

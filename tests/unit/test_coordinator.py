@@ -144,6 +144,7 @@ class FakeCluster:
         self.requested: list[int] = []  # what was asked of the autoscaler, in order
         self.slow_writes = False  # background writes still going at every step boundary
         self.start_checks = 0  # how often a new spare is found still starting before it is ready
+        self.draining: dict[str, float] = {}  # node -> seconds to its deadline, as Ray says
 
 
 class FakeGroup:
@@ -173,7 +174,8 @@ class FakeGroup:
         self.spares_taken += len(pool)
         k = min(n - len(pool), self.cluster.free)
         self.cluster.free -= k
-        return pool + [(f"actor-{pid}", {"pid": pid}) for pid in itertools.islice(self.cluster.pids, k)]
+        return pool + [(f"actor-{pid}", {"pid": pid, "node": f"node-{pid}"})
+                       for pid in itertools.islice(self.cluster.pids, k)]
 
     def keep_spares(self, n):
         make = min(n - len(self.spares), self.cluster.free)
@@ -200,6 +202,12 @@ class FakeGroup:
 
     def request_capacity(self, workers):
         self.cluster.requested.append(workers)
+
+    def draining_nodes(self):
+        return dict(self.cluster.draining)
+
+    def on_nodes(self, nodes):
+        return [r for r, info in enumerate(self.infos) if info.get("node") in nodes]
 
     def describe_free(self):
         return {"CPU": self.cluster.free}
@@ -564,6 +572,58 @@ def test_a_killed_worker_is_replaced_at_the_same_world_size(tmp_path):
     assert recovery["state_from"] == "checkpoint" and recovery["resumed_from_step"] == 2
     assert set(recovery["phases_s"]) == {"stop", "survivor_save", "reschedule", "group_init",
                                          "checkpoint_load", "first_step"}
+
+
+def test_a_draining_node_is_left_at_a_step_boundary_with_nothing_lost(tmp_path):
+    """Ray drains a node before it goes (a preemption notice): its workers are moved off at
+    the next step boundary, from a checkpoint of that step written with every worker alive.
+    No failure, no step trained twice, and the leaving worker is let go."""
+    cluster = FakeCluster(free=3)
+    c = _coordinator(tmp_path, cluster)
+    _tick_until(c, lambda c: c.step == 3)
+    leaving = c.workers[0]
+    cluster.draining = {leaving["node"]: 28.0, "node-elsewhere": 5.0}  # one of ours, one not
+    c.placement.next_drain_check = 0.0  # asked every second; these steps take microseconds
+    _tick_until(c, lambda c: c.state is State.MOVING)
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 2
+    moved_at = c.step  # the steps queued at the notice were trained first
+    assert moved_at >= 3 and CheckpointStore(c.spec.checkpoint_dir).latest() == moved_at
+    assert leaving["pid"] not in [w["pid"] for w in c.workers]
+    cluster.draining = {}
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    drain, move = c.events
+    assert drain == {**drain, "kind": "drain", "step": moved_at, "nodes": [leaving["node"]],
+                     "ranks": [0], "deadline_in_s": 28.0, "moved": True}
+    assert move["kind"] == "move" and move["resumed_from_step"] == moved_at
+    assert move["from_dp"] == move["dp"] == 2 and move["workers_moved"] == move["workers_new"] == 1
+    assert set(move["phases_s"]) == {"queued_steps", "checkpoint", "reschedule", "group_init",
+                                     "checkpoint_load", "first_step"}
+    # 8 steps of 2 ranks, each trained once (a rewind would train some again)
+    assert sum(method == "train_step" for method, _ in c.group.calls) == 16
+    assert sorted(step for step, _, _ in c.samples.ledger) == sorted(list(range(8)) * 2)
+    assert not c.failures.seen
+
+
+def test_a_draining_node_with_no_room_elsewhere_keeps_its_workers_until_there_is(tmp_path):
+    """Nowhere to go (dp 2 is the least, and no node has room): the world stays, with this
+    step's checkpoint committed, and asks again after rescale_check_s; once room appears the
+    workers move."""
+    cluster = FakeCluster(free=2)
+    c = _coordinator(tmp_path, cluster, rescale_check_s=1e-9)
+    _tick_until(c, lambda c: c.step == 2)
+    cluster.draining = {c.workers[1]["node"]: float("inf")}
+    c.placement.next_drain_check = 0.0  # asked every second; these steps take microseconds
+    _tick_until(c, lambda c: c.state is State.MOVING)
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 2
+    [drain] = c.events
+    assert drain["moved"] is False and drain["deadline_in_s"] is None and drain["ranks"] == [1]
+    assert CheckpointStore(c.spec.checkpoint_dir).latest() == drain["step"]
+    cluster.free = 1  # a node joins
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert [e["kind"] for e in c.events] == ["drain", "drain", "move"]
+    assert c.events[1]["moved"] is True and not c.failures.seen
 
 
 def test_the_budget_spent_fails_the_run(tmp_path):

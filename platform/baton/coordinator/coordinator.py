@@ -93,6 +93,7 @@ class State(enum.Enum):
     RUNNING = "running"
     RECOVERING = "recovering"
     RESCALING = "rescaling"
+    MOVING = "moving"  # off nodes Ray is draining
     FINISHED = "finished"
     FAILED = "failed"
 
@@ -170,7 +171,7 @@ class Coordinator:
     def tick(self) -> None:
         handler = {State.PENDING: self._prepare, State.SCHEDULING: self._schedule,
                    State.RUNNING: self._run_step, State.RECOVERING: self._recover,
-                   State.RESCALING: self._rescale}[self.state]
+                   State.RESCALING: self._rescale, State.MOVING: self._move}[self.state]
         before = self.state
         try:
             self.state = handler()
@@ -234,6 +235,8 @@ class Coordinator:
         return State.RUNNING
 
     def _run_step(self) -> State:
+        if self.resumed is None and self.placement.leaving():
+            return State.MOVING
         if self._rescale_due():
             return State.RESCALING
         # Keep the next step queued on the workers while this one runs, so that no worker
@@ -347,6 +350,69 @@ class Coordinator:
             timer.lap("checkpoint_load")
         timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
                         "workers_new": len(new)}
+        self.resumed = timer
+        return State.RUNNING
+
+    def _move(self) -> State:
+        """Nodes that hold workers are draining: Ray marks a node so when it is about to go (a
+        Kubernetes pod deleted, a spot VM's preemption notice reaching `ray start`'s SIGTERM
+        handler, an autoscaler's scale-down), places nothing new there, and kills what still
+        runs there at the deadline. Move off first, at a step boundary, once the replacements
+        (started on other nodes while training went on: `Placement.leaving`) are ready: finish
+        the queued steps, commit a checkpoint of this step with every worker alive, and
+        re-form with the replacements instead of the leaving workers, from it. No step
+        is trained twice, nothing counts as a failure, and the node is let go before its
+        deadline (Ray stops a draining node as soon as nothing runs there). Without room
+        elsewhere for min_dp replicas the world stays where it is, its checkpoint committed,
+        and asks again later; if the node goes first, that is a failure like any other."""
+        timer = Phases("move")
+        nodes = self.placement.drains
+        while self.inflight:  # steps queued before the notice: trained, not thrown away
+            self._complete_next()
+        timer.lap("queued_steps")
+        ranks = self.group.on_nodes(set(nodes))  # the world may have changed meanwhile
+        if not ranks or self.step >= self.spec.train.steps:
+            self.placement.moved()
+            return State.RUNNING
+        if self.store.latest() != self.step:
+            self._checkpoint_now()
+        self.commits.drain(self.group)  # committed before any worker goes
+        timer.lap("checkpoint")
+        stay = [r for r in range(len(self.group.actors)) if r not in ranks]
+        want = min(len(ranks), self.group.free_workers())  # free: on nodes not draining
+        new = self.group.start(want, START_WAIT_S) if want else []
+        members = self.group.members(stay) + new
+        moved = self.scale.target(len(members)) is not None
+        left_s = min(nodes.values())
+        self._record({"kind": "drain", "step": self.step, "nodes": sorted(nodes), "ranks": ranks,
+                      "deadline_in_s": None if left_s == float("inf") else round(left_s, 1),
+                      "moved": moved})
+        where = ", ".join(n[:8] for n in sorted(nodes))
+        if not moved:
+            self.group.keep_as_spares(new)  # started for this move: ready for the next try
+            self.placement.moved(stay=True)
+            self.report.progress.note(
+                f"step {self.step}: node {where} is draining, and the cluster has no room "
+                f"elsewhere for {self.scale.min_workers} workers: training goes on there, "
+                f"checkpoint {self.step} committed")
+            return State.RUNNING
+        self.report.progress.note(f"step {self.step}: node {where} is draining: moving worker "
+                                  f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} off")
+        old_dp, everyone = self.dims.dp, list(range(len(self.group.actors)))
+        left = self.group.leave(everyone, LEAVE_GRACE_S)
+        if len(left) < len(everyone):
+            self.group.release(new)
+            raise WorkerLost("a worker did not leave its group for a move", "timeout",
+                             tuple(r for r in everyone if r not in left))
+        self.group.kill(ranks)  # their node can go now
+        self.placement.moved()
+        timer.lap("reschedule")
+        self._form(members)
+        timer.lap("group_init")
+        self._load_latest()
+        timer.lap("checkpoint_load")
+        timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
+                        "workers_moved": len(ranks), "workers_new": len(new)}
         self.resumed = timer
         return State.RUNNING
 
