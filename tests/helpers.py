@@ -353,6 +353,22 @@ def await_growth(coordinator, timeout_s: float = 90) -> None:
 
 # --- Ray clusters started with `ray start` in their own session (tests stop only those) ---
 
+def hold_until_moving(coordinator, timeout_s: float = 60) -> None:
+    """From an on_step hook, after a node holding workers was told to drain: hold the step
+    until the coordinator has seen the drain (it asks every second) and the replacements it
+    started have started, so that the move comes before a short test's last step (training
+    goes on meanwhile in a real run, whose steps take longer)."""
+    from baton.coordinator.placement import DRAIN_CHECK_S
+
+    if not coordinator.placement.drains:
+        time.sleep(DRAIN_CHECK_S)
+    deadline = time.monotonic() + timeout_s
+    while (coordinator.placement.drains
+           and not coordinator.group.spares_ready(coordinator.placement.replacing)):
+        assert time.monotonic() < deadline, "the replacement never started"
+        time.sleep(0.1)
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:

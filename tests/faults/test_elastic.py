@@ -32,14 +32,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from baton import api, ray_settings, storage
 from baton.checkpoint import CheckpointStore
 from baton.coordinator.coordinator import LEAVE_GRACE_S
-from baton.coordinator.placement import DRAIN_CHECK_S
 from baton.data import Cursor
 from baton.errors import WorkerError
 from baton.spec import spec_from_dict
 from baton.workers import warm
 import helpers
-from helpers import (assert_params_close, await_growth, free_ports, job_order, read_table, reference_run, tiny_spec,
-                     write_dataset, write_spec)
+from helpers import (assert_params_close, await_growth, free_ports, hold_until_moving, job_order, read_table,
+                     reference_run, tiny_spec, write_dataset, write_spec)
 
 # warm_workers: each run takes the workers the run before kept (6 s less per run here), as a
 # user's sweep would; a fault's replacement is still a new process, or a spare
@@ -299,14 +298,7 @@ def test_a_draining_node_is_left_before_it_goes_with_nothing_lost(tmp_path, data
             assert accepted, why
             drained["at"] = time.monotonic()
         elif drained and not c.events:
-            # these steps are faster than the check (every second) and than the replacement's
-            # start (seconds), which training goes on through: hold them until both are done
-            if not c.placement.drains:
-                time.sleep(DRAIN_CHECK_S)
-            deadline = time.monotonic() + 60
-            while c.placement.drains and not c.group.spares_ready(c.placement.replacing):
-                assert time.monotonic() < deadline, "the replacement never started"
-                time.sleep(0.1)
+            hold_until_moving(c)
     try:
         result = api.run(spec, record_samples=True, show_progress=False, on_step=drain)
         assert result.state == "finished" and result.step == STEPS
