@@ -34,6 +34,10 @@ RAY_VERSION = "2.60.0"
 APP_DIR = "/home/ray/baton"  # where k8s/Dockerfile puts the project (jobs/, user code)
 STORAGE_MOUNT = "/mnt/baton"
 METRICS_PORT = 8080  # Ray's --metrics-export-port on every pod; the PodMonitor scrapes it
+# A worker pod being deleted (preempted, drained, scaled down) gets SIGTERM: `ray start` then
+# drains its node for this long, and a job moves its workers off at the next step boundary
+# (docs/elastic.md); the kubelet's SIGKILL comes 10 s after that
+DRAIN_S = 50
 MLFLOW_SERVICE = "http://mlflow:5000"  # the tracking server of k8s/mlflow.yaml, in the namespace
 SUBMISSION_MODES = ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -167,7 +171,8 @@ def _cluster_spec(spec: JobSpec, opts: K8sOptions, name: str) -> dict:
         limits["nvidia.com/gpu"] = str(gpus)
     worker_pod: dict[str, Any] = {"containers": [_container(
         "ray-worker", opts, {"requests": dict(limits), "limits": dict(limits)},
-        [("metrics", METRICS_PORT)])]}
+        [("metrics", METRICS_PORT)], {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_S)})],
+        "terminationGracePeriodSeconds": DRAIN_S + 10}
     if gpus:
         worker_pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
                                       "effect": "NoSchedule"}]
@@ -212,13 +217,14 @@ def _cluster_spec(spec: JobSpec, opts: K8sOptions, name: str) -> dict:
     return cluster
 
 
-def _container(name: str, opts: K8sOptions, resources: dict, ports: list[tuple[str, int]]) -> dict:
+def _container(name: str, opts: K8sOptions, resources: dict, ports: list[tuple[str, int]],
+               extra_env: Optional[dict[str, str]] = None) -> dict:
     c: dict[str, Any] = {
         "name": name, "image": opts.image, "resources": resources,
         "ports": [{"name": n, "containerPort": p} for n, p in ports],
     }
     # Ray's own settings, read by the raylet as it starts; baton's, for the job's processes too
-    pod_env = {**ray_settings.ray_env(), **_env_vars(opts)}
+    pod_env = {**ray_settings.ray_env(), **(extra_env or {}), **_env_vars(opts)}
     env = [{"name": k, "value": v} for k, v in pod_env.items()]
     if opts.s3_secret:
         env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": opts.s3_secret, "key": key}}}

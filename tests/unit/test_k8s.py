@@ -236,6 +236,19 @@ def test_every_pod_runs_with_least_privilege():
             assert writable, f"{where}: {c['name']} has nowhere to write"
 
 
+def test_a_deleted_worker_pod_drains_before_the_kubelet_kills_it():
+    """A worker pod's SIGTERM makes `ray start` drain its node (tests/faults/test_preemption.py)
+    for RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; the pod's grace period is longer, so that the
+    job has moved off before the kubelet's SIGKILL."""
+    workers = [(f"{name}: {where}", pod) for name, doc in _every_manifest()
+               for where, pod in _pods(doc) if doc["apiVersion"] == "ray.io/v1" and where != "head"]
+    assert len(workers) >= 2 * len(JOBS)
+    for where, pod in workers:
+        [container] = pod["containers"]
+        drain = {e["name"]: e.get("value") for e in container["env"]}["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"]
+        assert pod["terminationGracePeriodSeconds"] >= float(drain) + 10, where
+
+
 def test_a_network_policy_admits_only_the_clusters_own_pods_and_named_peers():
     for name, doc in _every_manifest():
         if doc["apiVersion"] != "ray.io/v1":
