@@ -237,6 +237,21 @@ def _sharding_line(spec) -> str:
             + f" = {mib(sum(mine.values()))} (DDP: {mib(sum(ddp.values()))})")
 
 
+def _tensor_line(spec) -> str:
+    """What each tensor-parallel worker holds of the model, next to a whole replica."""
+    from baton.models import _on_meta
+    from baton.parallel.tensor import split_layers
+
+    whole = sum(q.numel() for q in _on_meta(spec.model).parameters())
+    model = _on_meta(spec.model)
+    splits = split_layers(model, 0, spec.parallel.tp, None)
+    mine = sum(q.numel() for q in model.parameters())
+    held = lambda n: f"{n * 16 / 2**20:,.1f} MiB"  # noqa: E731 (fp32 parameters, gradients, AdamW's two moments)
+    return (f"tensor parallel: each block's {len({n.rsplit('.', 2)[-2] for n in splits})} split "
+            f"layers over {spec.parallel.tp} workers; per worker {mine:,} of the {whole:,} "
+            f"parameters: {held(mine)} of parameters, gradients and optimizer state (whole: {held(whole)})")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     from baton import api
 
@@ -249,7 +264,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         spec, data = api.validate(args.job, args.set)
         d = spec.parallel
         task = f"{spec.task}, " if spec.task != "language_model" else ""
-        print(f"{args.job}: ok ({spec.name}: {task}{spec.model.name}, dp={d.dp} pp={d.pp}, "
+        print(f"{args.job}: ok ({spec.name}: {task}{spec.model.name}, dp={d.dp} pp={d.pp}"
+              f"{f' tp={d.tp}' if d.tp > 1 else ''}, "
               f"{spec.train.steps} steps of {spec.train.global_batch} samples)")
         if data is not None:
             m = data.manifest.summary()
@@ -274,6 +290,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                   f"stage {api.stage_plan(spec)}")
         if d.shard != "none":
             print(f"  {_sharding_line(spec)}")
+        if d.tp > 1:
+            print(f"  {_tensor_line(spec)}")
         lo, hi = spec.dp_range
         e = spec.elastic
         if lo < hi or e.max_failures:

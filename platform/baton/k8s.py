@@ -159,7 +159,7 @@ def _env_vars(opts: K8sOptions) -> dict[str, str]:
 
 
 def _cluster_spec(spec: JobSpec, opts: K8sOptions, name: str) -> dict:
-    r, pp = spec.resources, spec.parallel.pp
+    r, pp = spec.resources, spec.per_replica  # workers a replica takes
     lo, hi = spec.dp_range
     low = lo * pp if opts.min_workers is None else opts.min_workers
     high = hi * pp if opts.max_workers is None else opts.max_workers

@@ -106,6 +106,7 @@ class TrainSpec:
 class ParallelSpec:
     dp: int = 1
     pp: int = 1  # pipeline stages: the model's layers are cut into pp contiguous runs
+    tp: int = 1  # tensor parallelism: each layer of a replica split over tp workers
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
     microbatches: Optional[int] = None  # per replica per step; null: from train.micro_batch
     chunks: Optional[int] = None  # model chunks per pipeline rank (interleaved-1f1b: default 2)
@@ -258,7 +259,12 @@ class JobSpec:
         """This job's rank arithmetic (`baton.parallel.ParallelDims`)."""
         from baton.parallel import ParallelDims
 
-        return ParallelDims(self.parallel.dp, self.parallel.pp, self.dp_shard)
+        return ParallelDims(self.parallel.dp, self.parallel.pp, self.dp_shard, self.parallel.tp)
+
+    @property
+    def per_replica(self) -> int:
+        """Workers that hold one replica: its pipeline stages, each split tp ways."""
+        return self.parallel.pp * self.parallel.tp
 
     @property
     def chunks(self) -> int:

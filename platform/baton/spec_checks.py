@@ -93,14 +93,17 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
 
     need(p.dp >= 1, "parallel.dp", p.dp, "must be at least 1")
     need(p.pp >= 1, "parallel.pp", p.pp, "must be at least 1")
-    need(p.dp * p.pp <= MOST_WORKERS, "parallel.dp", p.dp,
-         f"dp x pp = {p.dp * p.pp:,} workers; at most {MOST_WORKERS:,}")
+    need(p.tp >= 1, "parallel.tp", p.tp, "must be at least 1")
+    need(p.dp * spec.per_replica <= MOST_WORKERS, "parallel.dp", p.dp,
+         f"dp x pp x tp = {p.dp * spec.per_replica:,} workers; at most {MOST_WORKERS:,}")
     need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
     need(p.shard_unit_mib >= 0, "parallel.shard_unit_mib", p.shard_unit_mib, "must be >= 0 MiB")
     need(p.grad_comm != "powersgd" or (p.pp == 1 and p.shard in ("none", "optimizer")),
          "parallel.grad_comm", p.grad_comm, "PowerSGD runs through DDP's communication hook: "
          "use it with parallel.shard none or optimizer and pp 1 (bf16 works everywhere)")
     _check_batching(spec, need)
+    if p.tp > 1:
+        _check_tensor(spec, need)
     if p.shard != "none" or p.shard_group is not None:
         _check_sharding(spec, need, one_world)
     if p.pp > 1 or p.schedule == "interleaved-1f1b" or p.chunks or p.partition != "params":
@@ -251,8 +254,8 @@ def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
     need(lo >= 1, "elastic.min_dp", e.min_dp, "must be at least 1")
     need(lo <= dp, "elastic.min_dp", e.min_dp, f"must be <= parallel.dp = {dp}")
     need(hi >= dp, "elastic.max_dp", e.max_dp, f"must be >= parallel.dp = {dp}")
-    need(hi * spec.parallel.pp <= MOST_WORKERS, "elastic.max_dp", e.max_dp,
-         f"max_dp x pp = {hi * spec.parallel.pp:,} workers; at most {MOST_WORKERS:,}")
+    need(hi * spec.per_replica <= MOST_WORKERS, "elastic.max_dp", e.max_dp,
+         f"max_dp x pp x tp = {hi * spec.per_replica:,} workers; at most {MOST_WORKERS:,}")
     need(e.max_failures >= 0, "elastic.max_failures", e.max_failures, "must be >= 0")
     need(e.rescale_check_s > 0, "elastic.rescale_check_s", e.rescale_check_s, "must be > 0 seconds")
     need(e.hang_timeout_s > 0, "elastic.hang_timeout_s", e.hang_timeout_s, "must be > 0 seconds")
@@ -267,6 +270,25 @@ def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
                  f"train.global_batch {spec.train.global_batch} cannot be split over {value} "
                  f"replicas under batch_policy {spec.batch_policy}; dp values that work: "
                  + (f"{valid}" if len(valid) <= 12 else f"{str(valid[:12])[:-1]}, ... ({len(valid)} in all)]"))
+
+
+def _check_tensor(spec: JobSpec, need) -> None:
+    """What tensor parallelism runs with, so far: data parallel replicas (DDP), each split tp
+    ways; not yet inside pipeline stages, sharded, compiled (`auto` trains eager) or with
+    compressed gradients."""
+    p, t = spec.parallel, spec.train
+    for key, value, ok, what in (
+            ("parallel.pp", p.pp, p.pp == 1, "inside pipeline stages"),
+            ("parallel.shard", p.shard, p.shard == "none", "with sharded replicas (FSDP, ZeRO)"),
+            ("parallel.grad_comm", p.grad_comm, p.grad_comm == "fp32", "with compressed gradients"),
+            ("train.compile", t.compile, t.compile is not True, "compiled")):
+        need(ok, key, value, f"tensor parallelism (parallel.tp = {p.tp}) does not run {what} "
+                             "yet (docs/limits.md)")
+    from baton.models import _on_meta
+    from baton.parallel.tensor import plan_problem
+
+    problem = plan_problem(_on_meta(spec.model), spec.model.name, p.tp)
+    need(problem is None, "parallel.tp", p.tp, problem or "")
 
 
 def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:
@@ -368,13 +390,13 @@ def check_fits(spec: JobSpec, cpus: float, gpus: float, source: str, where: str)
     r, p = spec.resources, spec.parallel
     dp = spec.dp_range[0]  # an elastic job starts with what fits, at least min_dp
     key = "parallel.dp" if dp == p.dp else "elastic.min_dp"
-    workers = dp * p.pp
+    workers = dp * spec.per_replica
     if workers * r.cpus_per_worker > cpus + 1e-9:
         fit = int(cpus // r.cpus_per_worker)
         raise SpecError(
             f"{source}: {key}: {dp} is invalid; {workers} workers x "
             f"resources.cpus_per_worker {r.cpus_per_worker} need {workers * r.cpus_per_worker:g} "
-            f"CPUs but {where} has {cpus:g}; use dp <= {fit // p.pp} or lower cpus_per_worker")
+            f"CPUs but {where} has {cpus:g}; use dp <= {fit // spec.per_replica} or lower cpus_per_worker")
     if r.gpus_per_worker and workers * r.gpus_per_worker > gpus + 1e-9:
         raise SpecError(
             f"{source}: {key}: {dp} is invalid; {workers} workers x "

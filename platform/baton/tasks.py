@@ -257,6 +257,19 @@ class Sums:
         return out
 
 
+def counted_once(out: dict) -> dict:
+    """`Sums.out()` with every value 0 and the same keys: what a tensor-parallel worker other
+    than its replica's first reports, since its sums are the first's (summed over the workers,
+    they would count its replica tp times)."""
+    zero = {"loss_sum": 0.0, "tokens": 0, "metrics": {k: 0.0 for k in out["metrics"]}}
+    if "ratios" in out:
+        zero["ratios"] = {k: [0.0, 0.0] for k in out["ratios"]}
+    if "counts" in out:
+        zero["counts"] = {k: [kind, [0] * len(pos), [0] * len(neg)]
+                          for k, (kind, pos, neg) in out["counts"].items()}
+    return zero
+
+
 def metric_values(results: list[dict], count: float) -> dict[str, float]:
     """The task's metrics over `results` (each a `Sums.out()`, of a replica or a batch): each
     sum over the `count` valid terms, each ratio its numerators' sum over its denominators'

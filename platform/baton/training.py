@@ -58,6 +58,14 @@ def clip_grads(model: nn.Module, grad_clip: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+def scale_to_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Clip `grads` (each worker's share of the model's) by their whole norm `norm`, computed
+    by the caller over every worker that holds a share; returns the norm, a tensor not yet read."""
+    if max_norm > 0:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this worker holds of a sharded tensor); a plain tensor
     itself."""

@@ -76,7 +76,7 @@ def test_unknown_cause_is_refused():
 
 
 def test_scale_policy_picks_the_largest_valid_world_that_fits():
-    policy = ScalePolicy(valid_dps=(1, 2, 4), pp=2)  # dp 3 does not divide the batch
+    policy = ScalePolicy(valid_dps=(1, 2, 4), per_replica=2)  # dp 3 does not divide the batch
     assert policy.min_workers == 2
     assert policy.target(1) is None  # not even one pipeline
     assert [policy.target(n) for n in (2, 3, 4, 5, 7, 8, 20)] == [1, 1, 2, 2, 2, 4, 4]

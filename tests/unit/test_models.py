@@ -185,3 +185,50 @@ def test_compiling_on_a_cpu_node_without_a_cxx_compiler_is_one_clear_error(monke
     assert compiled.compile_blocks(gpt, "auto", device="cuda") == 0  # eager, with a warning
     with pytest.raises(WorkerError, match="apt-get install gcc"):
         compiled.compile_blocks(gpt, True, device="cuda")
+
+
+def test_a_fused_projection_splits_part_by_part_and_joins_back():
+    """parallel/tensor.py's Split: the GPT's qkv (q, k, v stacked) split over 2 workers gives
+    each its heads' rows of q, of k and of v; joined back, the tensor is the same."""
+    from baton.parallel.tensor import Split
+
+    q, k, v = (torch.arange(8.0).reshape(4, 2) + 100 * i for i in range(3))
+    qkv = torch.cat([q, k, v])
+    split = Split(0, parts=3)
+    pieces = [split.take(qkv, r, 2) for r in range(2)]
+    assert torch.equal(pieces[1], torch.cat([q[2:], k[2:], v[2:]]))
+    assert torch.equal(split.join(pieces), qkv)
+    rows = Split(1)  # a row-parallel weight: input features
+    assert torch.equal(rows.join([rows.take(q, r, 2) for r in range(2)]), q)
+    assert rows.whole_shape(rows.take(q, 0, 2).shape, 2) == [4, 2]
+
+
+def test_a_split_gpt_block_computes_what_the_whole_one_does():
+    """A block's two shares, each computing on its own parameters in one process, with the
+    row layers' partial products summed by hand where the all-reduce would sum them: the
+    whole block's output (the collectives themselves run in tests/integration/test_tensor.py)."""
+    import torch.nn.functional as F
+
+    from baton.parallel.tensor import split_layers
+
+    spec = ModelSpec(name="gpt", layers=1, width=16, heads=4, seq_len=8)
+    block = build_model(spec, 0)[1]
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    shares = []
+    for rank in range(2):
+        model = build_model(spec, 0)
+        split_layers(model, rank, 2, None)
+        shares.append(model[1])
+    attention = []
+    for b in shares:
+        q, k, v = F.linear(block.ln1(x), b.qkv.weight, b.qkv.bias).chunk(3, dim=2)
+        heads = q.shape[-1] // b.head_width
+        assert heads == 2  # of the 4
+        q, k, v = (t.view(2, 8, heads, b.head_width).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attention.append(F.linear(y.transpose(1, 2).reshape(2, 8, heads * b.head_width), b.proj.weight))
+    h = x + sum(attention) + shares[0].proj.bias
+    mlp = sum(F.linear(F.gelu(F.linear(block.ln2(h), b.fc.weight, b.fc.bias)), b.out.weight)
+              for b in shares) + shares[0].out.bias
+    # measured: 1.5e-8 at most (the same sums in another order)
+    torch.testing.assert_close(h + mlp, block(x), rtol=1e-5, atol=1e-6)

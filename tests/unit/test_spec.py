@@ -207,6 +207,39 @@ def test_sharding_mistakes_are_one_line_each(tmp_path, parallel, message):
     assert "\n" not in str(e.value)
 
 
+TENSOR_ERRORS = [
+    ({"dp": 1, "tp": 2, "pp": 2},
+     "parallel.pp: 2 is invalid; tensor parallelism (parallel.tp = 2) does not run inside "
+     "pipeline stages yet"),
+    ({"dp": 2, "tp": 2, "shard": "full"},
+     "parallel.shard: 'full' is invalid; tensor parallelism (parallel.tp = 2) does not run "
+     "with sharded replicas"),
+    ({"dp": 1, "tp": 4},  # the tiny GPT has 2 heads
+     "parallel.tp: 4 is invalid; gpt's layer 1: 2 heads do not split over tp = 4"),
+    ({"dp": 1, "tp": 0}, "parallel.tp: 0 is invalid; must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("parallel,message", TENSOR_ERRORS, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(TENSOR_ERRORS)])
+def test_tensor_parallel_mistakes_are_one_line_each(tmp_path, parallel, message):
+    raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
+                    parallel=parallel)
+    with pytest.raises(SpecError) as e:
+        spec_from_dict(raw, "job.yaml")
+    assert str(e.value).startswith(f"job.yaml: {message}"), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_tensor_parallelism_needs_a_plan(tmp_path):
+    raw = tiny_spec(tmp_path, tmp_path, parallel={"dp": 1, "tp": 2},
+                    model={"name": "mlp", "layers": 2, "width": 64, "context": 4, "seq_len": 32})
+    with pytest.raises(SpecError, match="parallel.tp: 2 is invalid; model 'mlp' has no "
+                                        "tensor-parallel plan"):
+        spec_from_dict(raw, "job.yaml")
+    raw = tiny_spec(tmp_path, tmp_path, parallel={"dp": 1, "tp": 2})
+    assert spec_from_dict(raw).dims().world_size == 2 and spec_from_dict(raw).per_replica == 2
+
+
 def test_sharding_needs_blocks_to_wrap(tmp_path, monkeypatch):
     (tmp_path / "flatmodel.py").write_text(
         "import torch\n\ndef build(spec):\n"

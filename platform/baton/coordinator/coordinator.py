@@ -109,7 +109,8 @@ class Coordinator:
         self.tracker = tracker
         self.dims = spec.dims()
         self.pp = spec.parallel.pp
-        self.scale = ScalePolicy(tuple(spec.valid_dps()), self.pp)
+        self.per_replica = spec.per_replica  # workers a replica takes: pp x tp
+        self.scale = ScalePolicy(tuple(spec.valid_dps()), self.per_replica)
         self.failures = FailurePolicy(spec.elastic.max_failures)
         self.on_step = on_step  # called after every completed step (observers, fault tests)
         self.group_factory = group_factory  # the unit tests' fake group stands in for Ray
@@ -322,14 +323,14 @@ class Coordinator:
         grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
         if grow_to is None or self.step >= self.spec.train.steps:
             return State.RUNNING
-        share = self.pp == 1 and self.base.parallel.shard == "none"
+        share = self.per_replica == 1 and self.base.parallel.shard == "none"
         if share:
             self.commits.drain(self.group)  # a background save in flight commits first
         elif self.store.latest() != self.step:
             self._checkpoint_now()
         timer.lap("checkpoint")
         old_dp = self.dims.dp
-        new = self.group.start((grow_to - old_dp) * self.pp, START_WAIT_S)
+        new = self.group.start((grow_to - old_dp) * self.per_replica, START_WAIT_S)
         members = self.group.members() + new
         if self.scale.target(len(members)) == old_dp:  # the room went elsewhere meanwhile
             self.group.release(new)
@@ -424,14 +425,14 @@ class Coordinator:
         process group, models built from the seed (`keep_state`: the workers of the world
         before hold their state for `share_state`)."""
         dp = self.scale.target(len(members))
-        rest = members[dp * self.pp:]
+        rest = members[dp * self.per_replica:]
         if rest_as_spares:
             self.group.keep_as_spares(rest)
         else:
             self.group.release(rest)
         self.spec = self.base.at_dp(dp)
         self.dims = self.spec.dims()
-        self.group.form(members[:dp * self.pp], self.spec, self.dims)
+        self.group.form(members[:dp * self.per_replica], self.spec, self.dims)
         self.samples.new_world()
         if self.stage_layers is None:
             self.stage_layers = plan_stages(
@@ -509,6 +510,7 @@ class Coordinator:
 
     def _layout(self) -> dict:
         return {"dp": self.dims.dp, "pp": self.dims.pp,
+                **({"tp": self.dims.tp} if self.dims.tp > 1 else {}),
                 **({"stage_layers": self.stage_layers} if self.dims.pp > 1 else {}),
                 **({"shard": self.spec.parallel.shard, "dp_shard": self.dims.dp_shard}
                    if self.spec.parallel.shard != "none" else {})}

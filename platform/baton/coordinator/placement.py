@@ -25,7 +25,7 @@ DRAIN_MARGIN_S = 10.0
 class Placement:
     def __init__(self, group, base: JobSpec, scale: ScalePolicy):
         self.group, self.base, self.scale = group, base, scale
-        self.most = base.dp_range[1] * base.parallel.pp  # workers at max_dp
+        self.most = base.dp_range[1] * base.per_replica  # workers at max_dp
         self.next_check = 0.0  # when `growth_due` looks for room again (monotonic)
         self.joining = 0  # workers started for a growth, which it waits for (`growth_due`)
         self.joining_until = 0.0  # ...up to then (monotonic); the growth's `start` then decides
@@ -101,7 +101,7 @@ class Placement:
             self.group.request_capacity(self.most)  # renewed while short
             grow_to = self.scale.grow_to(dp, self.group.free_workers())
             if grow_to is not None:
-                self.joining = (grow_to - dp) * self.base.parallel.pp
+                self.joining = (grow_to - dp) * self.base.per_replica
                 self.joining_until = now + START_WAIT_S
                 self.group.keep_spares(self.joining)  # the spares there are first
                 return self._joined()
@@ -173,6 +173,6 @@ class Placement:
                 + (f" and {big['GPU']:g} GPU" if r.gpus_per_worker else ""))
         raise WorkerError(
             f"could place only {placed} of the {need} workers needed "
-            f"(elastic.min_dp x parallel.pp; wanted up to {wanted}) of {each} each within "
+            f"(elastic.min_dp x parallel.pp x tp; wanted up to {wanted}) of {each} each within "
             f"{self.base.parallel.timeout_s:g} s (parallel.timeout_s); the cluster "
             f"has {self.group.describe_free()} free")

@@ -63,20 +63,19 @@ class ScalePolicy:
     """`valid_dps`: the replica counts in [min_dp, max_dp] the batch can be split into."""
 
     valid_dps: tuple[int, ...]
-    pp: int = 1
+    per_replica: int = 1  # workers a replica takes: pp x tp
 
     def target(self, workers: int) -> Optional[int]:
-        """The most replicas `workers` workers can hold (each replica is pp workers), or None
-        if fewer than min_dp fit."""
-        fitting = [dp for dp in self.valid_dps if dp * self.pp <= workers]
+        """The most replicas `workers` workers can hold, or None if fewer than min_dp fit."""
+        fitting = [dp for dp in self.valid_dps if dp * self.per_replica <= workers]
         return max(fitting) if fitting else None
 
     def grow_to(self, dp: int, workers_free: int) -> Optional[int]:
         """The larger world to move to when `workers_free` more workers could start now, or None
         if no valid dp above `dp` fits."""
-        best = self.target(dp * self.pp + workers_free)
+        best = self.target(dp * self.per_replica + workers_free)
         return best if best is not None and best > dp else None
 
     @property
     def min_workers(self) -> int:
-        return min(self.valid_dps) * self.pp
+        return min(self.valid_dps) * self.per_replica

@@ -25,9 +25,14 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
+    # tensor parallelism (parallel/tensor.py): each worker holds its heads' q, k and v and
+    # their share of the output projection, and a share of the MLP's hidden units
+    tp_plan = {"qkv": ("column", 3), "proj": "row", "fc": "column", "out": "row"}
+
     def __init__(self, width: int, heads: int, dropout: float):
         super().__init__()
         self.heads = heads
+        self.head_width = width // heads
         self.dropout = dropout
         self.ln1 = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
@@ -37,13 +42,18 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * width, width)
         self.drop = nn.Dropout(dropout)
 
+    def tp_problem(self, tp: int) -> str | None:
+        return None if self.heads % tp == 0 else f"{self.heads} heads do not split over tp = {tp}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # the heads this worker holds: all of them, or its share under tensor parallelism
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
+        heads = q.shape[-1] // self.head_width
+        q, k, v = (t.view(B, T, heads, self.head_width).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_width)))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 

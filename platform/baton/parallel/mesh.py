@@ -1,10 +1,13 @@
 """All rank arithmetic, in one place. Nobody else computes a rank or splits a batch by hand.
 
-Ranks are laid out pp-major: rank = pp_rank * dp + dp_rank, so the data-parallel group of a
-stage is a contiguous block of ranks and each pipeline is a stride-dp column. Within a stage's
-dp replicas, dp_rank = replica_group * dp_shard + shard: sharding (FSDP2, ZeRO) splits state
-across the dp_shard ranks of one group and replicates it across the groups. That is torch's
-row-major `DeviceMesh` of shape (pp, dp_replicate, dp_shard), which `device_mesh` builds.
+Ranks are laid out pp-major, tp-minor: rank = (pp_rank * dp + dp_rank) * tp + tp_rank, so the
+tp workers that split one replica's layers (tensor parallelism) are neighbours (on one node,
+where they fit: their collectives run in every layer), the data-parallel ranks of a stage are
+a contiguous block and each pipeline is a column. With tp = 1, rank = pp_rank * dp + dp_rank.
+Within a stage's dp replicas, dp_rank = replica_group * dp_shard + shard: sharding (FSDP2,
+ZeRO) splits state across the dp_shard ranks of one group and replicates it across the
+groups. That is torch's row-major `DeviceMesh` of shape (pp, dp_replicate, dp_shard), which
+`device_mesh` builds (for tp = 1).
 """
 
 from __future__ import annotations
@@ -21,48 +24,65 @@ class ParallelDims:
     dp: int
     pp: int = 1
     dp_shard: int = 1  # ranks that split one replica's state (1: every worker holds it whole)
+    tp: int = 1  # workers that split each layer of a replica (tensor parallelism)
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.pp < 1 or self.dp_shard < 1:
+        if self.dp < 1 or self.pp < 1 or self.dp_shard < 1 or self.tp < 1:
             raise ValueError(f"parallel degrees must be >= 1, got dp={self.dp} pp={self.pp} "
-                             f"dp_shard={self.dp_shard}")
+                             f"dp_shard={self.dp_shard} tp={self.tp}")
         if self.dp % self.dp_shard:
             raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.pp * self.tp
+
+    @property
+    def per_replica(self) -> int:
+        """Workers that hold one replica between them: its stages, each split tp ways."""
+        return self.pp * self.tp
 
     @property
     def dp_replicate(self) -> int:
         return self.dp // self.dp_shard
 
-    def rank(self, dp_rank: int, pp_rank: int = 0) -> int:
-        assert 0 <= dp_rank < self.dp and 0 <= pp_rank < self.pp
-        return pp_rank * self.dp + dp_rank
+    def rank(self, dp_rank: int, pp_rank: int = 0, tp_rank: int = 0) -> int:
+        assert 0 <= dp_rank < self.dp and 0 <= pp_rank < self.pp and 0 <= tp_rank < self.tp
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(dp_rank, pp_rank) of a global rank."""
         assert 0 <= rank < self.world_size
+        rank //= self.tp
         return rank % self.dp, rank // self.dp
 
-    def dp_group(self, pp_rank: int) -> list[int]:
-        """Ranks that hold the same stage and average its gradients."""
-        return [self.rank(d, pp_rank) for d in range(self.dp)]
+    def tp_rank(self, rank: int) -> int:
+        """Which part of each of its layers a rank holds (0 without tensor parallelism)."""
+        return rank % self.tp
+
+    def dp_group(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
+        """Ranks that hold the same stage (the same part of its layers) and average its
+        gradients."""
+        return [self.rank(d, pp_rank, tp_rank) for d in range(self.dp)]
 
     def pp_group(self, dp_rank: int) -> list[int]:
         """Ranks that form one pipeline, first stage first."""
         return [self.rank(dp_rank, s) for s in range(self.pp)]
+
+    def tp_group(self, dp_rank: int, pp_rank: int = 0) -> list[int]:
+        """Ranks that split the layers of one replica's stage between them."""
+        return [self.rank(dp_rank, pp_rank, t) for t in range(self.tp)]
 
     def shard_of(self, rank: int) -> int:
         """Which shard of its stage's state a rank holds (0 when unsharded)."""
         return self.coords(rank)[0] % self.dp_shard
 
     def replica_groups(self) -> list[list[int]]:
-        """Ranks that must hold identical parameters: for each stage and each shard, its
-        copies across the replica groups (every dp rank of a stage, when unsharded)."""
-        return [[self.rank(g * self.dp_shard + s, p) for g in range(self.dp_replicate)]
-                for p in range(self.pp) for s in range(self.dp_shard)]
+        """Ranks that must hold identical parameters: for each stage, each shard and each part
+        of its layers, its copies across the replica groups (every dp rank of a stage, when
+        unsharded and whole)."""
+        return [[self.rank(g * self.dp_shard + s, p, t) for g in range(self.dp_replicate)]
+                for p in range(self.pp) for s in range(self.dp_shard) for t in range(self.tp)]
 
     def shard_groups(self, pp_rank: int = 0) -> list[list[int]]:
         """The sets of ranks that together hold one whole copy of a stage's sharded state."""
@@ -80,6 +100,7 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
+        assert self.tp == 1, "tensor parallelism builds its own groups (parallel/tensor.py)"
         mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard),
                                 mesh_dim_names=AXES)
         for axis in AXES:

@@ -99,22 +99,23 @@ class Replica:
 
 
 def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
-              shard_optimizer: bool = False, grad_comm: str = "fp32") -> Replica:
-    """DDP over the stage's dp ranks; with `shard_optimizer`, ZeRO-1 over the dp_shard ranks."""
+              shard_optimizer: bool = False, grad_comm: str = "fp32", group=None) -> Replica:
+    """DDP over the stage's dp ranks (`group`: those of this worker's share, under tensor
+    parallelism; None: the world); with `shard_optimizer`, ZeRO-1 over the dp_shard ranks."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # DDP overlaps the gradient all-reduce with the backward pass (bucketed), and its
     # constructor broadcasts rank 0's parameters, so replicas start identical.
     # The data-parallel engine runs one stage (pp = 1): its dp group is the whole world. A
     # world of one runs the model itself: no wrapper, no all-reduce, nothing to keep in sync.
-    alone = not shard_optimizer and dist.get_world_size() == 1
-    module.to(device)  # every replica holds the whole model
+    alone = not shard_optimizer and dist.get_world_size(group) == 1
+    module.to(device)  # every replica holds the whole model (or its share of each layer)
     # Gradients are views into DDP's all-reduce buckets (`gradient_as_bucket_view`): without
     # it a worker holds every gradient twice at the backward's end, once in the buckets, and
     # copies between the two each step (benchmarks/ddp_memory.py, 19 M parameters: a peak 58
     # MiB lower, steps 15 % shorter, the losses bit for bit the same; docs/benchmarks.md)
     wrapped = module if alone else DDP(module, device_ids=[0] if device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True)
+                                       gradient_as_bucket_view=True, process_group=group)
     if not alone:
         comm.register(wrapped, grad_comm)
     if not shard_optimizer:
@@ -213,7 +214,8 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 # `fill` (for the levels that shard parameters): see fully_shard
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
-    "none": lambda *a, unit_mib=None, grad_comm="fp32", fill=None: replicate(*a, grad_comm=grad_comm),
+    "none": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None: replicate(
+        *a, grad_comm=grad_comm, group=group),
     "optimizer": lambda *a, unit_mib=None, grad_comm="fp32", fill=None: replicate(
         *a, shard_optimizer=True, grad_comm=grad_comm),
     "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None: fully_shard(

@@ -32,7 +32,7 @@ def fit_or_wait(spec: JobSpec, source: str, where: str, log: Callable[[str], Non
         if wait_s <= 0 or not autoscaler_present():
             raise
     r = spec.resources
-    workers = spec.dp_range[0] * spec.parallel.pp
+    workers = spec.dp_range[0] * spec.per_replica
     bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
     log(f"{where} has too little room for {workers} worker{'s' * (workers != 1)} now; its autoscaler is asked for "
         f"them, waiting up to {wait_s:g} s (resources.wait_for_nodes_s)")

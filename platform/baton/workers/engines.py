@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -28,7 +28,8 @@ from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, 
 from baton.spec import JobSpec
 from baton.tasks import Sums, Task, example_inputs, to_device
 from baton.tracking.profile import profiled
-from baton.training import clip_grads, local, make_optimizer, set_lr
+from baton.parallel.tensor import gather_state, split_layers, take_state
+from baton.training import clip_grads, local, make_optimizer, scale_to_norm, set_lr
 
 BatchFn = Callable[..., dict]  # (rows, pad_to=None) -> the task's batch (tensors, VALID)
 
@@ -79,14 +80,24 @@ class DataParallelEngine(_Engine):
         self.module, fill = (build_lazily(spec.model, spec.train.seed)
                              if "params" in SHARDED_PARTS[level]
                              else (build_model(spec.model, spec.train.seed), None))
+        wrapping = self._split(self.module)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
-        compile_blocks(self.module, spec.train.compile, device.type)
+        compile_blocks(self.module, self.compiled(spec), device.type)
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s) if level != "none" else None
         self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
-                                        grad_comm=spec.parallel.grad_comm, fill=fill)
+                                        grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
+
+    def _split(self, module: nn.Module) -> dict:
+        """What a subclass does to the whole model before it is wrapped (tensor parallelism:
+        keeps this worker's share of each layer); extra arguments for the wrapping."""
+        return {}
+
+    @staticmethod
+    def compiled(spec: JobSpec):
+        return spec.train.compile
 
     def state_dicts(self) -> tuple[dict, dict]:
         return self.replica.state_dicts()
@@ -136,6 +147,74 @@ class DataParallelEngine(_Engine):
 
     def clip(self) -> torch.Tensor:
         return clip_grads(self.module, self.spec.train.grad_clip)
+
+
+class TensorParallelEngine(DataParallelEngine):
+    """Data parallel replicas (DDP over the workers that hold the same share), each split over
+    parallel.tp workers (parallel/tensor.py). The state it saves and loads is whole: gathered
+    from the tp workers of replica 0 (which alone writes it), split again when read."""
+
+    def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
+                 task: Task):
+        from datetime import timedelta
+
+        self.tp, self.tp_rank = dims.tp, dims.tp_rank(rank)
+        dp_rank, _ = dims.coords(rank)
+        timeout = timedelta(seconds=spec.parallel.timeout_s)
+        # every rank makes every group, in one order
+        tp_groups = [dist.new_group(dims.tp_group(d), timeout=timeout) for d in range(dims.dp)]
+        dp_groups = [dist.new_group(dims.dp_group(0, t), timeout=timeout) for t in range(dims.tp)]
+        self.tp_group, self.dp_group = tp_groups[dp_rank], dp_groups[self.tp_rank]
+        super().__init__(spec, dims, device, task)
+
+    def _split(self, module: nn.Module) -> dict:
+        self.splits = split_layers(module, self.tp_rank, self.tp, self.tp_group)
+        return {"group": self.dp_group}
+
+    @staticmethod
+    def compiled(spec: JobSpec):
+        return False  # `auto` trains eager: compiled blocks with tp's collectives are not built yet
+
+    def state_dicts(self) -> Optional[tuple[dict, dict]]:
+        """The whole state on the first tp worker (None on the others): a collective of the
+        replica's tp workers, so the worker calls it on every one of them."""
+        return gather_state(*self.replica.state_dicts(), self.splits, self.tp_group,
+                            self.tp_rank, self.tp)
+
+    def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
+        self.replica.load_full(*take_state(model_state, optim_state, self.splits, self.tp_rank,
+                                           self.tp))
+
+    def load_sharded(self, where: sharded.Location) -> None:
+        """A sharded checkpoint (written by FSDP or ZeRO) read whole by every worker, then
+        split: DCP fills whole-shaped tensors made from this worker's pieces."""
+        model_state, optim_state = state_dicts(self.wrapped, self.optimizer)
+        whole = {n: torch.zeros(self.splits[n].whole_shape(t.shape, self.tp), dtype=t.dtype,
+                                device=t.device) if n in self.splits else t.clone()
+                 for n, t in model_state.items()}
+        state = {"model": whole}
+        with_optim = sharded.has_optimizer_state(where)
+        if with_optim:
+            state["optim"] = {n: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(t),
+                                  "exp_avg_sq": torch.zeros_like(t)} for n, t in whole.items()}
+        sharded.load(state, where)
+        self.load_state_dicts(state["model"], {"state": state.get("optim", {}),
+                                               "param_groups": optim_state["param_groups"]})
+
+    def clip(self) -> torch.Tensor:
+        """Clip by the whole model's gradient norm: the split parameters' squares summed over
+        the tp workers, the whole ones (the same on every worker) counted once."""
+        named = [(n, q.grad) for n, q in self.module.named_parameters() if q.grad is not None]
+        split = torch.zeros((), dtype=torch.float32, device=self.device)
+        whole = torch.zeros((), dtype=torch.float32, device=self.device)
+        for name, g in named:
+            sq = torch.linalg.vector_norm(g.float()) ** 2
+            if name in self.splits:
+                split += sq
+            else:
+                whole += sq
+        dist.all_reduce(split, group=self.tp_group)
+        return scale_to_norm([g for _, g in named], (split + whole).sqrt(), self.spec.train.grad_clip)
 
 
 class PipelineEngine(_Engine):
@@ -254,8 +333,4 @@ class PipelineEngine(_Engine):
         if self.sharded:  # a stage's shards together hold its gradient (once per group)
             dist.all_reduce(sq, group=self.shard_group)
         dist.all_reduce(sq, group=self.pp_group)
-        norm = sq.sqrt()
-        max_norm = self.spec.train.grad_clip
-        if max_norm > 0:
-            torch._foreach_mul_([local(g) for g in grads], (max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm
+        return scale_to_norm([local(g) for g in grads], sq.sqrt(), self.spec.train.grad_clip)

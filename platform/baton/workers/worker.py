@@ -38,7 +38,7 @@ from baton.parallel.broadcast import broadcast_state
 from baton.parallel.compiled import compile_seconds
 from baton.parallel.mesh import split_micro
 from baton.spec import JobSpec
-from baton.tasks import VALID, example_inputs, make_task, padded
+from baton.tasks import VALID, counted_once, example_inputs, make_task, padded
 from baton.tracking import profile
 from baton.training import local, param_digest
 from baton.workers import host
@@ -164,6 +164,7 @@ class Worker:
         """Take `rank` in a world of `dims` (before `setup`)."""
         self.spec, self.dims, self.rank = spec, dims, rank
         self.dp_rank, self.pp_rank = dims.coords(rank)
+        self.tp_rank = dims.tp_rank(rank)
         self.master_store = None  # the group's store, hosted by rank 0 (rendezvous_address)
 
     def ready(self) -> dict:
@@ -185,7 +186,9 @@ class Worker:
         keeps its shards: with another replica group alive, every shard has a survivor."""
         self.kept, kept_step = None, -1
         self.saves.settle(self.spec.checkpoint.timeout_s)
-        if self.engine is not None:
+        # (a tensor-parallel worker's state is a share of its replica's, whole only when
+        # gathered by a collective of its replica, which a lost peer would never join)
+        if self.engine is not None and self.dims.tp == 1:
             self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
                          *self.engine.state_dicts())
             kept_step = self.last_step
@@ -280,14 +283,19 @@ class Worker:
         self.eval_rows = UnitRows(self.shapes)  # and of evaluation's, kept apart
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         self.state_reported = False
-        from baton.workers.engines import DataParallelEngine, PipelineEngine  # see _sharded
+        from baton.workers.engines import (DataParallelEngine, PipelineEngine,  # see _sharded
+                                           TensorParallelEngine)
 
-        if self.dims.pp == 1:
-            self.engine = DataParallelEngine(spec, self.dims, self.device, self.task)
-        else:
+        if self.dims.pp > 1:
             self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers,
                                          self.task, self.shapes)
-        torch.manual_seed(spec.train.seed * 100_003 + self.rank)  # dropout differs per replica
+        elif self.dims.tp > 1:
+            self.engine = TensorParallelEngine(spec, self.dims, self.rank, self.device, self.task)
+        else:
+            self.engine = DataParallelEngine(spec, self.dims, self.device, self.task)
+        # dropout differs per worker, but not within a replica's tp workers: the activations
+        # they hold whole must stay the same on each
+        torch.manual_seed(spec.train.seed * 100_003 + self.rank // self.dims.tp)
         self.needs_state = keep_state and kept is None
         if kept is not None:
             kept_step, _, _, model_state, optim_state = kept
@@ -321,7 +329,7 @@ class Worker:
         grad_norm = self.engine.apply(lr)
         # read once the optimizer step is queued: on a GPU the loss read before it left the
         # device idle while the host queued the clip and the step (one wait a step, not two)
-        out.update(sums.out(), grad_norm=float(grad_norm))
+        out.update(self._once(sums.out()), grad_norm=float(grad_norm))
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
         stalled = self.saves.stalls()
         if stalled:  # training's time in the last background save and its fence
@@ -333,9 +341,13 @@ class Worker:
         out.update(self._compiled())
         out["memory"] = self._memory()
         self.last_step = step + 1
-        if self.ledger is not None and self.pp_rank == 0:
+        if self.ledger is not None and self.pp_rank == 0 and self.tp_rank == 0:
             self.ledger += [(step, self.rows.gather(rows)[0].tolist()) for rows in micro if len(rows)]
         return out
+
+    def _once(self, sums: dict) -> dict:
+        """A replica's sums, from its first tp worker only (`counted_once`)."""
+        return counted_once(sums) if self.tp_rank else sums
 
     def _memory(self) -> dict:
         """What this worker holds, in bytes: its process's resident host memory, and on a GPU
@@ -375,8 +387,8 @@ class Worker:
         without gradients; the model is left as it was."""
         self.eval_rows.use(batch)
         micro = self._micro_batches(batch.positions)
-        return self.engine.evaluate(micro, lambda rows, pad_to=None: self._batch(rows, pad_to,
-                                                                                  self.eval_rows))
+        return self._once(self.engine.evaluate(
+            micro, lambda rows, pad_to=None: self._batch(rows, pad_to, self.eval_rows)))
 
     def _scale(self, batch: Batch) -> float:
         return 1.0 / (len(batch) * self.task.per_sample)
@@ -446,7 +458,10 @@ class Worker:
         if not (self.spec.checkpoint.async_ and self.spec.checkpoint.every_steps > 0
                 and (self.engine.sharded or self.dp_rank == 0)):
             return
-        model_state, optim_state = self.engine.state_dicts()
+        state = self.engine.state_dicts()
+        if state is None:  # a tensor-parallel worker other than its replica's first writes none
+            return
+        model_state, optim_state = state
         pin = self.use_cuda
         if self.engine.sharded:
             state = {"model": model_state, "optim": optim_state["state"]}

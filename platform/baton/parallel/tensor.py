@@ -1,0 +1,192 @@
+"""Tensor parallelism (`parallel.tp`): each layer of a replica split over tp workers, as in
+Megatron-LM. A block's first linear of each pair is split by output features (column
+parallel: each worker computes its share of the attention heads, or of the MLP's hidden
+units), the second by input features (row parallel: each worker multiplies its share, and
+one all-reduce sums the shares). Two all-reduces a block forward, two backward; everything
+else (embeddings, norms, the head) is whole on every worker. Activations of the split
+layers, their parameters, gradients and optimizer state are each 1/tp per worker.
+
+A module says how its layers split with a class attribute, `tp_plan`: {child name:
+"column" | "row" | ("column", parts)}. `parts` is for a fused projection (the GPT's `qkv`
+holds q, k and v one after the other): each of its parts is split, so that every worker holds
+its heads' q, k and v. The module's forward must take its widths from its layers' outputs
+(the GPT's block counts its heads from q's width), so that the same code runs whole or split.
+
+The split is this module's own rather than torch's DTensor plans
+(`parallelize_module`): those split a fused projection in one piece (a worker would get all
+of q and half of k), and keeping the fused layer keeps its one matrix multiply and its
+parameter names. Parameters keep their names and a checkpoint holds whole tensors, gathered
+from the tp workers when it is written and split again when it is read: any tp loads any
+checkpoint, and a run at tp 1 reads what one at tp 4 wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+Plan = dict[str, Union[str, tuple[str, int]]]
+
+
+class _ToSplit(torch.autograd.Function):
+    """Into a column-parallel layer: the input as it is; its gradient summed over the tp
+    workers (each computed it from its own share of the outputs)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _FromSplit(torch.autograd.Function):
+    """Out of a row-parallel layer: the tp workers' partial products summed; the gradient
+    goes back to each as it is (the sum's gradient is the same for every term)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one parameter is split over the tp workers: along `dim`, each of its `parts`
+    (consecutive, equal) split into tp consecutive pieces, worker r holding piece r of each."""
+
+    dim: int
+    parts: int = 1
+
+    def take(self, whole: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """Worker `rank`'s piece of a whole tensor."""
+        pieces = [part.chunk(size, self.dim)[rank] for part in whole.chunk(self.parts, self.dim)]
+        return torch.cat(pieces, self.dim).contiguous()
+
+    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every worker's piece, in rank order."""
+        per_rank = [piece.chunk(self.parts, self.dim) for piece in pieces]
+        return torch.cat([chunks[k] for k in range(self.parts) for chunks in per_rank], self.dim)
+
+    def whole_shape(self, shape: torch.Size, size: int) -> list[int]:
+        out = list(shape)
+        out[self.dim] *= size
+        return out
+
+
+class ColumnParallel(nn.Module):
+    """This worker's share of a linear layer's outputs: y_r = x W_r^T + b_r."""
+
+    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
+        self.bias = (nn.Parameter(split.take(whole.bias.detach(), rank, size))
+                     if whole.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_ToSplit.apply(x, self.group), self.weight, self.bias)
+
+
+class RowParallel(nn.Module):
+    """A linear layer over this worker's share of the inputs: y = sum_r x_r W_r^T, + b. The
+    bias is whole on every worker and added once, after the sum."""
+
+    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
+        self.bias = nn.Parameter(whole.bias.detach().clone()) if whole.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _FromSplit.apply(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+def _styles(plan: Plan) -> dict[str, tuple[str, int]]:
+    return {name: (style, 1) if isinstance(style, str) else tuple(style)
+            for name, style in plan.items()}
+
+
+def plan_problem(model: nn.Module, name: str, tp: int) -> Optional[str]:
+    """Why `model` (built, possibly on the meta device) cannot be split tp ways (None: it can)."""
+    planned = [(path, m) for path, m in model.named_modules() if getattr(m, "tp_plan", None)]
+    if not planned:
+        return (f"model {name!r} has no tensor-parallel plan (a `tp_plan` on its blocks: "
+                "docs/parallelism.md); the built-in gpt has one")
+    for path, module in planned:
+        for child, (style, parts) in _styles(module.tp_plan).items():
+            layer = getattr(module, child, None)
+            if not isinstance(layer, nn.Linear):
+                return f"{name}'s {path}.{child} is not an nn.Linear: its tp_plan cannot split it"
+            features = layer.out_features if style == "column" else layer.in_features
+            if features % (parts * tp):
+                return (f"{name}'s {path}.{child} has {features} {'output' if style == 'column' else 'input'} "
+                        f"features, which do not split into {parts} x {tp} equal pieces")
+        problem = getattr(module, "tp_problem", lambda tp: None)(tp)
+        if problem:
+            return f"{name}'s layer {path}: {problem}"
+    return None
+
+
+def split_layers(model: nn.Module, rank: int, size: int, group) -> dict[str, Split]:
+    """Replace every planned layer of `model` by this worker's share of it; returns how each
+    parameter that is split is split, by its name in the model."""
+    splits: dict[str, Split] = {}
+    for path, module in list(model.named_modules()):
+        for child, (style, parts) in _styles(getattr(module, "tp_plan", None) or {}).items():
+            whole = getattr(module, child)
+            prefix = f"{path}.{child}" if path else child
+            if style == "column":
+                split = Split(0, parts)
+                setattr(module, child, ColumnParallel(whole, split, rank, size, group))
+                splits[f"{prefix}.weight"] = split
+                if whole.bias is not None:
+                    splits[f"{prefix}.bias"] = split
+            else:
+                split = Split(1)
+                setattr(module, child, RowParallel(whole, split, rank, size, group))
+                splits[f"{prefix}.weight"] = split
+    return splits
+
+
+def gather_state(model_state: dict, optim_state: dict, splits: dict[str, Split], group,
+                 rank: int, size: int) -> Optional[tuple[dict, dict]]:
+    """Whole tensors from the tp workers' pieces (every worker of the group calls it): the
+    parameters, and each optimizer state tensor of a split parameter's shape. Returns the
+    whole state on the group's first worker, None on the others."""
+    def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+        pieces = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(pieces, t.contiguous(), group=group)
+        return splits[name].join(pieces)
+
+    model = {n: whole(n, t) if n in splits else t for n, t in model_state.items()}
+    state = {n: {k: whole(n, v) if n in splits and torch.is_tensor(v) and v.dim() else v
+                 for k, v in s.items()}
+             for n, s in optim_state["state"].items()}
+    return (model, {**optim_state, "state": state}) if rank == 0 else None
+
+
+def take_state(model_state: dict, optim_state: dict, splits: dict[str, Split], rank: int,
+               size: int) -> tuple[dict, dict]:
+    """This worker's pieces of whole state (what `gather_state` made, or a checkpoint's)."""
+    def piece(name: str, t):
+        return splits[name].take(t, rank, size) if name in splits and torch.is_tensor(t) and t.dim() else t
+
+    model = {n: piece(n, t) for n, t in model_state.items()}
+    state = {n: {k: piece(n, v) for k, v in s.items()} for n, s in optim_state["state"].items()}
+    return model, {**optim_state, "state": state}

@@ -1,0 +1,86 @@
+"""Tensor parallelism (parallel.tp) on a local Ray with gloo: each block of the GPT split over
+tp workers, replicas of those under DDP. The same numbers as one process, and checkpoints of
+whole tensors that load at any other tp."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from baton import api
+from baton.checkpoint import CheckpointStore
+from baton.models import build_model
+from baton.parallel.tensor import split_layers
+from baton.spec import spec_from_dict
+from helpers import assert_like_one_process, tiny_spec, write_dataset
+
+pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
+
+GPT = {"name": "gpt", "layers": 2, "width": 32, "heads": 4, "seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("data"), num_samples=96, seq_len=32)
+
+
+def _spec(tmp_path, data, name, steps, elastic=None, **parallel):
+    return spec_from_dict(tiny_spec(
+        tmp_path, data, name=name, model=GPT,
+        # constant: the runs a resume test chains train `steps` each, and a cosine schedule
+        # depends on it (then the chain is not one process's run)
+        train={"steps": steps, "global_batch": 8, "micro_batch": 2, "schedule": "constant"},
+        parallel={"dp": 2, "tp": 2, "timeout_s": 60, **parallel},
+        resources={"cpus_per_worker": 0.25}, checkpoint={"every_steps": 1, "keep": 10},
+        elastic=elastic or {}))
+
+
+def test_dp_2_x_tp_2_matches_one_process(tmp_path, data):
+    spec = _spec(tmp_path, data, "tp", 3)
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished" and result.step == 3
+    assert [w["rank"] for w in result.workers] == [0, 1, 2, 3]
+    # each worker holds its share of every split layer, and the rest whole
+    whole = build_model(spec.model, 0)
+    share = build_model(spec.model, 0)
+    split = split_layers(share, 0, 2, None)
+    assert split and all(n.split(".")[-2] in ("qkv", "proj", "fc", "out") for n in split)
+    held = sum(q.numel() * 4 for q in share.parameters())
+    assert held < sum(q.numel() * 4 for q in whole.parameters())
+    assert [b["params"] for b in result.state_bytes] == [held] * 4
+    assert_like_one_process(spec, data, result, 3)  # measured: 5.9e-6 at most
+
+
+def test_a_checkpoint_loads_at_any_tp_and_from_a_sharded_run(tmp_path, data):
+    """Sharded (ZeRO-3, DCP) for 2 steps, then dp 2 x tp 2 to step 4 from that checkpoint,
+    then tp 4 to step 6 from the whole tensors tp 2 wrote: one process's numbers throughout."""
+    first = _spec(tmp_path, data, "relayout", 2, tp=1, shard="full")
+    assert api.run(first, show_progress=False).step == 2
+    assert CheckpointStore(first.checkpoint_dir).is_sharded(2)
+    second = _spec(tmp_path, data, "relayout", 4)
+    assert api.run(second, show_progress=False).resumed_from == 2
+    assert not CheckpointStore(first.checkpoint_dir).is_sharded(4)
+    assert CheckpointStore(first.checkpoint_dir).read_meta(4)["layout"]["tp"] == 2
+    third = _spec(tmp_path, data, "relayout", 6, dp=1, tp=4)
+    result = api.run(third, show_progress=False)
+    assert result.resumed_from == 4 and result.step == 6
+    assert_like_one_process(third, data, result, 6)  # measured: 1.6e-6 at most
+
+
+def test_a_killed_tp_worker_goes_back_to_the_checkpoint(tmp_path, data):
+    """A replica's share is whole nowhere else, so a lost tp worker sends the run back to
+    its latest checkpoint (here every step's), with a new worker; every sample once."""
+    spec = _spec(tmp_path, data, "tp-kill", 4, elastic={"max_failures": 1})
+    result = api.run(spec, show_progress=False, record_samples=True,
+                     on_step=lambda c: c.step == 2 and not c.events and os.kill(
+                         c.workers[1]["pid"], signal.SIGKILL))
+    assert result.state == "finished" and result.step == 4
+    failure, recovery = result.events
+    assert failure["cause"] == "actor_died" and recovery["state_from"] == "checkpoint"
+    assert recovery["dp"] == 2 and recovery["resumed_from_step"] in (2, 3)
+    steps = sorted({step for step, _, _ in result.ledger})
+    ids = sorted(i for _, _, part in result.ledger for i in part)
+    assert steps == [0, 1, 2, 3] and len(ids) == len(set(ids)) == 4 * 8
+    assert_like_one_process(spec, data, result, 4)
