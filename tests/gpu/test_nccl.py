@@ -153,6 +153,23 @@ def test_pipeline_over_nccl_matches_the_cpu_reference(tmp_path, schedule):
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=1e-4, msg=name)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 GPUs")
+def test_tensor_parallel_over_nccl_matches_the_cpu_reference(tmp_path):
+    """tp 2 on two GPUs: the blocks' all-reduces over NCCL, checkpoints gathered from CUDA
+    tensors. The bound is the pipeline test's above (fp32; TF32 off by torch's default for
+    matmuls, the sums in another order)."""
+    data = write_dataset(tmp_path / "data", 64, 32)
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="gpu-tp", model={"name": "gpt", "layers": 2, "width": 32, "heads": 4, "seq_len": 32},
+        parallel={"dp": 1, "tp": 2}, resources={"cpus_per_worker": 1, "gpus_per_worker": 1},
+        train={"global_batch": 8, "micro_batch": 4, "compile": False}))
+    result = api.run(spec, show_progress=False)
+    assert {w["backend"] for w in result.workers} == {"nccl"}
+    got = CheckpointStore(spec.checkpoint_dir).read_model(3)
+    want, _, _ = reference_run(spec, data, steps=3)
+    _assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_full_sharding_with_bf16_tracks_the_cpu_reference(tmp_path):
     """FSDP2 with MixedPrecisionPolicy (bf16 compute, fp32 reduction and master weights) on
     CUDA: on one GPU a world of one (the job may grow to two: elastic.max_dp), on two a real
