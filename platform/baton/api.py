@@ -198,12 +198,35 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         finally:
             tracker.drop_ahead()  # a run refused before its MLflow run leaves no store
             if started_ray:
-                ray.shutdown()
+                shutdown_ray()
                 ray_messages.restore()
                 interrupts.restore(previous_handlers)
                 if ray_messages.where():
                     log(ray_messages.where())
             tracker.wait_finished()  # a finished run's report, drawn meanwhile
+
+
+def shutdown_ray() -> None:
+    """`ray.shutdown()` with no garbage collection on any thread while it runs. Ray's
+    ObjectRefGenerator (the streaming results of Ray Data's read tasks) calls its core worker
+    from `__del__` whenever the process still has one; `ray.shutdown` stops the core worker
+    before it lets go of it, and a collection in between, on any thread, ended the process
+    with exit code 1 ("The core worker has already been shutdown. This happens when the
+    language frontend accesses the Ray's worker after it is shutdown. The process will exit"):
+    seen twice in CI, a submitted job's driver failing after its run had finished, from the
+    thread drawing the run's report. Reproduced, and this checked, in
+    tests/integration/test_shutdown.py. The run's garbage is collected first, while Ray takes its
+    references back; what becomes garbage later is collected after Ray is gone."""
+    import gc
+
+    import ray
+
+    gc.collect()
+    gc.disable()
+    try:
+        ray.shutdown()
+    finally:
+        gc.enable()
 
 
 def start_local_ray() -> None:

@@ -70,7 +70,7 @@ def _prepare_text(args) -> int:
 
     import ray
 
-    from baton.api import join_cluster, probe_cluster, start_local_ray
+    from baton.api import join_cluster, probe_cluster, shutdown_ray, start_local_ray
     from baton.data.text import prepare_text
 
     if not args.input:
@@ -92,7 +92,7 @@ def _prepare_text(args) -> int:
         info = prepare_text(args.input, args.out, args.seq_len, args.column, args.tokenizer,
                             args.eod_token)
     finally:
-        ray.shutdown()
+        shutdown_ray()
     print(f"wrote {info['samples']:,} samples of {args.seq_len + 1} tokens from "
           f"{info['documents']:,} documents in {info['files']} files ({info['tokens']:,} tokens, "
           f"vocabulary {info['vocab_size']}) to {args.out}")
@@ -165,8 +165,8 @@ def _remote_parsers(sub) -> None:
                    help=f"MLflow tracking server (default: k8s/mlflow.yaml's, {MLFLOW_SERVICE}); "
                         "'sqlite' for a database file on the claim (one job at a time)")
     k.add_argument("--worker-memory", help="memory per worker pod (default 16Gi GPU, 4Gi CPU)")
-    k.add_argument("--min-workers", type=int, help="fewest worker pods (default: min_dp x pp)")
-    k.add_argument("--max-workers", type=int, help="most worker pods (default: max_dp x pp)")
+    k.add_argument("--min-workers", type=int, help="fewest worker pods (default: min_dp x pp x tp)")
+    k.add_argument("--max-workers", type=int, help="most worker pods (default: max_dp x pp x tp)")
     k.add_argument("--backoff-limit", type=int, default=2,
                    help="whole-job retries, each resuming from the latest checkpoint")
     k.add_argument("-o", "--output", help="write to this file instead of printing")

@@ -452,7 +452,7 @@ class Coordinator:
     def _load(self, meta: dict) -> None:
         """Load a committed checkpoint into the current world and rewind the run to it."""
         old = meta["layout"]
-        every_rng = len(meta.get("rng", [])) == old["dp"] * old["pp"]
+        every_rng = len(meta.get("rng", [])) == old["dp"] * old["pp"] * old.get("tp", 1)
         t0 = time.perf_counter()
         self.group.call("load", self.store.root, meta["step"], old,
                         old == self._layout() and every_rng, what="loading the checkpoint",
@@ -601,6 +601,7 @@ class Coordinator:
         causes = collections.Counter(f.cause for f in self.failures.seen)
         return {"job": self.spec.name, "state": self.state.value, "step": self.step,
                 "steps": self.spec.train.steps, "dp": self.dims.dp, "pp": self.dims.pp,
+                **({"tp": self.dims.tp} if self.dims.tp > 1 else {}),
                 "world_size": self.dims.world_size,
                 "workers_alive": len(self.group.actors) if self.group else 0,
                 # a growth's workers starting, and standby workers (elastic.spares, survivors)
