@@ -493,10 +493,14 @@ class Chaos:
     as a real store comes back (`tracking`). The new node is added once the recovery from the
     loss has completed a step: a real one joins on its own, and `Cluster.add_node` must run on
     the main thread, which is the coordinator's (added at once, its seconds of start-up were
-    counted as the time the coordinator took to notice the loss). `injected` records what was
-    done, at which step and wall time. `finish()` after the run."""
+    counted as the time the coordinator took to notice the loss). A worker's node drained
+    (`drain`: the GCS asked to drain it for a preemption, 60 s ahead, as `ray start` asks on
+    SIGTERM) is held at each step until the run has started its replacement, and the next
+    fault is scheduled 2 steps later than it would be, after the move; once moved, the node
+    goes (a pod deleted) and a fresh one joins. `injected` records what was done, at which step and wall time. `finish()` after
+    the run."""
 
-    KINDS = ("kill", "node", "stop", "saving")
+    KINDS = ("kill", "node", "stop", "saving", "drain")
     OUTAGE_STEPS = 3
 
     def __init__(self, cluster, *, faults: int, steps: int, every_steps: int, seed: int,
@@ -506,17 +510,21 @@ class Chaos:
         kinds = [self.kinds[i % len(self.kinds)] for i in range(faults)]
         rng.shuffle(kinds)
         self.schedule: dict[int, str] = {}
-        step = 2
+        step, moving = 2, 0
         for kind in kinds:  # at least 3 steps apart; `saving` just before a checkpoint
-            step += int(rng.integers(3, 5))
+            step += int(rng.integers(3, 5)) + moving
             if kind == "saving":
                 step += (every_steps - 1 - step) % every_steps
             self.schedule[step] = kind
+            # a drain's move comes 1-3 steps later (the run asks Ray every second, then starts
+            # a replacement): the next fault 2 steps further, so that it does not land in it
+            moving = 2 if kind == "drain" else 0
         back = [s + self.OUTAGE_STEPS for s, kind in self.schedule.items() if kind == "tracking"]
         assert max([*self.schedule, *back]) < steps - 1, f"{faults} faults do not fit {steps} steps"
         self.cluster, self.checkpoint_dir, self.rng = cluster, checkpoint_dir, rng
         self.tracking, self._back_at, self._restart = tracking, None, None
         self._add_after = None  # a node is added once the run has recovered this many times
+        self._drained = None  # (node id, events before its drain) until the run moves off it
         self.injected: list[dict] = []
 
     def __call__(self, c) -> None:
@@ -527,6 +535,12 @@ class Chaos:
                 sum(e["kind"] == "recovery" for e in c.events) > self._add_after:
             self._add_after = None
             self.cluster.add_node(num_cpus=1)
+        if self._drained is not None:
+            node, before = self._drained
+            if any(e["kind"] == "move" for e in c.events[before:]):
+                self._retire(node)
+            else:
+                hold_until_moving(c)
         kind = self.schedule.pop(c.step, None)
         if kind is None:
             return
@@ -543,6 +557,16 @@ class Chaos:
             (node,) = [n for n in self.cluster.list_all_nodes() if n.node_id == c.workers[rank]["node"]]
             self.cluster.remove_node(node)
             self._add_after = sum(e["kind"] == "recovery" for e in c.events)
+        elif kind == "drain":
+            import ray
+            from ray.core.generated import autoscaler_pb2
+
+            node = c.workers[rank]["node"]
+            accepted, why = ray._raylet.GcsClient(address=self.cluster.address).drain_node(
+                node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                "chaos", int(time.time() * 1000) + 60_000)
+            assert accepted, why
+            self._drained = (node, len(c.events))
         elif kind == "tracking":
             self.injected[-1]["rank"] = None
             if self._restart is not None:  # the last outage's server first finishes starting
@@ -557,15 +581,24 @@ class Chaos:
                 time.sleep(0.005)
             os.kill(pid, signal.SIGKILL)
 
+    def _retire(self, node_id: str) -> None:
+        """The drained node goes, as its pod would, and a fresh one joins."""
+        self._drained = None
+        for node in [n for n in self.cluster.list_all_nodes() if n.node_id == node_id]:
+            self.cluster.remove_node(node)
+        self.cluster.add_node(num_cpus=1)
+
     def finish(self) -> None:
         """After the run: the tracking server's restart finished (its error, if it failed), and
-        the last lost node replaced."""
+        the last lost or drained node replaced."""
         assert self._back_at is None, "the run ended before the tracking server was restarted"
         if self._restart is not None:
             self._restart.result()
         if self._add_after is not None:
             self._add_after = None
             self.cluster.add_node(num_cpus=1)
+        if self._drained is not None:
+            self._retire(self._drained[0])
 
 
 # -- tasks (tests/integration/test_tasks.py) ----------------------------------------------------
