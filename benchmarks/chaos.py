@@ -5,8 +5,10 @@ The faults are those of tests/faults (`helpers.Chaos`): a worker SIGKILLed, a wo
 removed (and a fresh node added), a worker frozen with SIGSTOP (declared dead after
 elastic.hang_timeout_s), a worker killed half-way through writing a checkpoint (the workers
 pause 0.5 s after each model part, through a Ray worker set-up hook; `--async` writes the
-checkpoints in the background), and a tracking outage (the run's MLflow server, a real
-`mlflow server`, killed and started again on its database 3 steps later).
+checkpoints in the background), a worker's node drained for a preemption (the GCS asked, as
+`ray start` asks on SIGTERM: the run moves off it, no failure), and a tracking outage (the
+run's MLflow server, a real `mlflow server`, killed and started again on its database 3 steps
+later).
 
 Reported: the faults survived, the samples lost or trained twice within an epoch (the ledger
 of the steps that made the final model), the steps whose metrics reached MLflow other than
@@ -14,7 +16,7 @@ once, the largest parameter difference from the same job run without faults (dp 
 and from one process (another summation order, which AdamW amplifies), and per worker fault
 the time the coordinator took to notice it, the recovery's time from there to the first step
 completed after it (its phases are in the JSON's events), and the completed steps trained
-again.
+again; per drain, when the run moved off the node and how long training stopped for it.
 
     python benchmarks/chaos.py                    # 20 faults, about 4 minutes on 2 cores
     python benchmarks/chaos.py --faults 5 --seed 5 --async
@@ -127,6 +129,7 @@ def main() -> int:
     print(f"steps in the ledger: {len(by_step)} of {steps}; entries per step {sorted(set(by_step.values()))}; "
           f"epochs with a sample twice: {bad_epochs}")
     recoveries = [e for e in result.events if e["kind"] == "recovery"]
+    moves = [e for e in result.events if e["kind"] == "move"]
     failures = [e for e in result.events if e["kind"] == "failure"]
     rows = []
     not_once = [step for step in range(1, steps + 1) if logged[step] != 1]
@@ -136,6 +139,17 @@ def main() -> int:
             print(f"step {fault['step']:3d} tracking: the MLflow server killed, back {Chaos.OUTAGE_STEPS} "
                   "steps later")
             rows.append(fault)
+            continue
+        if fault["kind"] == "drain":  # no failure: the move off the node, and what it stopped
+            notice = next(e for e in result.events if e["kind"] == "drain" and e["wall_time"] >= fault["at"])
+            move = next((m for m in moves if m["resumed_from_step"] >= notice["step"]), None)
+            rows.append({**fault, "recovered_s": move and round(move["total_s"], 2),
+                         "detect_s": round(notice["wall_time"] - fault["at"], 2),
+                         "steps_retrained": 0 if move else None, "state_from": move and "move"})
+            print(f"step {fault['step']:3d} drain  rank {fault['rank']}: moved at step "
+                  f"{notice['step']}, {rows[-1]['detect_s']} s after the notice (its replacement "
+                  f"started meanwhile), training stopped {rows[-1]['recovered_s']} s, 0 completed "
+                  "steps trained again")
             continue
         after = next((r for r in recoveries if r["after_failure_at_step"] > fault["step"]), None)
         seen_at = next((f["at"] for f in failures if f["at"] >= fault["at"]), None)
