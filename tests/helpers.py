@@ -351,8 +351,6 @@ def await_growth(coordinator, timeout_s: float = 90) -> None:
         time.sleep(0.1)
 
 
-# --- Ray clusters started with `ray start` in their own session (tests stop only those) ---
-
 def hold_until_moving(coordinator, timeout_s: float = 60) -> None:
     """From an on_step hook, after a node holding workers was told to drain: hold the step
     until the coordinator has seen the drain (it asks every second) and the replacements it
@@ -368,6 +366,8 @@ def hold_until_moving(coordinator, timeout_s: float = 60) -> None:
         assert time.monotonic() < deadline, "the replacement never started"
         time.sleep(0.1)
 
+
+# --- Ray clusters started with `ray start` in their own session (tests stop only those) ---
 
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
+import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.models import build_model
 from baton.parallel.tensor import split_layers
 from baton.spec import spec_from_dict
-from helpers import assert_like_one_process, tiny_spec, write_dataset
+from baton.workers import warm
+from helpers import assert_like_one_process, await_growth, tiny_spec, write_dataset
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
@@ -102,3 +106,30 @@ def test_a_resume_at_the_same_layout_is_bitwise_the_uninterrupted_run(tmp_path, 
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_a_tp_job_grows_by_whole_replicas_of_tp_workers(tmp_path, data):
+    """Room for one replica (2 workers) at the start, for two once a placement group holding
+    the rest is removed: the world grows from dp 1 to dp 2 at a step boundary, with 2 new
+    workers, from a checkpoint of that step (tp's state is gathered and split, not sent)."""
+    warm.drain()  # the module's kept workers hold CPUs this test counts
+    blocker = placement_group([{"CPU": 1.5}])  # 0.5 CPU left: 2 workers of 0.25
+    ray.get(blocker.ready(), timeout=60)
+    spec = _spec(tmp_path, data, "tp-grow", 5, elastic={"min_dp": 1, "max_dp": 2, "rescale_check_s": 0.5})
+
+    def hook(c):
+        if c.step == 1 and c.dims.dp == 1 and not c.events:
+            remove_placement_group(blocker)
+            time.sleep(1)  # past the next rescale check
+        else:
+            await_growth(c)
+    try:
+        result = api.run(spec, show_progress=False, record_samples=True, on_step=hook)
+    finally:
+        remove_placement_group(blocker)
+    assert [dp for _, dp in result.dp_history] == [1, 2]
+    [rescale] = result.events
+    assert rescale["kind"] == "rescale" and rescale["workers_new"] == 2
+    assert "state_copy" not in rescale["phases_s"] and "checkpoint_load" in rescale["phases_s"]
+    assert len(result.workers) == 4
+    assert_like_one_process(spec, data, result, 5)  # measured: 5.9e-6 at most
