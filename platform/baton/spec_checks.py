@@ -273,12 +273,11 @@ def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
 
 
 def _check_tensor(spec: JobSpec, need) -> None:
-    """What tensor parallelism runs with, so far: data parallel replicas (DDP), each split tp
-    ways; not yet inside pipeline stages, sharded, compiled (`auto` trains eager) or with
+    """What tensor parallelism runs with, so far: data parallel replicas (DDP) and pipeline
+    stages, each split tp ways; not yet sharded, compiled (`auto` trains eager) or with
     compressed gradients."""
     p, t = spec.parallel, spec.train
     for key, value, ok, what in (
-            ("parallel.pp", p.pp, p.pp == 1, "inside pipeline stages"),
             ("parallel.shard", p.shard, p.shard == "none", "with sharded replicas (FSDP, ZeRO)"),
             ("parallel.grad_comm", p.grad_comm, p.grad_comm == "fp32", "with compressed gradients"),
             ("train.compile", t.compile, t.compile is not True, "compiled")):

@@ -133,3 +133,17 @@ def test_a_tp_job_grows_by_whole_replicas_of_tp_workers(tmp_path, data):
     assert "state_copy" not in rescale["phases_s"] and "checkpoint_load" in rescale["phases_s"]
     assert len(result.workers) == 4
     assert_like_one_process(spec, data, result, 5)  # measured: 5.9e-6 at most
+
+
+def test_pipeline_stages_split_over_tp_workers_match_one_process(tmp_path, data):
+    """dp 2 x pp 2 x tp 2, 8 workers (1F1B over 2 micro-batches): each stage's blocks split over its 2 workers,
+    each pipeline of one share sending whole activations; its checkpoint (each stage's
+    gathered on its first tp worker) resumed at dp 2 without tp."""
+    first = _spec(tmp_path, data, "pp-tp", 3, dp=2, pp=2, microbatches=2)
+    result = api.run(first, show_progress=False)
+    assert result.state == "finished" and len(result.workers) == 8
+    assert_like_one_process(first, data, result, 3)  # measured: 5.9e-6 at most
+    second = _spec(tmp_path, data, "pp-tp", 5, dp=2, tp=1)
+    result = api.run(second, show_progress=False)
+    assert result.resumed_from == 3
+    assert_like_one_process(second, data, result, 5)

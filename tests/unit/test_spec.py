@@ -208,9 +208,6 @@ def test_sharding_mistakes_are_one_line_each(tmp_path, parallel, message):
 
 
 TENSOR_ERRORS = [
-    ({"dp": 1, "tp": 2, "pp": 2},
-     "parallel.pp: 2 is invalid; tensor parallelism (parallel.tp = 2) does not run inside "
-     "pipeline stages yet"),
     ({"dp": 2, "tp": 2, "shard": "full"},
      "parallel.shard: 'full' is invalid; tensor parallelism (parallel.tp = 2) does not run "
      "with sharded replicas"),

@@ -65,9 +65,9 @@ class ParallelDims:
         gradients."""
         return [self.rank(d, pp_rank, tp_rank) for d in range(self.dp)]
 
-    def pp_group(self, dp_rank: int) -> list[int]:
-        """Ranks that form one pipeline, first stage first."""
-        return [self.rank(dp_rank, s) for s in range(self.pp)]
+    def pp_group(self, dp_rank: int, tp_rank: int = 0) -> list[int]:
+        """Ranks that form one pipeline (of one share of each stage), first stage first."""
+        return [self.rank(dp_rank, s, tp_rank) for s in range(self.pp)]
 
     def tp_group(self, dp_rank: int, pp_rank: int = 0) -> list[int]:
         """Ranks that split the layers of one replica's stage between them."""

@@ -190,3 +190,66 @@ def take_state(model_state: dict, optim_state: dict, splits: dict[str, Split], r
     model = {n: piece(n, t) for n, t in model_state.items()}
     state = {n: {k: piece(n, v) for k, v in s.items()} for n, s in optim_state["state"].items()}
     return model, {**optim_state, "state": state}
+
+
+class Shares:
+    """This worker's share of a model split over the tp workers of its replica (its stage's,
+    in a pipeline): how each split parameter is split, and the group of those workers."""
+
+    def __init__(self, model: nn.Module, rank: int, size: int, group):
+        self.rank, self.size, self.group = rank, size, group
+        self.splits = split_layers(model, rank, size, group)
+
+    def gather(self, model_state: dict, optim_state: dict) -> Optional[tuple[dict, dict]]:
+        """Whole state on the group's first worker, None on the others (a collective)."""
+        return gather_state(model_state, optim_state, self.splits, self.group, self.rank, self.size)
+
+    def take(self, model_state: dict, optim_state: dict) -> tuple[dict, dict]:
+        return take_state(model_state, optim_state, self.splits, self.rank, self.size)
+
+    def whole_like(self, model_state: dict) -> dict:
+        """Zeros of the whole model's shapes, for a sharded checkpoint to be read into."""
+        return {n: torch.zeros(self.splits[n].whole_shape(t.shape, self.size), dtype=t.dtype,
+                               device=t.device) if n in self.splits else t.clone()
+                for n, t in model_state.items()}
+
+    def grad_sq(self, module: nn.Module, device: torch.device) -> torch.Tensor:
+        """The squared norm of the gradient of the part of the model `module` holds: the split
+        parameters' squares summed over the tp workers, the whole ones (the same on each)
+        counted once (a collective)."""
+        split = torch.zeros((), dtype=torch.float32, device=device)
+        whole = torch.zeros((), dtype=torch.float32, device=device)
+        for name, q in module.named_parameters():
+            if q.grad is not None:
+                sq = torch.linalg.vector_norm(q.grad.float()) ** 2
+                if name in self.splits:
+                    split += sq
+                else:
+                    whole += sq
+        dist.all_reduce(split, group=self.group)
+        return split + whole
+
+
+def groups(dims, rank: int, timeout) -> tuple:
+    """This rank's (tp, dp, pp) process groups, every group made by every rank in one order:
+    those of each replica's stage's tp workers, of each stage's share across the replicas,
+    and of each pipeline of one share."""
+    dp_rank, pp_rank = dims.coords(rank)
+    tp_rank = dims.tp_rank(rank)
+    mine = {}
+    for d in range(dims.dp):
+        for p in range(dims.pp):
+            g = dist.new_group(dims.tp_group(d, p), timeout=timeout)
+            if (d, p) == (dp_rank, pp_rank):
+                mine["tp"] = g
+    for p in range(dims.pp):
+        for t in range(dims.tp):
+            g = dist.new_group(dims.dp_group(p, t), timeout=timeout)
+            if (p, t) == (pp_rank, tp_rank):
+                mine["dp"] = g
+    for d in range(dims.dp):
+        for t in range(dims.tp):
+            g = dist.new_group(dims.pp_group(d, t), timeout=timeout)
+            if (d, t) == (dp_rank, tp_rank):
+                mine["pp"] = g
+    return mine["tp"], mine["dp"], mine["pp"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from datetime import timedelta
 from typing import Callable, Optional
 
 import numpy as np
@@ -28,7 +29,7 @@ from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, 
 from baton.spec import JobSpec
 from baton.tasks import Sums, Task, example_inputs, to_device
 from baton.tracking.profile import profiled
-from baton.parallel.tensor import gather_state, split_layers, take_state
+from baton.parallel import tensor
 from baton.training import clip_grads, local, make_optimizer, scale_to_norm, set_lr
 
 BatchFn = Callable[..., dict]  # (rows, pad_to=None) -> the task's batch (tensors, VALID)
@@ -156,19 +157,13 @@ class TensorParallelEngine(DataParallelEngine):
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
                  task: Task):
-        from datetime import timedelta
-
-        self.tp, self.tp_rank = dims.tp, dims.tp_rank(rank)
-        dp_rank, _ = dims.coords(rank)
-        timeout = timedelta(seconds=spec.parallel.timeout_s)
-        # every rank makes every group, in one order
-        tp_groups = [dist.new_group(dims.tp_group(d), timeout=timeout) for d in range(dims.dp)]
-        dp_groups = [dist.new_group(dims.dp_group(0, t), timeout=timeout) for t in range(dims.tp)]
-        self.tp_group, self.dp_group = tp_groups[dp_rank], dp_groups[self.tp_rank]
+        self.tp_rank = dims.tp_rank(rank)
+        self.tp_group, self.dp_group, _ = tensor.groups(
+            dims, rank, timedelta(seconds=spec.parallel.timeout_s))
         super().__init__(spec, dims, device, task)
 
     def _split(self, module: nn.Module) -> dict:
-        self.splits = split_layers(module, self.tp_rank, self.tp, self.tp_group)
+        self.shares = tensor.Shares(module, self.tp_rank, self.spec.parallel.tp, self.tp_group)
         return {"group": self.dp_group}
 
     @staticmethod
@@ -178,43 +173,33 @@ class TensorParallelEngine(DataParallelEngine):
     def state_dicts(self) -> Optional[tuple[dict, dict]]:
         """The whole state on the first tp worker (None on the others): a collective of the
         replica's tp workers, so the worker calls it on every one of them."""
-        return gather_state(*self.replica.state_dicts(), self.splits, self.tp_group,
-                            self.tp_rank, self.tp)
+        return self.shares.gather(*self.replica.state_dicts())
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
-        self.replica.load_full(*take_state(model_state, optim_state, self.splits, self.tp_rank,
-                                           self.tp))
+        self.replica.load_full(*self.shares.take(model_state, optim_state))
 
     def load_sharded(self, where: sharded.Location) -> None:
-        """A sharded checkpoint (written by FSDP or ZeRO) read whole by every worker, then
-        split: DCP fills whole-shaped tensors made from this worker's pieces."""
-        model_state, optim_state = state_dicts(self.wrapped, self.optimizer)
-        whole = {n: torch.zeros(self.splits[n].whole_shape(t.shape, self.tp), dtype=t.dtype,
-                                device=t.device) if n in self.splits else t.clone()
-                 for n, t in model_state.items()}
-        state = {"model": whole}
-        with_optim = sharded.has_optimizer_state(where)
-        if with_optim:
-            state["optim"] = {n: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(t),
-                                  "exp_avg_sq": torch.zeros_like(t)} for n, t in whole.items()}
-        sharded.load(state, where)
-        self.load_state_dicts(state["model"], {"state": state.get("optim", {}),
-                                               "param_groups": optim_state["param_groups"]})
+        _load_sharded_whole(self, where)
 
     def clip(self) -> torch.Tensor:
-        """Clip by the whole model's gradient norm: the split parameters' squares summed over
-        the tp workers, the whole ones (the same on every worker) counted once."""
-        named = [(n, q.grad) for n, q in self.module.named_parameters() if q.grad is not None]
-        split = torch.zeros((), dtype=torch.float32, device=self.device)
-        whole = torch.zeros((), dtype=torch.float32, device=self.device)
-        for name, g in named:
-            sq = torch.linalg.vector_norm(g.float()) ** 2
-            if name in self.splits:
-                split += sq
-            else:
-                whole += sq
-        dist.all_reduce(split, group=self.tp_group)
-        return scale_to_norm([g for _, g in named], (split + whole).sqrt(), self.spec.train.grad_clip)
+        """Clip by the whole model's gradient norm (`Shares.grad_sq`)."""
+        grads = [q.grad for q in self.module.parameters() if q.grad is not None]
+        return scale_to_norm(grads, self.shares.grad_sq(self.module, self.device).sqrt(),
+                             self.spec.train.grad_clip)
+
+
+def _load_sharded_whole(engine, where: sharded.Location) -> None:
+    """A sharded checkpoint (written by FSDP or ZeRO) into a tensor-parallel engine: read
+    whole by every worker into zeros of the whole shapes, then split (`load_state_dicts`)."""
+    model_state, optim_state = state_dicts(engine.module, engine.optimizer)
+    whole = engine.shares.whole_like(model_state)
+    state = {"model": whole}
+    if sharded.has_optimizer_state(where):
+        state["optim"] = {n: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(t),
+                              "exp_avg_sq": torch.zeros_like(t)} for n, t in whole.items()}
+    sharded.load(state, where)
+    engine.load_state_dicts(state["model"], {"state": state.get("optim", {}),
+                                             "param_groups": optim_state["param_groups"]})
 
 
 class PipelineEngine(_Engine):
@@ -222,11 +207,13 @@ class PipelineEngine(_Engine):
                  stage_layers: list[int], task: Task, shapes: dict):
         self.spec, self.dims, self.device, self.task = spec, dims, device, task
         self.dp_rank, self.pp_rank = dims.coords(rank)
+        tp_rank = dims.tp_rank(rank)
         p, v = dims.pp, spec.chunks
         full, fill = build_lazily(spec.model, spec.train.seed)
         full = sequential(full, spec.model.name)
         checkpoint_activations(full, spec.train.activation_checkpointing)  # on the whole model
-        compile_blocks(full, spec.train.compile, device.type)
+        # (tensor parallelism trains eager: see TensorParallelEngine.compiled)
+        compile_blocks(full, spec.train.compile if dims.tp == 1 else False, device.type)
         # Every rank keeps its slices of the model and gives only those their values, exactly
         # as the single-process model has them (a built-in model: the rest stays on the meta
         # device; a user's builder builds the whole, and the rest is freed at once).
@@ -235,12 +222,19 @@ class PipelineEngine(_Engine):
         fill(layer for chunk in chunks for layer in chunk)
         self.module = nn.Sequential(OrderedDict(
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
-        self.module.to(device)
         del full
         # every rank builds every group, in one order
-        mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
-        self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
-        self.shard_group = mesh["dp_shard"].get_group()
+        self.shares = None
+        if dims.tp > 1:  # each stage's layers split over its tp workers (parallel/tensor.py)
+            tp_group, self.dp_group, self.pp_group = tensor.groups(
+                dims, rank, timedelta(seconds=spec.parallel.timeout_s))
+            self.shares = tensor.Shares(self.module, tp_rank, dims.tp, tp_group)
+            mesh = self.shard_group = None  # (no sharding with tp: spec_checks)
+        else:
+            mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
+            self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
+            self.shard_group = mesh["dp_shard"].get_group()
+        self.module.to(device)
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
         # this engine all-reduces over the stage's replicas
         sync = STAGE_WRAPPINGS[spec.parallel.shard](chunks, mesh, spec.train,
@@ -250,7 +244,7 @@ class PipelineEngine(_Engine):
         # whole stages: their replicas sum the gradients here, in a buffer they are views of
         self.replica_grads = (comm.FlatGrads(self.dp_group, spec.parallel.grad_comm)
                               if dims.dp > 1 and not self.sharded else None)
-        self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank), v,
+        self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank, tp_rank), v,
                                        device, spec.train.precision == "bf16", self.pp_group,
                                        before_backward=sync)
         self.runtime.agree_shapes(example_inputs(spec, shapes, spec.micro_batch))
@@ -307,15 +301,23 @@ class PipelineEngine(_Engine):
                 reshard(chunks)
         return sums.out()
 
-    def state_dicts(self) -> tuple[dict, dict]:
-        return state_dicts(self.module, self.optimizer)
+    def state_dicts(self) -> Optional[tuple[dict, dict]]:
+        """This stage's state; split over tp workers, whole on the first of them (None on the
+        others: `TensorParallelEngine.state_dicts`)."""
+        state = state_dicts(self.module, self.optimizer)
+        return self.shares.gather(*state) if self.shares else state
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
+        if self.shares:  # (the other stages' tensors are not split here, and not loaded)
+            model_state, optim_state = self.shares.take(model_state, optim_state)
         load_full(self.module, self.module, self.optimizer, model_state, optim_state,
                   full=self.sharded)
 
     def load_sharded(self, where: sharded.Location) -> None:
-        sharded.load_into(self.module, self.optimizer, where)
+        if self.shares:
+            _load_sharded_whole(self, where)
+        else:
+            sharded.load_into(self.module, self.optimizer, where)
 
     def clear_grads(self) -> None:
         if not (self.replica_grads and self.replica_grads.zero()):
@@ -327,9 +329,12 @@ class PipelineEngine(_Engine):
         GPU the optimizer step is queued without the host waiting for the backward to end
         (the worker reads the norm once, with the loss, after the step)."""
         grads = [q.grad for q in self.module.parameters() if q.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            sq += torch.linalg.vector_norm(local(g)) ** 2
+        if self.shares:  # a stage's tp workers together hold its gradient
+            sq = self.shares.grad_sq(self.module, self.device)
+        else:
+            sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            for g in grads:
+                sq += torch.linalg.vector_norm(local(g)) ** 2
         if self.sharded:  # a stage's shards together hold its gradient (once per group)
             dist.all_reduce(sq, group=self.shard_group)
         dist.all_reduce(sq, group=self.pp_group)
