@@ -76,27 +76,33 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
+def measure(spec) -> dict:
+    """Run `spec` to the end: the largest worker's state and resident memory, tokens/s, the
+    wall time and the model's parameters (benchmarks/tensor_parallel.py uses it too)."""
+    rss: dict[int, int] = {}
+
+    def sample(c) -> None:
+        for w in c.workers:
+            rss[w["pid"]] = max(rss.get(w["pid"], 0), _rss_bytes(w["pid"]))
+    t0 = time.perf_counter()
+    result = api.run(spec, show_progress=False, on_step=sample)
+    assert result.state == "finished", result.state
+    state = max(result.state_bytes, key=lambda b: sum(b.values()))
+    return {"params": sum(layer_params(spec.model)),
+            "state_mib": {k: round(v / 2**20, 3) for k, v in state.items()},
+            "state_total_mib": round(sum(state.values()) / 2**20, 3),
+            "rss_mib": round(max(rss.values()) / 2**20, 1) if rss else None,
+            "tokens_per_s": round(result.tokens_per_s, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
 def run(args, data: str, *, dp: int, level: str, width: int, layers: int, steps: int,
         unit_mib: float | None = None, pp: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec = spec_from_dict(job(args, data, tmp, dp=dp, level=level, width=width,
                                   layers=layers, steps=steps, unit_mib=unit_mib, pp=pp))
-        rss: dict[int, int] = {}
-
-        def sample(c) -> None:
-            for w in c.workers:
-                rss[w["pid"]] = max(rss.get(w["pid"], 0), _rss_bytes(w["pid"]))
-        t0 = time.perf_counter()
-        result = api.run(spec, show_progress=False, on_step=sample)
-        assert result.state == "finished", result.state
-    state = max(result.state_bytes, key=lambda b: sum(b.values()))
-    return {"level": level, "pp": pp, "dp": dp, "width": width, "layers": layers,
-            "unit_mib": spec.parallel.shard_unit_mib if level in ("grads", "full") else None,
-            "params": sum(layer_params(spec.model)),
-            "state_mib": {k: round(v / 2**20, 3) for k, v in state.items()},
-            "state_total_mib": round(sum(state.values()) / 2**20, 3),
-            "rss_mib": round(max(rss.values()) / 2**20, 1) if rss else None,
-            "tokens_per_s": round(result.tokens_per_s, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+        return {"level": level, "pp": pp, "dp": dp, "width": width, "layers": layers,
+                "unit_mib": spec.parallel.shard_unit_mib if level in ("grads", "full") else None,
+                **measure(spec)}
 
 
 def memory_and_speed(args, data: str) -> list[dict]:

@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import ray
 
-from baton import api
 from baton.data.corpus import prepare_stdlib
-from baton.models import layer_params
 from baton.spec import spec_from_dict
 from results_io import write_result
-from sharding import _rss_bytes
+from sharding import measure
 
 
 def run(args, data: str, dp: int, tp: int) -> dict:
@@ -50,20 +47,7 @@ def run(args, data: str, dp: int, tp: int) -> dict:
                           "threads_per_worker": args.threads},
             "checkpoint": {"path": f"{tmp}/ckpt", "every_steps": 10_000, "keep": 1},
             "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "bench-tp"}})
-        rss: dict[int, int] = {}
-
-        def sample(c) -> None:
-            for w in c.workers:
-                rss[w["pid"]] = max(rss.get(w["pid"], 0), _rss_bytes(w["pid"]))
-        t0 = time.perf_counter()
-        result = api.run(spec, show_progress=False, on_step=sample)
-        assert result.state == "finished", result.state
-    state = max(result.state_bytes, key=lambda b: sum(b.values()))
-    return {"dp": dp, "tp": tp, "params": sum(layer_params(spec.model)),
-            "state_mib": {k: round(v / 2**20, 3) for k, v in state.items()},
-            "state_total_mib": round(sum(state.values()) / 2**20, 3),
-            "rss_mib": round(max(rss.values()) / 2**20, 1) if rss else None,
-            "tokens_per_s": round(result.tokens_per_s, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+        return {"dp": dp, "tp": tp, **measure(spec)}
 
 
 def main() -> int:
@@ -109,7 +93,7 @@ def main() -> int:
              "tokens_per_s_vs_tp1": round(statistics.median(
                  x["tokens_per_s"] / b["tokens_per_s"] for x, b in zip(rs, base)), 3)}
             for (dp, tp), rs in runs.items()]
-    print(f"\n| dp x tp | state MiB/worker | vs tp 1 | peak RSS MiB | tokens/s | vs tp 1 |")
+    print("\n| dp x tp | state MiB/worker | vs tp 1 | peak RSS MiB | tokens/s | vs tp 1 |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['dp']} x {row['tp']} | {row['state_total_mib']:.2f} | {row['state_vs_tp1']} "

@@ -197,16 +197,6 @@ SHARDING_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("parallel,message", SHARDING_ERRORS, ids=[m.split(":")[1] for _, m in SHARDING_ERRORS])
-def test_sharding_mistakes_are_one_line_each(tmp_path, parallel, message):
-    raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
-                    parallel=parallel)
-    with pytest.raises(SpecError) as e:
-        spec_from_dict(raw, "job.yaml")
-    assert str(e.value).startswith(f"job.yaml: {message}"), str(e.value)
-    assert "\n" not in str(e.value)
-
-
 TENSOR_ERRORS = [
     ({"dp": 2, "tp": 2, "shard": "full"},
      "parallel.shard: 'full' is invalid; tensor parallelism (parallel.tp = 2) does not run "
@@ -215,10 +205,12 @@ TENSOR_ERRORS = [
      "parallel.tp: 4 is invalid; gpt's layer 1: 2 heads do not split over tp = 4"),
     ({"dp": 1, "tp": 0}, "parallel.tp: 0 is invalid; must be at least 1"),
 ]
+LAYOUT_ERRORS = SHARDING_ERRORS + TENSOR_ERRORS
 
 
-@pytest.mark.parametrize("parallel,message", TENSOR_ERRORS, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(TENSOR_ERRORS)])
-def test_tensor_parallel_mistakes_are_one_line_each(tmp_path, parallel, message):
+@pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,
+                         ids=[f"{i}-{m.split(':')[0]}" for i, (_, m) in enumerate(LAYOUT_ERRORS)])
+def test_sharding_and_tensor_parallel_mistakes_are_one_line_each(tmp_path, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
                     parallel=parallel)
     with pytest.raises(SpecError) as e:

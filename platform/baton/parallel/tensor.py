@@ -164,34 +164,6 @@ def split_layers(model: nn.Module, rank: int, size: int, group) -> dict[str, Spl
     return splits
 
 
-def gather_state(model_state: dict, optim_state: dict, splits: dict[str, Split], group,
-                 rank: int, size: int) -> Optional[tuple[dict, dict]]:
-    """Whole tensors from the tp workers' pieces (every worker of the group calls it): the
-    parameters, and each optimizer state tensor of a split parameter's shape. Returns the
-    whole state on the group's first worker, None on the others."""
-    def whole(name: str, t: torch.Tensor) -> torch.Tensor:
-        pieces = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(pieces, t.contiguous(), group=group)
-        return splits[name].join(pieces)
-
-    model = {n: whole(n, t) if n in splits else t for n, t in model_state.items()}
-    state = {n: {k: whole(n, v) if n in splits and torch.is_tensor(v) and v.dim() else v
-                 for k, v in s.items()}
-             for n, s in optim_state["state"].items()}
-    return (model, {**optim_state, "state": state}) if rank == 0 else None
-
-
-def take_state(model_state: dict, optim_state: dict, splits: dict[str, Split], rank: int,
-               size: int) -> tuple[dict, dict]:
-    """This worker's pieces of whole state (what `gather_state` made, or a checkpoint's)."""
-    def piece(name: str, t):
-        return splits[name].take(t, rank, size) if name in splits and torch.is_tensor(t) and t.dim() else t
-
-    model = {n: piece(n, t) for n, t in model_state.items()}
-    state = {n: {k: piece(n, v) for k, v in s.items()} for n, s in optim_state["state"].items()}
-    return model, {**optim_state, "state": state}
-
-
 class Shares:
     """This worker's share of a model split over the tp workers of its replica (its stage's,
     in a pipeline): how each split parameter is split, and the group of those workers."""
@@ -200,12 +172,32 @@ class Shares:
         self.rank, self.size, self.group = rank, size, group
         self.splits = split_layers(model, rank, size, group)
 
+    def _split(self, name: str, t) -> bool:
+        """Whether `t`, a parameter's or its optimizer state's, is split (Adam's step is not)."""
+        return name in self.splits and torch.is_tensor(t) and t.dim() > 0
+
+    def _each(self, fn, model_state: dict, optim_state: dict) -> tuple[dict, dict]:
+        """`fn(name, tensor)` on each split tensor of the parameters and the optimizer state."""
+        model = {n: fn(n, t) if self._split(n, t) else t for n, t in model_state.items()}
+        state = {n: {k: fn(n, v) if self._split(n, v) else v for k, v in s.items()}
+                 for n, s in optim_state["state"].items()}
+        return model, {**optim_state, "state": state}
+
     def gather(self, model_state: dict, optim_state: dict) -> Optional[tuple[dict, dict]]:
-        """Whole state on the group's first worker, None on the others (a collective)."""
-        return gather_state(model_state, optim_state, self.splits, self.group, self.rank, self.size)
+        """Whole tensors from the tp workers' pieces (every worker of the group calls it): on
+        the group's first worker the whole state, None on the others."""
+        def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+            pieces = [torch.empty_like(t) for _ in range(self.size)]
+            dist.all_gather(pieces, t.contiguous(), group=self.group)
+            return self.splits[name].join(pieces)
+
+        state = self._each(whole, model_state, optim_state)
+        return state if self.rank == 0 else None
 
     def take(self, model_state: dict, optim_state: dict) -> tuple[dict, dict]:
-        return take_state(model_state, optim_state, self.splits, self.rank, self.size)
+        """This worker's pieces of whole state (what `gather` made, or a checkpoint's)."""
+        return self._each(lambda n, t: self.splits[n].take(t, self.rank, self.size),
+                          model_state, optim_state)
 
     def whole_like(self, model_state: dict) -> dict:
         """Zeros of the whole model's shapes, for a sharded checkpoint to be read into."""

@@ -69,6 +69,12 @@ class _Engine:
                                  for t in s.values() if torch.is_tensor(t))}
 
 
+def _compiled(spec: JobSpec):
+    """train.compile, but `auto` trains eager under tensor parallelism (compiled blocks with
+    its collectives are not built yet; `true` is refused by the spec's checks)."""
+    return spec.train.compile if spec.parallel.tp == 1 else False
+
+
 class DataParallelEngine(_Engine):
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         self.spec, self.device, self.task = spec, device, task
@@ -83,7 +89,7 @@ class DataParallelEngine(_Engine):
                              else (build_model(spec.model, spec.train.seed), None))
         wrapping = self._split(self.module)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
-        compile_blocks(self.module, self.compiled(spec), device.type)
+        compile_blocks(self.module, _compiled(spec), device.type)
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s) if level != "none" else None
         self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
@@ -95,10 +101,6 @@ class DataParallelEngine(_Engine):
         """What a subclass does to the whole model before it is wrapped (tensor parallelism:
         keeps this worker's share of each layer); extra arguments for the wrapping."""
         return {}
-
-    @staticmethod
-    def compiled(spec: JobSpec):
-        return spec.train.compile
 
     def state_dicts(self) -> tuple[dict, dict]:
         return self.replica.state_dicts()
@@ -166,10 +168,6 @@ class TensorParallelEngine(DataParallelEngine):
         self.shares = tensor.Shares(module, self.tp_rank, self.spec.parallel.tp, self.tp_group)
         return {"group": self.dp_group}
 
-    @staticmethod
-    def compiled(spec: JobSpec):
-        return False  # `auto` trains eager: compiled blocks with tp's collectives are not built yet
-
     def state_dicts(self) -> Optional[tuple[dict, dict]]:
         """The whole state on the first tp worker (None on the others): a collective of the
         replica's tp workers, so the worker calls it on every one of them."""
@@ -212,8 +210,7 @@ class PipelineEngine(_Engine):
         full, fill = build_lazily(spec.model, spec.train.seed)
         full = sequential(full, spec.model.name)
         checkpoint_activations(full, spec.train.activation_checkpointing)  # on the whole model
-        # (tensor parallelism trains eager: see TensorParallelEngine.compiled)
-        compile_blocks(full, spec.train.compile if dims.tp == 1 else False, device.type)
+        compile_blocks(full, _compiled(spec), device.type)
         # Every rank keeps its slices of the model and gives only those their values, exactly
         # as the single-process model has them (a built-in model: the rest stays on the meta
         # device; a user's builder builds the whole, and the rest is freed at once).
