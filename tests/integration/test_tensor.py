@@ -1,6 +1,6 @@
 """Tensor parallelism (parallel.tp) on a local Ray with gloo: each block of the GPT split over
-tp workers, replicas of those under DDP. The same numbers as one process, and checkpoints of
-whole tensors that load at any other tp."""
+tp workers, replicas of those under DDP or FSDP2 (2D). The same numbers as one process, and
+checkpoints written in pieces by every worker that load at any other tp and sharding."""
 
 from __future__ import annotations
 
@@ -58,16 +58,22 @@ def test_dp_2_x_tp_2_matches_one_process(tmp_path, data):
     assert_like_one_process(spec, data, result, 3)  # measured: 5.9e-6 at most
 
 
-def test_a_checkpoint_loads_at_any_tp_and_from_a_sharded_run(tmp_path, data):
-    """Sharded (ZeRO-3, DCP) for 2 steps, then dp 2 x tp 2 to step 4 from that checkpoint,
-    then tp 4 to step 6 from the whole tensors tp 2 wrote: one process's numbers throughout."""
+def test_a_checkpoint_loads_at_any_tp_and_sharding(tmp_path, data):
+    """ZeRO-3 (dp 2) for 2 steps; then dp 2 x tp 2 under ZeRO-3 (2D: each worker holds half
+    of its share of each split layer) to step 4 from that checkpoint; then tp 4 (DDP) to step
+    6 from the pieces the 2D run wrote: one process's numbers throughout."""
     first = _spec(tmp_path, data, "relayout", 2, tp=1, shard="full")
     assert api.run(first, show_progress=False).step == 2
-    assert CheckpointStore(first.checkpoint_dir).is_sharded(2)
-    second = _spec(tmp_path, data, "relayout", 4)
-    assert api.run(second, show_progress=False).resumed_from == 2
-    assert not CheckpointStore(first.checkpoint_dir).is_sharded(4)
-    assert CheckpointStore(first.checkpoint_dir).read_meta(4)["layout"]["tp"] == 2
+    second = _spec(tmp_path, data, "relayout", 4, shard="full")
+    result = api.run(second, show_progress=False)
+    assert result.resumed_from == 2
+    share = build_model(second.model, 0)
+    split_layers(share, 0, 2, None)
+    # FSDP's shards of a worker's share over the 2 workers holding it: half of it
+    assert [b["params"] for b in result.state_bytes] == [sum(q.numel() * 4 for q in share.parameters()) / 2] * 4
+    store = CheckpointStore(first.checkpoint_dir)
+    assert store.is_sharded(4) and store.read_meta(4)["layout"]["tp"] == 2
+    assert_like_one_process(second, data, result, 4)  # measured: 8.4e-6 at most
     third = _spec(tmp_path, data, "relayout", 6, dp=1, tp=4)
     result = api.run(third, show_progress=False)
     assert result.resumed_from == 4 and result.step == 6
@@ -92,7 +98,7 @@ def test_a_killed_tp_worker_goes_back_to_the_checkpoint(tmp_path, data):
 
 
 def test_a_resume_at_the_same_layout_is_bitwise_the_uninterrupted_run(tmp_path, data):
-    """Gathered, written, read and split again, the state is the same bits: 2 steps, then a
+    """Written in pieces by every worker and read back, the state is the same bits: 2 steps, then a
     resume to 4, ends where 4 steps straight end (dropout on: each worker's random stream is
     restored too, and a replica's tp workers draw the same masks)."""
     model = {**GPT, "dropout": 0.1}
@@ -111,7 +117,7 @@ def test_a_resume_at_the_same_layout_is_bitwise_the_uninterrupted_run(tmp_path, 
 def test_a_tp_job_grows_by_whole_replicas_of_tp_workers(tmp_path, data):
     """Room for one replica (2 workers) at the start, for two once a placement group holding
     the rest is removed: the world grows from dp 1 to dp 2 at a step boundary, with 2 new
-    workers, from a checkpoint of that step (tp's state is gathered and split, not sent)."""
+    workers, from a checkpoint of that step (tp's state is written and read in pieces, not sent)."""
     warm.drain()  # the module's kept workers hold CPUs this test counts
     blocker = placement_group([{"CPU": 1.5}])  # 0.5 CPU left: 2 workers of 0.25
     ray.get(blocker.ready(), timeout=60)
@@ -136,9 +142,10 @@ def test_a_tp_job_grows_by_whole_replicas_of_tp_workers(tmp_path, data):
 
 
 def test_pipeline_stages_split_over_tp_workers_match_one_process(tmp_path, data):
-    """dp 2 x pp 2 x tp 2, 8 workers (1F1B over 2 micro-batches): each stage's blocks split over its 2 workers,
-    each pipeline of one share sending whole activations; its checkpoint (each stage's
-    gathered on its first tp worker) resumed at dp 2 without tp."""
+    """dp 2 x pp 2 x tp 2, 8 workers (1F1B over 2 micro-batches): each stage's blocks split
+    over its 2 workers, each pipeline of one share sending whole activations; its checkpoint
+    (each worker's pieces of its stage) resumed at dp 2 without tp, and that one's resumed
+    at dp 2 x pp 2 x tp 2 under ZeRO-3 (3D: each share FSDP-sharded over its 2 replicas)."""
     first = _spec(tmp_path, data, "pp-tp", 3, dp=2, pp=2, microbatches=2)
     result = api.run(first, show_progress=False)
     assert result.state == "finished" and len(result.workers) == 8
@@ -147,3 +154,7 @@ def test_pipeline_stages_split_over_tp_workers_match_one_process(tmp_path, data)
     result = api.run(second, show_progress=False)
     assert result.resumed_from == 3
     assert_like_one_process(second, data, result, 5)  # measured: 5.9e-6 at most
+    third = _spec(tmp_path, data, "pp-tp", 6, dp=2, pp=2, microbatches=2, shard="full")
+    result = api.run(third, show_progress=False)
+    assert result.resumed_from == 5 and len(result.workers) == 8
+    assert_like_one_process(third, data, result, 6)  # measured: 1.8e-5 at most

@@ -203,6 +203,30 @@ def test_a_fused_projection_splits_part_by_part_and_joins_back():
     assert rows.whole_shape(rows.take(q, 0, 2).shape, 2) == [4, 2]
 
 
+@pytest.mark.parametrize("split,shape", [(("column", 3), (12, 5)), (("row", 1), (4, 6))])
+def test_each_piece_a_worker_holds_lies_where_it_is_in_the_whole(split, shape):
+    """Split.pieces: what a checkpoint says of a worker's share, and of FSDP's shard of it (a
+    run of rows, torch.chunk's split over 2, here 3 of a share's 6 rows, or all 4 of a row
+    weight's): each piece, at its offsets in the whole tensor, is the whole's values there,
+    and the pieces of every worker and shard cover the whole once."""
+    from baton.parallel.tensor import Split
+
+    style, parts = split
+    rule = Split(0, parts) if style == "column" else Split(1)
+    whole = torch.arange(float(shape[0] * shape[1])).reshape(shape)
+    covered = torch.zeros(shape)
+    for rank in range(2):
+        share = rule.take(whole, rank, 2)
+        start = 0
+        for box in share.chunk(2):  # FSDP's two shards of the share, along dim 0
+            for offsets, piece in rule.pieces(box, [start, 0], share.shape[rule.dim], rank, 2):
+                at = tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))
+                assert torch.equal(whole[at], piece)
+                covered[at] += 1
+            start += len(box)
+    assert torch.equal(covered, torch.ones(shape))
+
+
 def test_a_split_gpt_block_computes_what_the_whole_one_does():
     """A block's two shares, each computing on its own parameters in one process, with the
     row layers' partial products summed by hand where the all-reduce would sum them: the

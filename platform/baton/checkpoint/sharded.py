@@ -18,15 +18,19 @@ from __future__ import annotations
 import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pyarrow.fs as pafs
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystemBase
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                         _EmptyStateDictLoadPlanner)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -117,6 +121,73 @@ class ArrowFileSystem(FileSystemBase):
         return [i.path for i in infos]
 
 
+class Pieces:
+    """A tensor of which this worker holds pieces, not one box: its tensors (views of the
+    worker's own, read and written in place) at their offsets in the whole, of shape `size`.
+    A tensor-parallel worker's share of a fused projection is several (parallel/tensor.py):
+    neither a DTensor nor a plain tensor says that, and DCP takes any object with these three
+    methods (its `_Checkpointable` protocol, which DTensor implements) as a tensor in chunks."""
+
+    def __init__(self, size: list[int], pieces: list[tuple[list[int], torch.Tensor]]):
+        self.whole = torch.Size(size)
+        self.pieces = [(torch.Size(offsets), t) for offsets, t in pieces]
+
+    def size(self) -> torch.Size:
+        """The whole tensor's (DCP checks a checkpoint's against it, as a tensor's)."""
+        return self.whole
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                              properties=TensorProperties.create_from_tensor(t), size=self.whole))
+                for offsets, t in self.pieces]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=t.size()) for offsets, t in self.pieces]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, t in self.pieces:
+            if offsets == index.offset:
+                return t
+        raise ValueError(f"{index.fqn} has no piece at {list(index.offset)} here")
+
+
+def _lookup(state: dict, index: MetadataIndex) -> Any:
+    """DCP's lookup of the tensor an index names, `Pieces` included (DCP's own takes only
+    torch.Tensor subclasses for a chunk)."""
+    obj = state.get(index.fqn)
+    return (obj.__get_tensor_shard__(index) if isinstance(obj, Pieces)
+            else find_state_dict_object(state, index))
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return _lookup(self.state_dict, index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict: dict, metadata: Optional[Metadata] = None,
+                       is_coordinator: bool = False) -> None:
+        held = list(_held_pieces(state_dict))
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if held:  # DCP's set-up leaves None where it meets what it does not know (torch 2.13)
+            for parent, key, pieces in held:
+                parent[key] = pieces
+            self.state_dict, self.mappings = flatten_state_dict(state_dict)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _lookup(self.state_dict, index)
+
+
+def _held_pieces(tree: dict) -> Iterator[tuple[dict, str, Pieces]]:
+    for key, value in tree.items():
+        if isinstance(value, Pieces):
+            yield tree, key, value
+        elif isinstance(value, dict):
+            yield from _held_pieces(value)
+
+
 class _Recorded:
     """DCP's file operations (`files`), with every file written counted and checksummed as it
     goes through (`storage.ChecksumWriter`), so that the commit has each file's record without
@@ -195,7 +266,7 @@ def save(state: dict, where: Location) -> list[dict]:
     """Write this worker's shards of `state` (every worker of the world calls it); returns the
     records of the files this worker wrote (the index too, on the coordinating rank)."""
     writer = _Writer(where)
-    dcp.save(state, storage_writer=writer, process_group=where.group)
+    dcp.save(state, storage_writer=writer, planner=_SavePlanner(), process_group=where.group)
     return writer.records
 
 
@@ -270,7 +341,7 @@ class PlannedSave:
     global plan back (`plan_globally`), then each rank's writes, and the index last."""
 
     def __init__(self, state: dict, where: Location):
-        self.planner, self.writer = DefaultSavePlanner(), _Writer(where)
+        self.planner, self.writer = _SavePlanner(), _Writer(where)
         self.planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=False)
         self.writer.set_up_storage_writer(False)
 
@@ -288,7 +359,7 @@ def plan_globally(where: Location, plans: list[SavePlan]) -> tuple[list[SavePlan
     """The coordinator's round of a `PlannedSave`: each worker's part of the global plan (a
     tensor several workers hold is written by one), and `finish(results)`, which writes the
     index once every worker has written its part and returns the index's record."""
-    planner, writer = DefaultSavePlanner(), _Writer(where)
+    planner, writer = _SavePlanner(), _Writer(where)
     global_plans, metadata = planner.create_global_plan(plans)
 
     def finish(results: list) -> list[dict]:
@@ -300,7 +371,7 @@ def plan_globally(where: Location, plans: list[SavePlan]) -> tuple[list[SavePlan
 def load(state: dict, where: Location) -> None:
     """Fill `state`'s tensors in place from a sharded checkpoint (every worker calls it)."""
     keys(where)
-    dcp.load(state, storage_reader=SafeReader(where), process_group=where.group)
+    dcp.load(state, storage_reader=SafeReader(where), planner=_LoadPlanner(), process_group=where.group)
 
 
 def keys(where: Location) -> set[str]:
@@ -322,15 +393,18 @@ def read_full(where: Location, section: str) -> dict:
     return state.get(section, {})
 
 
-def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, where: Location) -> None:
+def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, where: Location,
+              pieces: Callable[[dict], dict] = lambda state: state) -> None:
     """Load a sharded checkpoint into a module that torch's state-dict API understands (DDP,
-    FSDP, a pipeline stage): each worker reads the pieces of the tensors it holds."""
+    FSDP, a pipeline stage): each worker reads the pieces of the tensors it holds (`pieces`:
+    its state as DCP is to see it, where its tensors are not boxes of the whole)."""
     model_state, optim_state = get_state_dict(wrapped, optimizer)
     state = {"model": model_state}
     with_optim = has_optimizer_state(where)
     if with_optim:
         state["optim"] = optim_state["state"]
-    dcp.load(state, storage_reader=SafeReader(where), process_group=where.group)
+    dcp.load(pieces(state), storage_reader=SafeReader(where), planner=_LoadPlanner(),
+             process_group=where.group)
     if not with_optim:
         # a checkpoint of step 0 (no step taken): get_state_dict "initialised" Adam with a
         # zero step; the fresh optimizer is the right one

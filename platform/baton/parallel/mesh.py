@@ -6,8 +6,8 @@ where they fit: their collectives run in every layer), the data-parallel ranks o
 a contiguous block and each pipeline is a column. With tp = 1, rank = pp_rank * dp + dp_rank.
 Within a stage's dp replicas, dp_rank = replica_group * dp_shard + shard: sharding (FSDP2,
 ZeRO) splits state across the dp_shard ranks of one group and replicates it across the
-groups. That is torch's row-major `DeviceMesh` of shape (pp, dp_replicate, dp_shard), which
-`device_mesh` builds (for tp = 1).
+groups. That is torch's row-major `DeviceMesh` of shape (pp, dp_replicate, dp_shard, tp),
+which `device_mesh` builds.
 """
 
 from __future__ import annotations
@@ -90,9 +90,11 @@ class ParallelDims:
                 for g in range(self.dp_replicate)]
 
     def device_mesh(self, device_type: str, timeout_s: float):
-        """torch's DeviceMesh of (pp, dp_replicate, dp_shard) over the default process group
-        (every rank must call it, in the same order). Every group the engines use comes
-        from it: `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`, `mesh["pp"]`. Each
+        """torch's DeviceMesh of (pp, dp_replicate, dp_shard), and tp when tp > 1, over the
+        default process group (every rank must call it, in the same order). Every group the
+        engines use comes from it: `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`,
+        `mesh["pp"]`, `mesh["tp"]`; a rank's group along an axis holds the ranks that differ
+        from it only there (its dp group: those holding the same share of its stage). Each
         group gets the job's collective timeout: torch gives a mesh's groups its default (30
         minutes on gloo), not the world's, and a collective whose peer is gone waits that long."""
         from datetime import timedelta
@@ -100,10 +102,10 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
-        assert self.tp == 1, "tensor parallelism builds its own groups (parallel/tensor.py)"
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard),
-                                mesh_dim_names=AXES)
-        for axis in AXES:
+        axes = AXES + ("tp",) if self.tp > 1 else AXES
+        shape = (self.pp, self.dp_replicate, self.dp_shard) + ((self.tp,) if self.tp > 1 else ())
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes)
+        for axis in axes:
             _set_pg_timeout(timedelta(seconds=timeout_s), mesh[axis].get_group())
         return mesh
 

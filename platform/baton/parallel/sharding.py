@@ -212,15 +212,16 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                    lambda where: sharded.load_into(module, optimizer, where))
 
 
-# `fill` (for the levels that shard parameters): see fully_shard
+# `fill` (for the levels that shard parameters): see fully_shard. `group`: DDP's (tensor
+# parallelism: the workers holding the same share); FSDP takes its groups from the mesh.
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
     "none": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None: replicate(
         *a, grad_comm=grad_comm, group=group),
     "optimizer": lambda *a, unit_mib=None, grad_comm="fp32", fill=None: replicate(
         *a, shard_optimizer=True, grad_comm=grad_comm),
-    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None: fully_shard(
+    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None: fully_shard(
         *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill),
-    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None: fully_shard(
+    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None: fully_shard(
         *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill),
 }
 

@@ -15,15 +15,22 @@ its heads' q, k and v. The module's forward must take its widths from its layers
 The split is this module's own rather than torch's DTensor plans
 (`parallelize_module`): those split a fused projection in one piece (a worker would get all
 of q and half of k), and keeping the fused layer keeps its one matrix multiply and its
-parameter names. Parameters keep their names and a checkpoint holds whole tensors, gathered
-from the tp workers when it is written and split again when it is read: any tp loads any
-checkpoint, and a run at tp 1 reads what one at tp 4 wrote.
+parameter names. Parameters keep their names, and a checkpoint holds whole tensors: each
+worker writes the pieces of them it holds, in parallel, through DCP (`Shares.pieces`), with
+nothing gathered on one worker, and reads the pieces it needs of any checkpoint (any tp, any
+sharding, whole or sharded).
+
+Under sharding (`parallel.shard: grads | full`), FSDP2 shards each worker's share across the
+workers of its dp group that hold the same share (2D parallelism, as torchtitan composes
+FSDP with tensor parallelism): a worker holds 1/(tp x dp_shard) of each split layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Union
+
+from baton.training import local
 
 import torch
 import torch.distributed as dist
@@ -85,6 +92,24 @@ class Split:
     def whole_shape(self, shape: torch.Size, size: int) -> list[int]:
         out = list(shape)
         out[self.dim] *= size
+        return out
+
+    def pieces(self, box: torch.Tensor, offsets: list[int], share: int, rank: int,
+               size: int) -> list[tuple[list[int], torch.Tensor]]:
+        """Where `box` (the part of worker `rank`'s share at `offsets` in that share, whose
+        length along `dim` is `share`: all of it, or an FSDP shard of it) lies in the whole
+        tensor: (offsets in the whole, view of `box`) for each run of it that is contiguous
+        there (one a part of a fused projection)."""
+        per_part = share // self.parts  # of each part, this worker's run
+        start, end = offsets[self.dim], offsets[self.dim] + box.shape[self.dim]
+        out = []
+        for k in range(start // per_part if per_part else 0, self.parts):
+            lo, hi = max(start, k * per_part), min(end, (k + 1) * per_part)
+            if lo >= hi:
+                break
+            where = list(offsets)
+            where[self.dim] = k * per_part * size + rank * per_part + lo - k * per_part
+            out.append((where, box.narrow(self.dim, lo - start, hi - lo)))
         return out
 
 
@@ -183,65 +208,50 @@ class Shares:
                  for n, s in optim_state["state"].items()}
         return model, {**optim_state, "state": state}
 
-    def gather(self, model_state: dict, optim_state: dict) -> Optional[tuple[dict, dict]]:
-        """Whole tensors from the tp workers' pieces (every worker of the group calls it): on
-        the group's first worker the whole state, None on the others."""
-        def whole(name: str, t: torch.Tensor) -> torch.Tensor:
-            pieces = [torch.empty_like(t) for _ in range(self.size)]
-            dist.all_gather(pieces, t.contiguous(), group=self.group)
-            return self.splits[name].join(pieces)
-
-        state = self._each(whole, model_state, optim_state)
-        return state if self.rank == 0 else None
-
     def take(self, model_state: dict, optim_state: dict) -> tuple[dict, dict]:
         """This worker's pieces of whole state (what `gather` made, or a checkpoint's)."""
         return self._each(lambda n, t: self.splits[n].take(t, self.rank, self.size),
                           model_state, optim_state)
 
-    def whole_like(self, model_state: dict) -> dict:
-        """Zeros of the whole model's shapes, for a sharded checkpoint to be read into."""
-        return {n: torch.zeros(self.splits[n].whole_shape(t.shape, self.size), dtype=t.dtype,
-                               device=t.device) if n in self.splits else t.clone()
-                for n, t in model_state.items()}
+    def pieces(self, state: dict) -> dict:
+        """`state` ({"model": {name: tensor}, "optim": {name: {key: tensor}}}: this worker's,
+        plain or FSDP's DTensors) as DCP is to save or load it: each split tensor as the
+        pieces of the whole it holds (`checkpoint.sharded.Pieces`, views of its tensors)."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        from baton.checkpoint.sharded import Pieces
+
+        def pieces(name: str, t: torch.Tensor):
+            if isinstance(t, DTensor):  # an FSDP shard of this worker's share
+                _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                   t.placements)
+                box = t.to_local()
+            else:
+                offsets, box = [0] * t.dim(), t
+            split = self.splits[name]
+            return Pieces(split.whole_shape(t.shape, self.size),
+                          split.pieces(box, list(offsets), t.shape[split.dim], self.rank, self.size))
+
+        model = {n: pieces(n, t) if self._split(n, t) else t for n, t in state["model"].items()}
+        out = {**state, "model": model}
+        if "optim" in state:
+            out["optim"] = {n: {k: pieces(n, v) if self._split(n, v) else v for k, v in s.items()}
+                            for n, s in state["optim"].items()}
+        return out
 
     def grad_sq(self, module: nn.Module, device: torch.device) -> torch.Tensor:
         """The squared norm of the gradient of the part of the model `module` holds: the split
         parameters' squares summed over the tp workers, the whole ones (the same on each)
-        counted once (a collective)."""
+        counted once (a collective). Sharded, it is this worker's shards' part of that."""
         split = torch.zeros((), dtype=torch.float32, device=device)
         whole = torch.zeros((), dtype=torch.float32, device=device)
         for name, q in module.named_parameters():
             if q.grad is not None:
-                sq = torch.linalg.vector_norm(q.grad.float()) ** 2
+                sq = torch.linalg.vector_norm(local(q.grad).float()) ** 2
                 if name in self.splits:
                     split += sq
                 else:
                     whole += sq
         dist.all_reduce(split, group=self.group)
         return split + whole
-
-
-def groups(dims, rank: int, timeout) -> tuple:
-    """This rank's (tp, dp, pp) process groups, every group made by every rank in one order:
-    those of each replica's stage's tp workers, of each stage's share across the replicas,
-    and of each pipeline of one share."""
-    dp_rank, pp_rank = dims.coords(rank)
-    tp_rank = dims.tp_rank(rank)
-    mine = {}
-    for d in range(dims.dp):
-        for p in range(dims.pp):
-            g = dist.new_group(dims.tp_group(d, p), timeout=timeout)
-            if (d, p) == (dp_rank, pp_rank):
-                mine["tp"] = g
-    for p in range(dims.pp):
-        for t in range(dims.tp):
-            g = dist.new_group(dims.dp_group(p, t), timeout=timeout)
-            if (p, t) == (pp_rank, tp_rank):
-                mine["dp"] = g
-    for d in range(dims.dp):
-        for t in range(dims.tp):
-            g = dist.new_group(dims.pp_group(d, t), timeout=timeout)
-            if (d, t) == (dp_rank, tp_rank):
-                mine["pp"] = g
-    return mine["tp"], mine["dp"], mine["pp"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from datetime import timedelta
 from typing import Callable, Optional
 
 import numpy as np
@@ -80,18 +79,21 @@ class DataParallelEngine(_Engine):
         self.spec, self.device, self.task = spec, device, task
         self.bf16 = spec.train.precision == "bf16"
         self.dp = spec.parallel.dp
+        level = spec.parallel.shard
+        self.mesh = (dims.device_mesh(device.type, spec.parallel.timeout_s)
+                     if level != "none" or dims.tp > 1 else None)
+        self.shard_group = self.mesh["dp_shard"].get_group() if level != "none" else None
         # built on the host; the wrapping puts it on the device (sharded: unit by unit). With
         # its parameters sharded, the model starts on the meta device and each unit gets its
-        # values as FSDP shards it, so the host never holds the whole model (models/layers.py)
-        level = spec.parallel.shard
+        # values as FSDP shards it, so the host never holds the whole model (models/layers.py;
+        # split over tp workers, it is built whole on the host first)
         self.module, fill = (build_lazily(spec.model, spec.train.seed)
-                             if "params" in SHARDED_PARTS[level]
+                             if "params" in SHARDED_PARTS[level] and dims.tp == 1
                              else (build_model(spec.model, spec.train.seed), None))
         wrapping = self._split(self.module)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
         compile_blocks(self.module, _compiled(spec), device.type)
-        mesh = dims.device_mesh(device.type, spec.parallel.timeout_s) if level != "none" else None
-        self.replica = WRAPPINGS[level](self.module, mesh, spec.train, device,
+        self.replica = WRAPPINGS[level](self.module, self.mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
@@ -110,6 +112,11 @@ class DataParallelEngine(_Engine):
 
     def load_sharded(self, where: sharded.Location) -> None:
         self.replica.load_sharded(where)
+
+    def pieces(self, state: dict) -> dict:
+        """A sharded state ({"model", "optim"}) as DCP is to save it: here each tensor is a
+        box of the whole already (a DTensor's shard, or a plain tensor)."""
+        return state
 
     def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
                          trace: bool) -> tuple[Sums, dict]:
@@ -153,51 +160,37 @@ class DataParallelEngine(_Engine):
 
 
 class TensorParallelEngine(DataParallelEngine):
-    """Data parallel replicas (DDP over the workers that hold the same share), each split over
-    parallel.tp workers (parallel/tensor.py). The state it saves and loads is whole: gathered
-    from the tp workers of replica 0 (which alone writes it), split again when read."""
+    """Data parallel replicas (DDP, or FSDP2 over the workers that hold the same share: 2D
+    parallelism), each split over parallel.tp workers (parallel/tensor.py). Every worker saves
+    and loads the pieces of the whole tensors it holds (`Shares.pieces`)."""
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
                  task: Task):
         self.tp_rank = dims.tp_rank(rank)
-        self.tp_group, self.dp_group, _ = tensor.groups(
-            dims, rank, timedelta(seconds=spec.parallel.timeout_s))
         super().__init__(spec, dims, device, task)
+        self.sharded = True  # each worker writes its own pieces
 
     def _split(self, module: nn.Module) -> dict:
-        self.shares = tensor.Shares(module, self.tp_rank, self.spec.parallel.tp, self.tp_group)
-        return {"group": self.dp_group}
-
-    def state_dicts(self) -> Optional[tuple[dict, dict]]:
-        """The whole state on the first tp worker (None on the others): a collective of the
-        replica's tp workers, so the worker calls it on every one of them."""
-        return self.shares.gather(*self.replica.state_dicts())
+        self.shares = tensor.Shares(module, self.tp_rank, self.spec.parallel.tp,
+                                    self.mesh["tp"].get_group())
+        return {"group": self.mesh["dp_replicate"].get_group()}  # DDP's (unsharded: all dp)
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         self.replica.load_full(*self.shares.take(model_state, optim_state))
 
     def load_sharded(self, where: sharded.Location) -> None:
-        _load_sharded_whole(self, where)
+        sharded.load_into(self.wrapped, self.optimizer, where, self.shares.pieces)
+
+    def pieces(self, state: dict) -> dict:
+        return self.shares.pieces(state)
 
     def clip(self) -> torch.Tensor:
-        """Clip by the whole model's gradient norm (`Shares.grad_sq`)."""
-        grads = [q.grad for q in self.module.parameters() if q.grad is not None]
-        return scale_to_norm(grads, self.shares.grad_sq(self.module, self.device).sqrt(),
-                             self.spec.train.grad_clip)
-
-
-def _load_sharded_whole(engine, where: sharded.Location) -> None:
-    """A sharded checkpoint (written by FSDP or ZeRO) into a tensor-parallel engine: read
-    whole by every worker into zeros of the whole shapes, then split (`load_state_dicts`)."""
-    model_state, optim_state = state_dicts(engine.module, engine.optimizer)
-    whole = engine.shares.whole_like(model_state)
-    state = {"model": whole}
-    if sharded.has_optimizer_state(where):
-        state["optim"] = {n: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(t),
-                              "exp_avg_sq": torch.zeros_like(t)} for n, t in whole.items()}
-    sharded.load(state, where)
-    engine.load_state_dicts(state["model"], {"state": state.get("optim", {}),
-                                             "param_groups": optim_state["param_groups"]})
+        """Clip by the whole model's gradient norm (`Shares.grad_sq`, summed over the shards)."""
+        sq = self.shares.grad_sq(self.module, self.device)
+        if self.shard_group is not None:
+            dist.all_reduce(sq, group=self.shard_group)
+        grads = [local(q.grad) for q in self.module.parameters() if q.grad is not None]
+        return scale_to_norm(grads, sq.sqrt(), self.spec.train.grad_clip)
 
 
 class PipelineEngine(_Engine):
@@ -221,31 +214,28 @@ class PipelineEngine(_Engine):
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
         del full
         # every rank builds every group, in one order
-        self.shares = None
-        if dims.tp > 1:  # each stage's layers split over its tp workers (parallel/tensor.py)
-            tp_group, self.dp_group, self.pp_group = tensor.groups(
-                dims, rank, timedelta(seconds=spec.parallel.timeout_s))
-            self.shares = tensor.Shares(self.module, tp_rank, dims.tp, tp_group)
-            mesh = self.shard_group = None  # (no sharding with tp: spec_checks)
-        else:
-            mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
-            self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
-            self.shard_group = mesh["dp_shard"].get_group()
+        mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
+        self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
+        self.shard_group = mesh["dp_shard"].get_group()
+        # each stage's layers split over its tp workers (parallel/tensor.py)
+        self.shares = (tensor.Shares(self.module, tp_rank, dims.tp, mesh["tp"].get_group())
+                       if dims.tp > 1 else None)
         self.module.to(device)
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
         # this engine all-reduces over the stage's replicas
         sync = STAGE_WRAPPINGS[spec.parallel.shard](chunks, mesh, spec.train,
                                                     unit_mib=spec.parallel.shard_unit_mib,
                                                     grad_comm=spec.parallel.grad_comm)
-        self.sharded = sync is not None
+        self.fsdp = sync is not None
+        self.sharded = self.fsdp or self.shares is not None  # saved through DCP, in pieces
         # whole stages: their replicas sum the gradients here, in a buffer they are views of
         self.replica_grads = (comm.FlatGrads(self.dp_group, spec.parallel.grad_comm)
-                              if dims.dp > 1 and not self.sharded else None)
+                              if dims.dp > 1 and not self.fsdp else None)
         self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank, tp_rank), v,
                                        device, spec.train.precision == "bf16", self.pp_group,
                                        before_backward=sync)
         self.runtime.agree_shapes(example_inputs(spec, shapes, spec.micro_batch))
-        if self.sharded:  # the shape probe's forward left ZeRO-2's parameters gathered
+        if self.fsdp:  # the shape probe's forward left ZeRO-2's parameters gathered
             reshard(chunks)
         self.optimizer = make_optimizer(self.module, spec.train)
         self.actions = sched.build(spec.parallel.schedule, p, spec.microbatches, v)[self.pp_rank]
@@ -260,7 +250,7 @@ class PipelineEngine(_Engine):
         sums = Sums()
         # FSDP averages gradients over the stage's dp ranks; the scale undoes it
         st = self._run(self.actions, micro, batch_fn, sums,
-                       scale * self.dims.dp if self.sharded else scale)
+                       scale * self.dims.dp if self.fsdp else scale)
         if self.replica_grads:  # each stage's replicas sum their gradients
             self.replica_grads.all_reduce([q for q in self.module.parameters() if q.grad is not None])
         return sums, {
@@ -294,27 +284,26 @@ class PipelineEngine(_Engine):
         finally:
             for c, mode in zip(chunks, was_training):
                 c.train(mode)
-            if self.sharded:  # ZeRO-2 keeps what a forward gathered until a backward
+            if self.fsdp:  # ZeRO-2 keeps what a forward gathered until a backward
                 reshard(chunks)
         return sums.out()
 
-    def state_dicts(self) -> Optional[tuple[dict, dict]]:
-        """This stage's state; split over tp workers, whole on the first of them (None on the
-        others: `TensorParallelEngine.state_dicts`)."""
-        state = state_dicts(self.module, self.optimizer)
-        return self.shares.gather(*state) if self.shares else state
+    def state_dicts(self) -> tuple[dict, dict]:
+        """This stage's state (this worker's share of it, under tensor parallelism)."""
+        return state_dicts(self.module, self.optimizer)
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         if self.shares:  # (the other stages' tensors are not split here, and not loaded)
             model_state, optim_state = self.shares.take(model_state, optim_state)
         load_full(self.module, self.module, self.optimizer, model_state, optim_state,
-                  full=self.sharded)
+                  full=self.fsdp)
 
     def load_sharded(self, where: sharded.Location) -> None:
-        if self.shares:
-            _load_sharded_whole(self, where)
-        else:
-            sharded.load_into(self.module, self.optimizer, where)
+        sharded.load_into(self.module, self.optimizer, where, self.pieces)
+
+    def pieces(self, state: dict) -> dict:
+        """A sharded state as DCP is to save it (`DataParallelEngine.pieces`)."""
+        return self.shares.pieces(state) if self.shares else state
 
     def clear_grads(self) -> None:
         if not (self.replica_grads and self.replica_grads.zero()):
@@ -326,13 +315,13 @@ class PipelineEngine(_Engine):
         GPU the optimizer step is queued without the host waiting for the backward to end
         (the worker reads the norm once, with the loss, after the step)."""
         grads = [q.grad for q in self.module.parameters() if q.grad is not None]
-        if self.shares:  # a stage's tp workers together hold its gradient
+        if self.shares:  # a stage's tp workers together hold its gradient (this one's shards)
             sq = self.shares.grad_sq(self.module, self.device)
         else:
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
             for g in grads:
                 sq += torch.linalg.vector_norm(local(g)) ** 2
-        if self.sharded:  # a stage's shards together hold its gradient (once per group)
+        if self.fsdp:  # a stage's shards together hold its gradient (once per group)
             dist.all_reduce(sq, group=self.shard_group)
         dist.all_reduce(sq, group=self.pp_group)
         return scale_to_norm([local(g) for g in grads], sq.sqrt(), self.spec.train.grad_clip)

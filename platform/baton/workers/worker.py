@@ -186,8 +186,8 @@ class Worker:
         keeps its shards: with another replica group alive, every shard has a survivor."""
         self.kept, kept_step = None, -1
         self.saves.settle(self.spec.checkpoint.timeout_s)
-        # (a tensor-parallel worker's state is a share of its replica's, whole only when
-        # gathered by a collective of its replica, which a lost peer would never join)
+        # (a tensor-parallel worker holds a share of its replica's state; what is kept here is
+        # written by the survivors or handed to new workers whole, which no such worker holds)
         if self.engine is not None and self.dims.tp == 1:
             self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
                          *self.engine.state_dicts())
@@ -435,7 +435,7 @@ class Worker:
         if self.engine.sharded:
             model_state, optim_state = state
             def plan(copied: dict) -> tuple:  # from the copy's shapes: its values land later
-                planned = _sharded().PlannedSave(copied, store.shards(step))
+                planned = _sharded().PlannedSave(self.engine.pieces(copied), store.shards(step))
                 return planned, planned.plan()
             (planned, local_plan), copying = self.saves.copy_shards(
                 {"model": model_state, "optim": optim_state["state"]}, self._param_pointers(), plan)
@@ -458,10 +458,7 @@ class Worker:
         if not (self.spec.checkpoint.async_ and self.spec.checkpoint.every_steps > 0
                 and (self.engine.sharded or self.dp_rank == 0)):
             return
-        state = self.engine.state_dicts()
-        if state is None:  # a tensor-parallel worker other than its replica's first writes none
-            return
-        model_state, optim_state = state
+        model_state, optim_state = self.engine.state_dicts()
         pin = self.use_cuda
         if self.engine.sharded:
             state = {"model": model_state, "optim": optim_state["state"]}
@@ -490,7 +487,8 @@ class Worker:
         parts = []
         if self.engine.sharded:  # every worker writes its shards, in parallel
             model_state, optim_state = state
-            parts += _sharded().save({"model": model_state, "optim": optim_state["state"]}, self._shards(store, step))
+            parts += _sharded().save(self.engine.pieces({"model": model_state, "optim": optim_state["state"]}),
+                                     self._shards(store, step))
         elif state is not None:  # replicas are identical: one copy of each stage is enough
             model_state, optim_state = state
             parts.append(store.write_tensors(step, f"model-{self.pp_rank:04d}.pt", model_state))
