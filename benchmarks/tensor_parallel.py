@@ -1,6 +1,7 @@
 """Tensor parallelism against data parallelism on the same workers: what each worker holds and
 how fast the job trains, for one GPT and one global batch at each (dp, tp) with dp x tp =
-`--workers`.
+`--workers`, unsharded and under each of `--shard`'s levels (FSDP2 over the dp workers that
+hold one share: with tp > 1, 2D parallelism).
 
 Every figure comes from real runs of `baton.api.run` on a local Ray with gloo (CPU) or NCCL
 (`--device cuda`):
@@ -11,7 +12,8 @@ Every figure comes from real runs of `baton.api.run` on a local Ray with gloo (C
 The layouts run back to back in rounds whose order rotates; a ratio is the median over rounds
 of that round's ratio to tp 1 (this machine is shared and noisy).
 
-    python benchmarks/tensor_parallel.py                 # CPU: 4 workers: dp 4, dp 2 x tp 2, tp 4
+    python benchmarks/tensor_parallel.py                 # CPU: 4 workers: dp 4, dp 2 x tp 2, tp 4,
+                                                         # and dp 4 and dp 2 x tp 2 under ZeRO-3
     python benchmarks/tensor_parallel.py --device cuda --workers 2 --width 1024 --layers 8
 """
 
@@ -30,11 +32,11 @@ from results_io import write_result
 from sharding import measure
 
 
-def run(args, data: str, dp: int, tp: int) -> dict:
+def run(args, data: str, dp: int, tp: int, shard: str) -> dict:
     cuda = args.device == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         spec = spec_from_dict({
-            "name": f"bench-tp-{dp}x{tp}",
+            "name": f"bench-tp-{dp}x{tp}-{shard}",
             "model": {"name": "gpt", "layers": args.layers, "width": args.width,
                       "heads": args.heads, "seq_len": args.seq_len},
             "data": {"source": "parquet", "path": data},
@@ -42,12 +44,12 @@ def run(args, data: str, dp: int, tp: int) -> dict:
                       "micro_batch": args.micro_batch, "lr": 1e-3, "min_lr": 1e-4,
                       "warmup_steps": 2, "precision": "bf16" if cuda else "fp32",
                       "compile": False},
-            "parallel": {"dp": dp, "tp": tp},
+            "parallel": {"dp": dp, "tp": tp, "shard": shard},
             "resources": {"cpus_per_worker": 1 if cuda else 0.01, "gpus_per_worker": 1 if cuda else 0,
                           "threads_per_worker": args.threads},
             "checkpoint": {"path": f"{tmp}/ckpt", "every_steps": 10_000, "keep": 1},
             "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "bench-tp"}})
-        return {"dp": dp, "tp": tp, **measure(spec)}
+        return {"dp": dp, "tp": tp, "shard": shard, **measure(spec)}
 
 
 def main() -> int:
@@ -63,10 +65,16 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--shard", default="full",
+                   help="sharding levels to run besides none, comma-separated (grads, full; '' for none)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    layouts = [(args.workers // tp, tp) for tp in (1, 2, 4, 8)
-               if args.workers % tp == 0 and args.heads % tp == 0 and tp <= args.workers]
+    tps = [tp for tp in (1, 2, 4, 8)
+           if args.workers % tp == 0 and args.heads % tp == 0 and tp <= args.workers]
+    # sharded: over at least 2 dp workers (dp 1 has nothing to shard over)
+    layouts = [(args.workers // tp, tp, "none") for tp in tps] + [
+        (args.workers // tp, tp, shard) for shard in filter(None, args.shard.split(","))
+        for tp in tps if args.workers // tp > 1]
 
     with tempfile.TemporaryDirectory() as tmp:
         data = f"{tmp}/stdlib"
@@ -76,12 +84,12 @@ def main() -> int:
         ray.data.DataContext.get_current().enable_progress_bars = False
         print(f"GPT {args.layers} x {args.width} ({args.heads} heads), seq {args.seq_len}, global "
               f"batch {args.global_batch}, {args.steps} steps, {args.workers} workers ({args.device})")
-        runs: dict[tuple[int, int], list[dict]] = {}
+        runs: dict[tuple[int, int, str], list[dict]] = {}
         for r in range(args.rounds):
-            for dp, tp in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:
-                row = run(args, data, dp, tp)
-                runs.setdefault((dp, tp), []).append(row)
-                print(f"  round {r + 1}: dp {dp} x tp {tp}: state {row['state_total_mib']:8.2f} "
+            for dp, tp, shard in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:
+                row = run(args, data, dp, tp, shard)
+                runs.setdefault((dp, tp, shard), []).append(row)
+                print(f"  round {r + 1}: dp {dp} x tp {tp}, shard {shard}: state {row['state_total_mib']:8.2f} "
                       f"MiB/worker, RSS {row['rss_mib']} MiB, {row['tokens_per_s']:9.1f} tokens/s",
                       flush=True)
         ray.shutdown()
@@ -92,11 +100,11 @@ def main() -> int:
              "state_vs_tp1": round(rs[-1]["state_total_mib"] / base[-1]["state_total_mib"], 3),
              "tokens_per_s_vs_tp1": round(statistics.median(
                  x["tokens_per_s"] / b["tokens_per_s"] for x, b in zip(rs, base)), 3)}
-            for (dp, tp), rs in runs.items()]
-    print("\n| dp x tp | state MiB/worker | vs tp 1 | peak RSS MiB | tokens/s | vs tp 1 |")
-    print("|---|---|---|---|---|---|")
+            for _, rs in sorted(runs.items(), key=lambda kv: layouts.index(kv[0]))]
+    print(f"\n| dp x tp | shard | state MiB/worker | vs dp {args.workers} | peak RSS MiB | tokens/s | vs dp {args.workers} |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['dp']} x {row['tp']} | {row['state_total_mib']:.2f} | {row['state_vs_tp1']} "
+        print(f"| {row['dp']} x {row['tp']} | {row['shard']} | {row['state_total_mib']:.2f} | {row['state_vs_tp1']} "
               f"| {row['rss_mib']} | {row['tokens_per_s']:.1f} | {row['tokens_per_s_vs_tp1']} |")
     write_result(args.out or Path(__file__).parent / "results" / f"tensor_parallel_{args.device}.json",
                  {"args": vars(args), "rows": rows})

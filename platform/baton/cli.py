@@ -238,18 +238,24 @@ def _sharding_line(spec) -> str:
 
 
 def _tensor_line(spec) -> str:
-    """What each tensor-parallel worker holds of the model, next to a whole replica."""
+    """What each tensor-parallel worker holds of the model (and of that, under sharding, its
+    shard), next to a whole replica."""
     from baton.models import _on_meta
+    from baton.parallel.sharding import NAMES, estimate_bytes
     from baton.parallel.tensor import split_layers
 
+    d = spec.parallel
     whole = sum(q.numel() for q in _on_meta(spec.model).parameters())
     model = _on_meta(spec.model)
-    splits = split_layers(model, 0, spec.parallel.tp, None)
+    splits = split_layers(model, 0, d.tp, None)
     mine = sum(q.numel() for q in model.parameters())
-    held = lambda n: f"{n * 16 / 2**20:,.1f} MiB"  # noqa: E731 (fp32 parameters, gradients, AdamW's two moments)
+    held = sum(estimate_bytes(mine, d.shard, spec.dp_shard).values())
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731 (fp32 parameters, gradients, AdamW's two moments)
+    sharded = (f", {d.shard} ({NAMES[d.shard]}) over the {spec.dp_shard} workers holding each share"
+               if d.shard != "none" else "")
     return (f"tensor parallel: each block's {len({n.rsplit('.', 2)[-2] for n in splits})} split "
-            f"layers over {spec.parallel.tp} workers; per worker {mine:,} of the {whole:,} "
-            f"parameters: {held(mine)} of parameters, gradients and optimizer state (whole: {held(whole)})")
+            f"layers over {d.tp} workers{sharded}; per worker {mine:,} of the {whole:,} "
+            f"parameters: {mib(held)} of parameters, gradients and optimizer state (whole: {mib(whole * 16)})")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -288,7 +294,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
                   f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
                   f"stage {api.stage_plan(spec)}")
-        if d.shard != "none":
+        if d.shard != "none" and d.tp == 1:
             print(f"  {_sharding_line(spec)}")
         if d.tp > 1:
             print(f"  {_tensor_line(spec)}")

@@ -869,3 +869,17 @@ def test_a_worker_killed_for_memory_is_named_out_of_memory():
         error_message="The actor is dead because it was killed by `ray.kill`.", class_name="Worker",
         actor_id=bytes(16)))
     assert why_not_started(plain) == "The actor died unexpectedly before finishing this task."
+
+
+def test_a_replicas_tp_workers_are_ranked_on_one_node_where_they_can_be():
+    """placement.together: workers as Ray placed them, alternating over two nodes with one
+    left over: each run of tp = 2 neighbouring ranks is on one node, and the worker that
+    could not join one comes last, where a world of fewer replicas leaves it out."""
+    from baton.coordinator.placement import together
+
+    placed = [(f"w{i}", {"node": node}) for i, node in enumerate("ABABA")]
+    ranked = together(placed, 2)
+    assert [a for a, _ in ranked] == ["w0", "w2", "w1", "w3", "w4"]
+    nodes = [info["node"] for _, info in ranked]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3]
+    assert together(placed, 1) == placed  # without tp, the order stays

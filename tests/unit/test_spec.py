@@ -281,6 +281,23 @@ def test_validate_shows_the_largest_pipeline_stage_share(tmp_path, capsys):
             "0.2 MiB (DDP: 0.3 MiB)") in out, out
 
 
+def test_validate_shows_a_tensor_parallel_workers_shard_of_its_share(tmp_path, capsys):
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
+        parallel={"dp": 2, "tp": 2, "shard": "full"}))
+    assert cli.main(["validate", str(job)]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    # of the tiny GPT's 42,880 parameters, a worker keeps half of each block's 4 linear
+    # weights and 2 column biases (the row layers' biases stay whole): 6,256 of a block's
+    # 12,704 go, so a share is 42,880 - 2 x 6,256 = 30,368; ZeRO-3 over the 2 workers holding
+    # it: 30,368 x 16 / 2 bytes = 0.23 MiB, against 42,880 x 16 = 0.65 MiB whole
+    assert line == ("  tensor parallel: each block's 4 split layers over 2 workers, full (ZeRO-3) "
+                    "over the 2 workers holding each share; per worker 30,368 of the 42,880 "
+                    "parameters: 0.2 MiB of parameters, gradients and optimizer state (whole: "
+                    "0.7 MiB)"), line
+
+
 @pytest.mark.parametrize("width,heads,hint", [
     (31, 2, "; try 1"), (48, 5, "; try 4"), (130_000, 140, "; try 130"),
     (2**17 - 1, 4, "; try 1"),  # a prime

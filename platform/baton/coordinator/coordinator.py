@@ -40,7 +40,7 @@ from baton.coordinator.commits import Commits, Save
 from baton.coordinator.evaluation import Evaluation, evaluation
 from baton.coordinator.steps import StepStats
 from baton.coordinator.phases import Phases
-from baton.coordinator.placement import START_WAIT_S, Placement
+from baton.coordinator.placement import START_WAIT_S, Placement, together
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.coordinator.report import Report
 from baton.coordinator.result import RunResult
@@ -421,10 +421,12 @@ class Coordinator:
 
     def _form(self, members: list, rest_as_spares: bool = False, keep_state: bool = False) -> None:
         """Make `members` the world: as many replicas as they hold (the rest are let go, or
-        kept as spares for a growth that is to follow), ranked in order, joined in a new
+        kept as spares for a growth that is to follow), ranked in order (each replica's tp
+        workers on one node where they can be: `together`), joined in a new
         process group, models built from the seed (`keep_state`: the workers of the world
         before hold their state for `share_state`)."""
         dp = self.scale.target(len(members))
+        members = together(members, self.base.parallel.tp)
         rest = members[dp * self.per_replica:]
         if rest_as_spares:
             self.group.keep_as_spares(rest)

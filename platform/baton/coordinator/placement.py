@@ -23,6 +23,25 @@ DRAIN_CHECK_S = 1.0
 DRAIN_MARGIN_S = 10.0
 
 
+def together(members: list, tp: int) -> list:
+    """`members` (actor, info) in rank order such that each replica's tp workers (tp
+    neighbouring ranks: parallel/mesh.py), whose collectives run in every layer, are on one
+    node wherever the nodes allow: each node's workers in whole runs of tp first, then the
+    rest, which a world that cannot use every worker leaves out first. Ray places workers
+    one at a time, wherever there is room; this only ranks them."""
+    if tp == 1:
+        return members
+    by_node: dict = {}
+    for member in members:
+        by_node.setdefault(member[1].get("node"), []).append(member)
+    runs, rest = [], []
+    for on_node in by_node.values():
+        whole = len(on_node) // tp * tp
+        runs += on_node[:whole]
+        rest += on_node[whole:]
+    return runs + rest
+
+
 class Placement:
     def __init__(self, group, base: JobSpec, scale: ScalePolicy):
         self.group, self.base, self.scale = group, base, scale
