@@ -201,6 +201,9 @@ TENSOR_ERRORS = [
     ({"dp": 2, "tp": 2, "shard": "optimizer"},
      "parallel.shard: 'optimizer' is invalid; tensor parallelism (parallel.tp = 2) does not run "
      "with only the optimizer sharded"),
+    ({"dp": 2, "tp": 2, "grad_comm": "powersgd"},
+     "parallel.grad_comm: 'powersgd' is invalid; tensor parallelism (parallel.tp = 2) does not "
+     "run with PowerSGD"),
     ({"dp": 1, "tp": 4},  # the tiny GPT has 2 heads
      "parallel.tp: 4 is invalid; gpt's layer 1: 2 heads do not split over tp = 4"),
     ({"dp": 1, "tp": 0}, "parallel.tp: 0 is invalid; must be at least 1"),

@@ -38,13 +38,15 @@ def bf16_hook(process_group, bucket):
 
 
 def register(ddp, grad_comm: str) -> None:
-    """Set DDP's communication for `grad_comm`."""
+    """Set DDP's communication for `grad_comm`, over DDP's own group (under tensor
+    parallelism, the workers holding one share; the world is every share's)."""
     if grad_comm == "bf16":
-        ddp.register_comm_hook(None, bf16_hook)
+        ddp.register_comm_hook(ddp.process_group, bf16_hook)
     elif grad_comm == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+        state = psgd.PowerSGDState(process_group=ddp.process_group,
+                                   matrix_approximation_rank=POWERSGD_RANK,
                                    start_powerSGD_iter=POWERSGD_START)
         hook = psgd.powerSGD_hook
         ddp.register_comm_hook(state, _in_order(hook) if dist.get_backend() == "gloo" else hook)
