@@ -253,8 +253,8 @@ def _tensor_line(spec) -> str:
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731 (fp32 parameters, gradients, AdamW's two moments)
     sharded = (f", {d.shard} ({NAMES[d.shard]}) over the {spec.dp_shard} workers holding each share"
                if d.shard != "none" else "")
-    return (f"tensor parallel: each block's {len({n.rsplit('.', 2)[-2] for n in splits})} split "
-            f"layers over {d.tp} workers{sharded}; per worker {mine:,} of the {whole:,} "
+    return (f"tensor parallel: {len({n.rsplit('.', 1)[0] for n in splits})} layers split "
+            f"over {d.tp} workers{sharded}; per worker {mine:,} of the {whole:,} "
             f"parameters: {mib(held)} of parameters, gradients and optimizer state (whole: {mib(whole * 16)})")
 
 

@@ -31,15 +31,15 @@ def data(tmp_path_factory):
     return write_dataset(tmp_path_factory.mktemp("data"), num_samples=96, seq_len=32)
 
 
-def _spec(tmp_path, data, name, steps, elastic=None, model=GPT, **parallel):
+def _spec(tmp_path, data, name, steps, elastic=None, model=GPT, background=False, **parallel):
     return spec_from_dict(tiny_spec(
         tmp_path, data, name=name, model=model,
         # constant: the runs a resume test chains train `steps` each, and a cosine schedule
         # depends on it (then the chain is not one process's run)
         train={"steps": steps, "global_batch": 8, "micro_batch": 2, "schedule": "constant"},
         parallel={"dp": 2, "tp": 2, "timeout_s": 60, **parallel},
-        resources={"cpus_per_worker": 0.25}, checkpoint={"every_steps": 1, "keep": 10},
-        elastic=elastic or {}))
+        resources={"cpus_per_worker": 0.25},
+        checkpoint={"every_steps": 1, "keep": 10, "async": background}, elastic=elastic or {}))
 
 
 def test_dp_2_x_tp_2_matches_one_process(tmp_path, data):
@@ -51,7 +51,8 @@ def test_dp_2_x_tp_2_matches_one_process(tmp_path, data):
     whole = build_model(spec.model, 0)
     share = build_model(spec.model, 0)
     split = split_layers(share, 0, 2, None)
-    assert split and all(n.split(".")[-2] in ("qkv", "proj", "fc", "out") for n in split)
+    # each block's 4 linear layers, and the token embedding and the head by vocabulary
+    assert {n.split(".")[-2] for n in split} == {"qkv", "proj", "fc", "out", "tok", "lm"}
     held = sum(q.numel() * 4 for q in share.parameters())
     assert held < sum(q.numel() * 4 for q in whole.parameters())
     assert [b["params"] for b in result.state_bytes] == [held] * 4
@@ -60,11 +61,12 @@ def test_dp_2_x_tp_2_matches_one_process(tmp_path, data):
 
 def test_a_checkpoint_loads_at_any_tp_and_sharding(tmp_path, data):
     """ZeRO-3 (dp 2) for 2 steps; then dp 2 x tp 2 under ZeRO-3 (2D: each worker holds half
-    of its share of each split layer) to step 4 from that checkpoint; then tp 4 (DDP) to step
-    6 from the pieces the 2D run wrote: one process's numbers throughout."""
+    of its share of each split layer) to step 4 from that checkpoint, saving in the
+    background; then tp 4 (DDP) to step 6 from the pieces the 2D run wrote: one process's
+    numbers throughout."""
     first = _spec(tmp_path, data, "relayout", 2, tp=1, shard="full")
     assert api.run(first, show_progress=False).step == 2
-    second = _spec(tmp_path, data, "relayout", 4, shard="full")
+    second = _spec(tmp_path, data, "relayout", 4, shard="full", background=True)
     result = api.run(second, show_progress=False)
     assert result.resumed_from == 2
     share = build_model(second.model, 0)
@@ -104,7 +106,10 @@ def test_a_resume_at_the_same_layout_is_bitwise_the_uninterrupted_run(tmp_path, 
     model = {**GPT, "dropout": 0.1}
     straight = _spec(tmp_path / "a", data, "same", 4, model=model)
     api.run(straight, show_progress=False)
-    api.run(_spec(tmp_path / "b", data, "same", 2, model=model), show_progress=False)
+    # saved in the background (each worker's pieces copied at the save, written beside the
+    # next step), and loaded by the resume
+    api.run(_spec(tmp_path / "b", data, "same", 2, model=model, background=True),
+            show_progress=False)
     resumed = _spec(tmp_path / "b", data, "same", 4, model=model)
     assert api.run(resumed, show_progress=False).resumed_from == 2
     got = CheckpointStore(resumed.checkpoint_dir).read_model(4)

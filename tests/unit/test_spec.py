@@ -207,6 +207,9 @@ TENSOR_ERRORS = [
     ({"dp": 1, "tp": 4},  # the tiny GPT has 2 heads
      "parallel.tp: 4 is invalid; gpt's layer 1: 2 heads do not split over tp = 4"),
     ({"dp": 1, "tp": 0}, "parallel.tp: 0 is invalid; must be at least 1"),
+    ({"dp": 1, "tp": 3},  # 256 tokens
+     "parallel.tp: 3 is invalid; gpt's 0.tok has 256 rows (its vocabulary), which do not split "
+     "into 1 x 3 equal pieces; make the vocabulary a multiple of that"),
 ]
 LAYOUT_ERRORS = SHARDING_ERRORS + TENSOR_ERRORS
 
@@ -292,11 +295,12 @@ def test_validate_shows_a_tensor_parallel_workers_shard_of_its_share(tmp_path, c
     assert cli.main(["validate", str(job)]) == 0
     line = capsys.readouterr().out.splitlines()[2]
     # of the tiny GPT's 42,880 parameters, a worker keeps half of each block's 4 linear
-    # weights and 2 column biases (the row layers' biases stay whole): 6,256 of a block's
-    # 12,704 go, so a share is 42,880 - 2 x 6,256 = 30,368; ZeRO-3 over the 2 workers holding
-    # it: 30,368 x 16 / 2 bytes = 0.23 MiB, against 42,880 x 16 = 0.65 MiB whole
-    assert line == ("  tensor parallel: each block's 4 split layers over 2 workers, full (ZeRO-3) "
-                    "over the 2 workers holding each share; per worker 30,368 of the 42,880 "
+    # weights and 2 column biases (the row layers' biases stay whole: 6,256 of a block's
+    # 12,704 go) and half of the token embedding's and the head's 256 x 32 (4,096 each go):
+    # a share is 42,880 - 2 x 6,256 - 2 x 4,096 = 22,176; ZeRO-3 over the 2 workers holding
+    # it: 22,176 x 16 / 2 bytes = 0.17 MiB, against 42,880 x 16 = 0.65 MiB whole
+    assert line == ("  tensor parallel: 10 layers split over 2 workers, full (ZeRO-3) "
+                    "over the 2 workers holding each share; per worker 22,176 of the 42,880 "
                     "parameters: 0.2 MiB of parameters, gradients and optimizer state (whole: "
                     "0.7 MiB)"), line
 

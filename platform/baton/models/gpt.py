@@ -13,6 +13,9 @@ from baton.models.layers import Layers
 
 
 class Embedding(nn.Module):
+    # tensor parallelism: each worker holds its share of the vocabulary's rows
+    tp_plan = {"tok": "vocab"}
+
     def __init__(self, vocab_size: int, width: int, seq_len: int, dropout: float):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, width)
@@ -58,6 +61,10 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
+    # tensor parallelism: each worker computes the logits of its share of the vocabulary,
+    # gathered whole for the loss
+    tp_plan = {"lm": "gather"}
+
     def __init__(self, width: int, vocab_size: int):
         super().__init__()
         self.ln = nn.LayerNorm(width)

@@ -2,14 +2,17 @@
 Megatron-LM. A block's first linear of each pair is split by output features (column
 parallel: each worker computes its share of the attention heads, or of the MLP's hidden
 units), the second by input features (row parallel: each worker multiplies its share, and
-one all-reduce sums the shares). Two all-reduces a block forward, two backward; everything
-else (embeddings, norms, the head) is whole on every worker. Activations of the split
-layers, their parameters, gradients and optimizer state are each 1/tp per worker.
+one all-reduce sums the shares). Two all-reduces a block forward, two backward. The token
+embedding and the head are split by vocabulary (each worker holds its share of the rows: a
+lookup summed by one all-reduce, logits gathered whole for the loss); the norms and the
+position embedding are whole on every worker. Activations of the split layers, their
+parameters, gradients and optimizer state are each 1/tp per worker.
 
 A module says how its layers split with a class attribute, `tp_plan`: {child name:
-"column" | "row" | ("column", parts)}. `parts` is for a fused projection (the GPT's `qkv`
-holds q, k and v one after the other): each of its parts is split, so that every worker holds
-its heads' q, k and v. The module's forward must take its widths from its layers' outputs
+"column" | "row" | ("column", parts) | "vocab" | "gather"}. `parts` is for a fused projection
+(the GPT's `qkv` holds q, k and v one after the other): each of its parts is split, so that
+every worker holds its heads' q, k and v. "vocab" splits an nn.Embedding's rows, "gather" is
+"column" with the outputs gathered whole (a head). The module's forward must take its widths from its layers' outputs
 (the GPT's block counts its heads from q's width), so that the same code runs whole or split.
 
 The split is this module's own rather than torch's DTensor plans
@@ -30,14 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from baton.training import local
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-Plan = dict[str, Union[str, tuple[str, int]]]
+from baton.training import local
+
+Plan = dict[str, Union[str, tuple[str, int]]]  # child -> style (STYLES), or (style, parts)
 
 
 class _ToSplit(torch.autograd.Function):
@@ -116,6 +119,16 @@ class Split:
 class ColumnParallel(nn.Module):
     """This worker's share of a linear layer's outputs: y_r = x W_r^T + b_r."""
 
+    layer, across, names = nn.Linear, "output features", ("weight", "bias")
+
+    @staticmethod
+    def length(whole: nn.Module) -> int:
+        return whole.out_features
+
+    @staticmethod
+    def split(parts: int) -> Split:
+        return Split(0, parts)
+
     def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group):
         super().__init__()
         self.group = group
@@ -131,6 +144,16 @@ class RowParallel(nn.Module):
     """A linear layer over this worker's share of the inputs: y = sum_r x_r W_r^T, + b. The
     bias is whole on every worker and added once, after the sum."""
 
+    layer, across, names = nn.Linear, "input features", ("weight",)
+
+    @staticmethod
+    def length(whole: nn.Module) -> int:
+        return whole.in_features
+
+    @staticmethod
+    def split(parts: int) -> Split:
+        return Split(1)
+
     def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group):
         super().__init__()
         self.group = group
@@ -140,6 +163,69 @@ class RowParallel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _FromSplit.apply(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
+
+
+class _Gather(torch.autograd.Function):
+    """This worker's share of the last dimension to the whole (every worker's, in rank
+    order); the gradient back to each is its own share of the whole's (every worker
+    computes the same loss from the same whole)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.rank, ctx.width = rank, x.shape[-1]
+        pieces = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None, None, None
+
+
+class GatheredColumn(ColumnParallel):
+    """A column-parallel layer whose outputs are gathered whole (a language model's head:
+    each worker holds the rows of its share of the vocabulary, and every worker gets every
+    logit, for the loss as it is computed without tensor parallelism)."""
+
+    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group):
+        super().__init__(whole, split, rank, size, group)
+        self.rank, self.size = rank, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Gather.apply(super().forward(x), self.group, self.rank, self.size)
+
+
+class VocabParallel(nn.Module):
+    """This worker's rows of an embedding (its share of the vocabulary, as Megatron-LM's
+    VocabParallelEmbedding): it looks up the tokens that fall in its rows, zeros for the
+    rest, and one all-reduce sums the workers' lookups into every token's row."""
+
+    layer, across, names = nn.Embedding, "rows (its vocabulary)", ("weight",)
+    hint = ("; make the vocabulary a multiple of that (the built-in gpt: model.vocab_size; rows "
+            "past the data's largest token id are never looked up)")
+
+    @staticmethod
+    def length(whole: nn.Module) -> int:
+        return whole.num_embeddings
+
+    @staticmethod
+    def split(parts: int) -> Split:
+        return Split(0)
+
+    def __init__(self, whole: nn.Embedding, split: Split, rank: int, size: int, group):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
+        self.first = rank * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mine = (tokens >= self.first) & (tokens < self.first + self.weight.shape[0])
+        rows = F.embedding(torch.where(mine, tokens - self.first, 0), self.weight)
+        return _FromSplit.apply(rows * mine.unsqueeze(-1), self.group)
+
+
+STYLES = {"column": ColumnParallel, "row": RowParallel, "gather": GatheredColumn,
+          "vocab": VocabParallel}
 
 
 def _styles(plan: Plan) -> dict[str, tuple[str, int]]:
@@ -155,37 +241,51 @@ def plan_problem(model: nn.Module, name: str, tp: int) -> Optional[str]:
                 "docs/parallelism.md); the built-in gpt has one")
     for path, module in planned:
         for child, (style, parts) in _styles(module.tp_plan).items():
-            layer = getattr(module, child, None)
-            if not isinstance(layer, nn.Linear):
-                return f"{name}'s {path}.{child} is not an nn.Linear: its tp_plan cannot split it"
-            features = layer.out_features if style == "column" else layer.in_features
-            if features % (parts * tp):
-                return (f"{name}'s {path}.{child} has {features} {'output' if style == 'column' else 'input'} "
-                        f"features, which do not split into {parts} x {tp} equal pieces")
+            layer, cls = getattr(module, child, None), STYLES.get(style)
+            if cls is None:
+                return (f"{name}'s {path} plans {child} as {style!r}, which is none of "
+                        f"{', '.join(STYLES)}")
+            if not isinstance(layer, cls.layer):
+                return (f"{name}'s {path}.{child} is not an nn.{cls.layer.__name__}: its "
+                        f"tp_plan cannot split it {style}")
+            if cls.length(layer) % (parts * tp):
+                return (f"{name}'s {path}.{child} has {cls.length(layer)} {cls.across}, which do "
+                        f"not split into {parts} x {tp} equal pieces{getattr(cls, 'hint', '')}")
         problem = getattr(module, "tp_problem", lambda tp: None)(tp)
         if problem:
             return f"{name}'s layer {path}: {problem}"
     return None
 
 
-def split_layers(model: nn.Module, rank: int, size: int, group) -> dict[str, Split]:
+def split_layers(model: nn.Module, rank: int, size: int, group, fill=None) -> dict[str, Split]:
     """Replace every planned layer of `model` by this worker's share of it; returns how each
-    parameter that is split is split, by its name in the model."""
+    parameter that is split is split, by its name in the model. `fill`: for a model on the
+    meta device (models/layers.py), gives its layers (its children, in order) their values;
+    each is filled just before its planned layers are split, so the host holds this worker's
+    shares and one layer whole, never the whole model."""
     splits: dict[str, Split] = {}
+    layers, filled = list(model.named_children()), 0
+
+    def fill_to(name: str) -> None:  # every layer up to the one `name` lies in
+        nonlocal filled
+        last = next((i for i, (top, _) in enumerate(layers)
+                     if name == top or name.startswith(top + ".")), len(layers) - 1)
+        while filled <= last:
+            fill([layers[filled][1]])
+            filled += 1
+
     for path, module in list(model.named_modules()):
         for child, (style, parts) in _styles(getattr(module, "tp_plan", None) or {}).items():
-            whole = getattr(module, child)
             prefix = f"{path}.{child}" if path else child
-            if style == "column":
-                split = Split(0, parts)
-                setattr(module, child, ColumnParallel(whole, split, rank, size, group))
-                splits[f"{prefix}.weight"] = split
-                if whole.bias is not None:
-                    splits[f"{prefix}.bias"] = split
-            else:
-                split = Split(1)
-                setattr(module, child, RowParallel(whole, split, rank, size, group))
-                splits[f"{prefix}.weight"] = split
+            if fill is not None:
+                fill_to(prefix)
+            whole, cls = getattr(module, child), STYLES[style]
+            split = cls.split(parts)
+            setattr(module, child, cls(whole, split, rank, size, group))
+            splits.update({f"{prefix}.{p}": split for p in cls.names
+                           if getattr(whole, p, None) is not None})
+    if fill is not None:
+        fill_to(layers[-1][0] if layers else "")
     return splits
 
 
@@ -193,9 +293,9 @@ class Shares:
     """This worker's share of a model split over the tp workers of its replica (its stage's,
     in a pipeline): how each split parameter is split, and the group of those workers."""
 
-    def __init__(self, model: nn.Module, rank: int, size: int, group):
+    def __init__(self, model: nn.Module, rank: int, size: int, group, fill=None):
         self.rank, self.size, self.group = rank, size, group
-        self.splits = split_layers(model, rank, size, group)
+        self.splits = split_layers(model, rank, size, group, fill)
 
     def _split(self, name: str, t) -> bool:
         """Whether `t`, a parameter's or its optimizer state's, is split (Adam's step is not)."""

@@ -84,13 +84,13 @@ class DataParallelEngine(_Engine):
                      if level != "none" or dims.tp > 1 else None)
         self.shard_group = self.mesh["dp_shard"].get_group() if level != "none" else None
         # built on the host; the wrapping puts it on the device (sharded: unit by unit). With
-        # its parameters sharded, the model starts on the meta device and each unit gets its
-        # values as FSDP shards it, so the host never holds the whole model (models/layers.py;
-        # split over tp workers, it is built whole on the host first)
+        # its parameters sharded or split (tp), the model starts on the meta device and each
+        # unit gets its values as FSDP shards it, or each layer as it is split, so the host
+        # never holds the whole model (models/layers.py)
         self.module, fill = (build_lazily(spec.model, spec.train.seed)
-                             if "params" in SHARDED_PARTS[level] and dims.tp == 1
+                             if "params" in SHARDED_PARTS[level] or dims.tp > 1
                              else (build_model(spec.model, spec.train.seed), None))
-        wrapping = self._split(self.module)
+        fill, wrapping = self._split(self.module, fill)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
         compile_blocks(self.module, _compiled(spec), device.type)
         self.replica = WRAPPINGS[level](self.module, self.mesh, spec.train, device,
@@ -99,10 +99,11 @@ class DataParallelEngine(_Engine):
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
 
-    def _split(self, module: nn.Module) -> dict:
-        """What a subclass does to the whole model before it is wrapped (tensor parallelism:
-        keeps this worker's share of each layer); extra arguments for the wrapping."""
-        return {}
+    def _split(self, module: nn.Module, fill) -> tuple:
+        """What a subclass does to the model before it is wrapped (tensor parallelism: keeps
+        this worker's share of each layer, filling each as it splits it); the `fill` left for
+        the wrapping, and extra arguments for it."""
+        return fill, {}
 
     def state_dicts(self) -> tuple[dict, dict]:
         return self.replica.state_dicts()
@@ -170,10 +171,10 @@ class TensorParallelEngine(DataParallelEngine):
         super().__init__(spec, dims, device, task)
         self.sharded = True  # each worker writes its own pieces
 
-    def _split(self, module: nn.Module) -> dict:
+    def _split(self, module: nn.Module, fill) -> tuple:
         self.shares = tensor.Shares(module, self.tp_rank, self.spec.parallel.tp,
-                                    self.mesh["tp"].get_group())
-        return {"group": self.mesh["dp_replicate"].get_group()}  # DDP's (unsharded: all dp)
+                                    self.mesh["tp"].get_group(), fill)
+        return None, {"group": self.mesh["dp_replicate"].get_group()}  # DDP's (unsharded: all dp)
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         self.replica.load_full(*self.shares.take(model_state, optim_state))
