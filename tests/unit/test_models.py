@@ -227,6 +227,28 @@ def test_each_piece_a_worker_holds_lies_where_it_is_in_the_whole(split, shape):
     assert torch.equal(covered, torch.ones(shape))
 
 
+def test_a_model_split_as_it_is_built_holds_the_shares_of_the_whole_one():
+    """split_layers with `fill` (a tp worker's build: each layer of the meta-device model
+    given its values just before it is split): bit for bit the shares of the model built
+    whole and then split, every parameter real, each layer filled in the model's order."""
+    from baton.models import build_lazily
+    from baton.parallel.tensor import split_layers
+
+    spec = ModelSpec(name="gpt", layers=2, width=16, heads=4, seq_len=8)
+    for rank in range(2):
+        whole = build_model(spec, 3)
+        want = split_layers(whole, rank, 2, None)
+        lazy, fill = build_lazily(spec, 3)
+        order = []
+        got = split_layers(lazy, rank, 2, None,
+                           lambda layers: [order.append(id(x)) or fill([x]) for x in layers])
+        assert got == want and order == [id(layer) for layer in lazy]
+        mine, theirs = dict(lazy.named_parameters()), dict(whole.named_parameters())
+        assert mine.keys() == theirs.keys()
+        for name, q in mine.items():
+            assert not q.is_meta and torch.equal(q, theirs[name]), name
+
+
 def test_a_split_gpt_block_computes_what_the_whole_one_does():
     """A block's two shares, each computing on its own parameters in one process, with the
     row layers' partial products summed by hand where the all-reduce would sum them: the
