@@ -278,3 +278,27 @@ def test_a_split_gpt_block_computes_what_the_whole_one_does():
               for b in shares) + shares[0].out.bias
     # measured: 1.5e-8 at most (the same sums in another order)
     torch.testing.assert_close(h + mlp, block(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("plan,problem", [
+    ({"fc": "diagonal"}, "m's 0 plans fc as 'diagonal', which is none of column, row, gather, vocab"),
+    ({"fc": "vocab"}, "m's 0.fc is not an nn.Embedding: its tp_plan cannot split it vocab"),
+    ({"emb": "column"}, "m's 0.emb is not an nn.Linear: its tp_plan cannot split it column"),
+    ({"emb": "vocab"}, "m's 0.emb has 9 rows (its vocabulary), which do not split into 1 x 2 "
+                       "equal pieces; make the vocabulary a multiple of that"),
+])
+def test_a_user_tp_plan_that_cannot_split_is_named(plan, problem):
+    """parallel/tensor.py's plan_problem on a user's layer: each mistake one line (the start
+    of it checked: the vocabulary's hint goes on)."""
+    from torch import nn
+
+    from baton.parallel.tensor import plan_problem
+
+    class Layer(nn.Module):
+        tp_plan = plan
+
+        def __init__(self):
+            super().__init__()
+            self.fc, self.emb = nn.Linear(4, 4), nn.Embedding(9, 4)
+
+    assert plan_problem(nn.Sequential(Layer()), "m", 2).startswith(problem)
