@@ -107,6 +107,9 @@ class ParallelSpec:
     dp: int = 1
     pp: int = 1  # pipeline stages: the model's layers are cut into pp contiguous runs
     tp: int = 1  # tensor parallelism: each layer of a replica split over tp workers
+    # with tp: the residual stream between the split layers (norms, dropout, residual adds)
+    # split along the sequence over the tp workers too (Megatron-LM's sequence parallelism)
+    sequence_parallel: bool = False
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
     microbatches: Optional[int] = None  # per replica per step; null: from train.micro_batch
     chunks: Optional[int] = None  # model chunks per pipeline rank (interleaved-1f1b: default 2)

@@ -104,6 +104,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     _check_batching(spec, need)
     if p.tp > 1:
         _check_tensor(spec, need)
+    if p.sequence_parallel:
+        _check_sequence(spec, need)
     if p.shard != "none" or p.shard_group is not None:
         _check_sharding(spec, need, one_world)
     if p.pp > 1 or p.schedule == "interleaved-1f1b" or p.chunks or p.partition != "params":
@@ -290,6 +292,20 @@ def _check_tensor(spec: JobSpec, need) -> None:
 
     problem = plan_problem(_on_meta(spec.model), spec.model.name, p.tp)
     need(problem is None, "parallel.tp", p.tp, problem or "")
+
+
+def _check_sequence(spec: JobSpec, need) -> None:
+    """Sequence parallelism splits the sequence over the tp workers of a replica; so far one
+    stage, and no dropout (the masks of the sequence's parts would repeat across workers,
+    which draw from one stream: docs/limits.md)."""
+    p, m = spec.parallel, spec.model
+    key = "parallel.sequence_parallel"
+    for ok, what in ((p.tp > 1, "splits the sequence over the tp workers: set parallel.tp > 1"),
+                     (p.pp == 1, f"does not run with pipelines yet (parallel.pp = {p.pp})"),
+                     (m.dropout == 0, f"does not run with dropout yet (model.dropout = {m.dropout})"),
+                     (m.seq_len % max(p.tp, 1) == 0,
+                      f"splits model.seq_len = {m.seq_len} over tp = {p.tp}: make it a multiple")):
+        need(ok, key, p.sequence_parallel, what)
 
 
 def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:

@@ -207,6 +207,9 @@ TENSOR_ERRORS = [
     ({"dp": 1, "tp": 4},  # the tiny GPT has 2 heads
      "parallel.tp: 4 is invalid; gpt's layer 1: 2 heads do not split over tp = 4"),
     ({"dp": 1, "tp": 0}, "parallel.tp: 0 is invalid; must be at least 1"),
+    ({"dp": 2, "sequence_parallel": True},
+     "parallel.sequence_parallel: True is invalid; splits the sequence over the tp workers: "
+     "set parallel.tp > 1"),
     ({"dp": 1, "tp": 3},  # 256 tokens
      "parallel.tp: 3 is invalid; gpt's 0.tok has 256 rows (its vocabulary), which do not split "
      "into 1 x 3 equal pieces; make the vocabulary a multiple of that"),
@@ -303,6 +306,14 @@ def test_validate_shows_a_tensor_parallel_workers_shard_of_its_share(tmp_path, c
                     "over the 2 workers holding each share; per worker 22,176 of the 42,880 "
                     "parameters: 0.2 MiB of parameters, gradients and optimizer state (whole: "
                     "0.7 MiB)"), line
+
+
+def test_sequence_parallelism_with_dropout_is_refused(tmp_path):
+    raw = tiny_spec(tmp_path, tmp_path, model={"dropout": 0.1},
+                    parallel={"dp": 1, "tp": 2, "sequence_parallel": True})
+    with pytest.raises(SpecError, match=r"parallel.sequence_parallel: True is invalid; does not "
+                                        r"run with dropout yet \(model.dropout = 0.1\)"):
+        spec_from_dict(raw)
 
 
 @pytest.mark.parametrize("width,heads,hint", [

@@ -13,8 +13,10 @@ from baton.models.layers import Layers
 
 
 class Embedding(nn.Module):
-    # tensor parallelism: each worker holds its share of the vocabulary's rows
+    # tensor parallelism: each worker holds its share of the vocabulary's rows; under
+    # sequence parallelism the blocks and the head run on its output's parts of the sequence
     tp_plan = {"tok": "vocab"}
+    tp_sequence_after = True
 
     def __init__(self, vocab_size: int, width: int, seq_len: int, dropout: float):
         super().__init__()
@@ -49,9 +51,10 @@ class Block(nn.Module):
         return None if self.heads % tp == 0 else f"{self.heads} heads do not split over tp = {tp}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        B, T, _ = x.shape
-        # the heads this worker holds: all of them, or its share under tensor parallelism
+        # the heads this worker holds: all of them, or its share under tensor parallelism;
+        # the whole sequence (x may be this worker's part of it: sequence parallelism)
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
+        B, T = q.shape[:2]
         heads = q.shape[-1] // self.head_width
         q, k, v = (t.view(B, T, heads, self.head_width).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(

@@ -74,6 +74,70 @@ class _FromSplit(torch.autograd.Function):
         return grad, None
 
 
+def _seq_gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Every tp worker's part of the sequence (dim 1), whole, in rank order."""
+    pieces = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(pieces, x.contiguous(), group=group)
+    return torch.cat(pieces, dim=1)
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+    """The tp workers' tensors summed, and this worker's part of the sequence of the sum. On
+    gloo as an all-reduce of which each keeps its part (as comm.fsdp_reduce_scatter), on NCCL
+    its own reduce-scatter (half the bytes)."""
+    if dist.get_backend(group) == "nccl":
+        parts = torch.stack(x.chunk(size, dim=1))  # (size, B, T/size, ...), contiguous
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter_tensor(out, parts, group=group)
+        return out
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x.chunk(size, dim=1)[rank].contiguous()
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Into the sequence-parallel region: this worker's part of a whole activation's sequence
+    (every tp worker holds the whole); the gradient is gathered whole."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return x.chunk(size, dim=1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _seq_gather(grad, ctx.group, ctx.size), None, None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Into a column-parallel layer under sequence parallelism: the whole sequence from every
+    worker's part; the gradient (each worker's, from its own share of the outputs) summed
+    and split along the sequence again."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.size = group, rank, size
+        return _seq_gather(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _seq_reduce_scatter(grad, ctx.group, ctx.rank, ctx.size), None, None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Out of a row-parallel layer under sequence parallelism: the partial products summed,
+    this worker keeping its part of the sequence; the gradient gathered whole."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return _seq_reduce_scatter(x, group, rank, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _seq_gather(grad, ctx.group, ctx.size), None, None, None
+
+
 @dataclass(frozen=True)
 class Split:
     """How one parameter is split over the tp workers: along `dim`, each of its `parts`
@@ -129,15 +193,18 @@ class ColumnParallel(nn.Module):
     def split(parts: int) -> Split:
         return Split(0, parts)
 
-    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group):
+    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group,
+                 sequence: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
         self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
         self.bias = (nn.Parameter(split.take(whole.bias.detach(), rank, size))
                      if whole.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_ToSplit.apply(x, self.group), self.weight, self.bias)
+        x = (_GatherSequence.apply(x, self.group, self.rank, self.size) if self.sequence
+             else _ToSplit.apply(x, self.group))
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallel(nn.Module):
@@ -154,14 +221,17 @@ class RowParallel(nn.Module):
     def split(parts: int) -> Split:
         return Split(1)
 
-    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group):
+    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group,
+                 sequence: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
         self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
         self.bias = nn.Parameter(whole.bias.detach().clone()) if whole.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _FromSplit.apply(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = (_ScatterSequence.apply(y, self.group, self.rank, self.size) if self.sequence
+             else _FromSplit.apply(y, self.group))
         return y + self.bias if self.bias is not None else y
 
 
@@ -187,10 +257,6 @@ class GatheredColumn(ColumnParallel):
     each worker holds the rows of its share of the vocabulary, and every worker gets every
     logit, for the loss as it is computed without tensor parallelism)."""
 
-    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group):
-        super().__init__(whole, split, rank, size, group)
-        self.rank, self.size = rank, size
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Gather.apply(super().forward(x), self.group, self.rank, self.size)
 
@@ -212,7 +278,8 @@ class VocabParallel(nn.Module):
     def split(parts: int) -> Split:
         return Split(0)
 
-    def __init__(self, whole: nn.Embedding, split: Split, rank: int, size: int, group):
+    def __init__(self, whole: nn.Embedding, split: Split, rank: int, size: int, group,
+                 sequence: bool = False):
         super().__init__()
         self.group = group
         self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
@@ -257,12 +324,14 @@ def plan_problem(model: nn.Module, name: str, tp: int) -> Optional[str]:
     return None
 
 
-def split_layers(model: nn.Module, rank: int, size: int, group, fill=None) -> dict[str, Split]:
+def split_layers(model: nn.Module, rank: int, size: int, group, fill=None,
+                 sequence: bool = False) -> dict[str, Split]:
     """Replace every planned layer of `model` by this worker's share of it; returns how each
     parameter that is split is split, by its name in the model. `fill`: for a model on the
     meta device (models/layers.py), gives its layers (its children, in order) their values;
     each is filled just before its planned layers are split, so the host holds this worker's
-    shares and one layer whole, never the whole model."""
+    shares and one layer whole, never the whole model. `sequence`: sequence parallelism
+    (`sequence_region`)."""
     splits: dict[str, Split] = {}
     layers, filled = list(model.named_children()), 0
 
@@ -281,7 +350,7 @@ def split_layers(model: nn.Module, rank: int, size: int, group, fill=None) -> di
                 fill_to(prefix)
             whole, cls = getattr(module, child), STYLES[style]
             split = cls.split(parts)
-            setattr(module, child, cls(whole, split, rank, size, group))
+            setattr(module, child, cls(whole, split, rank, size, group, sequence))
             splits.update({f"{prefix}.{p}": split for p in cls.names
                            if getattr(whole, p, None) is not None})
     if fill is not None:
@@ -289,13 +358,44 @@ def split_layers(model: nn.Module, rank: int, size: int, group, fill=None) -> di
     return splits
 
 
+def sequence_region(model: nn.Module, rank: int, size: int, group) -> list[str]:
+    """Sequence parallelism (Megatron-LM's): the output of the module marked
+    `tp_sequence_after` (the GPT's embedding) is split along the sequence over the tp workers,
+    and everything after it runs on this worker's part (norms, dropout, residual adds: their
+    activations 1/tp each), its column layers gathering the whole sequence and its row
+    layers scattering it (`sequence=True`: the same bytes as the all-reduces they replace).
+    Returns the names of the whole parameters used there: each worker's gradient of one is
+    the part from its positions, summed over the tp workers before the step."""
+    paths = [path for path, _ in model.named_modules()]
+    start = next((i for i, (_, m) in enumerate(model.named_modules())
+                  if getattr(m, "tp_sequence_after", False)), None)
+    if start is None:
+        raise ValueError("parallel.sequence_parallel needs a module marked tp_sequence_after "
+                         "(the built-in gpt's embedding)")
+    first = paths[start]
+    module = dict(model.named_modules())[first]
+
+    def split(_, __, out: torch.Tensor) -> torch.Tensor:
+        if out.shape[1] % size:
+            raise ValueError(f"sequence parallelism splits the sequence over tp = {size} "
+                             f"workers, and this batch's has {out.shape[1]} positions")
+        return _SplitSequence.apply(out, group, rank, size)
+    module.register_forward_hook(split)
+    after = {p for p in paths[start + 1:] if not p.startswith(first + ".")}
+    return [name for name, _ in model.named_parameters() if name.rsplit(".", 1)[0] in after]
+
+
 class Shares:
     """This worker's share of a model split over the tp workers of its replica (its stage's,
     in a pipeline): how each split parameter is split, and the group of those workers."""
 
-    def __init__(self, model: nn.Module, rank: int, size: int, group, fill=None):
+    def __init__(self, model: nn.Module, rank: int, size: int, group, fill=None,
+                 sequence: bool = False):
         self.rank, self.size, self.group = rank, size, group
-        self.splits = split_layers(model, rank, size, group, fill)
+        self.splits = split_layers(model, rank, size, group, fill, sequence)
+        # sequence parallelism: the whole parameters whose gradients are partial sums
+        self.partial = ([n for n in sequence_region(model, rank, size, group)
+                         if n not in self.splits] if sequence else [])
 
     def _split(self, name: str, t) -> bool:
         """Whether `t`, a parameter's or its optimizer state's, is split (Adam's step is not)."""
@@ -339,6 +439,19 @@ class Shares:
             out["optim"] = {n: {k: pieces(n, v) if self._split(n, v) else v for k, v in s.items()}
                             for n, s in state["optim"].items()}
         return out
+
+    def sum_partial_grads(self, module: nn.Module) -> None:
+        """Under sequence parallelism: the gradients of the whole parameters used on each
+        worker's part of the sequence, summed over the tp workers (one all-reduce)."""
+        partial = set(self.partial)
+        grads = [local(q.grad) for n, q in module.named_parameters()
+                 if n in partial and q.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.group)
+        for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(summed)
 
     def grad_sq(self, module: nn.Module, device: torch.device) -> torch.Tensor:
         """The squared norm of the gradient of the part of the model `module` holds: the split

@@ -173,7 +173,8 @@ class TensorParallelEngine(DataParallelEngine):
 
     def _split(self, module: nn.Module, fill) -> tuple:
         self.shares = tensor.Shares(module, self.tp_rank, self.spec.parallel.tp,
-                                    self.mesh["tp"].get_group(), fill)
+                                    self.mesh["tp"].get_group(), fill,
+                                    self.spec.parallel.sequence_parallel)
         return None, {"group": self.mesh["dp_replicate"].get_group()}  # DDP's (unsharded: all dp)
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
@@ -186,7 +187,9 @@ class TensorParallelEngine(DataParallelEngine):
         return self.shares.pieces(state)
 
     def clip(self) -> torch.Tensor:
-        """Clip by the whole model's gradient norm (`Shares.grad_sq`, summed over the shards)."""
+        """Clip by the whole model's gradient norm (`Shares.grad_sq`, summed over the shards),
+        the sequence-parallel region's whole parameters' gradients summed first."""
+        self.shares.sum_partial_grads(self.module)
         sq = self.shares.grad_sq(self.module, self.device)
         if self.shard_group is not None:
             dist.all_reduce(sq, group=self.shard_group)
