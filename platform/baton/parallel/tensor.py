@@ -12,8 +12,10 @@ A module says how its layers split with a class attribute, `tp_plan`: {child nam
 "column" | "row" | ("column", parts) | "vocab" | "gather"}. `parts` is for a fused projection
 (the GPT's `qkv` holds q, k and v one after the other): each of its parts is split, so that
 every worker holds its heads' q, k and v. "vocab" splits an nn.Embedding's rows, "gather" is
-"column" with the outputs gathered whole (a head). The module's forward must take its widths from its layers' outputs
-(the GPT's block counts its heads from q's width), so that the same code runs whole or split.
+"column" with the outputs gathered whole (a head). The module's forward must take its widths
+from its layers' outputs (the GPT's block counts its heads from q's width), so that the same
+code runs whole or split. Sequence parallelism (`sequence_region`) also splits what runs
+between the split layers along the sequence.
 
 The split is this module's own rather than torch's DTensor plans
 (`parallelize_module`): those split a fused projection in one piece (a worker would get all
@@ -74,11 +76,11 @@ class _FromSplit(torch.autograd.Function):
         return grad, None
 
 
-def _seq_gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    """Every tp worker's part of the sequence (dim 1), whole, in rank order."""
+def _all_gather(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
+    """Every tp worker's part along `dim`, whole, in rank order."""
     pieces = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(pieces, x.contiguous(), group=group)
-    return torch.cat(pieces, dim=1)
+    return torch.cat(pieces, dim=dim)
 
 
 def _seq_reduce_scatter(x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
@@ -106,7 +108,7 @@ class _SplitSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _seq_gather(grad, ctx.group, ctx.size), None, None, None
+        return _all_gather(grad, ctx.group, ctx.size, 1), None, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -117,7 +119,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
         ctx.group, ctx.rank, ctx.size = group, rank, size
-        return _seq_gather(x, group, size)
+        return _all_gather(x, group, size, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -135,7 +137,7 @@ class _ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _seq_gather(grad, ctx.group, ctx.size), None, None, None
+        return _all_gather(grad, ctx.group, ctx.size, 1), None, None, None
 
 
 @dataclass(frozen=True)
@@ -243,9 +245,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
         ctx.rank, ctx.width = rank, x.shape[-1]
-        pieces = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(pieces, x.contiguous(), group=group)
-        return torch.cat(pieces, dim=-1)
+        return _all_gather(x, group, size, -1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -279,7 +279,7 @@ class VocabParallel(nn.Module):
         return Split(0)
 
     def __init__(self, whole: nn.Embedding, split: Split, rank: int, size: int, group,
-                 sequence: bool = False):
+                 sequence: bool = False):  # (its output is whole: `sequence_region` splits it)
         super().__init__()
         self.group = group
         self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
