@@ -55,6 +55,7 @@ class LanguageModel(Task):
     """Next-token prediction over rows of seq_len + 1 token ids."""
 
     name, needs = "language_model", ("tokens",)
+    split_logits = True  # its loss takes logits split by vocabulary (tensor parallelism)
 
     def __init__(self, seq_len: int):
         self.per_sample = seq_len
@@ -294,9 +295,14 @@ def metric_values(results: list[dict], count: float) -> dict[str, float]:
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy; callers divide by the global token count."""
+    """Summed next-token cross entropy; callers divide by the global token count. Logits
+    split by vocabulary over tensor-parallel workers (`vocab_split`) are taken as they are."""
     import torch.nn.functional as F
 
+    if getattr(logits, "vocab_split", None) is not None:
+        from baton.parallel.tensor import vocab_cross_entropy_sum
+
+        return vocab_cross_entropy_sum(logits, targets, IGNORE)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
                            ignore_index=IGNORE)
 

@@ -1,6 +1,7 @@
 """parallel/tensor.py's layers with their collectives, in two processes joined by gloo (no
-Ray): a GPT split over tp = 2, with and without sequence parallelism, against the same GPT
-whole in each process. Outputs, every parameter's gradient (the split ones joined from both
+Ray): a GPT split over tp = 2 (plain, with sequence parallelism, and with its logits left
+split by vocabulary for the language model's loss) against the same GPT whole in each
+process. Loss, logits, every parameter's gradient (the split ones joined from both
 workers), and what a block's first norm is given."""
 
 from __future__ import annotations
@@ -15,31 +16,41 @@ import torch.multiprocessing as mp
 from baton.models import build_model
 from baton.parallel.tensor import Shares
 from baton.spec import ModelSpec
+from baton.tasks import IGNORE, loss_sum
 
 SPEC = ModelSpec(name="gpt", layers=2, width=16, heads=4, seq_len=8, vocab_size=32)
 
 
-def _worker(rank: int, port: int, sequence: bool, out: str) -> None:
+def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
+    pieces = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(pieces, t.contiguous())
+    return pieces
+
+
+def _worker(rank: int, port: int, sequence: bool, split_logits: bool, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
         whole, model = build_model(SPEC, 0), build_model(SPEC, 0)
         seen = []
         model[1].ln1.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
-        shares = Shares(model, rank, 2, dist.group.WORLD, sequence=sequence)
-        tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+        shares = Shares(model, rank, 2, dist.group.WORLD, sequence=sequence,
+                        split_logits=split_logits)
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, 32, (2, 8), generator=g)
+        targets = torch.randint(0, 32, (2, 8), generator=g)
+        targets[0, :3] = IGNORE  # padding the loss leaves out
         got, want = model(tokens), whole(tokens)
-        got.square().mean().backward()
-        want.square().mean().backward()
+        logits = torch.cat(_pieces(got), dim=-1) if split_logits else got
+        loss, ref = loss_sum(got, targets), loss_sum(want, targets)
+        loss.backward()
+        ref.backward()
         shares.sum_partial_grads(model)
-        grads = {}
-        for name, q in model.named_parameters():
-            grads[name] = q.grad
-            if name in shares.splits:
-                pieces = [torch.empty_like(q.grad) for _ in range(2)]
-                dist.all_gather(pieces, q.grad.contiguous())
-                grads[name] = shares.splits[name].join(pieces)
-        torch.save({"out": (got - want).abs().max().item(), "norm_input": seen,
+        grads = {n: shares.splits[n].join(_pieces(q.grad)) if n in shares.splits else q.grad
+                 for n, q in model.named_parameters()}
+        torch.save({"logits": (logits - want).abs().max().item(),
+                    "loss": abs(loss.item() - ref.item()), "norm_input": seen,
+                    "split": getattr(got, "vocab_split", None) is not None,
                     "partial": shares.partial,
                     "grads": max((grads[n] - q.grad).abs().max().item()
                                  for n, q in whole.named_parameters())}, f"{out}/{rank}.pt")
@@ -47,16 +58,20 @@ def _worker(rank: int, port: int, sequence: bool, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp-sequence-parallel"])
-def test_a_gpt_split_over_two_workers_computes_what_the_whole_one_does(tmp_path, sequence):
+@pytest.mark.parametrize("sequence,split_logits", [(False, False), (True, False), (False, True)],
+                         ids=["tp", "tp-sequence-parallel", "tp-vocab-parallel-loss"])
+def test_a_gpt_split_over_two_workers_computes_what_the_whole_one_does(tmp_path, sequence,
+                                                                       split_logits):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, sequence, str(tmp_path)), nprocs=2)
+    mp.spawn(_worker, args=(port, sequence, split_logits, str(tmp_path)), nprocs=2)
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
-        # measured: outputs 3.2e-8, gradients 2.8e-9 at most (sums in another order)
-        assert r["out"] < 1e-6 and r["grads"] < 1e-6, r
+        # measured (sums in another order): logits 3.2e-8; the summed loss (about 45) 3.8e-6
+        # with the vocabulary-parallel loss, 0 without; gradients 9.5e-7, in each case
+        assert r["logits"] < 1e-6 and r["loss"] < 1e-4 and r["grads"] < 1e-5, r
+        assert r["split"] == split_logits  # each worker holds half the vocabulary's logits
         # sequence parallel: a block's norm runs on this worker's half of the 8 positions,
         # and the whole parameters used after the embedding get their parts summed
         assert r["norm_input"] == [(2, 4 if sequence else 8, 16)]

@@ -252,13 +252,73 @@ class _Gather(torch.autograd.Function):
         return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None, None, None
 
 
+@dataclass(frozen=True)
+class VocabSplit:
+    """What logits split by vocabulary carry (as `tensor.vocab_split`) for a loss that takes
+    them so (`vocab_cross_entropy_sum`): whose share they are."""
+
+    group: object
+    rank: int
+    size: int
+
+
 class GatheredColumn(ColumnParallel):
     """A column-parallel layer whose outputs are gathered whole (a language model's head:
     each worker holds the rows of its share of the vocabulary, and every worker gets every
-    logit, for the loss as it is computed without tensor parallelism)."""
+    logit, for the loss as it is computed without tensor parallelism). With `keep_split`
+    (a task whose loss takes logits split by vocabulary: `Shares(split_logits=True)`) they
+    stay split, each worker holding batch x seq x vocab/tp of them, marked `vocab_split`."""
+
+    keep_split = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Gather.apply(super().forward(x), self.group, self.rank, self.size)
+        y = super().forward(x)
+        if not self.keep_split:
+            return _Gather.apply(y, self.group, self.rank, self.size)
+        y.vocab_split = VocabSplit(self.group, self.rank, self.size)
+        return y
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    """Megatron-LM's vocabulary-parallel cross entropy: each worker holds its share of the
+    vocabulary's logits; the maximum, the sum of exponentials and the target's logit are
+    all-reduced, so the whole logits are never in one place. Returns each row's loss (0
+    where the target is `ignore`), the same on every worker."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, split: VocabSplit,
+                ignore: int) -> torch.Tensor:
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=split.group)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=split.group)
+        first, width = split.rank * logits.shape[-1], logits.shape[-1]
+        mine = (targets >= first) & (targets < first + width)
+        at = torch.where(mine, targets - first, 0).unsqueeze(-1)
+        target_logit = shifted.gather(-1, at).squeeze(-1) * mine
+        dist.all_reduce(target_logit, group=split.group)
+        kept = targets != ignore
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), at, mine, kept)
+        return (total.log() - target_logit) * kept
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, at, mine, kept = ctx.saved_tensors
+        out = softmax.clone()
+        out.scatter_add_(-1, at, -mine.unsqueeze(-1).to(out.dtype))
+        return (out * (grad * kept).unsqueeze(-1)).to(ctx.dtype), None, None, None
+
+
+def vocab_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, ignore: int) -> torch.Tensor:
+    """The summed cross entropy of logits split by vocabulary (`vocab_split`), as
+    F.cross_entropy(reduction="sum", ignore_index=ignore) of the whole logits."""
+    rows = _VocabCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), logits.vocab_split,
+                                    ignore)
+    return rows.sum()
 
 
 class VocabParallel(nn.Module):
@@ -390,9 +450,12 @@ class Shares:
     in a pipeline): how each split parameter is split, and the group of those workers."""
 
     def __init__(self, model: nn.Module, rank: int, size: int, group, fill=None,
-                 sequence: bool = False):
+                 sequence: bool = False, split_logits: bool = False):
         self.rank, self.size, self.group = rank, size, group
         self.splits = split_layers(model, rank, size, group, fill, sequence)
+        for layer in model.modules():  # the task's loss takes logits split by vocabulary
+            if isinstance(layer, GatheredColumn):
+                layer.keep_split = split_logits
         # sequence parallelism: the whole parameters whose gradients are partial sums
         self.partial = ([n for n in sequence_region(model, rank, size, group)
                          if n not in self.splits] if sequence else [])

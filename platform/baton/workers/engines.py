@@ -174,7 +174,8 @@ class TensorParallelEngine(DataParallelEngine):
     def _split(self, module: nn.Module, fill) -> tuple:
         self.shares = tensor.Shares(module, self.tp_rank, self.spec.parallel.tp,
                                     self.mesh["tp"].get_group(), fill,
-                                    self.spec.parallel.sequence_parallel)
+                                    self.spec.parallel.sequence_parallel,
+                                    getattr(self.task, "split_logits", False))
         return None, {"group": self.mesh["dp_replicate"].get_group()}  # DDP's (unsharded: all dp)
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
@@ -222,7 +223,8 @@ class PipelineEngine(_Engine):
         self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
         self.shard_group = mesh["dp_shard"].get_group()
         # each stage's layers split over its tp workers (parallel/tensor.py)
-        self.shares = (tensor.Shares(self.module, tp_rank, dims.tp, mesh["tp"].get_group())
+        self.shares = (tensor.Shares(self.module, tp_rank, dims.tp, mesh["tp"].get_group(),
+                                     split_logits=getattr(task, "split_logits", False))
                        if dims.tp > 1 else None)
         self.module.to(device)
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
