@@ -295,13 +295,22 @@ def _check_tensor(spec: JobSpec, need) -> None:
 
 
 def _check_sequence(spec: JobSpec, need) -> None:
-    """Sequence parallelism splits the sequence over the tp workers of a replica; so far one
-    stage, and no dropout (the masks of the sequence's parts would repeat across workers,
-    which draw from one stream: docs/limits.md)."""
+    """Sequence parallelism splits the sequence over the tp workers of a replica after the
+    module marked `tp_sequence_after` (in a pipeline, one of the model's layers); so far
+    without dropout (the masks of the sequence's parts would repeat across workers, which
+    draw from one stream: docs/limits.md)."""
+    from baton.models import _on_meta
+    from baton.parallel.tensor import sequence_start
+
     p, m = spec.parallel, spec.model
+    start = sequence_start(_on_meta(m)) if p.tp > 1 else ""
     key = "parallel.sequence_parallel"
     for ok, what in ((p.tp > 1, "splits the sequence over the tp workers: set parallel.tp > 1"),
-                     (p.pp == 1, f"does not run with pipelines yet (parallel.pp = {p.pp})"),
+                     (start is not None, f"model {m.name!r} marks no module tp_sequence_after "
+                                         "(where the sequence is split: docs/parallelism.md)"),
+                     (p.pp == 1 or "." not in (start or ""),
+                      f"in a pipeline the module marked tp_sequence_after must be one of the "
+                      f"model's layers, not {start!r} inside one"),
                      (m.dropout == 0, f"does not run with dropout yet (model.dropout = {m.dropout})"),
                      (m.seq_len % max(p.tp, 1) == 0,
                       f"splits model.seq_len = {m.seq_len} over tp = {p.tp}: make it a multiple")):

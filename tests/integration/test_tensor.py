@@ -165,11 +165,16 @@ def test_pipeline_stages_split_over_tp_workers_match_one_process(tmp_path, data)
     assert_like_one_process(third, data, result, 6)  # measured: 1.3e-5 at most
 
 
-def test_sequence_parallelism_under_zero3_matches_one_process(tmp_path, data):
+def test_sequence_parallelism_matches_one_process_under_zero3_and_in_a_pipeline(tmp_path, data):
     """dp 2 x tp 2 under ZeRO-3 with the residual stream split along the sequence over each
     replica's tp workers (norms, residual adds on half the positions each; the norms' and row
-    biases' gradients summed over the two): one process's numbers."""
+    biases' gradients summed over the two), then resumed at pp 2 x tp 2 with it (the stages
+    sending each other parts of the sequence): one process's numbers."""
     spec = _spec(tmp_path, data, "sp", 3, shard="full", sequence_parallel=True)
     result = api.run(spec, show_progress=False)
     assert result.state == "finished" and result.step == 3
     assert_like_one_process(spec, data, result, 3)  # measured: 5.9e-6 at most
+    staged = _spec(tmp_path, data, "sp", 5, dp=1, pp=2, microbatches=4, sequence_parallel=True)
+    result = api.run(staged, show_progress=False)
+    assert result.resumed_from == 3 and len(result.workers) == 4
+    assert_like_one_process(staged, data, result, 5)  # measured: 9.2e-6 at most

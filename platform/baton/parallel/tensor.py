@@ -418,30 +418,47 @@ def split_layers(model: nn.Module, rank: int, size: int, group, fill=None,
     return splits
 
 
-def sequence_region(model: nn.Module, rank: int, size: int, group) -> list[str]:
+def sequence_start(model: nn.Module) -> Optional[str]:
+    """The name of the module marked `tp_sequence_after` in `model` (None: there is none)."""
+    return next((path for path, m in model.named_modules()
+                 if getattr(m, "tp_sequence_after", False)), None)
+
+
+def sequence_region(model: nn.Module, rank: int, size: int, group,
+                    stage_after: Optional[int] = None) -> list[str]:
     """Sequence parallelism (Megatron-LM's): the output of the module marked
     `tp_sequence_after` (the GPT's embedding) is split along the sequence over the tp workers,
     and everything after it runs on this worker's part (norms, dropout, residual adds: their
     activations 1/tp each), its column layers gathering the whole sequence and its row
     layers scattering it (`sequence=True`: the same bytes as the all-reduces they replace).
     Returns the names of the whole parameters used there: each worker's gradient of one is
-    the part from its positions, summed over the tp workers before the step."""
-    paths = [path for path, _ in model.named_modules()]
-    start = next((i for i, (_, m) in enumerate(model.named_modules())
-                  if getattr(m, "tp_sequence_after", False)), None)
-    if start is None:
-        raise ValueError("parallel.sequence_parallel needs a module marked tp_sequence_after "
-                         "(the built-in gpt's embedding)")
-    first = paths[start]
-    module = dict(model.named_modules())[first]
+    the part from its positions, summed over the tp workers before the step.
 
+    `stage_after`: `model` is a pipeline stage, its layers keyed by their index in the whole
+    model, whose layer of this index is the marked one: the stage's layers after it run on
+    parts of the sequence (what the stage before sends is a part already), and the stage that
+    holds it splits its output."""
     def split(_, __, out: torch.Tensor) -> torch.Tensor:
         if out.shape[1] % size:
             raise ValueError(f"sequence parallelism splits the sequence over tp = {size} "
                              f"workers, and this batch's has {out.shape[1]} positions")
         return _SplitSequence.apply(out, group, rank, size)
-    module.register_forward_hook(split)
-    after = {p for p in paths[start + 1:] if not p.startswith(first + ".")}
+
+    if stage_after is not None:
+        after = set()
+        for key, layer in model.named_children():
+            if int(key) == stage_after:
+                layer.register_forward_hook(split)
+            elif int(key) > stage_after:
+                after.add(key)
+        return [name for name, _ in model.named_parameters() if name.split(".", 1)[0] in after]
+    first = sequence_start(model)
+    if first is None:
+        raise ValueError("parallel.sequence_parallel needs a module marked tp_sequence_after "
+                         "(the built-in gpt's embedding)")
+    dict(model.named_modules())[first].register_forward_hook(split)
+    paths = [path for path, _ in model.named_modules()]
+    after = {p for p in paths[paths.index(first) + 1:] if not p.startswith(first + ".")}
     return [name for name, _ in model.named_parameters() if name.rsplit(".", 1)[0] in after]
 
 
@@ -450,14 +467,15 @@ class Shares:
     in a pipeline): how each split parameter is split, and the group of those workers."""
 
     def __init__(self, model: nn.Module, rank: int, size: int, group, fill=None,
-                 sequence: bool = False, split_logits: bool = False):
+                 sequence: bool = False, split_logits: bool = False,
+                 stage_after: Optional[int] = None):
         self.rank, self.size, self.group = rank, size, group
         self.splits = split_layers(model, rank, size, group, fill, sequence)
         for layer in model.modules():  # the task's loss takes logits split by vocabulary
             if isinstance(layer, GatheredColumn):
                 layer.keep_split = split_logits
         # sequence parallelism: the whole parameters whose gradients are partial sums
-        self.partial = ([n for n in sequence_region(model, rank, size, group)
+        self.partial = ([n for n in sequence_region(model, rank, size, group, stage_after)
                          if n not in self.splits] if sequence else [])
 
     def _split(self, name: str, t) -> bool:

@@ -207,6 +207,8 @@ class PipelineEngine(_Engine):
         p, v = dims.pp, spec.chunks
         full, fill = build_lazily(spec.model, spec.train.seed)
         full = sequential(full, spec.model.name)
+        # sequence parallelism: the layer after which the sequence is split, in the whole model
+        marked = tensor.sequence_start(full) if spec.parallel.sequence_parallel else None
         checkpoint_activations(full, spec.train.activation_checkpointing)  # on the whole model
         compile_blocks(full, _compiled(spec), device.type)
         # Every rank keeps its slices of the model and gives only those their values, exactly
@@ -223,8 +225,11 @@ class PipelineEngine(_Engine):
         self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
         self.shard_group = mesh["dp_shard"].get_group()
         # each stage's layers split over its tp workers (parallel/tensor.py)
+        sequence = spec.parallel.sequence_parallel
         self.shares = (tensor.Shares(self.module, tp_rank, dims.tp, mesh["tp"].get_group(),
-                                     split_logits=getattr(task, "split_logits", False))
+                                     sequence=sequence,
+                                     split_logits=getattr(task, "split_logits", False),
+                                     stage_after=int(marked) if marked is not None else None)
                        if dims.tp > 1 else None)
         self.module.to(device)
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
@@ -322,6 +327,7 @@ class PipelineEngine(_Engine):
         (the worker reads the norm once, with the loss, after the step)."""
         grads = [q.grad for q in self.module.parameters() if q.grad is not None]
         if self.shares:  # a stage's tp workers together hold its gradient (this one's shards)
+            self.shares.sum_partial_grads(self.module)  # (sequence parallelism's parts)
             sq = self.shares.grad_sq(self.module, self.device)
         else:
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
