@@ -275,14 +275,12 @@ def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
 
 
 def _check_tensor(spec: JobSpec, need) -> None:
-    """What tensor parallelism runs with, so far: data parallel replicas (DDP, or FSDP2's
-    `grads` and `full` over the workers holding one share) and pipeline stages, each split tp
-    ways, gradients sent in fp32 or bf16; not yet ZeRO-1, PowerSGD or compiled (`auto`
+    """What tensor parallelism runs with, so far: data parallel replicas (DDP, ZeRO-1, or
+    FSDP2's `grads` and `full`, over the workers holding one share) and pipeline stages, each
+    split tp ways, gradients sent in fp32 or bf16; not yet PowerSGD or compiled (`auto`
     trains eager)."""
     p, t = spec.parallel, spec.train
     for key, value, ok, what in (
-            ("parallel.shard", p.shard, p.shard != "optimizer",
-             "with only the optimizer sharded (ZeRO-1; grads and full shard with it)"),
             ("parallel.grad_comm", p.grad_comm, p.grad_comm != "powersgd", "with PowerSGD"),
             ("train.compile", t.compile, t.compile is not True, "compiled")):
         need(ok, key, value, f"tensor parallelism (parallel.tp = {p.tp}) does not run {what} "

@@ -62,8 +62,8 @@ def test_dp_2_x_tp_2_matches_one_process(tmp_path, data):
 def test_a_checkpoint_loads_at_any_tp_and_sharding(tmp_path, data):
     """ZeRO-3 (dp 2) for 2 steps; then dp 2 x tp 2 under ZeRO-3 (2D: each worker holds half
     of its share of each split layer) to step 4 from that checkpoint, saving in the
-    background; then tp 4 (DDP) to step 6 from the pieces the 2D run wrote: one process's
-    numbers throughout."""
+    background; then tp 4 (DDP) to step 6 from the pieces the 2D run wrote; then dp 2 x tp 2
+    under ZeRO-1 to step 7: one process's numbers throughout."""
     first = _spec(tmp_path, data, "relayout", 2, tp=1, shard="full")
     assert api.run(first, show_progress=False).step == 2
     second = _spec(tmp_path, data, "relayout", 4, shard="full", background=True)
@@ -80,6 +80,11 @@ def test_a_checkpoint_loads_at_any_tp_and_sharding(tmp_path, data):
     result = api.run(third, show_progress=False)
     assert result.resumed_from == 4 and result.step == 6
     assert_like_one_process(third, data, result, 6)  # measured: 2.2e-5 at most
+    # ZeRO-1: DDP over both replicas of a share, each stepping half of its optimizer state
+    fourth = _spec(tmp_path, data, "relayout", 7, shard="optimizer")
+    result = api.run(fourth, show_progress=False)
+    assert result.resumed_from == 6 and result.step == 7
+    assert_like_one_process(fourth, data, result, 7)  # measured: 2.7e-5 at most (4 layouts)
 
 
 def test_a_killed_tp_worker_goes_back_to_the_checkpoint(tmp_path, data):

@@ -198,9 +198,6 @@ SHARDING_ERRORS = [
 
 
 TENSOR_ERRORS = [
-    ({"dp": 2, "tp": 2, "shard": "optimizer"},
-     "parallel.shard: 'optimizer' is invalid; tensor parallelism (parallel.tp = 2) does not run "
-     "with only the optimizer sharded"),
     ({"dp": 2, "tp": 2, "grad_comm": "powersgd"},
      "parallel.grad_comm: 'powersgd' is invalid; tensor parallelism (parallel.tp = 2) does not "
      "run with PowerSGD"),

@@ -394,7 +394,7 @@ def read_full(where: Location, section: str) -> dict:
 
 
 def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, where: Location,
-              pieces: Callable[[dict], dict] = lambda state: state) -> None:
+              pieces: Optional[Callable[[dict], dict]] = None) -> None:
     """Load a sharded checkpoint into a module that torch's state-dict API understands (DDP,
     FSDP, a pipeline stage): each worker reads the pieces of the tensors it holds (`pieces`:
     its state as DCP is to see it, where its tensors are not boxes of the whole)."""
@@ -403,7 +403,7 @@ def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, where:
     with_optim = has_optimizer_state(where)
     if with_optim:
         state["optim"] = optim_state["state"]
-    dcp.load(pieces(state), storage_reader=SafeReader(where), planner=_LoadPlanner(),
+    dcp.load(pieces(state) if pieces else state, storage_reader=SafeReader(where), planner=_LoadPlanner(),
              process_group=where.group)
     if not with_optim:
         # a checkpoint of step 0 (no step taken): get_state_dict "initialised" Adam with a

@@ -93,8 +93,9 @@ class ParallelDims:
         """torch's DeviceMesh of (pp, dp_replicate, dp_shard), and tp when tp > 1, over the
         default process group (every rank must call it, in the same order). Every group the
         engines use comes from it: `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`,
-        `mesh["pp"]`, `mesh["tp"]`; a rank's group along an axis holds the ranks that differ
-        from it only there (its dp group: those holding the same share of its stage). Each
+        `mesh["pp"]`, and with tp `mesh["tp"]` and `mesh["dp"]` (both dp axes flattened); a
+        rank's group along an axis holds the ranks that differ from it only there (its dp
+        group: those holding the same share of its stage). Each
         group gets the job's collective timeout: torch gives a mesh's groups its default (30
         minutes on gloo), not the world's, and a collective whose peer is gone waits that long."""
         from datetime import timedelta
@@ -105,6 +106,9 @@ class ParallelDims:
         axes = AXES + ("tp",) if self.tp > 1 else AXES
         shape = (self.pp, self.dp_replicate, self.dp_shard) + ((self.tp,) if self.tp > 1 else ())
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes)
+        if self.tp > 1:  # every dp rank of a stage's share, sharded or not (DDP's group)
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            axes += ("dp",)
         for axis in axes:
             _set_pg_timeout(timedelta(seconds=timeout_s), mesh[axis].get_group())
         return mesh

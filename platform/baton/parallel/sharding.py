@@ -95,7 +95,9 @@ class Replica:
     sharded: bool  # no worker holds the whole state: saved with torch.distributed.checkpoint
     state_dicts: Callable[[], tuple[dict, dict]]  # (model, optimizer state by name)
     load_full: Callable[[dict, dict], None]  # from whole name-keyed state (any checkpoint)
-    load_sharded: Callable[[sharded.Location], None]  # from a sharded checkpoint, at any layout
+    # from a sharded checkpoint, at any layout (and `pieces`: the state as DCP is to see it,
+    # where its tensors are not boxes of the whole: tensor parallelism's shares)
+    load_sharded: Callable[..., None]  # (where, pieces=None)
 
 
 def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
@@ -124,7 +126,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
         return Replica(module, wrapped, optimizer, no_sync, False,
                        lambda: state_dicts(wrapped, optimizer),
                        lambda m, o: load_full(module, wrapped, optimizer, m, o),
-                       lambda where: sharded.load_into(wrapped, optimizer, where))
+                       lambda where, pieces=None: sharded.load_into(wrapped, optimizer, where, pieces))
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     cls, kwargs = optimizer_class(train)
@@ -209,7 +211,7 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
     return Replica(module, module, optimizer, no_sync, True,
                    lambda: state_dicts(module, optimizer),
                    lambda m, o: load_full(module, module, optimizer, m, o, full=True),
-                   lambda where: sharded.load_into(module, optimizer, where))
+                   lambda where, pieces=None: sharded.load_into(module, optimizer, where, pieces))
 
 
 # `fill` (for the levels that shard parameters): see fully_shard. `group`: DDP's (tensor
@@ -217,8 +219,8 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
     "none": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None: replicate(
         *a, grad_comm=grad_comm, group=group),
-    "optimizer": lambda *a, unit_mib=None, grad_comm="fp32", fill=None: replicate(
-        *a, shard_optimizer=True, grad_comm=grad_comm),
+    "optimizer": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None: replicate(
+        *a, shard_optimizer=True, grad_comm=grad_comm, group=group),
     "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None: fully_shard(
         *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill),
     "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None: fully_shard(
@@ -331,9 +333,9 @@ class _ZeroState:
                     local.state[p] = {k: v.clone().to(p.device) if k != "step" else v.clone()
                                       for k, v in saved.items()}
 
-    def load_sharded(self, where: sharded.Location) -> None:
+    def load_sharded(self, where: sharded.Location, pieces=None) -> None:
         """The whole model, and this rank's share of the optimizer state, from a sharded
-        checkpoint written at any layout."""
+        checkpoint written at any layout (`pieces`: `Replica.load_sharded`)."""
         state: dict = {"model": dict(self.module.state_dict())}  # the parameters: loaded in place
         local = self._local()
         params = [p for g in local.param_groups for p in g["params"]]
@@ -343,7 +345,7 @@ class _ZeroState:
                                                   "exp_avg": torch.zeros_like(p),
                                                   "exp_avg_sq": torch.zeros_like(p)}
                               for p in params}
-        sharded.load(state, where)
+        sharded.load(pieces(state) if pieces else state, where)
         local.state.clear()
         for p in params if with_optim else ():
             local.state[p] = state["optim"][self.names[id(p)]]

@@ -82,7 +82,9 @@ class DataParallelEngine(_Engine):
         level = spec.parallel.shard
         self.mesh = (dims.device_mesh(device.type, spec.parallel.timeout_s)
                      if level != "none" or dims.tp > 1 else None)
-        self.shard_group = self.mesh["dp_shard"].get_group() if level != "none" else None
+        # the ranks whose gradients are shards of one replica's (FSDP's levels)
+        self.shard_group = (self.mesh["dp_shard"].get_group() if "grads" in SHARDED_PARTS[level]
+                            else None)
         # built on the host; the wrapping puts it on the device (sharded: unit by unit). With
         # its parameters sharded or split (tp), the model starts on the meta device and each
         # unit gets its values as FSDP shards it, or each layer as it is split, so the host
@@ -176,13 +178,13 @@ class TensorParallelEngine(DataParallelEngine):
                                     self.mesh["tp"].get_group(), fill,
                                     self.spec.parallel.sequence_parallel,
                                     getattr(self.task, "split_logits", False))
-        return None, {"group": self.mesh["dp_replicate"].get_group()}  # DDP's (unsharded: all dp)
+        return None, {"group": self.mesh["dp"].get_group()}  # DDP's: every replica of the share
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         self.replica.load_full(*self.shares.take(model_state, optim_state))
 
     def load_sharded(self, where: sharded.Location) -> None:
-        sharded.load_into(self.wrapped, self.optimizer, where, self.shares.pieces)
+        self.replica.load_sharded(where, self.shares.pieces)
 
     def pieces(self, state: dict) -> dict:
         return self.shares.pieces(state)
