@@ -294,9 +294,7 @@ def _check_tensor(spec: JobSpec, need) -> None:
 
 def _check_sequence(spec: JobSpec, need) -> None:
     """Sequence parallelism splits the sequence over the tp workers of a replica after the
-    module marked `tp_sequence_after` (in a pipeline, one of the model's layers); so far
-    without dropout (the masks of the sequence's parts would repeat across workers, which
-    draw from one stream: docs/limits.md)."""
+    module marked `tp_sequence_after` (in a pipeline, one of the model's layers)."""
     from baton.models import _on_meta
     from baton.parallel.tensor import sequence_start
 
@@ -309,7 +307,6 @@ def _check_sequence(spec: JobSpec, need) -> None:
                      (p.pp == 1 or "." not in (start or ""),
                       f"in a pipeline the module marked tp_sequence_after must be one of the "
                       f"model's layers, not {start!r} inside one"),
-                     (m.dropout == 0, f"does not run with dropout yet (model.dropout = {m.dropout})"),
                      (m.seq_len % max(p.tp, 1) == 0,
                       f"splits model.seq_len = {m.seq_len} over tp = {p.tp}: make it a multiple")):
         need(ok, key, p.sequence_parallel, what)

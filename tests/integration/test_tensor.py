@@ -104,18 +104,21 @@ def test_a_killed_tp_worker_goes_back_to_the_checkpoint(tmp_path, data):
     assert_like_one_process(spec, data, result, 4)  # measured: 7.2e-6 at most
 
 
-def test_a_resume_at_the_same_layout_is_bitwise_the_uninterrupted_run(tmp_path, data):
-    """Written in pieces by every worker and read back, the state is the same bits: 2 steps, then a
-    resume to 4, ends where 4 steps straight end (dropout on: each worker's random stream is
-    restored too, and a replica's tp workers draw the same masks)."""
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp-sequence-parallel"])
+def test_a_resume_at_the_same_layout_is_bitwise_the_uninterrupted_run(tmp_path, data, sequence):
+    """Written in pieces by every worker and read back, the state is the same bits: 2 steps,
+    then a resume to 4, ends where 4 steps straight end. Dropout on: each worker's process
+    stream (which a replica's tp workers share: the same masks on what they hold whole) and
+    its own (its heads' attention dropout; under sequence parallelism, its part of the
+    sequence's) are restored too."""
     model = {**GPT, "dropout": 0.1}
-    straight = _spec(tmp_path / "a", data, "same", 4, model=model)
+    straight = _spec(tmp_path / "a", data, "same", 4, model=model, sequence_parallel=sequence)
     api.run(straight, show_progress=False)
     # saved in the background (each worker's pieces copied at the save, written beside the
     # next step), and loaded by the resume
-    api.run(_spec(tmp_path / "b", data, "same", 2, model=model, background=True),
-            show_progress=False)
-    resumed = _spec(tmp_path / "b", data, "same", 4, model=model)
+    api.run(_spec(tmp_path / "b", data, "same", 2, model=model, background=True,
+                  sequence_parallel=sequence), show_progress=False)
+    resumed = _spec(tmp_path / "b", data, "same", 4, model=model, sequence_parallel=sequence)
     assert api.run(resumed, show_progress=False).resumed_from == 2
     got = CheckpointStore(resumed.checkpoint_dir).read_model(4)
     want = CheckpointStore(straight.checkpoint_dir).read_model(4)

@@ -305,14 +305,6 @@ def test_validate_shows_a_tensor_parallel_workers_shard_of_its_share(tmp_path, c
                     "0.7 MiB)"), line
 
 
-def test_sequence_parallelism_with_dropout_is_refused(tmp_path):
-    raw = tiny_spec(tmp_path, tmp_path, model={"dropout": 0.1},
-                    parallel={"dp": 1, "tp": 2, "sequence_parallel": True})
-    with pytest.raises(SpecError, match=r"parallel.sequence_parallel: True is invalid; does not "
-                                        r"run with dropout yet \(model.dropout = 0.1\)"):
-        spec_from_dict(raw)
-
-
 @pytest.mark.parametrize("width,heads,hint", [
     (31, 2, "; try 1"), (48, 5, "; try 4"), (130_000, 140, "; try 130"),
     (2**17 - 1, 4, "; try 1"),  # a prime

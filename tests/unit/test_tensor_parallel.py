@@ -79,3 +79,42 @@ def test_a_gpt_split_over_two_workers_computes_what_the_whole_one_does(tmp_path,
                                  "1.ln2.bias", "1.out.bias", "2.ln1.weight", "2.ln1.bias",
                                  "2.proj.bias", "2.ln2.weight", "2.ln2.bias", "2.out.bias",
                                  "3.ln.weight", "3.ln.bias"] if sequence else r["partial"] == [])
+
+
+def _dropout_worker(rank: int, port: int, sequence: bool, out: str) -> None:
+    from baton.parallel.tensor import OwnRandom
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        spec = ModelSpec(name="gpt", layers=2, width=16, heads=4, seq_len=8, vocab_size=32,
+                         dropout=0.5)
+        model = build_model(spec, 0)
+        own = OwnRandom(100 + rank, torch.device("cpu"))
+        before = own.state.clone()
+        Shares(model, rank, 2, dist.group.WORLD, sequence=sequence, random=own)
+        torch.manual_seed(5)  # the process's stream: the same on a replica's tp workers
+        tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+        logits = model.train()(tokens)
+        torch.save({"logits": logits.detach(), "process": torch.get_rng_state(),
+                    "own_before": before, "own_after": own.state}, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp-sequence-parallel"])
+def test_dropout_on_what_a_worker_alone_holds_draws_from_its_own_stream(tmp_path, sequence):
+    """Dropout 0.5 in training: each tp worker's attention dropout (and under sequence
+    parallelism the dropout on its part of the sequence) draws from a stream of its own
+    (`OwnRandom`), so its heads' masks are not the other worker's; what both hold whole draws
+    from the process's stream, the same on both, so they compute the same logits."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dropout_worker, args=(port, sequence, str(tmp_path)), nprocs=2)
+    r = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    assert torch.equal(r[0]["logits"], r[1]["logits"])
+    assert torch.equal(r[0]["process"], r[1]["process"])
+    for w in r:
+        assert not torch.equal(w["own_before"], w["own_after"])  # drawn from
+    assert not torch.equal(r[0]["own_after"], r[1]["own_after"])

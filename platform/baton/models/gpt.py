@@ -3,6 +3,7 @@ pipeline partitioner can cut it anywhere between layers. No weight tying, for th
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -31,8 +32,11 @@ class Embedding(nn.Module):
 
 class Block(nn.Module):
     # tensor parallelism (parallel/tensor.py): each worker holds its heads' q, k and v and
-    # their share of the output projection, and a share of the MLP's hidden units
+    # their share of the output projection, and a share of the MLP's hidden units; the
+    # dropout on its heads draws from its own stream (tp_random), and under sequence
+    # parallelism so does the dropout on its part of the sequence (tp_sequence_random)
     tp_plan = {"qkv": ("column", 3), "proj": "row", "fc": "column", "out": "row"}
+    tp_random = tp_sequence_random = contextlib.nullcontext
 
     def __init__(self, width: int, heads: int, dropout: float):
         super().__init__()
@@ -57,10 +61,15 @@ class Block(nn.Module):
         B, T = q.shape[:2]
         heads = q.shape[-1] // self.head_width
         q, k, v = (t.view(B, T, heads, self.head_width).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_width)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+        with self.tp_random():
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        h = self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_width))
+        with self.tp_sequence_random():
+            x = x + self.drop(h)
+        h = self.out(F.gelu(self.fc(self.ln2(x))))
+        with self.tp_sequence_random():
+            return x + self.drop(h)
 
 
 class Head(nn.Module):

@@ -32,8 +32,9 @@ FSDP with tensor parallelism): a worker holds 1/(tp x dp_shard) of each split la
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -462,15 +463,61 @@ def sequence_region(model: nn.Module, rank: int, size: int, group,
     return [name for name, _ in model.named_parameters() if name.rsplit(".", 1)[0] in after]
 
 
+class OwnRandom:
+    """A random stream of this tp worker's own, beside the process's, which a replica's tp
+    workers share (the activations they hold whole must draw the same dropout masks): for
+    the draws each makes for what only it holds, its heads' attention dropout and, under
+    sequence parallelism, the dropout on its part of the sequence. Megatron-LM's RNG
+    tracker: `fork()` runs a block of code on this stream, on the device the worker computes
+    on, and gives the process its own stream back after."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        outer = self._get()
+        if self.cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        self.state = self._get()
+        self._set(outer)
+
+    def _get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.cuda:
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        outer = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(outer)
+
+
 class Shares:
     """This worker's share of a model split over the tp workers of its replica (its stage's,
     in a pipeline): how each split parameter is split, and the group of those workers."""
 
     def __init__(self, model: nn.Module, rank: int, size: int, group, fill=None,
                  sequence: bool = False, split_logits: bool = False,
-                 stage_after: Optional[int] = None):
-        self.rank, self.size, self.group = rank, size, group
+                 stage_after: Optional[int] = None, random: Optional[OwnRandom] = None):
+        self.rank, self.size, self.group, self.random = rank, size, group, random
         self.splits = split_layers(model, rank, size, group, fill, sequence)
+        if random is not None:  # a planned module's own draws (the GPT's block: tp_random)
+            for module in model.modules():
+                if getattr(module, "tp_plan", None):
+                    module.tp_random = random.fork
+                    if sequence:
+                        module.tp_sequence_random = random.fork
         for layer in model.modules():  # the task's loss takes logits split by vocabulary
             if isinstance(layer, GatheredColumn):
                 layer.keep_split = split_logits

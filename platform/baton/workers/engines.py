@@ -38,6 +38,7 @@ class _Engine:
     module: nn.Module  # this worker's parameters, named as in the whole model
     optimizer: torch.optim.Optimizer
     sharded: bool = False  # state split across workers: checkpoints go through DCP
+    own_random: Optional[tensor.OwnRandom] = None  # a tp worker's own stream (checkpointed)
     grad_bytes: int = 0  # this worker's gradients at its first step (local shards)
 
     def apply(self, lr: float) -> torch.Tensor | float:
@@ -66,6 +67,12 @@ class _Engine:
                 "grads": self.grad_bytes,
                 "optimizer": sum(local(t).nbytes for s in optim.state.values()
                                  for t in s.values() if torch.is_tensor(t))}
+
+
+def _own_seed(spec: JobSpec, rank: int) -> int:
+    """The seed of a tp worker's own random stream (`tensor.OwnRandom`): one per rank, apart
+    from the process streams' (train.seed x 100,003 + the replica)."""
+    return spec.train.seed * 1_000_003 + 7_919 * (rank + 1)
 
 
 def _compiled(spec: JobSpec):
@@ -170,6 +177,7 @@ class TensorParallelEngine(DataParallelEngine):
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
                  task: Task):
         self.tp_rank = dims.tp_rank(rank)
+        self.own_random = tensor.OwnRandom(_own_seed(spec, rank), device)
         super().__init__(spec, dims, device, task)
         self.sharded = True  # each worker writes its own pieces
 
@@ -177,7 +185,8 @@ class TensorParallelEngine(DataParallelEngine):
         self.shares = tensor.Shares(module, self.tp_rank, self.spec.parallel.tp,
                                     self.mesh["tp"].get_group(), fill,
                                     self.spec.parallel.sequence_parallel,
-                                    getattr(self.task, "split_logits", False))
+                                    getattr(self.task, "split_logits", False),
+                                    random=self.own_random)
         return None, {"group": self.mesh["dp"].get_group()}  # DDP's: every replica of the share
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
@@ -227,11 +236,12 @@ class PipelineEngine(_Engine):
         self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
         self.shard_group = mesh["dp_shard"].get_group()
         # each stage's layers split over its tp workers (parallel/tensor.py)
-        sequence = spec.parallel.sequence_parallel
+        self.own_random = tensor.OwnRandom(_own_seed(spec, rank), device) if dims.tp > 1 else None
         self.shares = (tensor.Shares(self.module, tp_rank, dims.tp, mesh["tp"].get_group(),
-                                     sequence=sequence,
+                                     sequence=spec.parallel.sequence_parallel,
                                      split_logits=getattr(task, "split_logits", False),
-                                     stage_after=int(marked) if marked is not None else None)
+                                     stage_after=int(marked) if marked is not None else None,
+                                     random=self.own_random)
                        if dims.tp > 1 else None)
         self.module.to(device)
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients

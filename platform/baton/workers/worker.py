@@ -429,6 +429,8 @@ class Worker:
         rng = {"cpu": torch.get_rng_state()}
         if self.use_cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
+        if self.engine.own_random is not None:  # a tp worker's own stream
+            rng["own"] = self.engine.own_random.state.clone()
         state = self.engine.state_dicts() if self.engine.sharded or self.dp_rank == 0 else None
         if not background:
             return self._write(store, step, state, rng)
@@ -520,6 +522,8 @@ class Worker:
             torch.set_rng_state(rng["cpu"])
             if self.use_cuda and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"])
+            if self.engine.own_random is not None and "own" in rng:
+                self.engine.own_random.state = rng["own"]
 
     @_in_world
     def share_state(self, step: int) -> None:
