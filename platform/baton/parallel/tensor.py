@@ -183,26 +183,27 @@ class Split:
         return out
 
 
-class ColumnParallel(nn.Module):
-    """This worker's share of a linear layer's outputs: y_r = x W_r^T + b_r."""
+class _Share(nn.Module):
+    """This worker's share of a layer: its piece of the weight (`Split`), and of the bias
+    when the bias is split with it (`names`); a bias that is not is kept whole. Each style
+    says which layer it splits (`layer`), along which dimension of the weight (`dim`), and
+    which of the layer's sizes that is (`features`, named `across` in messages)."""
 
-    layer, across, names = nn.Linear, "output features", ("weight", "bias")
+    layer: type = nn.Linear
+    dim, features, across, names = 0, "out_features", "output features", ("weight", "bias")
 
-    @staticmethod
-    def length(whole: nn.Module) -> int:
-        return whole.out_features
-
-    @staticmethod
-    def split(parts: int) -> Split:
-        return Split(0, parts)
-
-    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group,
+    def __init__(self, whole: nn.Module, split: Split, rank: int, size: int, group,
                  sequence: bool = False):
         super().__init__()
         self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
         self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
-        self.bias = (nn.Parameter(split.take(whole.bias.detach(), rank, size))
-                     if whole.bias is not None else None)
+        bias = getattr(whole, "bias", None)
+        self.bias = None if bias is None else nn.Parameter(
+            split.take(bias.detach(), rank, size) if "bias" in self.names else bias.detach().clone())
+
+
+class ColumnParallel(_Share):
+    """This worker's share of a linear layer's outputs: y_r = x W_r^T + b_r."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = (_GatherSequence.apply(x, self.group, self.rank, self.size) if self.sequence
@@ -210,26 +211,11 @@ class ColumnParallel(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallel(nn.Module):
+class RowParallel(_Share):
     """A linear layer over this worker's share of the inputs: y = sum_r x_r W_r^T, + b. The
     bias is whole on every worker and added once, after the sum."""
 
-    layer, across, names = nn.Linear, "input features", ("weight",)
-
-    @staticmethod
-    def length(whole: nn.Module) -> int:
-        return whole.in_features
-
-    @staticmethod
-    def split(parts: int) -> Split:
-        return Split(1)
-
-    def __init__(self, whole: nn.Linear, split: Split, rank: int, size: int, group,
-                 sequence: bool = False):
-        super().__init__()
-        self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
-        self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
-        self.bias = nn.Parameter(whole.bias.detach().clone()) if whole.bias is not None else None
+    dim, features, across, names = 1, "in_features", "input features", ("weight",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -322,33 +308,21 @@ def vocab_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, ignore:
     return rows.sum()
 
 
-class VocabParallel(nn.Module):
+class VocabParallel(_Share):
     """This worker's rows of an embedding (its share of the vocabulary, as Megatron-LM's
     VocabParallelEmbedding): it looks up the tokens that fall in its rows, zeros for the
-    rest, and one all-reduce sums the workers' lookups into every token's row."""
+    rest, and one all-reduce sums the workers' lookups into every token's row (its output is
+    whole: under sequence parallelism `sequence_region` splits it after)."""
 
-    layer, across, names = nn.Embedding, "rows (its vocabulary)", ("weight",)
+    layer = nn.Embedding
+    features, across, names = "num_embeddings", "rows (its vocabulary)", ("weight",)
     hint = ("; make the vocabulary a multiple of that (the built-in gpt: model.vocab_size; rows "
             "past the data's largest token id are never looked up)")
 
-    @staticmethod
-    def length(whole: nn.Module) -> int:
-        return whole.num_embeddings
-
-    @staticmethod
-    def split(parts: int) -> Split:
-        return Split(0)
-
-    def __init__(self, whole: nn.Embedding, split: Split, rank: int, size: int, group,
-                 sequence: bool = False):  # (its output is whole: `sequence_region` splits it)
-        super().__init__()
-        self.group = group
-        self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
-        self.first = rank * self.weight.shape[0]
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        mine = (tokens >= self.first) & (tokens < self.first + self.weight.shape[0])
-        rows = F.embedding(torch.where(mine, tokens - self.first, 0), self.weight)
+        first = self.rank * self.weight.shape[0]
+        mine = (tokens >= first) & (tokens < first + self.weight.shape[0])
+        rows = F.embedding(torch.where(mine, tokens - first, 0), self.weight)
         return _FromSplit.apply(rows * mine.unsqueeze(-1), self.group)
 
 
@@ -376,9 +350,10 @@ def plan_problem(model: nn.Module, name: str, tp: int) -> Optional[str]:
             if not isinstance(layer, cls.layer):
                 return (f"{name}'s {path}.{child} is not an nn.{cls.layer.__name__}: its "
                         f"tp_plan cannot split it {style}")
-            if cls.length(layer) % (parts * tp):
-                return (f"{name}'s {path}.{child} has {cls.length(layer)} {cls.across}, which do "
-                        f"not split into {parts} x {tp} equal pieces{getattr(cls, 'hint', '')}")
+            length = getattr(layer, cls.features)
+            if length % (parts * tp):
+                return (f"{name}'s {path}.{child} has {length} {cls.across}, which do not "
+                        f"split into {parts} x {tp} equal pieces{getattr(cls, 'hint', '')}")
         problem = getattr(module, "tp_problem", lambda tp: None)(tp)
         if problem:
             return f"{name}'s layer {path}: {problem}"
@@ -410,7 +385,7 @@ def split_layers(model: nn.Module, rank: int, size: int, group, fill=None,
             if fill is not None:
                 fill_to(prefix)
             whole, cls = getattr(module, child), STYLES[style]
-            split = cls.split(parts)
+            split = Split(cls.dim, parts)
             setattr(module, child, cls(whole, split, rank, size, group, sequence))
             splits.update({f"{prefix}.{p}": split for p in cls.names
                            if getattr(whole, p, None) is not None})
@@ -571,6 +546,8 @@ class Shares:
     def sum_partial_grads(self, module: nn.Module) -> None:
         """Under sequence parallelism: the gradients of the whole parameters used on each
         worker's part of the sequence, summed over the tp workers (one all-reduce)."""
+        if not self.partial:  # (without sequence parallelism: nothing, every step)
+            return
         partial = set(self.partial)
         grads = [local(q.grad) for n, q in module.named_parameters()
                  if n in partial and q.grad is not None]
