@@ -95,7 +95,12 @@ def _dropout_worker(rank: int, port: int, sequence: bool, out: str) -> None:
         Shares(model, rank, 2, dist.group.WORLD, sequence=sequence, random=own)
         torch.manual_seed(5)  # the process's stream: the same on a replica's tp workers
         tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-        logits = model.train()(tokens)
+        # training mode (dropout on) without a graph: a graph left alive would hold the
+        # process group past destroy_process_group, and its destructor at the interpreter's
+        # exit aborted the process ("terminate called without an active exception", 2 runs
+        # of 4)
+        with torch.no_grad():
+            logits = model.train()(tokens)
         torch.save({"logits": logits.detach(), "process": torch.get_rng_state(),
                     "own_before": before, "own_after": own.state}, f"{out}/{rank}.pt")
     finally:
