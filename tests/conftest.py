@@ -33,10 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray per test module: 2 CPUs, no dashboard."""
+    """One local Ray per test module: 2 CPUs, no dashboard, the tests' folder on the workers'
+    path (the user models and tasks in `helpers` live there, as a user's would in their
+    project)."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()

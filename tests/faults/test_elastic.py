@@ -531,7 +531,7 @@ def test_a_stage_worker_killed_under_hybrid_sharding_in_a_pipeline_loses_no_comp
 
     def kill(c):
         (rank,) = [r for r in range(len(c.workers))
-                   if c.dims.coords(r)[1] == 1 and c.dims.shard_of(r) == 1 and c.dims.coords(r)[0] < 2]
+                   if c.dims.part_of(r)[:2] == (1, 1) and c.dims.coords(r)[0] < 2]
         victim["rank"] = rank
         os.kill(c.workers[rank]["pid"], signal.SIGKILL)
     result = api.run(spec, record_samples=True, show_progress=False, on_step=_at_step(5, kill))

@@ -27,22 +27,6 @@ from helpers import assert_params_close, binary, read_columns, regression, tiny_
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """The shared local Ray, with the tests' folder on the workers' path: the user's task and
-    model below live in `helpers`, as a user's would in their project."""
-    import os
-
-    import helpers
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(helpers.__file__))}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray
-    ray.shutdown()
-
 COLUMNS = {"inputs": ["vec", "a", "b"], "label": "label"}
 
 

@@ -86,15 +86,26 @@ def test_scale_policy_picks_the_largest_valid_world_that_fits():
     assert policy.grow_to(2, workers_free=4) == 4
 
 
-@pytest.mark.parametrize("left,writers", [
-    ({0: 5, 2: 5, 3: 5}, [0, 3]),  # rank 1 lost: rank 3 holds shard 1 (replica group 1)
-    ({0: 5, 2: 5}, None),  # shard 1 lost with both its holders
-    ({0: 5, 1: 6, 2: 5}, None),  # rank 1 finished a step the coordinator never saw: not used
-    ({1: 5, 2: 5}, [1, 2]),  # one shard from each group
+HYBRID, TP, TP_2D = ParallelDims(dp=4, dp_shard=2), ParallelDims(dp=2, tp=2), ParallelDims(dp=4, dp_shard=2, tp=2)
+
+
+@pytest.mark.parametrize("dims,left,writers", [
+    (HYBRID, {0: 5, 2: 5, 3: 5}, [0, 3]),  # rank 1 lost: rank 3 holds shard 1 (replica group 1)
+    (HYBRID, {0: 5, 2: 5}, None),  # shard 1 lost with both its holders
+    (HYBRID, {0: 5, 1: 6, 2: 5}, None),  # rank 1 finished a step the coordinator never saw: not used
+    (HYBRID, {1: 5, 2: 5}, [1, 2]),  # one shard from each group
+    # tp 2, ranks (dp_rank, tp_rank): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1)
+    (TP, {0: 5, 2: 5, 3: 5}, [0, 3]),  # rank 1 lost: rank 3 holds tp share 1
+    (TP, {0: 5, 2: 5}, None),  # tp share 1 lost with both its holders
+    (TP, {1: 5, 2: 5}, [1, 2]),  # one share from each replica
+    # 2D: ZeRO-3 over dp_shard 2 of each tp share, two replica groups: 4 parts, 8 ranks
+    (TP_2D, {r: 5 for r in range(8) if r != 2}, [0, 1, 3, 6]),  # rank 2 (shard 1, share 0) lost
+    (TP_2D, {r: 5 for r in range(8) if r not in (2, 6)}, None),  # both holders of that part
 ])
-def test_survivors_are_committed_when_every_shard_has_one(tmp_path, left, writers):
-    """Hybrid sharding (dp 4 in replica groups of 2): the survivors' state of the last
-    completed step (5) is committed when each shard has a survivor holding it."""
+def test_survivors_are_committed_when_every_part_has_one(tmp_path, dims, left, writers):
+    """Hybrid sharding (dp 4 in replica groups of 2), tensor parallelism (dp 2 x tp 2) and
+    both: the survivors' state of the last completed step (5) is committed when each part of
+    a replica (each shard of each tp share) has a survivor holding it."""
 
     class Writes:
         written: list = []
@@ -105,7 +116,7 @@ def test_survivors_are_committed_when_every_shard_has_one(tmp_path, left, writer
                 f"shards/__{r}_0.distcp" for r in ranks])
     store, group = CheckpointStore(str(tmp_path / "ckpt")), Writes()
     committed = Commits(store, NullTracker(), None, keep=2).commit_survivors(
-        group, ParallelDims(dp=4, dp_shard=2), 5, left, {"step": 5})
+        group, dims, 5, left, {"step": 5})
     assert committed == (writers is not None)
     assert group.written == ([writers, 5] if writers else [])
     assert store.latest() == (5 if writers else None)

@@ -155,19 +155,21 @@ class Commits:
     def commit_survivors(self, group, dims: ParallelDims, step: int, left: dict[int, int],
                          meta: dict) -> bool:
         """The in-memory copy of the last step: the replicas of a stage (of a shard of it, when
-        sharded) hold the same state, so when every stage's every shard has a survivor whose
-        state is that of `step` (the last step the coordinator saw complete), that state is
-        committed as checkpoint `step`, and the failure costs only the step that was running
-        rather than everything since the last checkpoint. Under sharding that takes a second
-        replica group (`shard_group`): plain `full` loses a shard with any worker. `left`:
-        survivor rank -> the step of the state it kept. False: nothing committed."""
+        sharded; of a tp share of its layers) hold the same state, so when every part of a
+        replica (`ParallelDims.part_of`) has a survivor whose state is that of `step` (the
+        last step the coordinator saw complete), that state is committed as checkpoint
+        `step`, and the failure costs only the step that was running rather than everything
+        since the last checkpoint. Under sharding that takes a second replica group
+        (`shard_group`): plain `full` loses a shard with any worker; under tensor parallelism,
+        a second replica (dp > 1). `left`: survivor rank -> the step of the state it kept.
+        False: nothing committed."""
         if step <= (self.store.latest() or 0):
             return False
-        writers: dict[tuple[int, int], int] = {}  # (stage, shard) -> one survivor holding it
+        writers: dict[tuple, int] = {}  # a part of the replica -> one survivor holding it
         for rank, done in left.items():
             if done == step:
-                writers.setdefault((dims.coords(rank)[1], dims.shard_of(rank)), rank)
-        if len(writers) < dims.pp * dims.dp_shard:
+                writers.setdefault(dims.part_of(rank), rank)
+        if len(writers) < dims.parts:
             return False
         self._begin(step)
         parts = group.write_kept(sorted(writers.values()), self.store.root, step)

@@ -73,9 +73,16 @@ class ParallelDims:
         """Ranks that split the layers of one replica's stage between them."""
         return [self.rank(dp_rank, pp_rank, t) for t in range(self.tp)]
 
-    def shard_of(self, rank: int) -> int:
-        """Which shard of its stage's state a rank holds (0 when unsharded)."""
-        return self.coords(rank)[0] % self.dp_shard
+    def part_of(self, rank: int) -> tuple[int, int, int]:
+        """Which part of a replica's state a rank holds: (its stage, its shard of that stage,
+        its share of the stage's layers). Ranks that hold the same part hold copies of it."""
+        dp_rank, pp_rank = self.coords(rank)
+        return pp_rank, dp_rank % self.dp_shard, self.tp_rank(rank)
+
+    @property
+    def parts(self) -> int:
+        """How many parts one replica's state is held in (`part_of`)."""
+        return self.pp * self.dp_shard * self.tp
 
     def replica_groups(self) -> list[list[int]]:
         """Ranks that must hold identical parameters: for each stage, each shard and each part

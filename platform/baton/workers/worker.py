@@ -119,7 +119,7 @@ class Worker:
         self.ledger: Optional[list] = None
         self.engine = self.checkpoint_group = None
         self.broken: Optional[str] = None  # the call that broke this world (`_in_world`)
-        self.kept = None  # (step, pp_rank, sharded, model state, optimizer state) kept by `leave`
+        self.kept = None  # (step, pp_rank, sharded, state) kept by `leave`
         self.needs_state = False  # a growth's new worker, until `share_state`
         self.kept_save = None  # a sharded `write_kept` between its two rounds
         self.saves = BackgroundSaves(self.device)  # checkpoint.async
@@ -183,14 +183,16 @@ class Worker:
         Keeps the model's state as of the last step this worker completed (a step that failed
         half-way never reached its optimizer update) and returns that step: after a failure,
         the survivors' state can be written as a checkpoint (`write_kept`). A sharded worker
-        keeps its shards: with another replica group alive, every shard has a survivor."""
-        self.kept, kept_step = None, -1
+        (or a tensor-parallel one) keeps its shares, as the pieces of the whole tensors DCP
+        writes: with another replica alive, every share has a survivor."""
+        self.kept, kept_step, state = None, -1, None
         self.saves.settle(self.spec.checkpoint.timeout_s)
-        # (a tensor-parallel worker holds a share of its replica's state; what is kept here is
-        # written by the survivors or handed to new workers whole, which no such worker holds)
-        if self.engine is not None and self.dims.tp == 1:
+        if self.engine is not None:
+            state = self.engine.state_dicts()
+            model_state, optim_state = state
             self.kept = (self.last_step, self.pp_rank, self.engine.sharded,
-                         *self.engine.state_dicts())
+                         self.engine.pieces({"model": model_state, "optim": optim_state["state"]})
+                         if self.engine.sharded else state)
             kept_step = self.last_step
         self.engine = self.checkpoint_group = None
         if dist.is_initialized():
@@ -199,7 +201,7 @@ class Worker:
         sharded.forget_meshes()  # DTensor's caches would hand the next world this one's groups
         # Free this world's groups now, so that their connections close and a peer still in a
         # collective with this rank fails at once (FSDP's and DDP's state hold them in cycles)
-        sharded.release_groups(self.kept)
+        sharded.release_groups(state)
         gc.collect()
         return kept_step
 
@@ -209,14 +211,14 @@ class Worker:
         through the coordinator (the survivors have no process group): this returns
         {"plan": the local plan}, and `write_kept_shards` writes this worker's part of the
         global plan."""
-        kept_step, pp_rank, is_sharded, model_state, optim_state = self.kept
+        kept_step, pp_rank, is_sharded, state = self.kept
         if kept_step != step:
             raise RuntimeError(f"this worker kept the state of step {kept_step}, not {step}")
         store = CheckpointStore(root)
         if is_sharded:
-            self.kept_save = _sharded().PlannedSave({"model": model_state, "optim": optim_state["state"]},
-                                                 store.shards(step))
+            self.kept_save = _sharded().PlannedSave(state, store.shards(step))
             return {"plan": self.kept_save.plan()}
+        model_state, optim_state = state
         return {"parts": [store.write_tensors(step, f"model-{pp_rank:04d}.pt", model_state),
                           store.write_tensors(step, f"optim-{pp_rank:04d}.pt", optim_state)]}
 
@@ -298,8 +300,8 @@ class Worker:
         torch.manual_seed(spec.train.seed * 100_003 + self.rank // self.dims.tp)
         self.needs_state = keep_state and kept is None
         if kept is not None:
-            kept_step, _, _, model_state, optim_state = kept
-            self.engine.load_state_dicts(model_state, optim_state)
+            kept_step, _, _, state = kept
+            self.engine.load_state_dicts(*state)
             self.last_step = kept_step
             if self.rank == 0:  # what `share_state` sends, as `leave` made it
                 self.kept = kept
@@ -535,10 +537,10 @@ class Worker:
         survivors' save."""
         sent = None
         if self.rank == 0:
-            kept_step, _, _, model_state, optim_state = self.kept
+            kept_step, _, _, state = self.kept
             if kept_step != step:
                 raise RuntimeError(f"rank 0 holds the state of step {kept_step}, not {step}")
-            sent, self.kept = (model_state, optim_state), None
+            sent, self.kept = state, None
         state = broadcast_state(sent, 0, self.device)
         if self.needs_state:
             self.engine.load_state_dicts(*state)
