@@ -277,14 +277,11 @@ def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
 def _check_tensor(spec: JobSpec, need) -> None:
     """What tensor parallelism runs with, so far: data parallel replicas (DDP, ZeRO-1, or
     FSDP2's `grads` and `full`, over the workers holding one share) and pipeline stages, each
-    split tp ways, gradients sent in fp32 or bf16; not yet PowerSGD or compiled (`auto`
-    trains eager)."""
+    split tp ways, gradients sent in fp32, bf16 or PowerSGD (the replicas of a share
+    compress their gradients of it); not yet compiled (`auto` trains eager)."""
     p, t = spec.parallel, spec.train
-    for key, value, ok, what in (
-            ("parallel.grad_comm", p.grad_comm, p.grad_comm != "powersgd", "with PowerSGD"),
-            ("train.compile", t.compile, t.compile is not True, "compiled")):
-        need(ok, key, value, f"tensor parallelism (parallel.tp = {p.tp}) does not run {what} "
-                             "yet (docs/limits.md)")
+    need(t.compile is not True, "train.compile", t.compile,
+         f"tensor parallelism (parallel.tp = {p.tp}) does not run compiled yet (docs/limits.md)")
     from baton.models import _on_meta
     from baton.parallel.tensor import plan_problem
 

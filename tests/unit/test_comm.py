@@ -28,8 +28,8 @@ def _powersgd_worker(rank: int, init: str, steps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
-    model = DDP(build_model(ModelSpec(name="gpt", layers=4, width=64, heads=4, seq_len=32), seed=0),
-                bucket_cap_mb=0.05)  # a bucket or two a block: many in flight at once
+    gpt = build_model(ModelSpec(name="gpt", layers=4, width=64, heads=4, seq_len=32), seed=0)
+    model = DDP(_WithIdleLayer(gpt), bucket_cap_mb=0.05)  # a bucket or two a block: many in flight
     comm.register(model, "powersgd")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
@@ -40,6 +40,8 @@ def _powersgd_worker(rank: int, init: str, steps: int) -> None:
         loss_sum(model(batch[4:, :-1]), batch[4:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
+    bad = [n for n, q in model.named_parameters() if not torch.isfinite(q).all()]
+    assert not bad, f"rank {rank}: not finite after {steps} steps: {bad}"
     dist.destroy_process_group()
     # End as a baton worker ends (ray.kill: no interpreter finalisation). A normal exit raced
     # torch: gloo's worker thread drops the last Python callback of PowerSGD's chained future
@@ -50,6 +52,18 @@ def _powersgd_worker(rank: int, init: str, steps: int) -> None:
     os._exit(0)
 
 
+class _WithIdleLayer(torch.nn.Module):
+    """The model, and a layer whose gradient is all zeros at every step (what a tp worker's
+    share of the token embedding gets when no token falls in its rows)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model, self.idle = model, torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) + 0.0 * self.idle.weight.sum()
+
+
 def _meeting(folder, name: str = "store") -> str:
     """Where a new group's ranks meet: a file no group has used."""
     return f"file://{folder}/{name}"
@@ -58,7 +72,9 @@ def _meeting(folder, name: str = "store") -> str:
 def test_powersgd_on_gloo_keeps_the_ranks_collectives_in_step(tmp_path):
     """PowerSGD's hook chains a second all-reduce per bucket in a callback; with several
     buckets on gloo the two ranks issued them in different orders and gloo aborted the process
-    (3 of 3 tries before the fix, from the first compressed step). 20 compressed steps now."""
+    (3 of 3 tries before the fix, from the first compressed step). 20 compressed steps now,
+    the parameters finite at the end: a gradient of zeros (the idle layer's) made PowerSGD's
+    factors NaN without its orthogonalisation epsilon, then every parameter."""
     import torch.multiprocessing as mp
     mp.spawn(_powersgd_worker, args=(_meeting(tmp_path), 30), nprocs=2, join=True)  # raises if a rank dies
 

@@ -198,9 +198,6 @@ SHARDING_ERRORS = [
 
 
 TENSOR_ERRORS = [
-    ({"dp": 2, "tp": 2, "grad_comm": "powersgd"},
-     "parallel.grad_comm: 'powersgd' is invalid; tensor parallelism (parallel.tp = 2) does not "
-     "run with PowerSGD"),
     ({"dp": 1, "tp": 4},  # the tiny GPT has 2 heads
      "parallel.tp: 4 is invalid; gpt's layer 1: 2 heads do not split over tp = 4"),
     ({"dp": 1, "tp": 0}, "parallel.tp: 0 is invalid; must be at least 1"),
@@ -233,6 +230,11 @@ def test_tensor_parallelism_needs_a_plan(tmp_path):
         spec_from_dict(raw, "job.yaml")
     raw = tiny_spec(tmp_path, tmp_path, parallel={"dp": 1, "tp": 2})
     assert spec_from_dict(raw).dims().world_size == 2 and spec_from_dict(raw).per_replica == 2
+    with pytest.raises(SpecError, match=r"^<spec>: train.compile: True is invalid; tensor parallelism "
+                                        r"\(parallel.tp = 2\) does not run compiled yet"):
+        spec_from_dict({**raw, "train": {**raw["train"], "compile": True}})
+    raw["parallel"].update(dp=2, grad_comm="powersgd")  # each share's replicas compress theirs
+    assert spec_from_dict(raw).parallel.grad_comm == "powersgd"
 
 
 def test_sharding_needs_blocks_to_wrap(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 POWERSGD_RANK = 2
 POWERSGD_START = 10  # steps of plain all-reduce first
+POWERSGD_EPSILON = 1e-8  # torch's suggestion (powerSGD_hook._orthogonalize_gram_schmidt)
 
 
 def bf16_hook(process_group, bucket):
@@ -45,9 +46,15 @@ def register(ddp, grad_comm: str) -> None:
     elif grad_comm == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
+        # The epsilon keeps a gradient that is all zeros (a tp worker's share of the token
+        # embedding when no token of a batch falls in its rows; a layer a zero gate holds
+        # off) from dividing by its zero norm: without it the factors, then the parameters,
+        # turned NaN at the first compressed step (dp 2 x tp 2 on byte-level text: tokens
+        # below 128 only, and the second worker's rows are 128-255). torch's default is 0.
         state = psgd.PowerSGDState(process_group=ddp.process_group,
                                    matrix_approximation_rank=POWERSGD_RANK,
-                                   start_powerSGD_iter=POWERSGD_START)
+                                   start_powerSGD_iter=POWERSGD_START,
+                                   orthogonalization_epsilon=POWERSGD_EPSILON)
         hook = psgd.powerSGD_hook
         ddp.register_comm_hook(state, _in_order(hook) if dist.get_backend() == "gloo" else hook)
 
