@@ -275,13 +275,10 @@ def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
 
 
 def _check_tensor(spec: JobSpec, need) -> None:
-    """What tensor parallelism runs with, so far: data parallel replicas (DDP, ZeRO-1, or
-    FSDP2's `grads` and `full`, over the workers holding one share) and pipeline stages, each
-    split tp ways, gradients sent in fp32, bf16 or PowerSGD (the replicas of a share
-    compress their gradients of it); not yet compiled (`auto` trains eager)."""
-    p, t = spec.parallel, spec.train
-    need(t.compile is not True, "train.compile", t.compile,
-         f"tensor parallelism (parallel.tp = {p.tp}) does not run compiled yet (docs/limits.md)")
+    """Tensor parallelism runs with everything else (data parallel replicas under DDP,
+    ZeRO-1 or FSDP2, pipeline stages, compiled blocks, any grad_comm): what it needs is a
+    model whose blocks say how they split, into equal pieces."""
+    p = spec.parallel
     from baton.models import _on_meta
     from baton.parallel.tensor import plan_problem
 

@@ -230,11 +230,10 @@ def test_tensor_parallelism_needs_a_plan(tmp_path):
         spec_from_dict(raw, "job.yaml")
     raw = tiny_spec(tmp_path, tmp_path, parallel={"dp": 1, "tp": 2})
     assert spec_from_dict(raw).dims().world_size == 2 and spec_from_dict(raw).per_replica == 2
-    with pytest.raises(SpecError, match=r"^<spec>: train.compile: True is invalid; tensor parallelism "
-                                        r"\(parallel.tp = 2\) does not run compiled yet"):
-        spec_from_dict({**raw, "train": {**raw["train"], "compile": True}})
-    raw["parallel"].update(dp=2, grad_comm="powersgd")  # each share's replicas compress theirs
-    assert spec_from_dict(raw).parallel.grad_comm == "powersgd"
+    # compiled blocks, and PowerSGD over each share's replicas, run with it
+    raw["parallel"].update(dp=2, grad_comm="powersgd")
+    raw["train"]["compile"] = True
+    assert spec_from_dict(raw).parallel.grad_comm == "powersgd" and spec_from_dict(raw).train.compile
 
 
 def test_sharding_needs_blocks_to_wrap(tmp_path, monkeypatch):

@@ -75,12 +75,6 @@ def _own_seed(spec: JobSpec, rank: int) -> int:
     return spec.train.seed * 1_000_003 + 7_919 * (rank + 1)
 
 
-def _compiled(spec: JobSpec):
-    """train.compile, but `auto` trains eager under tensor parallelism (compiled blocks with
-    its collectives are not built yet; `true` is refused by the spec's checks)."""
-    return spec.train.compile if spec.parallel.tp == 1 else False
-
-
 class DataParallelEngine(_Engine):
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         self.spec, self.device, self.task = spec, device, task
@@ -101,7 +95,7 @@ class DataParallelEngine(_Engine):
                              else (build_model(spec.model, spec.train.seed), None))
         fill, wrapping = self._split(self.module, fill)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
-        compile_blocks(self.module, _compiled(spec), device.type)
+        compile_blocks(self.module, spec.train.compile, device.type)
         self.replica = WRAPPINGS[level](self.module, self.mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
@@ -221,7 +215,7 @@ class PipelineEngine(_Engine):
         # sequence parallelism: the layer after which the sequence is split, in the whole model
         marked = tensor.sequence_start(full) if spec.parallel.sequence_parallel else None
         checkpoint_activations(full, spec.train.activation_checkpointing)  # on the whole model
-        compile_blocks(full, _compiled(spec), device.type)
+        compile_blocks(full, spec.train.compile, device.type)
         # Every rank keeps its slices of the model and gives only those their values, exactly
         # as the single-process model has them (a built-in model: the rest stays on the meta
         # device; a user's builder builds the whole, and the rest is freed at once).
