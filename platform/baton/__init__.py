@@ -8,6 +8,8 @@ From Python (a notebook, a script), without the CLI:
     result = baton.run(spec)              # an embedded local Ray, as `baton run` starts
     result.loss, result.eval              # the last step's loss, the last evaluation
     result.history("eval_accuracy")       # [(step, value), ...] from the run's MLflow record
+    baton.export(spec, "model-out")       # its newest verified checkpoint, as safetensors
+    model = baton.load_model("model-out") # the trained nn.Module, on the CPU
 
 `baton.api.run` takes the rest of `baton run`'s options (address, resume, on_step, ...).
 """
@@ -41,3 +43,23 @@ def run(job, overrides=(), **options):
     spec = job if isinstance(job, JobSpec) and not overrides else load(
         job.to_dict() if isinstance(job, JobSpec) else job, overrides)
     return api.run(spec, **options)
+
+
+def export(job, out, step=None, overrides=(), max_shard_bytes=None):
+    """Write a job's trained model (checkpoint `step`, default the newest that verifies) to the
+    folder `out` as safetensors, in Hugging Face's layout (`baton.checkpoint.export`);
+    returns what its baton.json says."""
+    from baton.checkpoint import export as exporting
+    from baton.spec import JobSpec
+
+    spec = job if isinstance(job, JobSpec) and not overrides else load(
+        job.to_dict() if isinstance(job, JobSpec) else job, overrides)
+    return exporting.export(spec, out, step, max_shard_bytes or exporting.MAX_SHARD_BYTES)
+
+
+def load_model(folder):
+    """The model a `baton export` folder holds: built again and given its parameters (CPU,
+    eval mode)."""
+    from baton.checkpoint.export import load_model as loading
+
+    return loading(folder)

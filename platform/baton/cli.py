@@ -44,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
                      "(default: report-JOB)")
     rep.add_argument("--step", type=int, help="the traced pipeline step to draw")
 
+    exp = sub.add_parser("export", help="write a job's trained model as safetensors files "
+                         "(Hugging Face's layout), from its newest verified checkpoint")
+    exp.add_argument("job", help="the job's YAML file (where its checkpoints are)")
+    exp.add_argument("--out", required=True, help="folder to create")
+    exp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest "
+                     "that verifies)")
+    exp.add_argument("--max-file-mb", type=int, default=5000,
+                     help="split into files of at most this many MB (default 5000, as "
+                          "Hugging Face's save_pretrained)")
+    exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
     _remote_parsers(sub)
 
     data = sub.add_parser("data", help="data preparation")
@@ -335,6 +346,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _k8s(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "run":
         from baton.spec import load_spec
 
@@ -424,6 +437,25 @@ def _follow(cluster, job_id: str) -> int:
     status = cluster.status(job_id)
     print(f"{job_id}: {status}")
     return 0 if status == "SUCCEEDED" else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from baton.checkpoint.export import export
+    from baton.spec import load_spec
+
+    if args.max_file_mb < 1:
+        print("baton: error: --max-file-mb must be at least 1", file=sys.stderr)
+        return 2
+    spec = load_spec(args.job, args.set)
+    about = export(spec, args.out, args.step, args.max_file_mb * 10**6)
+    files = about["files"]
+    print(f"exported step {about['step']} of {about['job']}: {about['parameters']:,} parameters "
+          f"({about['bytes'] / 2**20:,.1f} MiB) to {args.out} ("
+          + (files[0] if len(files) == 1 else f"{len(files)} files") + ")")
+    print(f'  load it: baton.load_model("{args.out}")'
+          + (f', or transformers\' from_pretrained("{args.out}")'
+             if spec.model.name.startswith("hf:") else ""))
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
                                                          _EmptyStateDictLoadPlanner)
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties)
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
@@ -390,6 +390,24 @@ def read_full(where: Location, section: str) -> dict:
     state: dict = {}
     _load_state_dict(state, storage_reader=SafeReader(where),
                      planner=_EmptyStateDictLoadPlanner(keys={section}), no_dist=True)
+    return state.get(section, {})
+
+
+def tensor_sizes(where: Location, section: str) -> dict[str, int]:
+    """The bytes of each whole tensor of one section of a sharded checkpoint, by name, from
+    its index alone."""
+    prefix = f"{section}."
+    return {key[len(prefix):]: meta.size.numel() * meta.properties.dtype.itemsize
+            for key, meta in SafeReader(where).read_metadata().state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+
+
+def read_some(where: Location, section: str, names: list[str]) -> dict:
+    """`read_full` of the tensors `names` only (a model larger than this process's memory is
+    read a part at a time: `checkpoint/export.py`)."""
+    state: dict = {}
+    _load_state_dict(state, storage_reader=SafeReader(where), no_dist=True,
+                     planner=_EmptyStateDictLoadPlanner(keys={f"{section}.{n}" for n in names}))
     return state.get(section, {})
 
 

@@ -1,0 +1,182 @@
+"""A checkpoint as a model anyone can load (`baton export`): the parameters of a committed,
+verified checkpoint, whatever layout wrote it (a file per pipeline stage, DCP shards, tensor
+parallel pieces), as whole tensors under their names in the model, in safetensors files.
+
+The folder it writes is Hugging Face's layout: `model.safetensors`, or, past `max_shard_bytes`,
+`model-00001-of-0000N.safetensors` with `model.safetensors.index.json` (which file holds each
+tensor); and `baton.json` (the job, the step, the model's section of the job file). An `hf:`
+model's folder is also a `save_pretrained` one (its `config.json`, the names transformers
+gives its parameters), so `AutoModelForCausalLM.from_pretrained` and `model.init_from` load
+it. `load_model` builds the model again and loads it.
+
+Memory: a sharded checkpoint is read about a file's worth of whole tensors at a time, and a
+per-stage one a stage at a time, so exporting a model larger than this machine's memory
+needs the room of one stage (or two files), not of the model. The files are written in a folder beside
+`out` and renamed into place once all of them are: `out` is whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from baton.checkpoint.store import CheckpointStore
+from baton.errors import CheckpointError
+from baton.models import HF_PREFIX
+from baton.spec import JobSpec, ModelSpec
+
+MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default (save_pretrained's max_shard_size "5GB")
+SINGLE, INDEX, ABOUT = "model.safetensors", "model.safetensors.index.json", "baton.json"
+HF_NAMES = "model."  # an hf: model's parameters are its transformers model's, under HFModel.model
+
+
+def export(spec: JobSpec, out: str, step: Optional[int] = None,
+           max_shard_bytes: int = MAX_SHARD_BYTES, log: Optional[Callable[[str], None]] = None) -> dict:
+    """Write checkpoint `step` of `spec`'s job (default: the newest that verifies) to the
+    folder `out`, which must not exist; returns what `baton.json` says, with the files."""
+    from safetensors.torch import save_file
+
+    target = Path(out)
+    if target.exists():
+        raise CheckpointError(f"{out} already exists; choose a new --out")
+    store = CheckpointStore(spec.checkpoint_dir)
+    step = _pick(store, step, log or (lambda line: print(line, file=sys.stderr)))
+    hf = spec.model.name.startswith(HF_PREFIX)
+    about = {"job": spec.name, "step": step, "model": spec.to_dict()["model"],
+             "checkpoint": store.step_dir(step)}
+    meta = {"format": "pt", "baton.job": spec.name, "baton.step": str(step)}
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        files, where, total, count = [], {}, 0, 0
+        for group in _files(_tensors(store, step, max_shard_bytes), max_shard_bytes):
+            name = f"part-{len(files):05d}.safetensors"
+            if hf:
+                group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
+            save_file(_unshared(group), str(tmp / name), metadata=meta)
+            files.append(name)
+            for n, t in group.items():
+                where[n] = name
+                total += t.numel() * t.element_size()
+                count += t.numel()
+        names = _final_names(len(files))
+        for old, new in zip(files, names):
+            os.replace(tmp / old, tmp / new)
+        if len(names) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {n: names[files.index(f)] for n, f in sorted(where.items())}}
+            (tmp / INDEX).write_text(json.dumps(index, indent=1))
+        if hf:
+            from baton.models.hf import _config
+
+            _config(spec.model).save_pretrained(tmp)
+        about.update(files=names, parameters=count, bytes=total)
+        (tmp / ABOUT).write_text(json.dumps(about, indent=1))
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return about
+
+
+def _pick(store: CheckpointStore, step: Optional[int], log: Callable[[str], None]) -> int:
+    """`step` if it is committed and verifies, else one line why not; without `step`, the
+    newest committed checkpoint that verifies (each newer one that does not named)."""
+    where = store.root
+    if step is not None:
+        if step not in store.committed_steps():
+            have = store.committed_steps()
+            raise CheckpointError(f"{where} has no committed checkpoint {step}"
+                                  + (f"; it has {', '.join(map(str, sorted(have)))}" if have else ""))
+        problem = store.verify(step)
+        if problem:
+            raise CheckpointError(f"checkpoint {step} in {where} does not verify: {problem}")
+        return step
+    found, failed = store.latest_verified()
+    for bad, why in failed:
+        log(f"baton: checkpoint {bad} does not verify ({why}); exporting an older one")
+    if found is None:
+        if failed:
+            raise CheckpointError(store.none_verifies(failed))
+        raise CheckpointError(f"{where} holds no committed checkpoint; train the job first")
+    return found
+
+
+def _tensors(store: CheckpointStore, step: int, most: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of every parameter: a stage's file at a time, or shards read
+    `most` bytes of whole tensors at a time."""
+    if not store.is_sharded(step):
+        for i in range(store.read_meta(step)["layout"]["pp"]):
+            yield from store.read_tensors(step, f"model-{i:04d}.pt").items()
+        return
+    from baton.checkpoint import sharded
+
+    where = store.shards(step)
+    batch, held = [], 0
+    for name, nbytes in sharded.tensor_sizes(where, "model").items():
+        batch.append(name)
+        held += nbytes
+        if held >= most:
+            yield from sharded.read_some(where, "model", batch).items()
+            batch, held = [], 0
+    if batch:
+        yield from sharded.read_some(where, "model", batch).items()
+
+
+def _files(tensors: Iterator[tuple[str, torch.Tensor]], most: int) -> Iterator[dict]:
+    """The tensors in groups of at most `most` bytes (a larger tensor alone), in order."""
+    group, held = {}, 0
+    for name, t in tensors:
+        size = t.numel() * t.element_size()
+        if group and held + size > most:
+            yield group
+            group, held = {}, 0
+        group[name] = t
+        held += size
+    if group:
+        yield group
+
+
+def _unshared(group: dict) -> dict:
+    """safetensors refuses tensors that share memory (a tied weight read from one file): each
+    later one copied, every one contiguous."""
+    seen, out = set(), {}
+    for name, t in group.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = (t.clone() if ptr in seen else t).contiguous()
+        seen.add(ptr)
+    return out
+
+
+def _final_names(n: int) -> list[str]:
+    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def load_model(folder: str) -> torch.nn.Module:
+    """The model an export holds, built from its `baton.json` and given its parameters (on
+    the CPU, in eval mode): for inference, or to train further outside baton."""
+    from safetensors.torch import load_file
+
+    from baton.models import build_model
+
+    path = Path(folder)
+    try:
+        about = json.loads((path / ABOUT).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder} is not a baton export (its {ABOUT}: {e})") from None
+    spec = ModelSpec(**about["model"])
+    state: dict = {}
+    for name in about["files"]:
+        state.update(load_file(str(path / name)))
+    if spec.name.startswith(HF_PREFIX):
+        state = {HF_NAMES + n: t for n, t in state.items()}
+        spec = ModelSpec(**{**about["model"], "init_from": None})
+    model = build_model(spec, 0)
+    model.load_state_dict(state)
+    return model.eval()

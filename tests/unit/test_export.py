@@ -1,0 +1,165 @@
+"""`baton export`: a committed checkpoint, whatever wrote it (a file per pipeline stage, DCP
+shards, a tensor-parallel worker's pieces), as safetensors files in Hugging Face's layout, and
+`baton.load_model` building the model back. The checkpoints are written here as the workers
+write them, without Ray."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import baton
+from baton import cli
+from baton.checkpoint import CheckpointStore
+from baton.checkpoint import sharded
+from baton.errors import CheckpointError
+from baton.models import build_model
+from baton.spec import spec_from_dict
+from helpers import tiny_spec, write_spec
+
+GPT = {"name": "gpt", "layers": 2, "width": 32, "heads": 4, "seq_len": 32}
+
+
+def _job(tmp_path, model=GPT):
+    raw = tiny_spec(tmp_path, tmp_path / "data", name="exp", model=model)
+    return spec_from_dict(raw), write_spec(tmp_path / "job.yaml", raw)
+
+
+def _stages(store: CheckpointStore, step: int, state: dict, cut: str = "2.") -> None:
+    """A checkpoint as two pipeline stages write it: the model's names up to `cut` in the
+    first file, the rest in the second."""
+    names = list(state)
+    first = names[:next(i for i, n in enumerate(names) if n.startswith(cut))]
+    store.begin(step)
+    parts = []
+    for i, part in enumerate(({n: state[n] for n in first},
+                              {n: state[n] for n in names if n not in first})):
+        parts.append(store.write_tensors(step, f"model-{i:04d}.pt", part))
+        parts.append(store.write_tensors(step, f"optim-{i:04d}.pt", {"state": {}, "param_groups": []}))
+    store.commit(step, {"step": step, "layout": {"pp": 2}}, keep=5, parts=parts)
+
+
+def test_a_pipelines_checkpoint_exports_whole_and_loads_back(tmp_path, capsys):
+    spec, job = _job(tmp_path)
+    state = build_model(spec.model, 3).state_dict()
+    store = CheckpointStore(spec.checkpoint_dir)
+    _stages(store, 4, {n: t + 1 for n, t in state.items()})
+    _stages(store, 6, state)
+
+    assert cli.main(["export", str(job), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    total = sum(t.numel() for t in state.values())
+    assert printed.startswith(f"exported step 6 of exp: {total:,} parameters (")
+    assert f'load it: baton.load_model("{tmp_path / "out"}")' in printed
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["baton.json", "model.safetensors"]  # and nothing half-written beside it
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert written.keys() == state.keys() and all(torch.equal(written[n], state[n]) for n in state)
+    about = json.loads((tmp_path / "out" / "baton.json").read_text())
+    assert about["step"] == 6 and about["model"]["width"] == 32 and about["parameters"] == total
+
+    model = baton.load_model(str(tmp_path / "out"))
+    assert not model.training
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    want = build_model(spec.model, 3).eval()
+    assert torch.equal(model(tokens), want(tokens))
+
+    # an older step, in files of at most 20 kB: Hugging Face's sharded layout with its index
+    baton.export(spec, str(tmp_path / "older"), step=4, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "older" / "model.safetensors.index.json").read_text())
+    names = sorted(set(index["weight_map"].values()))
+    assert len(names) > 2 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    assert index["metadata"]["total_size"] == total * 4
+    got = {}
+    for name in names:
+        part = load_file(str(tmp_path / "older" / name))
+        assert sum(t.numel() * 4 for t in part.values()) <= 20_000 or len(part) == 1
+        assert all(index["weight_map"][n] == name for n in part)
+        got.update(part)
+    assert all(torch.equal(got[n], state[n] + 1) for n in state)
+
+
+def test_a_tensor_parallel_workers_pieces_export_as_whole_tensors(tmp_path):
+    """Two workers' pieces of one tensor, each holding rows that are not adjacent (a share of
+    a fused projection: its heads' rows of q and of k), written through DCP's two rounds as a
+    survivors' save writes them, and a tensor both hold whole (written once)."""
+    spec, _ = _job(tmp_path)
+    store = CheckpointStore(spec.checkpoint_dir)
+    qkv, norm = torch.arange(24.0).reshape(8, 3), torch.tensor([1.0, 2.0])
+    store.begin(5)
+    where = store.shards(5)
+    saves = [sharded.PlannedSave({"model": {"1.qkv.weight": sharded.Pieces(
+        [8, 3], [([4 * part + 2 * w, 0], qkv[4 * part + 2 * w:4 * part + 2 * w + 2]) for part in (0, 1)]),
+        "1.ln.weight": norm}}, where) for w in (0, 1)]
+    plans, finish = sharded.plan_globally(where, [s.plan() for s in saves])
+    written = [s.write(p) for s, p in zip(saves, plans)]
+    parts = [p for _, records in written for p in records] + finish([r for r, _ in written])
+    store.commit(5, {"step": 5, "layout": {"pp": 1, "tp": 2}}, keep=5, parts=parts)
+    assert sharded.tensor_sizes(where, "model") == {"1.qkv.weight": 96, "1.ln.weight": 8}
+    assert list(sharded.read_some(where, "model", ["1.ln.weight"])) == ["1.ln.weight"]
+
+    about = baton.export(spec, str(tmp_path / "out"), max_shard_bytes=50)
+    assert about["files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    got = {**load_file(str(tmp_path / "out" / about["files"][0])),
+           **load_file(str(tmp_path / "out" / about["files"][1]))}
+    assert torch.equal(got["1.qkv.weight"], qkv) and torch.equal(got["1.ln.weight"], norm)
+
+
+def test_a_hugging_face_models_export_is_a_save_pretrained_folder(tmp_path):
+    """An hf: model's export loads with transformers' own from_pretrained (its names, its
+    config.json), the tied head included, and computes what the trained model does."""
+    transformers = pytest.importorskip("transformers")
+    model = {"name": "hf:gpt2", "seq_len": 32, "vocab_size": 256,
+             "config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32}}
+    spec, _ = _job(tmp_path, model)
+    trained = build_model(spec.model, 5).eval()
+    store = CheckpointStore(spec.checkpoint_dir)
+    store.begin(2)
+    # as a worker writes it: the tied head and embedding are one tensor in one file
+    parts = [store.write_tensors(2, "model-0000.pt", trained.state_dict()),
+             store.write_tensors(2, "optim-0000.pt", {"state": {}, "param_groups": []})]
+    store.commit(2, {"step": 2, "layout": {"pp": 1}}, keep=5, parts=parts)
+
+    baton.export(spec, str(tmp_path / "out"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True).eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=tokens).logits, trained(tokens))
+        assert torch.equal(baton.load_model(str(tmp_path / "out"))(tokens), trained(tokens))
+
+
+def test_what_cannot_be_exported_is_one_line_and_writes_nothing(tmp_path, capsys):
+    spec, job = _job(tmp_path)
+    out = tmp_path / "out"
+
+    def fails(*extra: str) -> str:
+        assert cli.main(["export", str(job), "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and not out.exists()
+        return err
+    assert "holds no committed checkpoint; train the job first" in fails()
+    store = CheckpointStore(spec.checkpoint_dir)
+    state = build_model(spec.model, 0).state_dict()
+    _stages(store, 2, state)
+    _stages(store, 4, state)
+    assert "has no committed checkpoint 3; it has 2, 4" in fails("--step", "3")
+    assert "--max-file-mb must be at least 1" in fails("--max-file-mb", "0")
+    # a truncated part: named, and not exported; without --step the one before it is
+    part = f"{store.step_dir(4)}/model-0001.pt"
+    with open(part, "r+b") as f:
+        f.truncate(100)
+    err = fails("--step", "4")
+    assert "checkpoint 4 in" in err and "does not verify: part model-0001.pt" in err, err
+    assert cli.main(["export", str(job), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("baton: checkpoint 4 does not verify (part model-0001.pt")
+    assert captured.out.startswith("exported step 2 of exp")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    assert cli.main(["export", str(job), "--out", str(out)]) == 2
+    assert "already exists; choose a new --out" in capsys.readouterr().err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
