@@ -55,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
                           "Hugging Face's save_pretrained)")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+    smp = sub.add_parser("sample", help="text from an exported language model (baton export)")
+    smp.add_argument("folder", help="the folder baton export wrote")
+    smp.add_argument("--prompt", required=True, help="the text to go on from")
+    smp.add_argument("--tokens", type=int, default=200, help="how many tokens to write (default 200)")
+    smp.add_argument("--temperature", type=float, default=0.8,
+                     help="below 1: safer choices; 0: always the likeliest (default 0.8)")
+    smp.add_argument("--top-k", type=int, default=200, help="draw from the k likeliest (default 200)")
+    smp.add_argument("--seed", type=int, default=0)
+
     _remote_parsers(sub)
 
     data = sub.add_parser("data", help="data preparation")
@@ -348,6 +357,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _report(args)
     if args.command == "export":
         return _export(args)
+    if args.command == "sample":
+        from baton.sample import sample
+
+        for flag, value, least in (("--tokens", args.tokens, 1), ("--top-k", args.top_k, 1),
+                                   ("--temperature", args.temperature, 0)):
+            if value < least:
+                print(f"baton: error: {flag} must be at least {least}", file=sys.stderr)
+                return 2
+        print(sample(args.folder, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+        return 0
     if args.command == "run":
         from baton.spec import load_spec
 

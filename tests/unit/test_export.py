@@ -163,3 +163,46 @@ def test_what_cannot_be_exported_is_one_line_and_writes_nothing(tmp_path, capsys
     assert cli.main(["export", str(job), "--out", str(out)]) == 2
     assert "already exists; choose a new --out" in capsys.readouterr().err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
+
+
+class _Counting(torch.nn.Module):
+    """A language model that always makes the next token the last one plus 1 (mod 8)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot((ids + 1) % 8, 8).float() * 10
+
+
+def test_generation_draws_from_the_last_positions_logits_and_stops_at_the_documents_end():
+    from baton.sample import generate
+
+    assert generate(_Counting(), [5], 4, seq_len=4, temperature=0) == [6, 7, 0, 1]
+    assert generate(_Counting(), [5], 4, seq_len=4, temperature=0, stop=0) == [6, 7]
+    # top_k 1 is the likeliest whatever the temperature; a seed repeats a draw
+    assert generate(_Counting(), [2], 3, seq_len=4, temperature=5.0, top_k=1) == [3, 4, 5]
+    flat = torch.nn.Module()
+    flat.forward = lambda ids: torch.zeros(1, ids.shape[1], 8)
+    draws = [generate(flat, [0], 12, seq_len=4, seed=s) for s in (1, 1, 2)]
+    assert draws[0] == draws[1] != draws[2] and set(draws[0]) <= set(range(8))
+
+
+def test_sample_writes_text_after_the_prompt_with_the_corpus_tokenizer(tmp_path, capsys):
+    spec, job = _job(tmp_path)
+    _stages(CheckpointStore(spec.checkpoint_dir), 2, build_model(spec.model, 0).state_dict())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "_corpus.json").write_text(json.dumps({"tokenizer": "bytes", "eod_token": 0}))
+    assert cli.main(["export", str(job), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    args = ["sample", str(tmp_path / "out"), "--prompt", "def ", "--tokens", "40", "--seed", "3"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def ") and len(text.encode()) > 4
+    assert cli.main(args) == 0 and capsys.readouterr().out == text  # the seed's draw
+    assert cli.main([*args[:-1], "4"]) == 0 and capsys.readouterr().out != text
+
+    for argv, message in (
+            (["sample", str(tmp_path), "--prompt", "x"], f"{tmp_path} is not a folder baton export wrote"),
+            ([*args, "--tokens", "0"], "--tokens must be at least 1"),
+            (["sample", str(tmp_path / "out"), "--prompt", ""], "--prompt: give at least one character")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("baton: error: ") and message in err and err.count("\n") == 1, err

@@ -49,7 +49,7 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
     step = _pick(store, step, log or (lambda line: print(line, file=sys.stderr)))
     hf = spec.model.name.startswith(HF_PREFIX)
     about = {"job": spec.name, "step": step, "model": spec.to_dict()["model"],
-             "checkpoint": store.step_dir(step)}
+             "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step)}
     meta = {"format": "pt", "baton.job": spec.name, "baton.step": str(step)}
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -83,6 +83,22 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return about
+
+
+def _tokens(spec: JobSpec) -> Optional[dict]:
+    """How the job's corpus was tokenised, as `baton data prepare` recorded it (its
+    `_corpus.json`: the tokenizer, `bytes` or a `module:function`, and the end-of-document
+    token), for `baton sample`; None for a corpus written otherwise, or not readable here."""
+    from baton import storage
+
+    if spec.task != "language_model":
+        return None
+    try:
+        fs, path = storage.resolve(spec.data.path)
+        info = json.loads(storage.read_bytes(fs, f"{path}/_corpus.json"))
+        return {"tokenizer": info["tokenizer"], "eod_token": info.get("eod_token")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _pick(store: CheckpointStore, step: Optional[int], log: Callable[[str], None]) -> int:
@@ -158,6 +174,15 @@ def _final_names(n: int) -> list[str]:
     return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
+def read_about(folder: str) -> dict:
+    """An export's `baton.json`."""
+    try:
+        return json.loads((Path(folder) / ABOUT).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder} is not a folder baton export wrote (its {ABOUT}: "
+                              f"{type(e).__name__}: {getattr(e, 'strerror', None) or e})") from None
+
+
 def load_model(folder: str) -> torch.nn.Module:
     """The model an export holds, built from its `baton.json` and given its parameters (on
     the CPU, in eval mode): for inference, or to train further outside baton."""
@@ -165,11 +190,7 @@ def load_model(folder: str) -> torch.nn.Module:
 
     from baton.models import build_model
 
-    path = Path(folder)
-    try:
-        about = json.loads((path / ABOUT).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder} is not a baton export (its {ABOUT}: {e})") from None
+    path, about = Path(folder), read_about(folder)
     spec = ModelSpec(**about["model"])
     state: dict = {}
     for name in about["files"]:
