@@ -50,6 +50,20 @@ def write_dataset(folder: Path, num_samples: int, seq_len: int, shards: int = 2,
 KEEP_WARM_S = 0.0  # resources.keep_warm_s of tiny_spec's jobs (conftest's warm_workers sets it)
 
 
+def require_cxx() -> None:
+    """Skip a test of train.compile on CPU where there is no C++ compiler for Inductor; fail
+    instead under BATON_REQUIRE_CXX (CI installs g++ and sets it, so there it cannot skip)."""
+    import pytest
+
+    from baton.parallel.compiled import CXX
+
+    if not any(shutil.which(c) for c in CXX):
+        if os.environ.get("BATON_REQUIRE_CXX"):
+            pytest.fail("BATON_REQUIRE_CXX is set but there is no C++ compiler; apt-get install g++")
+        pytest.skip("no C++ compiler for Inductor on CPU (apt-get install g++; CI installs it "
+                    "and sets BATON_REQUIRE_CXX, so there it cannot skip)")
+
+
 def tiny_spec(tmp: Path, data_dir: Path, **sections) -> dict:
     """A small job as a dict; `sections` override whole keys of each section."""
     spec = {

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,10 +15,9 @@ from mlflow.tracking import MlflowClient
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.models import build_model
-from baton.parallel.compiled import CXX
 from baton.spec import spec_from_dict
 from baton.tracking.profile import COMPUTE_CPU
-from helpers import assert_like_one_process, reference_run, tiny_spec, write_dataset
+from helpers import assert_like_one_process, reference_run, require_cxx, tiny_spec, write_dataset
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
@@ -101,11 +98,7 @@ def test_every_sample_exactly_once_per_epoch(tmp_path):
 def test_compiled_blocks_train_as_one_eager_process(tmp_path):
     """train.compile: each block compiled in place by torch.compile (Inductor's C++ on CPU)
     at dp 2 trains as one eager process; compiling is a phase of its own in the start."""
-    if not any(shutil.which(c) for c in CXX):
-        if os.environ.get("BATON_REQUIRE_CXX"):
-            pytest.fail("BATON_REQUIRE_CXX is set but there is no C++ compiler; apt-get install g++")
-        pytest.skip("no C++ compiler for Inductor on CPU (apt-get install g++; CI installs it "
-                    "and sets BATON_REQUIRE_CXX, so there it cannot skip)")
+    require_cxx()
     data = write_dataset(tmp_path / "data", 64, 32)
     spec = spec_from_dict(tiny_spec(tmp_path, data, name="compiled", train={"compile": True}))
     result = api.run(spec, show_progress=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import time
 
@@ -19,11 +18,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.models import build_model
-from baton.parallel.compiled import CXX
 from baton.parallel.tensor import split_layers
 from baton.spec import spec_from_dict
 from baton.workers import warm
-from helpers import assert_like_one_process, await_growth, reference_run, tiny_spec, write_dataset
+from helpers import (assert_like_one_process, await_growth, reference_run, require_cxx, tiny_spec,
+                     write_dataset)
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
@@ -213,11 +212,7 @@ def test_compiled_tp_blocks_train_as_one_eager_process(tmp_path, data):
     """train.compile at dp 2 x tp 2 with sequence parallelism: each block compiled with its
     share's collectives in the graph (Inductor's C++ on CPU), under DDP; compiling is a phase
     of the start."""
-    if not any(shutil.which(c) for c in CXX):
-        if os.environ.get("BATON_REQUIRE_CXX"):
-            pytest.fail("BATON_REQUIRE_CXX is set but there is no C++ compiler; apt-get install g++")
-        pytest.skip("no C++ compiler for Inductor on CPU (apt-get install g++; CI installs it "
-                    "and sets BATON_REQUIRE_CXX, so there it cannot skip)")
+    require_cxx()
     spec = _spec(tmp_path, data, "tp-compiled", 3, sequence_parallel=True)
     spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, compile=True))
     result = api.run(spec, show_progress=False)

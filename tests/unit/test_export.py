@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pyarrow.fs as pafs
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,7 +15,6 @@ import baton
 from baton import cli
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint import sharded
-from baton.errors import CheckpointError
 from baton.models import build_model
 from baton.spec import spec_from_dict
 from helpers import tiny_spec, write_spec

@@ -7,7 +7,6 @@ workers), and what a block's first norm is given."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 
 import pytest
@@ -16,10 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from baton.models import build_model
-from baton.parallel.compiled import CXX
 from baton.parallel.tensor import Shares
 from baton.spec import ModelSpec
 from baton.tasks import IGNORE, loss_sum
+from helpers import require_cxx
 
 SPEC = ModelSpec(name="gpt", layers=2, width=16, heads=4, seq_len=8, vocab_size=32)
 
@@ -167,11 +166,7 @@ def test_compiled_tp_blocks_compute_what_eager_ones_do(tmp_path):
     included, compiled by torch.compile (Inductor's C++ on CPU), plain and under sequence
     parallelism, against the same shares eager: loss and every gradient. Dynamo takes the
     collectives inside the split layers' autograd functions into its graphs (no graph break)."""
-    if not any(shutil.which(c) for c in CXX):
-        if os.environ.get("BATON_REQUIRE_CXX"):
-            pytest.fail("BATON_REQUIRE_CXX is set but there is no C++ compiler; apt-get install g++")
-        pytest.skip("no C++ compiler for Inductor on CPU (apt-get install g++; CI installs it "
-                    "and sets BATON_REQUIRE_CXX, so there it cannot skip)")
+    require_cxx()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
