@@ -179,3 +179,36 @@ def test_compiled_tp_blocks_compute_what_eager_ones_do(tmp_path):
             # another order): loss 0, gradients 9.5e-7 (plain) and 7.2e-7 (sequence parallel)
             assert r[sequence]["blocks"] == 4
             assert r[sequence]["loss"] < 1e-4 and r[sequence]["grads"] < 1e-5, r
+
+
+def _mesh_worker(rank: int, port: int, out: str) -> None:
+    import warnings
+
+    from baton.parallel import ParallelDims
+    from baton.parallel.mesh import axis
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning here reaches every worker's console
+            mesh = ParallelDims(dp=2, tp=2).device_mesh("cpu", 30)
+            groups = {name: dist.get_process_group_ranks(axis(mesh, name).get_group())
+                      for name in ("dp", "tp", "dp_shard")}
+        torch.save(groups, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_flattened_dp_axis_groups_each_shares_replicas_without_a_warning(tmp_path):
+    """dp 2 x tp 2: DDP's group under tensor parallelism ("dp", both dp axes flattened) holds
+    the workers of one share, and taking it warns of nothing (sliced out of the root mesh,
+    torch 2.13 warned of a deprecation on the console of every tp run, once per worker)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_mesh_worker, args=(port, str(tmp_path)), nprocs=4)
+    for rank in range(4):
+        groups = torch.load(tmp_path / f"{rank}.pt")
+        assert groups["dp"] == [rank % 2, rank % 2 + 2] and groups["tp"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert groups["dp_shard"] == [rank]

@@ -100,7 +100,7 @@ class ParallelDims:
         """torch's DeviceMesh of (pp, dp_replicate, dp_shard), and tp when tp > 1, over the
         default process group (every rank must call it, in the same order). Every group the
         engines use comes from it: `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`,
-        `mesh["pp"]`, and with tp `mesh["tp"]` and `mesh["dp"]` (both dp axes flattened); a
+        `mesh["pp"]`, and with tp `mesh["tp"]` and `axis(mesh, "dp")` (both dp axes flattened); a
         rank's group along an axis holds the ranks that differ from it only there (its dp
         group: those holding the same share of its stage). Each
         group gets the job's collective timeout: torch gives a mesh's groups its default (30
@@ -116,8 +116,8 @@ class ParallelDims:
         if self.tp > 1:  # every dp rank of a stage's share, sharded or not (DDP's group)
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
             axes += ("dp",)
-        for axis in axes:
-            _set_pg_timeout(timedelta(seconds=timeout_s), mesh[axis].get_group())
+        for name in axes:
+            _set_pg_timeout(timedelta(seconds=timeout_s), axis(mesh, name).get_group())
         return mesh
 
     def replica_part(self, batch_ids: np.ndarray, dp_rank: int) -> np.ndarray:
@@ -129,3 +129,11 @@ class ParallelDims:
 def split_micro(ids: np.ndarray, num_micro: int) -> list[np.ndarray]:
     """Split one replica's samples into `num_micro` micro-batches (some may be empty)."""
     return np.array_split(ids, num_micro)
+
+
+def axis(mesh, name: str):
+    """`mesh[name]`, but a flattened axis ("dp") as the root mesh keeps it: sliced out of the
+    root, torch 2.13 warns that this "will be deprecated" and the warning reached the console
+    of every tensor-parallel `baton run`, once per worker (Ray forwards workers' stderr)."""
+    flattened = getattr(mesh, "_flatten_mapping", {})
+    return flattened[name] if name in flattened else mesh[name]

@@ -21,6 +21,7 @@ from baton.parallel import comm
 from baton.parallel import schedule as sched
 from baton.parallel.activations import checkpoint_activations
 from baton.parallel.compiled import compile_blocks
+from baton.parallel.mesh import axis
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard,
@@ -181,7 +182,7 @@ class TensorParallelEngine(DataParallelEngine):
                                     self.spec.parallel.sequence_parallel,
                                     getattr(self.task, "split_logits", False),
                                     random=self.own_random)
-        return None, {"group": self.mesh["dp"].get_group()}  # DDP's: every replica of the share
+        return None, {"group": axis(self.mesh, "dp").get_group()}  # DDP's: every replica of the share
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         self.replica.load_full(*self.shares.take(model_state, optim_state))
