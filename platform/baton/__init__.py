@@ -45,16 +45,16 @@ def run(job, overrides=(), **options):
     return api.run(spec, **options)
 
 
-def export(job, out, step=None, overrides=(), max_shard_bytes=None):
+def export(job, out, step=None, overrides=(), max_shard_bytes=None, hf=False):
     """Write a job's trained model (checkpoint `step`, default the newest that verifies) to the
     folder `out` as safetensors, in Hugging Face's layout (`baton.checkpoint.export`);
-    returns what its baton.json says."""
+    returns what its baton.json says. `hf`: the built-in gpt as GPT-2, for transformers."""
     from baton.checkpoint import export as exporting
     from baton.spec import JobSpec
 
     spec = job if isinstance(job, JobSpec) and not overrides else load(
         job.to_dict() if isinstance(job, JobSpec) else job, overrides)
-    return exporting.export(spec, out, step, max_shard_bytes or exporting.MAX_SHARD_BYTES)
+    return exporting.export(spec, out, step, max_shard_bytes or exporting.MAX_SHARD_BYTES, hf=hf)
 
 
 def load_model(folder):

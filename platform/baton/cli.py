@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-file-mb", type=int, default=5000,
                      help="split into files of at most this many MB (default 5000, as "
                           "Hugging Face's save_pretrained)")
+    exp.add_argument("--hf", action="store_true",
+                     help="the built-in gpt as Hugging Face's GPT-2 (GPT2LMHeadModel: its names "
+                          "and a config.json), for transformers and what reads its folders")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
     smp = sub.add_parser("sample", help="text from an exported language model (baton export)")
@@ -466,14 +469,14 @@ def _export(args: argparse.Namespace) -> int:
         print("baton: error: --max-file-mb must be at least 1", file=sys.stderr)
         return 2
     spec = load_spec(args.job, args.set)
-    about = export(spec, args.out, args.step, args.max_file_mb * 10**6)
+    about = export(spec, args.out, args.step, args.max_file_mb * 10**6, hf=args.hf)
     files = about["files"]
     print(f"exported step {about['step']} of {about['job']}: {about['parameters']:,} parameters "
           f"({about['bytes'] / 2**20:,.1f} MiB) to {args.out} ("
           + (files[0] if len(files) == 1 else f"{len(files)} files") + ")")
     print(f'  load it: baton.load_model("{args.out}")'
           + (f', or transformers\' from_pretrained("{args.out}")'
-             if spec.model.name.startswith("hf:") else ""))
+             if about["names"] != "baton" else ""))
     return 0
 
 

@@ -16,7 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+import baton
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.errors import CheckpointError, DataError
@@ -469,7 +471,8 @@ def test_a_corpus_in_s3_trains_like_its_local_copy(tmp_path, s3_endpoint):
 def test_a_sharded_job_checkpoints_to_s3_and_resumes_at_another_layout(tmp_path, s3_endpoint):
     """ZeRO-3 at dp 2 writes its shards (torch.distributed.checkpoint through pyarrow) to a
     real S3 endpoint, moto's server; the job resumes from there under DDP and ends where one
-    process does. Tolerance: the data-parallel tests' bound; measured here: 1.8e-5."""
+    process does, and both checkpoints export from there. Tolerance: the data-parallel tests'
+    bound; measured here: 1.8e-5."""
     import pyarrow.fs as pafs
 
     fs, path = pafs.FileSystem.from_uri(f"s3://ckpts?{s3_endpoint}&allow_bucket_creation=true")
@@ -490,6 +493,12 @@ def test_a_sharded_job_checkpoints_to_s3_and_resumes_at_another_layout(tmp_path,
     worst = max(float((got[n] - ref).abs().max()) for n, ref in want.items())
     print(f"largest parameter difference from the one-process reference: {worst:.3g}")
     assert_params_close(got, want, rtol=1e-5, atol=4e-5)
+    # both exported from S3, the shards (step 2) and the whole file (step 3), to a local folder
+    for step in (2, 3):
+        baton.export(spec, str(tmp_path / f"model-{step}"), step=step)
+        model = baton.load_model(str(tmp_path / f"model-{step}"))
+        want = store.read_model(step)
+        assert all(torch.equal(q, want[n]) for n, q in model.state_dict().items())
 
 
 def test_credentials_in_uris_are_written_nowhere(tmp_path, s3_endpoint, capfd):

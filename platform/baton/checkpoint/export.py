@@ -7,7 +7,12 @@ The folder it writes is Hugging Face's layout: `model.safetensors`, or, past `ma
 tensor); and `baton.json` (the job, the step, the model's section of the job file). An `hf:`
 model's folder is also a `save_pretrained` one (its `config.json`, the names transformers
 gives its parameters), so `AutoModelForCausalLM.from_pretrained` and `model.init_from` load
-it. `load_model` builds the model again and loads it.
+it; and so is the built-in GPT's with `hf=True` (`baton export --hf`): it is GPT-2's
+architecture (pre-norm blocks, learned positions, a fused q/k/v projection, an untied head
+without bias; exact GELU, which GPT-2's configuration names "gelu"), written under
+`GPT2LMHeadModel`'s names, its linear weights transposed to GPT-2's `Conv1D` layout, with a
+`config.json` written here (no transformers needed to export). `load_model` builds the
+model again and loads it, in either form.
 
 Memory: a sharded checkpoint is read about a file's worth of whole tensors at a time, and a
 per-stage one a stage at a time, so exporting a model larger than this machine's memory
@@ -37,19 +42,26 @@ HF_NAMES = "model."  # an hf: model's parameters are its transformers model's, u
 
 
 def export(spec: JobSpec, out: str, step: Optional[int] = None,
-           max_shard_bytes: int = MAX_SHARD_BYTES, log: Optional[Callable[[str], None]] = None) -> dict:
+           max_shard_bytes: int = MAX_SHARD_BYTES, log: Optional[Callable[[str], None]] = None,
+           hf: bool = False) -> dict:
     """Write checkpoint `step` of `spec`'s job (default: the newest that verifies) to the
-    folder `out`, which must not exist; returns what `baton.json` says, with the files."""
+    folder `out`, which must not exist; returns what `baton.json` says, with the files.
+    `hf`: the built-in GPT as Hugging Face's GPT-2 (an hf: model is in its form anyway)."""
     from safetensors.torch import save_file
 
     target = Path(out)
     if target.exists():
         raise CheckpointError(f"{out} already exists; choose a new --out")
+    gpt2 = hf and spec.model.name == "gpt"
+    if hf and not gpt2 and not spec.model.name.startswith(HF_PREFIX):
+        raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
+                              "built-in gpt (as GPT-2) and hf: models do")
     store = CheckpointStore(spec.checkpoint_dir)
     step = _pick(store, step, log or (lambda line: print(line, file=sys.stderr)))
     hf = spec.model.name.startswith(HF_PREFIX)
     about = {"job": spec.name, "step": step, "model": spec.to_dict()["model"],
-             "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step)}
+             "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step),
+             "names": "gpt2" if gpt2 else "transformers" if hf else "baton"}
     meta = {"format": "pt", "baton.job": spec.name, "baton.step": str(step)}
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -60,6 +72,8 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
             name = f"part-{len(files):05d}.safetensors"
             if hf:
                 group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
+            elif gpt2:
+                group = dict(to_gpt2(n, t, spec.model.layers) for n, t in group.items())
             save_file(_unshared(group), str(tmp / name), metadata=meta)
             files.append(name)
             for n, t in group.items():
@@ -77,6 +91,8 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
             from baton.models.hf import _config
 
             _config(spec.model).save_pretrained(tmp)
+        elif gpt2:
+            (tmp / "config.json").write_text(json.dumps(gpt2_config(spec.model), indent=1))
         about.update(files=names, parameters=count, bytes=total)
         (tmp / ABOUT).write_text(json.dumps(about, indent=1))
         os.replace(tmp, target)
@@ -174,6 +190,52 @@ def _final_names(n: int) -> list[str]:
     return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
+# The built-in GPT's parameters under GPT-2's names: (baton's, without the layer's index;
+# GPT-2's, with {} for the block's index; transposed: GPT-2's Conv1D holds (in, out))
+_BLOCK = [("ln1", "ln_1", False), ("qkv", "attn.c_attn", True), ("proj", "attn.c_proj", True),
+          ("ln2", "ln_2", False), ("fc", "mlp.c_fc", True), ("out", "mlp.c_proj", True)]
+
+
+def to_gpt2(name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
+    """One of the built-in GPT's parameters as GPT2LMHeadModel names and holds it."""
+    index, layer, kind = name.split(".")
+    index = int(index)
+    if index == 0:
+        return f"transformer.{dict(tok='wte', pos='wpe')[layer]}.{kind}", t
+    if index == layers + 1:
+        return ("lm_head.weight", t) if layer == "lm" else (f"transformer.ln_f.{kind}", t)
+    mine, theirs, transposed = next(b for b in _BLOCK if b[0] == layer)
+    return (f"transformer.h.{index - 1}.{theirs}.{kind}",
+            t.t() if transposed and kind == "weight" else t)
+
+
+def from_gpt2(state: dict, layers: int) -> dict:
+    """`to_gpt2` undone: GPT-2's names and layouts back to the built-in GPT's."""
+    names = {to_gpt2(f"{i}.{layer}.{kind}", torch.empty(0, 0), layers)[0]: f"{i}.{layer}.{kind}"
+             for i, layer, kind in [(0, "tok", "weight"), (0, "pos", "weight"),
+                                    (layers + 1, "ln", "weight"), (layers + 1, "ln", "bias"),
+                                    (layers + 1, "lm", "weight")]
+             + [(i, b[0], k) for i in range(1, layers + 1) for b in _BLOCK for k in ("weight", "bias")]}
+    out = {}
+    for name, t in state.items():
+        mine = names[name]
+        transposed = any(mine.endswith(f".{b[0]}.weight") and b[2] for b in _BLOCK)
+        out[mine] = t.t() if transposed else t
+    return out
+
+
+def gpt2_config(model: ModelSpec) -> dict:
+    """The built-in GPT as GPT-2's configuration (what `GPT2Config.to_dict` writes, less what
+    its defaults already say)."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": model.vocab_size, "n_positions": model.seq_len, "n_embd": model.width,
+            "n_layer": model.layers, "n_head": model.heads, "n_inner": 4 * model.width,
+            "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
+            "resid_pdrop": model.dropout, "embd_pdrop": model.dropout, "attn_pdrop": model.dropout,
+            "tie_word_embeddings": False, "scale_attn_weights": True,
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
 def read_about(folder: str) -> dict:
     """An export's `baton.json`."""
     try:
@@ -195,7 +257,9 @@ def load_model(folder: str) -> torch.nn.Module:
     state: dict = {}
     for name in about["files"]:
         state.update(load_file(str(path / name)))
-    if spec.name.startswith(HF_PREFIX):
+    if about.get("names") == "gpt2":
+        state = from_gpt2(state, spec.layers)
+    elif spec.name.startswith(HF_PREFIX):
         state = {HF_NAMES + n: t for n, t in state.items()}
         spec = ModelSpec(**{**about["model"], "init_from": None})
     model = build_model(spec, 0)
