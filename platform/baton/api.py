@@ -23,7 +23,7 @@ from baton.console import RayMessages
 from baton.data import corpus
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, needs_prepare, preflight
-from baton.errors import CheckpointError, ClusterError, reason
+from baton.errors import CheckpointError, ClusterError, SpecError, reason
 from baton.spec import JobSpec, load_spec
 from baton.spec_checks import check_fits
 from baton.tracking import make_tracker
@@ -36,7 +36,26 @@ def validate(path: str, overrides: list[str] = ()) -> tuple[JobSpec, Optional[Jo
     """Load and check a job file without starting anything; the data is checked, and what the
     run would read returned, if it is there (built-in data is prepared on first run)."""
     spec = load_spec(path, overrides)
+    check_init_from(spec, str(path))
     return spec, None if needs_prepare(spec) else preflight(spec, str(path))
+
+
+def check_init_from(spec: JobSpec, source: str) -> None:
+    """`model.init_from` names weights this model can start from: for a model of baton's (or
+    your builder's), a `baton export` folder holding every parameter at its shape; an hf:
+    model's is read by transformers' from_pretrained on the workers."""
+    m = spec.model
+    if m.init_from is None or m.name.startswith("hf:"):
+        return
+    from baton.checkpoint.export import Exported
+    from baton.models import _on_meta
+
+    try:
+        problem = Exported(m.init_from).problem(_on_meta(m))
+    except CheckpointError as e:
+        problem = str(e)
+    if problem:
+        raise SpecError(f"{source}: model.init_from: {problem}")
 
 
 def stage_plan(spec: JobSpec) -> str:
@@ -149,6 +168,8 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
     if address is not None and not ray.is_initialized():
         probe_cluster(address)
     resume_meta, failed = plan_resume(spec, source, resume)
+    if resume_meta is None:  # (a resume takes its checkpoint's weights)
+        check_init_from(spec, source)
     if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
         check_fits(spec, os.cpu_count() or 1, _local_gpus() if spec.resources.gpus_per_worker else 0,
                    source, "this machine")

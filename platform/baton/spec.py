@@ -34,7 +34,9 @@ class ModelSpec:
     dropout: float = 0.0
     options: dict = field(default_factory=dict)  # passed to a user builder as keyword arguments
     config: dict = field(default_factory=dict)  # hf: models: the transformers configuration
-    init_from: Optional[str] = None  # hf: models: a local save_pretrained folder's weights
+    # the weights to start from: a `baton export` folder (any model whose parameters it
+    # names; hf: models also take any local save_pretrained folder)
+    init_from: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,6 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     hf = m.name.startswith("hf:")
     need(hf or not m.config, "model.config", m.config, "only hf: models take a configuration; "
          "a builder of your own reads model.options")
-    need(hf or m.init_from is None, "model.init_from", m.init_from,
-         "only hf: models load weights this way (a local save_pretrained folder)")
     if m.init_from is not None:
         problem = path_problem(m.init_from)
         need(problem is None, "model.init_from", m.init_from, problem or "")

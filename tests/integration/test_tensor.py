@@ -244,3 +244,23 @@ def test_powersgd_under_tp_trains_within_a_measured_margin_of_one_process(tmp_pa
     # byte-level text: comm.POWERSGD_EPSILON)
     assert late["powersgd"] == pytest.approx(late["exact"], rel=0.05), late
     assert late["powersgd"] != late["exact"]  # the compression was on
+
+
+def test_a_job_fine_tunes_from_an_export_split_and_sharded(tmp_path, data):
+    """model.init_from: a `baton export` folder (here the GPT-2 form) as the start of a dp 2 x
+    tp 2 job under ZeRO-3: each worker fills each layer from the export as it makes it, then
+    keeps its share's shard. One process starting from the same export gives the same numbers."""
+    import baton
+
+    source = _spec(tmp_path / "pre", data, "pretrained", 1)
+    store = CheckpointStore(source.checkpoint_dir)
+    store.begin(1)
+    parts = [store.write_tensors(1, "model-0000.pt", build_model(source.model, 11).state_dict()),
+             store.write_tensors(1, "optim-0000.pt", {"state": {}, "param_groups": []})]
+    store.commit(1, {"step": 1, "layout": {"pp": 1}}, keep=1, parts=parts)
+    baton.export(source, str(tmp_path / "export"), hf=True)
+    spec = _spec(tmp_path, data, "tuned", 2, model={**GPT, "init_from": str(tmp_path / "export")},
+                 shard="full")
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished" and result.step == 2
+    assert_like_one_process(spec, data, result, 2)  # measured: 4.3e-6

@@ -233,3 +233,43 @@ def test_the_built_in_gpt_exports_as_hugging_faces_gpt2(tmp_path, capsys):
     _stages(CheckpointStore(mlp.checkpoint_dir), 2, build_model(mlp.model, 0).state_dict(), cut="1.")
     assert cli.main(["export", str(mlp_job), "--out", str(tmp_path / "no"), "--hf"]) == 2
     assert "--hf: model 'mlp' has no Hugging Face form" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["baton-names", "gpt2-names"])
+def test_a_job_starts_from_an_exports_weights_however_its_model_is_built(tmp_path, hf):
+    """`model.init_from: EXPORT` for the built-in GPT: the whole build (DDP's) and the
+    layer-by-layer one (sharded workers, pipeline stages, tp workers: each layer filled from
+    the export as it is made) both start at the exported parameters, from either form of the
+    export; a job whose model does not match is one line at validation."""
+    from baton import api
+    from baton.errors import SpecError
+    from baton.models import build_lazily
+
+    spec, job = _job(tmp_path)
+    trained = build_model(spec.model, 9).state_dict()
+    _stages(CheckpointStore(spec.checkpoint_dir), 2, trained)
+    baton.export(spec, str(tmp_path / "out"), hf=hf)
+    tuned = baton.load({**spec.to_dict(), "model": {**GPT, "init_from": str(tmp_path / "out")}})
+    whole = build_model(tuned.model, 0).state_dict()
+    lazy, fill = build_lazily(tuned.model, 0)
+    fill(list(lazy))
+    for got in (whole, lazy.state_dict()):
+        assert got.keys() == trained.keys()
+        assert all(torch.equal(got[n], trained[n]) for n in trained)
+
+    raw = tiny_spec(tmp_path, tmp_path / "data", name="other",
+                    model={**GPT, "width": 64, "init_from": str(tmp_path / "out")})
+    with pytest.raises(SpecError, match=r"model.init_from: .*out holds 0.tok.weight of shape "
+                                        r"\[256, 32\], this model's is \[256, 64\]"):
+        api.validate(write_spec(tmp_path / "other.yaml", raw))
+    raw["model"]["init_from"] = str(tmp_path)
+    with pytest.raises(SpecError, match="is not a folder baton export wrote"):
+        api.validate(write_spec(tmp_path / "other.yaml", raw))
+    # a baton.json or a file not as an export writes them: one line, not a traceback
+    for about, data in (("[]", b""), ('{"model": {"name": "gpt"}, "files": ["x.safetensors"]}', b"junk")):
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "baton.json").write_text(about)
+        (tmp_path / "bad" / "x.safetensors").write_bytes(data)
+        raw["model"]["init_from"] = str(tmp_path / "bad")
+        with pytest.raises(SpecError, match="is not an export baton can read"):
+            api.validate(write_spec(tmp_path / "other.yaml", raw))

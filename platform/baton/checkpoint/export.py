@@ -209,21 +209,6 @@ def to_gpt2(name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]
             t.t() if transposed and kind == "weight" else t)
 
 
-def from_gpt2(state: dict, layers: int) -> dict:
-    """`to_gpt2` undone: GPT-2's names and layouts back to the built-in GPT's."""
-    names = {to_gpt2(f"{i}.{layer}.{kind}", torch.empty(0, 0), layers)[0]: f"{i}.{layer}.{kind}"
-             for i, layer, kind in [(0, "tok", "weight"), (0, "pos", "weight"),
-                                    (layers + 1, "ln", "weight"), (layers + 1, "ln", "bias"),
-                                    (layers + 1, "lm", "weight")]
-             + [(i, b[0], k) for i in range(1, layers + 1) for b in _BLOCK for k in ("weight", "bias")]}
-    out = {}
-    for name, t in state.items():
-        mine = names[name]
-        transposed = any(mine.endswith(f".{b[0]}.weight") and b[2] for b in _BLOCK)
-        out[mine] = t.t() if transposed else t
-    return out
-
-
 def gpt2_config(model: ModelSpec) -> dict:
     """The built-in GPT as GPT-2's configuration (what `GPT2Config.to_dict` writes, less what
     its defaults already say)."""
@@ -245,23 +230,98 @@ def read_about(folder: str) -> dict:
                               f"{type(e).__name__}: {getattr(e, 'strerror', None) or e})") from None
 
 
+class Exported:
+    """The parameters an export holds, by the model's own (baton's) names, each read from its
+    file when asked for (safetensors reads one tensor without the rest): what `load_model`
+    and `model.init_from` take them from, whichever names the export was written under."""
+
+    def __init__(self, folder: str):
+        self.folder, self.about = folder, read_about(folder)
+        try:
+            self._index()
+        except Exception as e:  # a baton.json or a file not as export writes them: one line
+            raise CheckpointError(f"{folder} is not an export baton can read ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from None
+
+    def _index(self) -> None:
+        from safetensors import safe_open
+
+        self.spec = ModelSpec(**{**self.about["model"], "init_from": None})
+        kind = self.about.get("names", "baton")
+        gpt2 = ({to_gpt2(mine, torch.empty(0, 0), self.spec.layers)[0]: mine
+                 for mine in _baton_names(self.spec.layers)} if kind == "gpt2" else {})
+        # baton's name -> (its file, the file's name for it, transposed in the file)
+        self.where: dict[str, tuple[str, str, bool]] = {}
+        for file in self.about["files"]:
+            with safe_open(str(Path(self.folder) / file), framework="pt") as f:
+                for stored in f.keys():
+                    mine = (gpt2[stored] if kind == "gpt2"
+                            else HF_NAMES + stored if kind == "transformers" else stored)
+                    self.where[mine] = (file, stored, kind == "gpt2" and _transposed(mine))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        from safetensors import safe_open
+
+        out = {}
+        for mine, (file, stored, transposed) in self.where.items():
+            with safe_open(str(Path(self.folder) / file), framework="pt") as f:
+                shape = tuple(f.get_slice(stored).get_shape())
+            out[mine] = shape[::-1] if transposed else shape
+        return out
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file, stored, transposed = self.where[name]
+        with safe_open(str(Path(self.folder) / file), framework="pt") as f:
+            t = f.get_tensor(stored)
+        return t.t().contiguous() if transposed else t
+
+    def problem(self, model: torch.nn.Module) -> Optional[str]:
+        """Why `model` (on the meta device will do) cannot take these parameters: the first
+        name or shape that differs. None: it can."""
+        have = self.shapes()
+        want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        missing = [n for n in want if n not in have]
+        extra = [n for n in have if n not in want]
+        if missing or extra:
+            return (f"{self.folder} holds {'no ' + missing[0] if missing else extra[0]!s}"
+                    f"{' that this model has' if missing else ', which this model has not'} "
+                    f"(it holds a {self.spec.name} of {self.spec.layers} layers, width {self.spec.width})")
+        wrong = next((n for n in want if want[n] != have[n]), None)
+        if wrong:
+            return (f"{self.folder} holds {wrong} of shape {list(have[wrong])}, this model's is "
+                    f"{list(want[wrong])}")
+        return None
+
+    def load_into(self, module: torch.nn.Module, prefix: str = "") -> None:
+        """Each of `module`'s parameters and buffers that the export holds (`prefix`: the
+        module's name in the whole model, with its dot), in place."""
+        with torch.no_grad():
+            for name, t in module.state_dict(keep_vars=True).items():
+                if prefix + name in self.where:
+                    t.copy_(self.get(prefix + name))
+
+
+def _transposed(name: str) -> bool:
+    return any(name.endswith(f".{mine}.weight") and t for mine, _, t in _BLOCK)
+
+
+def _baton_names(layers: int) -> list[str]:
+    return ([f"0.{n}.weight" for n in ("tok", "pos")]
+            + [f"{i}.{b[0]}.{k}" for i in range(1, layers + 1) for b in _BLOCK for k in ("weight", "bias")]
+            + [f"{layers + 1}.ln.weight", f"{layers + 1}.ln.bias", f"{layers + 1}.lm.weight"])
+
+
 def load_model(folder: str) -> torch.nn.Module:
     """The model an export holds, built from its `baton.json` and given its parameters (on
     the CPU, in eval mode): for inference, or to train further outside baton."""
-    from safetensors.torch import load_file
-
     from baton.models import build_model
 
-    path, about = Path(folder), read_about(folder)
-    spec = ModelSpec(**about["model"])
-    state: dict = {}
-    for name in about["files"]:
-        state.update(load_file(str(path / name)))
-    if about.get("names") == "gpt2":
-        state = from_gpt2(state, spec.layers)
-    elif spec.name.startswith(HF_PREFIX):
-        state = {HF_NAMES + n: t for n, t in state.items()}
-        spec = ModelSpec(**{**about["model"], "init_from": None})
-    model = build_model(spec, 0)
-    model.load_state_dict(state)
+    exported = Exported(folder)
+    model = build_model(exported.spec, 0)
+    problem = exported.problem(model)
+    if problem:
+        raise CheckpointError(problem)
+    exported.load_into(model)
     return model.eval()

@@ -146,7 +146,21 @@ def build_model(spec, seed: int) -> nn.Module:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _whole(_builder(spec)(spec))
+        model = _whole(_builder(spec)(spec))
+    weights = _init_from(spec)
+    if weights is not None:
+        weights.load_into(model)
+    return model
+
+
+def _init_from(spec):
+    """The export `model.init_from` names, for a model of baton's or a builder's (an hf:
+    model's builder reads its own with from_pretrained), or None."""
+    if spec.init_from is None or spec.name.startswith(HF_PREFIX):
+        return None
+    from baton.checkpoint.export import Exported
+
+    return Exported(spec.init_from)
 
 
 def build_lazily(spec, seed: int) -> tuple[nn.Module, Callable[[Iterable[nn.Module]], None]]:
@@ -163,9 +177,12 @@ def build_lazily(spec, seed: int) -> tuple[nn.Module, Callable[[Iterable[nn.Modu
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         made = _builder(spec)(spec)  # a module is built here, whole, as build_model builds it
+    weights = _init_from(spec)
     if not isinstance(made, Layers):
+        if weights is not None:
+            weights.load_into(made)
         return made, lambda layers: None
-    lazy = LayerByLayer(made, seed)
+    lazy = LayerByLayer(made, seed, weights)
     return lazy.module, lazy.fill
 
 

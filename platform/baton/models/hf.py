@@ -4,7 +4,8 @@ keys), built from the configuration with parameters drawn from the job's seed, n
 downloaded (no hub is reachable from most clusters' nodes, and none from here). A causal
 language model by default; `model.options: {head: sequence_classification}` builds the
 type's sequence classifier (`config.num_labels` classes) for `task: classification` over
-token-id inputs. `model.init_from`: a local `save_pretrained` folder to take the weights from.
+token-id inputs. `model.init_from`: a local `save_pretrained` folder to take the weights from
+(`baton export` writes one for an hf: model).
 
 An optional extra: `pip install 'baton[hf]'`."""
 

@@ -41,8 +41,9 @@ class LayerByLayer:
     asked for in the model's order: the stream only goes forward (a layer passed over without
     being asked for cannot be filled later)."""
 
-    def __init__(self, layers: Layers, seed: int):
+    def __init__(self, layers: Layers, seed: int, weights=None):
         self.layers = layers
+        self.weights = weights  # model.init_from's export: each filled layer's values read from it
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             self.module = nn.Sequential(*[make() for make in layers.makers])
         self._position = {id(m): i for i, m in enumerate(self.module)}
@@ -60,6 +61,8 @@ class LayerByLayer:
                 torch.set_rng_state(self._rng)
                 layer = self._make(i) if self.layers.init is None else self._make_and_set(i)
                 self._rng = torch.get_rng_state()
+            if self.weights is not None:
+                self.weights.load_into(layer, f"{i}.")
             _take(self.module[i], layer)
             self.filled.add(i)
 
