@@ -55,6 +55,8 @@ def test_a_pipelines_checkpoint_exports_whole_and_loads_back(tmp_path, capsys):
     assert f'load it: baton.load_model("{tmp_path / "out"}")' in printed
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == ["baton.json", "model.safetensors"]  # and nothing half-written beside it
+    from baton.checkpoint.export import _umask  # as any file this process writes (safetensors: 0600)
+    assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~_umask()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
     written = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert written.keys() == state.keys() and all(torch.equal(written[n], state[n]) for n in state)

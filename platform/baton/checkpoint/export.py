@@ -75,6 +75,7 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
             elif gpt2:
                 group = dict(to_gpt2(n, t, spec.model.layers) for n, t in group.items())
             save_file(_unshared(group), str(tmp / name), metadata=meta)
+            os.chmod(tmp / name, 0o666 & ~_umask())  # safetensors writes its files 0600
             files.append(name)
             for n, t in group.items():
                 where[n] = name
@@ -184,6 +185,15 @@ def _unshared(group: dict) -> dict:
         out[name] = (t.clone() if ptr in seen else t).contiguous()
         seen.add(ptr)
     return out
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022
 
 
 def _final_names(n: int) -> list[str]:
