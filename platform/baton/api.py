@@ -36,16 +36,17 @@ def validate(path: str, overrides: list[str] = ()) -> tuple[JobSpec, Optional[Jo
     """Load and check a job file without starting anything; the data is checked, and what the
     run would read returned, if it is there (built-in data is prepared on first run)."""
     spec = load_spec(path, overrides)
-    check_init_from(spec, str(path))
+    check_init_from(spec, str(path), if_present=True)
     return spec, None if needs_prepare(spec) else preflight(spec, str(path))
 
 
-def check_init_from(spec: JobSpec, source: str) -> None:
+def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> None:
     """`model.init_from` names weights this model can start from: for a model of baton's (or
     your builder's), a `baton export` folder holding every parameter at its shape; an hf:
-    model's is read by transformers' from_pretrained on the workers."""
+    model's is read by transformers' from_pretrained on the workers. `if_present` (`baton
+    validate`, as for the data): a folder not here (on a cluster's storage) is not checked."""
     m = spec.model
-    if m.init_from is None or m.name.startswith("hf:"):
+    if m.init_from is None or m.name.startswith("hf:") or (if_present and not os.path.exists(m.init_from)):
         return
     from baton.checkpoint.export import Exported
     from baton.models import _on_meta
