@@ -16,8 +16,8 @@ model again and loads it, in either form.
 
 Memory: a sharded checkpoint is read about a file's worth of whole tensors at a time, and a
 per-stage one a stage at a time, so exporting a model larger than this machine's memory
-needs the room of one stage (or two files), not of the model. The files are written in a folder beside
-`out` and renamed into place once all of them are: `out` is whole or absent.
+needs the room of one stage (or two files), not of the model. The files are written in a
+folder beside `out` and renamed into place once all of them are: `out` is whole or absent.
 """
 
 from __future__ import annotations
@@ -52,16 +52,17 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
     target = Path(out)
     if target.exists():
         raise CheckpointError(f"{out} already exists; choose a new --out")
-    gpt2 = hf and spec.model.name == "gpt"
-    if hf and not gpt2 and not spec.model.name.startswith(HF_PREFIX):
+    # whose names the files use: baton's, transformers' (an hf: model's), or GPT-2's
+    names = ("transformers" if spec.model.name.startswith(HF_PREFIX)
+             else "gpt2" if hf and spec.model.name == "gpt" else "baton")
+    if hf and names == "baton":
         raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
                               "built-in gpt (as GPT-2) and hf: models do")
     store = CheckpointStore(spec.checkpoint_dir)
     step = _pick(store, step, log or (lambda line: print(line, file=sys.stderr)))
-    hf = spec.model.name.startswith(HF_PREFIX)
     about = {"job": spec.name, "step": step, "model": spec.to_dict()["model"],
              "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step),
-             "names": "gpt2" if gpt2 else "transformers" if hf else "baton"}
+             "names": names}
     meta = {"format": "pt", "baton.job": spec.name, "baton.step": str(step)}
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,9 +71,9 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
         files, where, total, count = [], {}, 0, 0
         for group in _files(_tensors(store, step, max_shard_bytes), max_shard_bytes):
             name = f"part-{len(files):05d}.safetensors"
-            if hf:
+            if names == "transformers":
                 group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
-            elif gpt2:
+            elif names == "gpt2":
                 group = dict(to_gpt2(n, t, spec.model.layers) for n, t in group.items())
             save_file(_unshared(group), str(tmp / name), metadata=meta)
             os.chmod(tmp / name, 0o666 & ~_umask())  # safetensors writes its files 0600
@@ -88,11 +89,11 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
             index = {"metadata": {"total_size": total},
                      "weight_map": {n: names[files.index(f)] for n, f in sorted(where.items())}}
             (tmp / INDEX).write_text(json.dumps(index, indent=1))
-        if hf:
+        if names == "transformers":
             from baton.models.hf import _config
 
             _config(spec.model).save_pretrained(tmp)
-        elif gpt2:
+        elif names == "gpt2":
             (tmp / "config.json").write_text(json.dumps(gpt2_config(spec.model), indent=1))
         about.update(files=names, parameters=count, bytes=total)
         (tmp / ABOUT).write_text(json.dumps(about, indent=1))
