@@ -82,12 +82,12 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
                 where[n] = name
                 total += t.numel() * t.element_size()
                 count += t.numel()
-        names = _final_names(len(files))
-        for old, new in zip(files, names):
+        final = _final_names(len(files))
+        for old, new in zip(files, final):
             os.replace(tmp / old, tmp / new)
-        if len(names) > 1:
+        if len(final) > 1:
             index = {"metadata": {"total_size": total},
-                     "weight_map": {n: names[files.index(f)] for n, f in sorted(where.items())}}
+                     "weight_map": {n: final[files.index(f)] for n, f in sorted(where.items())}}
             (tmp / INDEX).write_text(json.dumps(index, indent=1))
         if names == "transformers":
             from baton.models.hf import _config
@@ -95,7 +95,7 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
             _config(spec.model).save_pretrained(tmp)
         elif names == "gpt2":
             (tmp / "config.json").write_text(json.dumps(gpt2_config(spec.model), indent=1))
-        about.update(files=names, parameters=count, bytes=total)
+        about.update(files=final, parameters=count, bytes=total)
         (tmp / ABOUT).write_text(json.dumps(about, indent=1))
         os.replace(tmp, target)
     finally:
