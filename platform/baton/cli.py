@@ -313,6 +313,12 @@ def _dispatch(args: argparse.Namespace) -> int:
                       + (f"({len(data.eval_uids)} of {m['row_groups']} row groups, eval.seed {e.seed})"
                          if e.fraction else f"from {e.path}")
                       + (f", every {e.every_steps} steps and" if e.every_steps else "") + " at the end")
+        if spec.model.init_from and os.path.exists(os.path.join(spec.model.init_from, "baton.json")):
+            from baton.checkpoint.export import read_about
+
+            about = read_about(spec.model.init_from)
+            print(f"  starts from {spec.model.init_from}: step {about.get('step')} of "
+                  f"{about.get('job')} ({about.get('parameters', 0):,} parameters)")
         if d.pp > 1:
             print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
                   f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
