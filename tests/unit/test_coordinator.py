@@ -87,6 +87,7 @@ def test_scale_policy_picks_the_largest_valid_world_that_fits():
 
 
 HYBRID, TP, TP_2D = ParallelDims(dp=4, dp_shard=2), ParallelDims(dp=2, tp=2), ParallelDims(dp=4, dp_shard=2, tp=2)
+TP_PP = ParallelDims(dp=2, pp=2, tp=2)  # rank = (pp_rank * 2 + dp_rank) * 2 + tp_rank
 
 
 @pytest.mark.parametrize("dims,left,writers", [
@@ -101,6 +102,9 @@ HYBRID, TP, TP_2D = ParallelDims(dp=4, dp_shard=2), ParallelDims(dp=2, tp=2), Pa
     # 2D: ZeRO-3 over dp_shard 2 of each tp share, two replica groups: 4 parts, 8 ranks
     (TP_2D, {r: 5 for r in range(8) if r != 2}, [0, 1, 3, 6]),  # rank 2 (shard 1, share 0) lost
     (TP_2D, {r: 5 for r in range(8) if r not in (2, 6)}, None),  # both holders of that part
+    # pp 2 x tp 2: 4 parts (stage, share); rank 5 (stage 1, replica 0, share 1) lost
+    (TP_PP, {r: 5 for r in range(8) if r != 5}, [0, 1, 4, 7]),
+    (TP_PP, {r: 5 for r in range(8) if r not in (5, 7)}, None),  # stage 1's share 1 lost twice
 ])
 def test_survivors_are_committed_when_every_part_has_one(tmp_path, dims, left, writers):
     """Hybrid sharding (dp 4 in replica groups of 2), tensor parallelism (dp 2 x tp 2) and
