@@ -124,6 +124,33 @@ def test_a_killed_tp_worker_loses_no_completed_step_while_a_replica_survives(
     assert_like_one_process(fast, data, result, 5)  # measured: 2.4e-6 at most (both cases)
 
 
+def test_a_stage_worker_killed_under_pp_x_tp_loses_no_completed_step(tmp_path, data):
+    """dp 2 x pp 2 x tp 2 (8 workers): rank 5 (stage 1, replica 0, tp share 1) is killed
+    after step 2; rank 7 holds the same share of the same stage, so the survivors' pieces of
+    both stages (each pipeline worker's share of its stage) are committed as step 2 and no
+    completed step is trained again. The model sleeps 0.4 s in stage 0's forward, so the kill
+    lands before step 3's first message reaches stage 1. A survivor of stage 0 waits out
+    parallel.timeout_s in a collective before it leaves (60.4 s of stop at 60 s, 3 runs of 3;
+    not found yet: docs/limits.md), so the timeout here is 10 s."""
+    slow = {**GPT, "name": "helpers:slow_gpt", "options": {"seconds": 0.4}}
+    spec = _spec(tmp_path, data, "pp-tp-kill", 4, model=slow, dp=2, pp=2, microbatches=2,
+                 elastic={"max_failures": 1}, timeout_s=10)
+    spec = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, every_steps=10))
+    result = api.run(spec, show_progress=False, record_samples=True,
+                     on_step=lambda c: c.step == 2 and not c.events and os.kill(
+                         c.workers[5]["pid"], signal.SIGKILL))
+    assert result.state == "finished" and result.step == 4
+    failure, recovery = result.events
+    assert failure["cause"] == "actor_died" and failure["ranks"] == [5], failure
+    assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 2
+    assert recovery["workers_reused"] == 7 and recovery["dp"] == 2
+    steps = sorted({step for step, _, _ in result.ledger})
+    ids = sorted(i for _, _, part in result.ledger for i in part)
+    assert steps == [0, 1, 2, 3] and len(ids) == len(set(ids)) == 4 * 8
+    fast = dataclasses.replace(spec, model=dataclasses.replace(spec.model, options={"seconds": 0}))
+    assert_like_one_process(fast, data, result, 4)  # measured: 2.4e-6
+
+
 @pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp-sequence-parallel"])
 def test_a_resume_at_the_same_layout_is_bitwise_the_uninterrupted_run(tmp_path, data, sequence):
     """Written in pieces by every worker and read back, the state is the same bits: 2 steps,
