@@ -23,6 +23,14 @@ from helpers import require_cxx
 SPEC = ModelSpec(name="gpt", layers=2, width=16, heads=4, seq_len=8, vocab_size=32)
 
 
+def _spawn(worker, nprocs: int, *args) -> None:
+    """`worker(rank, port, *args)` in `nprocs` processes that meet on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, *args), nprocs=nprocs)
+
+
 def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
     pieces = [torch.empty_like(t) for _ in range(2)]
     dist.all_gather(pieces, t.contiguous())
@@ -64,10 +72,7 @@ def _worker(rank: int, port: int, sequence: bool, split_logits: bool, out: str) 
                          ids=["tp", "tp-sequence-parallel", "tp-vocab-parallel-loss"])
 def test_a_gpt_split_over_two_workers_computes_what_the_whole_one_does(tmp_path, sequence,
                                                                        split_logits):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, sequence, split_logits, str(tmp_path)), nprocs=2)
+    _spawn(_worker, 2, sequence, split_logits, str(tmp_path))
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
         # measured (sums in another order): logits 3.2e-8; the summed loss (about 45) 3.8e-6
@@ -115,10 +120,7 @@ def test_dropout_on_what_a_worker_alone_holds_draws_from_its_own_stream(tmp_path
     parallelism the dropout on its part of the sequence) draws from a stream of its own
     (`OwnRandom`), so its heads' masks are not the other worker's; what both hold whole draws
     from the process's stream, the same on both, so they compute the same logits."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_dropout_worker, args=(port, sequence, str(tmp_path)), nprocs=2)
+    _spawn(_dropout_worker, 2, sequence, str(tmp_path))
     r = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
     assert torch.equal(r[0]["logits"], r[1]["logits"])
     assert torch.equal(r[0]["process"], r[1]["process"])
@@ -167,10 +169,7 @@ def test_compiled_tp_blocks_compute_what_eager_ones_do(tmp_path):
     parallelism, against the same shares eager: loss and every gradient. Dynamo takes the
     collectives inside the split layers' autograd functions into its graphs (no graph break)."""
     require_cxx()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_compiled_worker, args=(port, str(tmp_path)), nprocs=2)
+    _spawn(_compiled_worker, 2, str(tmp_path))
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
         assert r["breaks"] == {} and r["graphs"] >= 3, r  # embedding, block, head
@@ -204,10 +203,7 @@ def test_the_flattened_dp_axis_groups_each_shares_replicas_without_a_warning(tmp
     """dp 2 x tp 2: DDP's group under tensor parallelism ("dp", both dp axes flattened) holds
     the workers of one share, and taking it warns of nothing (sliced out of the root mesh,
     torch 2.13 warned of a deprecation on the console of every tp run, once per worker)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_mesh_worker, args=(port, str(tmp_path)), nprocs=4)
+    _spawn(_mesh_worker, 4, str(tmp_path))
     for rank in range(4):
         groups = torch.load(tmp_path / f"{rank}.pt")
         assert groups["dp"] == [rank % 2, rank % 2 + 2] and groups["tp"] == [rank // 2 * 2, rank // 2 * 2 + 1]
