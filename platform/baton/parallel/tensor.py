@@ -48,13 +48,13 @@ Plan = dict[str, Union[str, tuple[str, int]]]  # child -> style (STYLES), or (st
 
 
 # The autograd functions below keep their tp group for the backward by a weak reference: a
-# step that failed half-way leaves its forward's graph alive (the exception's frames hold it
-# while Ray reports the error), a strong reference there kept the old world's group alive
-# after `Worker.leave`, its connections open, and a peer that began a collective with this
-# worker afterwards waited out the whole collective timeout (gloo fails an operation at once
-# only where the peer has freed the group). Measured with dp 2 x pp 2 x tp 2, a worker
-# killed: the stop phase 60.4 s (parallel.timeout_s 60) before, 0.44 s after. The layers
-# hold the group for as long as the world trains.
+# step that failed half-way leaves its forward's graph referenced past `Worker.leave` (from
+# where was not found: clearing the failed call's frames did not free it), a strong
+# reference there kept the old world's group alive, its connections open, and a peer that
+# began a collective with this worker afterwards waited out the whole collective timeout
+# (gloo fails an operation at once only where the peer has freed the group). Measured with
+# dp 2 x pp 2 x tp 2, a worker killed: the stop phase 60.4 s (parallel.timeout_s 60) before,
+# 0.44 s after. The layers hold the group for as long as the world trains.
 
 
 class _ToSplit(torch.autograd.Function):
