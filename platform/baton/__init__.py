@@ -38,11 +38,8 @@ def run(job, overrides=(), **options):
     """Train a job (a JobSpec, a path or a dict) to its last step; returns its RunResult.
     `options` are `baton.api.run`'s (address, resume, show_progress, on_step, ...)."""
     from baton import api
-    from baton.spec import JobSpec
 
-    spec = job if isinstance(job, JobSpec) and not overrides else load(
-        job.to_dict() if isinstance(job, JobSpec) else job, overrides)
-    return api.run(spec, **options)
+    return api.run(_spec(job, overrides), **options)
 
 
 def export(job, out, step=None, overrides=(), max_shard_bytes=None, hf=False):
@@ -50,11 +47,9 @@ def export(job, out, step=None, overrides=(), max_shard_bytes=None, hf=False):
     folder `out` as safetensors, in Hugging Face's layout (`baton.checkpoint.export`);
     returns what its baton.json says. `hf`: the built-in gpt as GPT-2, for transformers."""
     from baton.checkpoint import export as exporting
-    from baton.spec import JobSpec
 
-    spec = job if isinstance(job, JobSpec) and not overrides else load(
-        job.to_dict() if isinstance(job, JobSpec) else job, overrides)
-    return exporting.export(spec, out, step, max_shard_bytes or exporting.MAX_SHARD_BYTES, hf=hf)
+    return exporting.export(_spec(job, overrides), out, step,
+                            max_shard_bytes or exporting.MAX_SHARD_BYTES, hf=hf)
 
 
 def load_model(folder):
@@ -63,3 +58,12 @@ def load_model(folder):
     from baton.checkpoint.export import load_model as loading
 
     return loading(folder)
+
+
+def _spec(job, overrides):
+    """A JobSpec, a path or a dict as a JobSpec, with `overrides` applied."""
+    from baton.spec import JobSpec
+
+    if isinstance(job, JobSpec) and not overrides:
+        return job
+    return load(job.to_dict() if isinstance(job, JobSpec) else job, overrides)

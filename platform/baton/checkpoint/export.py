@@ -74,7 +74,7 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
             if names == "transformers":
                 group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
             elif names == "gpt2":
-                group = dict(to_gpt2(n, t, spec.model.layers) for n, t in group.items())
+                group = dict(_to_gpt2(n, t, spec.model.layers) for n, t in group.items())
             save_file(_unshared(group), str(tmp / name), metadata=meta)
             os.chmod(tmp / name, 0o666 & ~_umask())  # safetensors writes its files 0600
             files.append(name)
@@ -201,23 +201,28 @@ def _final_names(n: int) -> list[str]:
     return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-# The built-in GPT's parameters under GPT-2's names: (baton's, without the layer's index;
-# GPT-2's, with {} for the block's index; transposed: GPT-2's Conv1D holds (in, out))
-_BLOCK = [("ln1", "ln_1", False), ("qkv", "attn.c_attn", True), ("proj", "attn.c_proj", True),
-          ("ln2", "ln_2", False), ("fc", "mlp.c_fc", True), ("out", "mlp.c_proj", True)]
+# The built-in GPT's block parameters under GPT-2's names: (baton's layer, GPT-2's, whose
+# weight is transposed: GPT-2's Conv1D holds (in, out))
+_BLOCK = {"ln1": ("ln_1", False), "qkv": ("attn.c_attn", True), "proj": ("attn.c_proj", True),
+          "ln2": ("ln_2", False), "fc": ("mlp.c_fc", True), "out": ("mlp.c_proj", True)}
 
 
-def to_gpt2(name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
-    """One of the built-in GPT's parameters as GPT2LMHeadModel names and holds it."""
+def gpt2_name(name: str, layers: int) -> tuple[str, bool]:
+    """One of the built-in GPT's parameter names as GPT2LMHeadModel names it, and whether
+    GPT-2 holds it transposed."""
     index, layer, kind = name.split(".")
     index = int(index)
     if index == 0:
-        return f"transformer.{dict(tok='wte', pos='wpe')[layer]}.{kind}", t
+        return f"transformer.{dict(tok='wte', pos='wpe')[layer]}.{kind}", False
     if index == layers + 1:
-        return ("lm_head.weight", t) if layer == "lm" else (f"transformer.ln_f.{kind}", t)
-    mine, theirs, transposed = next(b for b in _BLOCK if b[0] == layer)
-    return (f"transformer.h.{index - 1}.{theirs}.{kind}",
-            t.t() if transposed and kind == "weight" else t)
+        return ("lm_head.weight" if layer == "lm" else f"transformer.ln_f.{kind}"), False
+    theirs, transposed = _BLOCK[layer]
+    return f"transformer.h.{index - 1}.{theirs}.{kind}", transposed and kind == "weight"
+
+
+def _to_gpt2(name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
+    theirs, transposed = gpt2_name(name, layers)
+    return theirs, t.t() if transposed else t
 
 
 def gpt2_config(model: ModelSpec) -> dict:
@@ -257,28 +262,25 @@ class Exported:
     def _index(self) -> None:
         from safetensors import safe_open
 
+        from baton.models import _on_meta
+
         self.spec = ModelSpec(**{**self.about["model"], "init_from": None})
         kind = self.about.get("names", "baton")
-        gpt2 = ({to_gpt2(mine, torch.empty(0, 0), self.spec.layers)[0]: mine
-                 for mine in _baton_names(self.spec.layers)} if kind == "gpt2" else {})
+        # GPT-2's name -> (baton's, transposed in the file)
+        gpt2 = ({theirs: (mine, transposed) for mine in _on_meta(self.spec).state_dict()
+                 for theirs, transposed in [gpt2_name(mine, self.spec.layers)]}
+                if kind == "gpt2" else {})
         # baton's name -> (its file, the file's name for it, transposed in the file)
         self.where: dict[str, tuple[str, str, bool]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}  # baton's name -> its shape, as baton holds it
         for file in self.about["files"]:
             with safe_open(str(Path(self.folder) / file), framework="pt") as f:
                 for stored in f.keys():
-                    mine = (gpt2[stored] if kind == "gpt2"
-                            else HF_NAMES + stored if kind == "transformers" else stored)
-                    self.where[mine] = (file, stored, kind == "gpt2" and _transposed(mine))
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        from safetensors import safe_open
-
-        out = {}
-        for mine, (file, stored, transposed) in self.where.items():
-            with safe_open(str(Path(self.folder) / file), framework="pt") as f:
-                shape = tuple(f.get_slice(stored).get_shape())
-            out[mine] = shape[::-1] if transposed else shape
-        return out
+                    mine, transposed = (gpt2[stored] if kind == "gpt2" else
+                                        (HF_NAMES + stored if kind == "transformers" else stored, False))
+                    shape = tuple(f.get_slice(stored).get_shape())
+                    self.where[mine] = (file, stored, transposed)
+                    self.shapes[mine] = shape[::-1] if transposed else shape
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -291,7 +293,7 @@ class Exported:
     def problem(self, model: torch.nn.Module) -> Optional[str]:
         """Why `model` (on the meta device will do) cannot take these parameters: the first
         name or shape that differs. None: it can."""
-        have = self.shapes()
+        have = self.shapes
         want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         missing = [n for n in want if n not in have]
         extra = [n for n in have if n not in want]
@@ -312,16 +314,6 @@ class Exported:
             for name, t in module.state_dict(keep_vars=True).items():
                 if prefix + name in self.where:
                     t.copy_(self.get(prefix + name))
-
-
-def _transposed(name: str) -> bool:
-    return any(name.endswith(f".{mine}.weight") and t for mine, _, t in _BLOCK)
-
-
-def _baton_names(layers: int) -> list[str]:
-    return ([f"0.{n}.weight" for n in ("tok", "pos")]
-            + [f"{i}.{b[0]}.{k}" for i in range(1, layers + 1) for b in _BLOCK for k in ("weight", "bias")]
-            + [f"{layers + 1}.ln.weight", f"{layers + 1}.ln.bias", f"{layers + 1}.lm.weight"])
 
 
 def load_model(folder: str) -> torch.nn.Module:
