@@ -471,7 +471,9 @@ class SlowProxy:
 
 class TrackingServer:
     """A real MLflow tracking server (`mlflow server` on 127.0.0.1, its own process group) on a
-    sqlite database, to kill mid-run and start again on the same database."""
+    sqlite database, to kill mid-run and start again on the same database. Its artifacts go
+    beside the database (the server's default, `./mlartifacts`, is the test's working
+    directory: the checkout)."""
 
     def __init__(self, db: str, port: int, log):
         self.db, self.port, self.log, self.proc = db, port, log, None
@@ -480,7 +482,8 @@ class TrackingServer:
         mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
         self.proc = subprocess.Popen(
             [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.db}", "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
+             "--port", str(self.port), "--workers", "1", "--artifacts-destination",
+             os.path.join(os.path.dirname(os.path.abspath(self.db)), "mlartifacts")],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
