@@ -52,11 +52,22 @@ def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> Non
     from baton.models import _on_meta
 
     try:
-        problem = Exported(m.init_from).problem(_on_meta(m))
+        problem = Exported(m.init_from, m.init_fresh).problem(_on_meta(m))
     except CheckpointError as e:
         problem = str(e)
     if problem:
         raise SpecError(f"{source}: model.init_from: {problem}")
+
+
+def fresh_names(spec: JobSpec) -> str:
+    """The parameters `model.init_fresh` keeps at the model's own initialization, and how many
+    values they hold."""
+    from baton.checkpoint.export import is_fresh
+    from baton.models import _on_meta
+
+    fresh = [(n, t.numel()) for n, t in _on_meta(spec.model).state_dict().items()
+             if is_fresh(n, spec.model.init_fresh)]
+    return f"{', '.join(n for n, _ in fresh)} ({sum(k for _, k in fresh):,} values)"
 
 
 def stage_plan(spec: JobSpec) -> str:

@@ -319,6 +319,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             about = read_about(spec.model.init_from)
             print(f"  starts from {spec.model.init_from}: step {about.get('step')} of "
                   f"{about.get('job')} ({about.get('parameters', 0):,} parameters)")
+            if spec.model.init_fresh:
+                print(f"  fresh (its own initialization): {api.fresh_names(spec)}")
         if d.pp > 1:
             print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
                   f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "

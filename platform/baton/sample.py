@@ -2,6 +2,11 @@
 as nanoGPT's sample.py does: the last `seq_len` tokens in, the next drawn from the last
 position's logits (divided by the temperature, cut to the top k), on the CPU.
 
+A model whose layers can run a position at a time on cached keys and values (a `decode`
+method on each, as the built-in GPT's) runs each new token alone while the text fits its
+`seq_len`; past it the window slides, every position's place in it changes (the positions
+are absolute), and each token runs the whole window again, as for any other model.
+
 The prompt is tokenised as the training corpus was (`baton data prepare` records its
 tokenizer; the export copies it): bytes are read back as UTF-8 text; a tokenizer of your own
 (`module:function`, which baton can run forwards only) gives token ids."""
@@ -17,15 +22,27 @@ from baton.errors import BatonError
 
 def generate(model: torch.nn.Module, prompt: list[int], tokens: int, seq_len: int,
              temperature: float = 0.8, top_k: Optional[int] = 200, seed: int = 0,
-             stop: Optional[int] = None) -> list[int]:
+             stop: Optional[int] = None, cache: bool = True) -> list[int]:
     """`tokens` more token ids after `prompt` (fewer where `stop`, the end-of-document token,
-    is drawn: it is not returned). Deterministic for a seed."""
+    is drawn: it is not returned). Deterministic for a seed. `cache=False`: every token runs
+    the whole window (what the cache is measured against)."""
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt)
     out: list[int] = []
+    layers = list(model) if isinstance(model, torch.nn.Sequential) else []
+    cached = cache and layers and all(hasattr(layer, "decode") for layer in layers)
+    caches: list[dict] = [{} for _ in layers]
+    held = 0  # positions whose keys and values the caches hold
     with torch.no_grad():
         for _ in range(tokens):
-            logits = model(torch.tensor([ids[-seq_len:]]))[0, -1].float()
+            if cached and len(ids) <= seq_len:  # only the positions the caches lack
+                x = torch.tensor([ids[held:]])
+                for layer, c in zip(layers, caches):
+                    x = layer.decode(x, c, held)
+                held = len(ids)
+                logits = x[0, -1].float()
+            else:
+                logits = model(torch.tensor([ids[-seq_len:]]))[0, -1].float()
             if temperature == 0:
                 nxt = int(logits.argmax())
             else:

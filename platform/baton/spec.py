@@ -37,6 +37,9 @@ class ModelSpec:
     # the weights to start from: a `baton export` folder (any model whose parameters it
     # names; hf: models also take any local save_pretrained folder)
     init_from: Optional[str] = None
+    # parameters (by name, shell patterns: "5.*", "*.lm.weight") that keep their
+    # initialization instead of init_from's values: a new head on a pretrained backbone
+    init_fresh: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -290,7 +293,9 @@ class JobSpec:
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
                  **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}
                     if self.eval.fraction else {})}
-        return {"name": d["name"], "model": d["model"], "data": data, "train": train, **extra}
+        # (model.init_fresh only where set: a checkpoint written before it keeps its recipe)
+        model = {k: v for k, v in d["model"].items() if k != "init_fresh" or v}
+        return {"name": d["name"], "model": model, "data": data, "train": train, **extra}
 
     def fingerprint(self) -> str:
         """The recipe's hash, without the credentials of its URIs (as the checkpoint records

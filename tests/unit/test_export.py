@@ -17,7 +17,7 @@ from baton.checkpoint import CheckpointStore
 from baton.checkpoint import sharded
 from baton.models import build_model
 from baton.spec import spec_from_dict
-from helpers import tiny_spec, write_spec
+from helpers import tiny_spec, write_dataset, write_spec
 
 GPT = {"name": "gpt", "layers": 2, "width": 32, "heads": 4, "seq_len": 32}
 
@@ -185,6 +185,32 @@ def test_generation_draws_from_the_last_positions_logits_and_stops_at_the_docume
     assert draws[0] == draws[1] != draws[2] and set(draws[0]) <= set(range(8))
 
 
+def test_the_gpts_cached_decoding_gives_the_logits_of_the_whole_window():
+    """The built-in GPT a position at a time on its cached keys and values: every position's
+    logits those of one forward pass over the whole sequence; generation the same tokens with
+    and without the cache, before and past the window (seq_len 16, 40 tokens)."""
+    from baton.models.gpt import build_gpt
+    from baton.sample import generate
+
+    torch.manual_seed(0)
+    model = build_gpt(layers=3, width=32, heads=4, seq_len=16, vocab_size=64).eval()
+    ids = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():
+        whole = model(ids)[0]
+        caches, rows, x = [{} for _ in model], [], ids[:, :5]  # a prompt of 5, then one by one
+        for t in [0, *range(5, 16)]:
+            x = ids[:, t:t + 1] if t else x
+            for layer, cache in zip(model, caches):
+                x = layer.decode(x, cache, t)
+            rows.append(x[0])
+    assert caches[1]["k"].shape == (1, 4, 16, 8)
+    # 2.7e-7 at most over 5 seeds of a 4 x 64 GPT (logits up to 0.67): float32 rounding of
+    # matrix products of other shapes; 1e-5 is ~40x that
+    torch.testing.assert_close(torch.cat(rows), whole, rtol=0, atol=1e-5)
+    assert generate(model, [1, 2, 3], 40, 16, temperature=0) == \
+        generate(model, [1, 2, 3], 40, 16, temperature=0, cache=False)
+
+
 def test_sample_writes_text_after_the_prompt_with_the_corpus_tokenizer(tmp_path, capsys):
     spec, job = _job(tmp_path)
     _stages(CheckpointStore(spec.checkpoint_dir), 2, build_model(spec.model, 0).state_dict())
@@ -275,3 +301,47 @@ def test_a_job_starts_from_an_exports_weights_however_its_model_is_built(tmp_pat
         raw["model"]["init_from"] = str(tmp_path / "bad")
         with pytest.raises(SpecError, match="is not an export baton can read"):
             api.validate(write_spec(tmp_path / "other.yaml", raw))
+
+
+def test_init_fresh_keeps_the_models_own_values_of_the_parameters_it_names(tmp_path, capsys):
+    """`model.init_fresh`: a pretrained backbone under a new vocabulary (embedding and head
+    of another shape): the parameters it names keep the seed's values, every other one takes
+    the export's, in the whole build and the layer-by-layer one; a pattern that names nothing,
+    a mismatch it does not name and a pattern that names everything are one line each."""
+    from baton import api
+    from baton.errors import SpecError
+    from baton.models import build_lazily
+
+    spec, _ = _job(tmp_path)
+    trained = build_model(spec.model, 9).state_dict()
+    _stages(CheckpointStore(spec.checkpoint_dir), 2, trained)
+    baton.export(spec, str(tmp_path / "out"))
+    wide = {**GPT, "vocab_size": 512, "init_from": str(tmp_path / "out")}
+    raw = tiny_spec(tmp_path, tmp_path / "data", name="tuned",
+                    model={**wide, "init_fresh": ["0.tok.*", "*.lm.weight"]})
+    tuned = baton.load(raw)
+    own = build_model(spec_from_dict({**raw, "model": {**GPT, "vocab_size": 512}}).model, 0).state_dict()
+    whole = build_model(tuned.model, 0).state_dict()
+    lazy, fill = build_lazily(tuned.model, 0)
+    fill(list(lazy))
+    fresh = {"0.tok.weight", "3.lm.weight"}
+    for got in (whole, lazy.state_dict()):
+        assert got.keys() == own.keys()
+        assert all(torch.equal(got[n], own[n] if n in fresh else trained[n]) for n in own)
+    write_dataset(tmp_path / "data", num_samples=64, seq_len=GPT["seq_len"])
+    assert cli.main(["validate", str(write_spec(tmp_path / "tuned.yaml", raw))]) == 0
+    assert "fresh (its own initialization): 0.tok.weight, 3.lm.weight (32,768 values)" in \
+        capsys.readouterr().out
+
+    for model, message in (
+            ({**wide, "init_fresh": ["0.tok.*", "9.*"]}, r"model.init_fresh: '9.\*' names no "
+             r"parameter of this model \(its names: 0.tok.weight, 0.pos.weight, "),
+            (wide, r"out holds 0.tok.weight of shape \[256, 32\], this model's is \[512, 32\]; "
+             "model.init_fresh names those to keep the model's own values of"),
+            ({**wide, "init_fresh": ["*"]}, "model.init_fresh names every parameter: nothing is taken"),
+            ({**GPT, "init_fresh": ["3.*"]}, "model.init_fresh: \\['3.\\*'\\] is invalid; names "
+             "parameters to leave out of model.init_from's, .*: set model.init_from")):
+        with pytest.raises(SpecError, match=message):
+            api.validate(write_spec(tmp_path / "tuned.yaml", {**raw, "model": model}))
+    # a job that sets none keeps the fingerprint its checkpoints were written under
+    assert "init_fresh" not in spec.recipe()["model"] and "init_fresh" in tuned.recipe()["model"]

@@ -26,8 +26,9 @@ import json
 import os
 import shutil
 import sys
+from fnmatch import fnmatchcase as fnmatch
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -251,8 +252,10 @@ class Exported:
     file when asked for (safetensors reads one tensor without the rest): what `load_model`
     and `model.init_from` take them from, whichever names the export was written under."""
 
-    def __init__(self, folder: str):
-        self.folder, self.about = folder, read_about(folder)
+    def __init__(self, folder: str, fresh: Sequence[str] = ()):
+        """`fresh`: patterns (fnmatch) of the names a model keeps its own values of
+        (`model.init_fresh`), which need not be here, or not at the model's shape."""
+        self.folder, self.about, self.fresh = folder, read_about(folder), tuple(fresh)
         try:
             self._index()
         except Exception as e:  # a baton.json or a file not as export writes them: one line
@@ -264,7 +267,7 @@ class Exported:
 
         from baton.models import _on_meta
 
-        self.spec = ModelSpec(**{**self.about["model"], "init_from": None})
+        self.spec = ModelSpec(**{**self.about["model"], "init_from": None, "init_fresh": []})
         kind = self.about.get("names", "baton")
         # GPT-2's name -> (baton's, transposed in the file)
         gpt2 = ({theirs: (mine, transposed) for mine in _on_meta(self.spec).state_dict()
@@ -292,28 +295,52 @@ class Exported:
 
     def problem(self, model: torch.nn.Module) -> Optional[str]:
         """Why `model` (on the meta device will do) cannot take these parameters: the first
-        name or shape that differs. None: it can."""
+        name or shape that differs. None: it can. Without `fresh` the export must hold every
+        parameter of the model and no other; with it, every one it does not name (the export
+        may hold more: the head the fresh one replaces)."""
         have = self.shapes
         want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        unmatched = next((p for p in self.fresh if not any(is_fresh(n, [p]) for n in want)), None)
+        if unmatched is not None:
+            return (f"model.init_fresh: {unmatched!r} names no parameter of this model (its "
+                    f"names: {_some(want)})")
+        want = {n: shape for n, shape in want.items() if not self.is_fresh(n)}
         missing = [n for n in want if n not in have]
-        extra = [n for n in have if n not in want]
+        extra = [] if self.fresh else [n for n in have if n not in want]
+        hint = "; model.init_fresh names those to keep the model's own values of"
         if missing or extra:
             return (f"{self.folder} holds {'no ' + missing[0] if missing else extra[0]!s}"
                     f"{' that this model has' if missing else ', which this model has not'} "
-                    f"(it holds a {self.spec.name} of {self.spec.layers} layers, width {self.spec.width})")
+                    f"(it holds a {self.spec.name} of {self.spec.layers} layers, width "
+                    f"{self.spec.width}){hint if missing else ''}")
         wrong = next((n for n in want if want[n] != have[n]), None)
         if wrong:
             return (f"{self.folder} holds {wrong} of shape {list(have[wrong])}, this model's is "
-                    f"{list(want[wrong])}")
+                    f"{list(want[wrong])}{hint}")
+        if not want:
+            return f"model.init_fresh names every parameter: nothing is taken from {self.folder}"
         return None
 
+    def is_fresh(self, name: str) -> bool:
+        return is_fresh(name, self.fresh)
+
     def load_into(self, module: torch.nn.Module, prefix: str = "") -> None:
-        """Each of `module`'s parameters and buffers that the export holds (`prefix`: the
-        module's name in the whole model, with its dot), in place."""
+        """Each of `module`'s parameters and buffers that the export holds and `fresh` does not
+        name (`prefix`: the module's name in the whole model, with its dot), in place."""
         with torch.no_grad():
             for name, t in module.state_dict(keep_vars=True).items():
-                if prefix + name in self.where:
+                if prefix + name in self.where and not self.is_fresh(prefix + name):
                     t.copy_(self.get(prefix + name))
+
+
+def is_fresh(name: str, patterns: Sequence[str]) -> bool:
+    """`model.init_fresh` names this parameter (or buffer)."""
+    return any(fnmatch(name, p) for p in patterns)
+
+
+def _some(names, most: int = 6) -> str:
+    names = list(names)
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def load_model(folder: str) -> torch.nn.Module:

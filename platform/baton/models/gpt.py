@@ -25,9 +25,12 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(seq_len, width)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:  # (B, T) -> (B, T, C)
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         return self.drop(self.tok(tokens) + self.pos(positions))
+
+    def decode(self, tokens: torch.Tensor, cache: dict, start: int) -> torch.Tensor:
+        return self(tokens, start)
 
 
 class Block(nn.Module):
@@ -55,15 +58,25 @@ class Block(nn.Module):
         return None if self.heads % tp == 0 else f"{self.heads} heads do not split over tp = {tp}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        return self.decode(x, None, 0)
+
+    def decode(self, x: torch.Tensor, cache: dict | None, start: int) -> torch.Tensor:
+        """The block on positions start.. of a sequence whose earlier positions' keys and
+        values `cache` holds (`baton sample`), which it extends; training passes none. After
+        the first call, one position at a time."""
         # the heads this worker holds: all of them, or its share under tensor parallelism;
         # the whole sequence (x may be this worker's part of it: sequence parallelism)
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
         B, T = q.shape[:2]
         heads = q.shape[-1] // self.head_width
         q, k, v = (t.view(B, T, heads, self.head_width).transpose(1, 2) for t in (q, k, v))
-        with self.tp_random():
+        if cache is not None:
+            if start:
+                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+            cache["k"], cache["v"] = k, v
+        with self.tp_random():  # (a position after the first call sees every cached one)
             y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+                q, k, v, is_causal=start == 0, dropout_p=self.dropout if self.training else 0.0)
         h = self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_width))
         with self.tp_sequence_random():
             x = x + self.drop(h)
@@ -84,6 +97,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, V)
         return self.lm(self.ln(x))
+
+    def decode(self, x: torch.Tensor, cache: dict, start: int) -> torch.Tensor:
+        return self(x)
 
 
 def gpt_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
