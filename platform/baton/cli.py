@@ -48,8 +48,12 @@ def _parser() -> argparse.ArgumentParser:
                          "(Hugging Face's layout), from its newest verified checkpoint")
     exp.add_argument("job", help="the job's YAML file (where its checkpoints are)")
     exp.add_argument("--out", required=True, help="folder to create")
-    exp.add_argument("--step", type=int, help="the checkpoint to export (default: the newest "
-                     "that verifies)")
+    which = exp.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="the checkpoint to export (default: the newest "
+                       "that verifies)")
+    which.add_argument("--best", action="store_const", const="best", dest="step",
+                       help="the checkpoint the job's checkpoint.best kept: the best held-out "
+                            "evaluation")
     exp.add_argument("--max-file-mb", type=int, default=5000,
                      help="split into files of at most this many MB (default 5000, as "
                           "Hugging Face's save_pretrained)")
@@ -312,7 +316,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                 print(f"  eval: {data.eval_samples:,} held-out samples "
                       + (f"({len(data.eval_uids)} of {m['row_groups']} row groups, eval.seed {e.seed})"
                          if e.fraction else f"from {e.path}")
-                      + (f", every {e.every_steps} steps and" if e.every_steps else "") + " at the end")
+                      + (f", every {e.every_steps} steps and" if e.every_steps else "") + " at the end"
+                      + (f"; the best checkpoint by {spec.checkpoint.best} "
+                         f"({'lowest' if spec.checkpoint.best_lowest else 'highest'}) kept"
+                         if spec.checkpoint.best else ""))
         if spec.model.init_from and os.path.exists(os.path.join(spec.model.init_from, "baton.json")):
             from baton.checkpoint.export import read_about
 
@@ -391,6 +398,9 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"{result.tokens_per_s:,.0f} {'tokens' if spec.task == 'language_model' else 'samples'}/s; "
               + "".join(f"{k} {v:.4g}; " for k, v in result.eval.items() if k != "eval_samples")
               + f"checkpoint {redact(result.checkpoint)}; MLflow run {result.run_id}")
+        if result.best is not None:
+            print(f"  best by {spec.checkpoint.best}: step {result.best[0]} ({result.best[1]:.4g}), "
+                  "kept; export it with baton export --best")
         return 0
     raise AssertionError(args.command)
 

@@ -155,6 +155,15 @@ class CheckpointSpec:
     # `async` in a job file (a Python keyword): write checkpoints on a thread of each worker
     # while training goes on, from a copy of the state taken between two steps
     async_: bool = field(default=False, metadata={"key": "async"})
+    # also keep the checkpoint whose held-out evaluation was best by this metric (eval_loss,
+    # eval_accuracy, ...): it is never dropped for a newer one; best_mode: min or max (null:
+    # min for eval_loss, which every other metric must say)
+    best: Optional[str] = None
+    best_mode: Optional[Literal["min", "max"]] = None
+
+    @property
+    def best_lowest(self) -> bool:
+        return (self.best_mode or "min") == "min"
 
 
 @dataclass(frozen=True)

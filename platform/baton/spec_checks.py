@@ -77,6 +77,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
     need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
     _check_task(spec, need)
+    if c.best is not None or c.best_mode is not None:  # (after the task's checks: it names it)
+        _check_best(spec, need)
 
     for key in ("steps", "global_batch"):
         need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")
@@ -251,6 +253,27 @@ def _check_task(spec: JobSpec, need) -> None:
     if e.path is not None:
         problem = path_problem(e.path)
         need(problem is None and bool(e.path), "eval.path", e.path, problem or "give a folder or URI")
+
+
+def _check_best(spec: JobSpec, need) -> None:
+    """checkpoint.best names a metric every checkpoint's evaluation reports."""
+    from baton.tasks import make_task
+
+    c, e = spec.checkpoint, spec.eval
+    need(c.best is not None, "checkpoint.best_mode", c.best_mode, "says which way "
+         "checkpoint.best's metric is better; name the metric (e.g. checkpoint.best: eval_loss)")
+    reported = getattr(make_task(spec), "metrics", None)  # a task of your own: known when it runs
+    names = ["eval_loss", *(f"eval_{m}" for m in reported or ())]
+    need(c.best.startswith("eval_") if reported is None else c.best in names, "checkpoint.best",
+         c.best, "names a metric of the held-out evaluation: "
+         + (", ".join(names) if reported is not None else "eval_loss or eval_ and your task's metric"))
+    need(c.best_mode is not None or c.best == "eval_loss", "checkpoint.best_mode", c.best_mode,
+         f"say min or max: which way {c.best} is better")
+    need(e.enabled, "checkpoint.best", c.best, "keeps the checkpoint whose held-out evaluation "
+         "was best: set eval.fraction or eval.path")
+    need(e.every_steps >= 1 and c.every_steps % e.every_steps == 0, "eval.every_steps",
+         e.every_steps, f"must divide checkpoint.every_steps ({c.every_steps}) so that every "
+         f"checkpoint is evaluated for checkpoint.best (e.g. {c.every_steps})")
 
 
 def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:

@@ -52,6 +52,7 @@ class Task:
 
 
 class LanguageModel(Task):
+    metrics: tuple[str, ...] = ()  # what its evaluation reports besides the loss
     """Next-token prediction over rows of seq_len + 1 token ids."""
 
     name, needs = "language_model", ("tokens",)
@@ -77,6 +78,7 @@ class Classification(Task):
     bytes against 80)."""
 
     name, needs = "classification", ("inputs", "label")
+    metrics = ("accuracy", "auroc")  # (auroc with two classes)
 
     def loss(self, output, batch):
         import torch

@@ -95,7 +95,8 @@ def test_classification_at_dp2_matches_one_process_and_evaluates_only_held_out_r
         data={"source": "parquet", "path": str(data), "columns": COLUMNS},
         train={"steps": 6, "global_batch": 16, "micro_batch": 4},
         parallel={"dp": 2, "shard": shard, "timeout_s": 60},
-        eval={"fraction": 0.25, "every_steps": 2}, checkpoint={"every_steps": 6}))
+        eval={"fraction": 0.25, "every_steps": 2},
+        checkpoint={"every_steps": 2, "keep": 1, "best": "eval_accuracy", "best_mode": "max"}))
     result = baton.run(spec, record_samples=True, show_progress=False)  # the Python API
     assert result.state == "finished" and result.step == 6
 
@@ -126,6 +127,13 @@ def test_classification_at_dp2_matches_one_process_and_evaluates_only_held_out_r
                                    rtol=1e-5, err_msg=key)
     assert result.eval["eval_samples"] == 24
     assert result.eval["eval_accuracy"] == pytest.approx(evals[6]["eval_accuracy"], rel=1e-6)
+    # checkpoint.best: the newest (keep 1) and the one of the highest accuracy (the earliest
+    # of equals), each holding its evaluation
+    accuracy = dict(result.history("eval_accuracy"))
+    best = min((-accuracy[s], s) for s in (2, 4, 6))[1]
+    store = CheckpointStore(spec.checkpoint_dir)
+    assert sorted(store.committed_steps()) == sorted({best, 6})
+    assert store.read_meta(best)["eval"]["eval_accuracy"] == accuracy[best]
 
     # the ledger: every training sample once in epoch 0 (5 steps), no held-out one ever
     trained = Counter(i for step, _, batch in result.ledger if step < 5 for i in batch)

@@ -386,3 +386,61 @@ def test_device_checksums_see_one_changed_bit_and_two_swapped_elements(dtype):
                 if swapped[i] != swapped[j])
     swapped[[i, j]] = swapped[[j, i]]
     assert not torch.equal(device_checksums([swapped.view(300, 7)]), whole)
+
+
+def test_the_best_checkpoint_by_its_held_out_metric_outlives_newer_ones(tmp_path, capsys):
+    """checkpoint.best: the newest `keep` and the best by the metric each checkpoint's
+    evaluation recorded (the earliest of equals; one not evaluated, or not a number, is no
+    candidate); a new run on the folder (a resume) finds the best so far in it."""
+    from baton.coordinator.commits import Commits
+
+    class Tags:
+        def __init__(self):
+            self.tags = {}
+
+        def flush(self):
+            pass
+
+        def set_tags(self, tags):
+            self.tags.update(tags)
+
+    store = CheckpointStore(str(tmp_path / "job"))
+
+    def save(commits, step, evaluated=None):
+        store.begin(step)
+        parts = [store.write_tensors(step, f"{k}-0000.pt", {}) for k in ("model", "optim")]
+        commits._commit(step, {"step": step, **({"eval": evaluated} if evaluated else {})}, parts)
+        store.settle()
+        return sorted(store.committed_steps())
+
+    tracker = Tags()
+    commits = Commits(store, tracker, None, keep=1, best=("eval_loss", True))
+    assert save(commits, 2, {"eval_loss": 3.0}) == [2]
+    assert save(commits, 4, {"eval_loss": 2.0}) == [4]
+    assert save(commits, 6, {"eval_loss": 2.5}) == [4, 6]
+    assert save(commits, 8) == [4, 8]  # a survivors' checkpoint: not evaluated
+    assert save(commits, 10, {"eval_loss": float("nan")}) == [4, 10]
+    assert save(commits, 12, {"eval_loss": 2.0}) == [4, 12]  # equal: the earlier stays
+    assert tracker.tags["checkpoint.best_step"] == "4"
+    assert tracker.tags["checkpoint.best"].endswith("step_00000004")
+    assert store.best("eval_loss", True) == (4, 2.0)
+    resumed = Commits(store, Tags(), None, keep=1, best=("eval_loss", True))
+    assert save(resumed, 14, {"eval_loss": 1.5}) == [14]
+    assert save(resumed, 16, {"eval_loss": 1.7}) == [14, 16]
+
+    # highest first, and a metric the run does not report: one warning, the newest kept
+    store = CheckpointStore(str(tmp_path / "other"))
+    commits = Commits(store, Tags(), None, keep=1, best=("eval_accuracy", False))
+    assert save(commits, 2, {"eval_accuracy": 0.5}) == [2]
+    assert save(commits, 4, {"eval_accuracy": 0.4}) == [2, 4]
+    assert save(commits, 6, {"eval_accuracy": 0.7}) == [6]
+    capsys.readouterr()
+    commits = Commits(CheckpointStore(str(tmp_path / "third")), Tags(), None, keep=1,
+                      best=("eval_acc", False))
+    store = commits.store
+    assert save(commits, 2, {"eval_loss": 1.0, "eval_accuracy": 0.5}) == [2]
+    assert save(commits, 4, {"eval_loss": 0.9, "eval_accuracy": 0.6}) == [4]
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(
+        "baton: warning: checkpoint.best: eval_acc is not among this run's held-out metrics "
+        "(eval_accuracy, eval_loss); only the newest checkpoints are kept")

@@ -27,9 +27,10 @@ def _job(tmp_path, model=GPT):
     return spec_from_dict(raw), write_spec(tmp_path / "job.yaml", raw)
 
 
-def _stages(store: CheckpointStore, step: int, state: dict, cut: str = "2.") -> None:
+def _stages(store: CheckpointStore, step: int, state: dict, cut: str = "2.",
+            evaluated: dict | None = None) -> None:
     """A checkpoint as two pipeline stages write it: the model's names up to `cut` in the
-    first file, the rest in the second."""
+    first file, the rest in the second; `evaluated`: its held-out metrics."""
     names = list(state)
     first = names[:next(i for i, n in enumerate(names) if n.startswith(cut))]
     store.begin(step)
@@ -38,7 +39,8 @@ def _stages(store: CheckpointStore, step: int, state: dict, cut: str = "2.") -> 
                               {n: state[n] for n in names if n not in first})):
         parts.append(store.write_tensors(step, f"model-{i:04d}.pt", part))
         parts.append(store.write_tensors(step, f"optim-{i:04d}.pt", {"state": {}, "param_groups": []}))
-    store.commit(step, {"step": step, "layout": {"pp": 2}}, keep=5, parts=parts)
+    store.commit(step, {"step": step, "layout": {"pp": 2}, **({"eval": evaluated} if evaluated else {})},
+                 keep=5, parts=parts)
 
 
 def test_a_pipelines_checkpoint_exports_whole_and_loads_back(tmp_path, capsys):
@@ -163,6 +165,41 @@ def test_what_cannot_be_exported_is_one_line_and_writes_nothing(tmp_path, capsys
     assert cli.main(["export", str(job), "--out", str(out)]) == 2
     assert "already exists; choose a new --out" in capsys.readouterr().err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
+
+
+def test_best_exports_the_checkpoint_of_the_best_held_out_evaluation(tmp_path, capsys):
+    spec, job = _job(tmp_path)
+    store = CheckpointStore(spec.checkpoint_dir)
+    states = {s: build_model(spec.model, s).state_dict() for s in (2, 4, 6)}
+    _stages(store, 2, states[2], evaluated={"eval_loss": 3.0})
+    _stages(store, 4, states[4], evaluated={"eval_loss": 2.0})
+    _stages(store, 6, states[6], evaluated={"eval_loss": 2.5})
+    out = tmp_path / "best"
+    args = ["export", str(job), "--out", str(out), "--best"]
+    assert cli.main(args) == 2
+    assert "--best: job 'exp' sets no checkpoint.best" in capsys.readouterr().err
+    args += ["--set", "checkpoint.best=eval_loss", "--set", "eval.fraction=0.1",
+             "--set", "eval.every_steps=1"]
+    assert cli.main(args) == 0 and capsys.readouterr().out.startswith("exported step 4 of exp")
+    got = baton.load_model(str(out)).state_dict()
+    assert all(torch.equal(got[n], states[4][n]) for n in states[4])
+    maxed = [*args[:-6], "--set", "checkpoint.best=eval_loss", "--set", "checkpoint.best_mode=max",
+             "--set", "eval.fraction=0.1", "--set", "eval.every_steps=1"]
+    maxed[3] = str(tmp_path / "worst")
+    assert cli.main(maxed) == 0 and capsys.readouterr().out.startswith("exported step 2 of exp")
+    accuracy = [*args[:-6], "--set", "checkpoint.best=eval_accuracy", "--set",
+                "checkpoint.best_mode=max", "--set", "eval.fraction=0.1", "--set", "eval.every_steps=1"]
+    assert cli.main(accuracy) == 2  # a language model reports no accuracy
+    assert "checkpoint.best: 'eval_accuracy' is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one or the other
+        cli.main([*args[:4], "--step", "2", "--best"])
+    assert "not allowed with argument --step" in capsys.readouterr().err
+    # checkpoints written before checkpoint.best was set record no evaluation
+    bare = CheckpointStore(str(tmp_path / "bare" / "exp"))
+    _stages(bare, 2, states[2])
+    args[3] = str(tmp_path / "bare-out")
+    assert cli.main([*args, "--set", f"checkpoint.path={tmp_path / 'bare'}"]) == 2
+    assert "--best: no checkpoint in" in capsys.readouterr().err
 
 
 class _Counting(torch.nn.Module):

@@ -113,6 +113,21 @@ def test_eval_data_that_is_training_data_is_refused(tmp_path):
     ({"eval": {"fraction": 0.1, "path": "x"}}, "not both"),
     ({"data": {"source": "parquet", "columns": {"valid": "x"}}, "task": "helpers:regression"},
      "data.columns.valid"),
+    # checkpoint.best: a metric the evaluation reports, which way is better, every checkpoint
+    # evaluated
+    ({"checkpoint": {"best": "eval_accuracy", "best_mode": "max"}, "eval": {"fraction": 0.1}},
+     "checkpoint.best: 'eval_accuracy' is invalid; names a metric of the held-out evaluation: eval_loss"),
+    ({"checkpoint": {"best": "loss"}, "eval": {"fraction": 0.1}, "task": "helpers:regression",
+      "data": {"source": "parquet", "columns": {"inputs": "x", "target": "y"}}},
+     "names a metric of the held-out evaluation: eval_loss or eval_ and your task's metric"),
+    ({"checkpoint": {"best_mode": "min"}}, "checkpoint.best_mode: 'min' is invalid; says which way"),
+    ({"checkpoint": {"best": "eval_accuracy"}, "eval": {"fraction": 0.1}, "task": "classification",
+      "data": {"source": "parquet", "columns": {"inputs": "x", "label": "y"}}},
+     "checkpoint.best_mode: None is invalid; say min or max: which way eval_accuracy is better"),
+    ({"checkpoint": {"best": "eval_loss"}}, "set eval.fraction or eval.path"),
+    ({"checkpoint": {"best": "eval_loss", "every_steps": 50}, "eval": {"fraction": 0.1, "every_steps": 20}},
+     "eval.every_steps: 20 is invalid; must divide checkpoint.every_steps (50) so that every "
+     "checkpoint is evaluated for checkpoint.best (e.g. 50)"),
 ])
 def test_spec_mistakes_about_tasks_are_one_line(raw, expected):
     with pytest.raises(SpecError) as e:

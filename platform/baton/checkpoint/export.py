@@ -42,11 +42,11 @@ SINGLE, INDEX, ABOUT = "model.safetensors", "model.safetensors.index.json", "bat
 HF_NAMES = "model."  # an hf: model's parameters are its transformers model's, under HFModel.model
 
 
-def export(spec: JobSpec, out: str, step: Optional[int] = None,
+def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
            max_shard_bytes: int = MAX_SHARD_BYTES, log: Optional[Callable[[str], None]] = None,
            hf: bool = False) -> dict:
-    """Write checkpoint `step` of `spec`'s job (default: the newest that verifies) to the
-    folder `out`, which must not exist; returns what `baton.json` says, with the files.
+    """Write checkpoint `step` of `spec`'s job (default: the newest that verifies; "best": the
+    one `checkpoint.best` kept) to the folder `out`, which must not exist; returns what `baton.json` says, with the files.
     `hf`: the built-in GPT as Hugging Face's GPT-2 (an hf: model is in its form anyway)."""
     from safetensors.torch import save_file
 
@@ -60,6 +60,8 @@ def export(spec: JobSpec, out: str, step: Optional[int] = None,
         raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
                               "built-in gpt (as GPT-2) and hf: models do")
     store = CheckpointStore(spec.checkpoint_dir)
+    if step == "best":
+        step = _best(spec, store)
     step = _pick(store, step, log or (lambda line: print(line, file=sys.stderr)))
     about = {"job": spec.name, "step": step, "model": spec.to_dict()["model"],
              "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step),
@@ -118,6 +120,18 @@ def _tokens(spec: JobSpec) -> Optional[dict]:
         return {"tokenizer": info["tokenizer"], "eod_token": info.get("eod_token")}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _best(spec: JobSpec, store: CheckpointStore) -> int:
+    c = spec.checkpoint
+    if c.best is None:
+        raise CheckpointError(f"--best: job {spec.name!r} sets no checkpoint.best (the held-out "
+                              "metric to keep the best checkpoint by); give --step N")
+    found = store.best(c.best, c.best_lowest)
+    if found is None:
+        raise CheckpointError(f"--best: no checkpoint in {store.root} records {c.best} (each "
+                              "records its held-out evaluation once checkpoint.best is set)")
+    return found[0]
 
 
 def _pick(store: CheckpointStore, step: Optional[int], log: Callable[[str], None]) -> int:

@@ -31,9 +31,10 @@ import concurrent.futures
 import contextlib
 import io
 import json
+import math
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from baton import storage
 from baton.spec import join_path
@@ -125,11 +126,13 @@ class CheckpointStore:
             torch.save(obj, f)
         return {"name": name, **f.record()}
 
-    def commit(self, step: int, meta: dict, keep: int, parts: list[dict]) -> str:
+    def commit(self, step: int, meta: dict, keep: int, parts: list[dict],
+               protect: Iterable[int] = ()) -> str:
         """Check that every part the checkpoint needs is there at the size its writer recorded;
         write the metadata (with every part's size and checksum), then the marker; then drop
-        all but the newest `keep` committed checkpoints and any torn or rejected folder older
-        than this one. Refused (CheckpointError, nothing committed) when a part is missing."""
+        all but the newest `keep` committed checkpoints and those in `protect` (the best one,
+        `checkpoint.best`), and any torn or rejected folder older than this one. Refused
+        (CheckpointError, nothing committed) when a part is missing."""
         d = self.step_dir(step)
         recorded = {p["name"]: {k: v for k, v in p.items() if k != "name"} for p in parts}
         problem = _missing(meta, recorded) or self._wrong_size(step, recorded)
@@ -140,10 +143,25 @@ class CheckpointStore:
                               json.dumps({**meta, "parts": recorded}, indent=2).encode())
         storage.write_durably(self.fs, f"{d}/{MARKER}", b"")
         committed = sorted(self.committed_steps())
+        kept = {*committed[-keep:], *protect}
         for s, ok in self._steps():
-            if (ok and s in committed[:-keep]) or (not ok and s < step):
+            if (ok and s not in kept) or (not ok and s < step):
                 self._drop(s)
         return d if "://" not in self.root else join_path(self.root, f"step_{step:08d}")
+
+    def best(self, metric: str, lowest: bool) -> Optional[tuple[int, float]]:
+        """The committed checkpoint whose held-out evaluation (its metadata's `eval`) was best
+        by `metric` (the earliest of equals), and its value; None where none records it: what
+        `checkpoint.best` keeps and `baton export --best` exports."""
+        scored = []
+        for s in self.committed_steps():
+            try:
+                value = float(self.read_meta(s).get("eval", {})[metric])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
+                continue  # not evaluated (a survivors' checkpoint), or its metadata unreadable
+            if math.isfinite(value):
+                scored.append((value if lowest else -value, s, value))
+        return min(scored)[1:] if scored else None
 
     def _drop(self, step: int) -> None:
         """Delete checkpoint `step`'s folder off the caller's path: its marker first, so that

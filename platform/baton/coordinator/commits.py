@@ -20,6 +20,7 @@ instead of training again from the last checkpoint.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -46,8 +47,13 @@ class Save:
 
 class Commits:
     def __init__(self, store: CheckpointStore, tracker, live, keep: int,
-                 lease: Optional[Lease] = None, background: bool = False):
+                 lease: Optional[Lease] = None, background: bool = False,
+                 best: Optional[tuple[str, bool]] = None):
         self.store, self.tracker, self.live, self.keep = store, tracker, live, keep
+        self.best = best  # checkpoint.best: (metric, lower is better), kept beside the newest
+        self.best_found: Optional[tuple[int, float]] = None  # its (step, value), once looked for
+        self.best_read = False  # whether the store's checkpoints were (a resumed run's best)
+        self.best_warned = False
         self.lease = lease  # held for the run (api.run): nothing is written without it
         self.background = background  # checkpoint.async
         self.pending: Optional[Save] = None  # a background save being written
@@ -189,5 +195,30 @@ class Commits:
         # Metrics first, then the marker: a crash between the two replays steps whose metrics
         # are already logged, and the tracker skips those; the other order could lose them.
         self.tracker.flush()
-        self.last = self.store.commit(step, meta, self.keep, parts)
+        best = self._best_with(step, meta)
+        self.last = self.store.commit(step, meta, self.keep, parts, protect=[best[0]] if best else [])
         self.tracker.set_tags({"checkpoint.latest": self.last})
+        if best is not None and best != self.best_found:
+            self.best_found = best
+            self.tracker.set_tags({"checkpoint.best": self.store.step_dir(best[0]),
+                                   "checkpoint.best_step": str(best[0])})
+
+    def _best_with(self, step: int, meta: dict) -> Optional[tuple[int, float]]:
+        """The best checkpoint by checkpoint.best once checkpoint `step` (`meta`) commits."""
+        if self.best is None:
+            return None
+        metric, lowest = self.best
+        if not self.best_read:  # a resumed run's checkpoints hold its best so far
+            self.best_found, self.best_read = self.store.best(metric, lowest), True
+        evaluated = meta.get("eval", {})
+        value = evaluated.get(metric)
+        if evaluated and value is None and not self.best_warned:  # a task of the user's
+            self.best_warned = True
+            print(f"baton: warning: checkpoint.best: {metric} is not among this run's held-out "
+                  f"metrics ({', '.join(sorted(evaluated))}); only the newest checkpoints are kept",
+                  flush=True)
+        old = self.best_found
+        if value is None or not math.isfinite(value) or (
+                old is not None and not (value < old[1] if lowest else value > old[1])):
+            return old
+        return step, float(value)

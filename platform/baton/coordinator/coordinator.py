@@ -145,8 +145,9 @@ class Coordinator:
         self.events = self.report.events  # the run record (RunResult.events, events.json)
         self.live = self.report.live
         self.stats = StepStats(spec)  # what the steps measured
-        self.commits = Commits(self.store, tracker, self.live, spec.checkpoint.keep, lease,
-                               background=spec.checkpoint.async_)
+        c = spec.checkpoint
+        self.commits = Commits(self.store, tracker, self.live, c.keep, lease, background=c.async_,
+                               best=(c.best, c.best_lowest) if c.best else None)
         self.run_id: Optional[str] = None
         self.prepared = False  # data read and the MLflow run open: from here on, a status
         self.started_at = time.time()
@@ -596,7 +597,10 @@ class Coordinator:
                 "mlflow_run_id": self.run_id, "tracking_uri": redact(self.tracker.uri),
                 "schedule": {"step": self.step, "next_lr": self.spec.train.lr_at(self.step)},
                 "rng": rng, "loss": self.stats.last_loss, "baton_version": __version__,
-                "time": time.time()}
+                "time": time.time(),
+                # the held-out metrics of this step's state, where it was evaluated (checkpoint.best)
+                **({"eval": self.evaluation.last}
+                   if self.evaluation and self.evaluation.step == self.step else {})}
 
     def status(self) -> dict:
         """What `baton status` shows of a running job."""
@@ -632,5 +636,5 @@ class Coordinator:
                          stage_layers=self.stage_layers, events=self.events,
                          dp_history=self.dp_history, start=self.start,
                          eval=self.evaluation.last if self.evaluation else {},
-                         tracking_uri=getattr(self.tracker, "uri", None),
+                         best=self.commits.best_found, tracking_uri=getattr(self.tracker, "uri", None),
                          **self.stats.result_fields())

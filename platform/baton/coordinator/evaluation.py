@@ -27,6 +27,7 @@ class Evaluation:
         self.samples = data.eval_samples
         self.passes = 0
         self.last: dict = {}  # the metrics of the last pass
+        self.step = 0  # the step it followed
 
     def due(self, done: int) -> bool:
         return done == self.steps or bool(self.every and done % self.every == 0)
@@ -46,6 +47,7 @@ class Evaluation:
         self.last = {"eval_loss": sum(r["loss_sum"] for r in results) / count,
                      **{f"eval_{k}": v for k, v in metric_values(results, count).items()},
                      "eval_samples": self.samples}
+        self.step = step
         return self.last
 
     def close(self) -> None:

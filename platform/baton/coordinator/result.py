@@ -34,6 +34,7 @@ class RunResult:
     # processes; form: the process group and the models; load: a checkpoint; first_step)
     start: dict = field(default_factory=dict)
     eval: dict = field(default_factory=dict)  # the last evaluation's metrics (eval_loss, ...)
+    best: Optional[tuple[int, float]] = None  # checkpoint.best's checkpoint: (step, its value)
     tracking_uri: Optional[str] = None  # the MLflow store the run is in
 
     def history(self, key: str) -> list[tuple[int, float]]:
