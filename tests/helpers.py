@@ -333,6 +333,32 @@ def slow_gpt(spec):
     return torch.nn.Sequential(_Sleep(spec.options["seconds"]), *gpt)
 
 
+class _SlowOn(torch.nn.Module):
+    """On one rank, sleeps `seconds` in each training forward: a worker slower than its peers
+    at every step (a throttled GPU, a busy host), alive and keeping up with every collective."""
+
+    def __init__(self, seconds: float, rank: int):
+        super().__init__()
+        self.seconds, self.rank = seconds, rank
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized() and dist.get_rank() == self.rank:
+            time.sleep(self.seconds)
+        return x
+
+
+def uneven_gpt(spec):
+    """A user model (`helpers:uneven_gpt`): the GPT, each forward on rank `options.rank`
+    `options.seconds` longer."""
+    from baton.models.gpt import build_gpt
+
+    gpt = build_gpt(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
+                    vocab_size=spec.vocab_size)
+    return torch.nn.Sequential(_SlowOn(spec.options["seconds"], spec.options["rank"]), *gpt)
+
+
 def not_on_meta(spec):
     """A user model (`helpers:not_on_meta`) whose builder needs real tensors: it raises on
     PyTorch's meta device, where the driver builds models for their shapes."""

@@ -101,6 +101,11 @@ def describe(s: dict) -> list[str]:
     if held:
         lines.append("  memory of the largest worker: " + ", ".join(
             f"{what} {held[kind]:,} MiB" for kind, what in MEMORY_LABEL.items() if kind in held))
+    lag = s.get("straggler")  # only while one lags
+    if lag:
+        lines.append(f"  straggler: rank {lag['rank']} (node {str(lag['node'])[:12]}, pid {lag['pid']}) "
+                     f"computes {lag['ratio']:.1f}x as long as its peers "
+                     f"({lag['compute_s']:.3f} s a step against {lag['peers_s']:.3f} s)")
     lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
     lines.append(f"  failures: {s['failures']}" + (f" ({causes})" if causes else "")

@@ -270,3 +270,31 @@ def test_an_error_nobody_reads_goes_to_the_file_not_the_console(tmp_path, capfd)
     assert "abandoned on purpose" in (tmp_path / "ray.log").read_text()
     assert "abandoned on purpose" not in "".join(capfd.readouterr())
     assert messages.where() == f"ray: a message from Ray kept out of the console is in {tmp_path / 'ray.log'}"
+
+
+def test_a_worker_slower_than_its_peers_is_named_and_an_even_world_names_none(tmp_path):
+    """A replica whose every forward takes 0.05 s longer (helpers:uneven_gpt on rank 1, two
+    forwards a step) is named
+    once it has lagged for half a window (10 steps), with its node and pid, in the events, on
+    `baton status` and in MLflow's compute_spread; the same job without it names no one."""
+    data = write_dataset(tmp_path / "data", num_samples=256, seq_len=32)
+    runs = {}
+    for name, model in (("even", {}), ("uneven", {"name": "helpers:uneven_gpt",
+                                                  "options": {"seconds": 0.05, "rank": 1}})):
+        spec = spec_from_dict(tiny_spec(
+            tmp_path / name, data, name=name, model=model, train={"steps": 14, "micro_batch": 2},
+            checkpoint={"every_steps": 100}))
+        runs[name] = api.run(spec, show_progress=False)
+        spread = [v for _, v in runs[name].history("compute_spread")]
+        print(name, [round(v, 2) for v in spread])  # measured: see below
+    assert not [e for e in runs["even"].events if e["kind"].startswith("straggler")]
+    [named] = [e for e in runs["uneven"].events if e["kind"].startswith("straggler")]
+    worker = runs["uneven"].workers[1]
+    assert (named["kind"], named["rank"], named["step"]) == ("straggler", 1, 10)
+    assert (named["node"], named["pid"]) == (worker["node"], worker["pid"])
+    # its 0.1 s of sleep a step, less a few ms of the peers' compute that differs run to run
+    assert named["ratio"] >= 1.5 and named["compute_s"] - named["peers_s"] >= 0.09
+    spread = runs["uneven"].history("compute_spread")
+    assert [s for s, _ in spread] == list(range(10, 15)) and min(v for _, v in spread) >= 1.5
+    lag = CheckpointStore(spec.checkpoint_dir).read_status()["straggler"]  # what `baton status` reads
+    assert (lag["rank"], lag["pid"]) == (1, worker["pid"])

@@ -266,6 +266,11 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
     assert status.describe({**s, "dp": 1, "world_size": 1, "workers_starting": 1})[2] == (
         "  world: dp 1 x pp 1 = 1 worker, 1 alive; 1 more starting, to grow into")
     assert status.describe({**s, "spares": 2})[2] == "  world: dp 2 x pp 1 = 2 workers, 1 alive; 2 spares"
+    lag = {"rank": 1, "node": "9c4dce4247f6ddada74a", "pid": 3573, "ratio": 2.5,
+           "compute_s": 0.25, "peers_s": 0.1}
+    assert status.describe({**s, "straggler": lag})[3] == (
+        "  straggler: rank 1 (node 9c4dce4247f6, pid 3573) computes 2.5x as long as its peers "
+        "(0.250 s a step against 0.100 s)")
     store = CheckpointStore(str(tmp_path / "ckpt" / "j"))
     store.write_status(s)
     assert status.local("j", str(tmp_path / "ckpt")) == s and store.committed_steps() == []

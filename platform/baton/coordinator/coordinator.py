@@ -38,6 +38,7 @@ from baton.data.manifest import Manifest
 from baton.data.source import JobData, preflight
 from baton.coordinator.commits import Commits, Save
 from baton.coordinator.evaluation import Evaluation, evaluation
+from baton.coordinator.stragglers import Stragglers
 from baton.coordinator.steps import StepStats
 from baton.coordinator.phases import Phases
 from baton.coordinator.placement import START_WAIT_S, Placement, together
@@ -145,6 +146,7 @@ class Coordinator:
         self.events = self.report.events  # the run record (RunResult.events, events.json)
         self.live = self.report.live
         self.stats = StepStats(spec)  # what the steps measured
+        self.stragglers = Stragglers()  # the worker every step waits for, if one does
         c = spec.checkpoint
         self.commits = Commits(self.store, tracker, self.live, c.keep, lease, background=c.async_,
                                best=(c.best, c.best_lowest) if c.best else None)
@@ -446,6 +448,7 @@ class Coordinator:
         self.workers = self.group.setup(self.record_samples, self.stage_layers, self.data.columns,
                                         keep_state=keep_state)
         self.stats.world(self.workers, self.spec)
+        self.stragglers.world(self.workers, self.dims)
         self.live.world(alive=len(self.workers), world_size=self.dims.world_size, dp=dp)
         if self.dp_history:
             self.live.rescaled(self.dp_history[-1][1], dp)
@@ -559,6 +562,10 @@ class Coordinator:
         self.last_done_at = now
         metrics = self.stats.measure(p.step + 1, results, step_time_s, p.samples, p.lr,
                                      p.cursor["epoch"], self.dims)  # raises on a NaN loss
+        spread, lagging = self.stragglers.step(results, step_time_s)
+        metrics.update(spread)
+        if lagging:
+            self.report.straggler({"step": p.step + 1, **lagging}, self._tags())
         self.step = p.step + 1
         self.samples.completed(p.cursor, entries)  # with the step: see above
         if p.traced:
@@ -619,6 +626,7 @@ class Coordinator:
                 "last_checkpoint": self.commits.last, "failures": sum(causes.values()),
                 "failures_by_cause": dict(causes), "rescales": sum(
                     e["kind"] == "rescale" for e in self.events),
+                **({"straggler": self.stragglers.named} if self.stragglers.named else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from baton.coordinator.stragglers import describe
 from baton.progress import Progress
 from baton.status import StatusBoard
 from baton.storage import redact
@@ -42,6 +43,12 @@ class Report:
                        memory={kind: metrics[name] * 2**20 for kind, name in MEMORY_MIB.items()
                                if name in metrics})
         self.progress.update(step, metrics["loss"], tps)
+
+    def straggler(self, event: dict, tags: dict) -> None:
+        """A worker every step waits for, or one that keeps up again (coordinator/stragglers.py):
+        in the run record, on the console, and in the status file from there on."""
+        self.record(event, tags)
+        self.progress.note(describe(event))
 
     def evaluated(self, step: int, evaluated: dict) -> None:
         self.progress.note(f"step {step}: " + ", ".join(

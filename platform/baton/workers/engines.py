@@ -6,6 +6,7 @@ the whole model on the whole batch."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -35,12 +36,47 @@ from baton.training import clip_grads, local, make_optimizer, scale_to_norm, set
 BatchFn = Callable[..., dict]  # (rows, pad_to=None) -> the task's batch (tensors, VALID)
 
 
+class Stopwatch:
+    """Seconds of a worker's own computation, summed over `timed()` spans until `read()`: on
+    the host clock, or on a GPU between CUDA events recorded on the stream, read after the
+    step's one synchronisation (its loss read), so timing adds no wait."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+        self.host_s = 0.0
+
+    @contextlib.contextmanager
+    def timed(self):
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self.spans.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.host_s += time.perf_counter() - t0
+
+    def read(self) -> float:
+        total = self.host_s + sum(start.elapsed_time(end) for start, end in self.spans) / 1000
+        self.spans, self.host_s = [], 0.0
+        return total
+
+
 class _Engine:
     module: nn.Module  # this worker's parameters, named as in the whole model
     optimizer: torch.optim.Optimizer
     sharded: bool = False  # state split across workers: checkpoints go through DCP
     own_random: Optional[tensor.OwnRandom] = None  # a tp worker's own stream (checkpointed)
     grad_bytes: int = 0  # this worker's gradients at its first step (local shards)
+
+    def compute_s(self) -> Optional[float]:
+        """Seconds of the last step that this worker computed without waiting for a peer
+        (what its peers doing the same work are compared with: coordinator/stragglers.py), or
+        None where every part of its step may wait for one (sharded parameters, tp)."""
+        return None
 
     def apply(self, lr: float) -> torch.Tensor | float:
         """Clip, step, clear; returns the gradient norm before clipping (on a GPU, a tensor
@@ -102,6 +138,13 @@ class DataParallelEngine(_Engine):
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
+        # a forward waits for no peer where the parameters are whole and unsplit (DDP and
+        # ZeRO-1 all-reduce in the backward; FSDP gathers, and tp all-reduces, in the forward)
+        self.forwards = (Stopwatch(device) if "params" not in SHARDED_PARTS[level] and dims.tp == 1
+                         else None)
+
+    def compute_s(self) -> Optional[float]:
+        return self.forwards.read() if self.forwards else None
 
     def _split(self, module: nn.Module, fill) -> tuple:
         """What a subclass does to the model before it is wrapped (tensor parallelism: keeps
@@ -132,17 +175,19 @@ class DataParallelEngine(_Engine):
             for i, rows in enumerate(micro):
                 sync = i == len(micro) - 1
                 with contextlib.nullcontext() if sync else self.replica.no_sync():
-                    ls = self._loss(batch_fn, rows, sums)
+                    ls = self._loss(batch_fn, rows, sums, self.forwards)
                     (ls * scale * self.dp).backward()  # DDP and FSDP average over dp; this undoes it
         return sums, extra
 
-    def _loss(self, batch_fn: BatchFn, rows: np.ndarray, sums: Sums) -> torch.Tensor:
+    def _loss(self, batch_fn: BatchFn, rows: np.ndarray, sums: Sums,
+              watch: Optional[Stopwatch] = None) -> torch.Tensor:
         # every replica joins every collective: an empty micro-batch runs one padding row,
         # which the task leaves out (zero loss, zero gradient)
         batch = to_device(batch_fn(rows, pad_to=None if len(rows) else 1), self.device)
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
-            output = self.wrapped(self.task.inputs(batch))
-        ls, metrics = self.task.loss(output, batch)
+        with watch.timed() if watch else contextlib.nullcontext():
+            with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+                output = self.wrapped(self.task.inputs(batch))
+            ls, metrics = self.task.loss(output, batch)
         sums.add(self.task, ls, metrics, batch)
         return ls
 
@@ -271,10 +316,18 @@ class PipelineEngine(_Engine):
                        scale * self.dims.dp if self.fsdp else scale)
         if self.replica_grads:  # each stage's replicas sum their gradients
             self.replica_grads.all_reduce([q for q in self.module.parameters() if q.grad is not None])
+        self.busy_s = st.busy_s
         return sums, {
                 "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
                          "activation_bytes": st.peak_activation_bytes, "live": st.peak_live},
                 "events": st.events if trace else None}
+
+    def compute_s(self) -> Optional[float]:
+        # the schedule's forwards and backwards, between its waits for the next and the last
+        # stage (each timed on the host: on a GPU the host only queues them); FSDP inside the
+        # stages and tp wait for peers within them
+        return (self.busy_s if self.device.type == "cpu" and not self.fsdp and self.shares is None
+                else None)
 
     def _run(self, actions, micro: list[np.ndarray], batch_fn: BatchFn, sums: Sums, scale: float):
         batches = ([batch_fn(rows, pad_to=self.spec.micro_batch) for rows in micro]

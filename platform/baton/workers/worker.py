@@ -333,6 +333,9 @@ class Worker:
         # device idle while the host queued the clip and the step (one wait a step, not two)
         out.update(self._once(sums.out()), grad_norm=float(grad_norm))
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
+        computed = self.engine.compute_s()  # (read after the loss: on a GPU, its events are done)
+        if computed is not None:
+            out["compute_s"] = computed
         stalled = self.saves.stalls()
         if stalled:  # training's time in the last background save and its fence
             out["save_stall_s"] = stalled
