@@ -237,3 +237,25 @@ def test_a_state_broadcast_over_nccl_keeps_each_tensors_device(tmp_path):
     for name in ("w", "half"):
         assert got[name].device == device and got[name].dtype == state[name].dtype
         assert torch.equal(got[name], state[name]), name
+
+
+def test_a_stopwatch_on_cuda_times_the_device_not_the_host_queue():
+    """A worker's compute_s on a GPU (coordinator/stragglers.py): CUDA events around the
+    forwards, read after the step's synchronisation, give the device's time; the host, which
+    only queued the kernels, returned long before them."""
+    import time
+
+    from baton.workers.engines import Stopwatch
+
+    watch, x = Stopwatch(torch.device("cuda", 0)), torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with watch.timed():
+        for _ in range(50):
+            x = (x @ x).tanh()
+    queued = time.perf_counter() - t0
+    torch.cuda.synchronize()  # (a step's loss read)
+    device = time.perf_counter() - t0
+    got = watch.read()
+    print(f"queued {queued:.4f} s, device {device:.4f} s, stopwatch {got:.4f} s")
+    assert 0.5 * device < got <= device * 1.05 and watch.read() == 0.0
