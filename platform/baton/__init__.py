@@ -8,6 +8,7 @@ From Python (a notebook, a script), without the CLI:
     result = baton.run(spec)              # an embedded local Ray, as `baton run` starts
     result.loss, result.eval              # the last step's loss, the last evaluation
     result.history("eval_accuracy")       # [(step, value), ...] from the run's MLflow record
+    baton.evaluate(spec, step="best").eval  # a checkpoint on the held-out data, no training
     baton.export(spec, "model-out")       # its newest verified checkpoint, as safetensors
     model = baton.load_model("model-out") # the trained nn.Module, on the CPU
 
@@ -40,6 +41,15 @@ def run(job, overrides=(), **options):
     from baton import api
 
     return api.run(_spec(job, overrides), **options)
+
+
+def evaluate(job, step=None, overrides=(), **options):
+    """A job's checkpoint (`step`, default the newest that verifies, "best" the one
+    checkpoint.best kept) evaluated on its held-out data without training, as `baton eval`;
+    returns a RunResult whose `eval` holds the metrics. `options`: `baton.api.evaluate`'s."""
+    from baton import api
+
+    return api.evaluate(_spec(job, overrides), step=step, **options)
 
 
 def export(job, out, step=None, overrides=(), max_shard_bytes=None, hf=False):

@@ -9,6 +9,7 @@ the models (`baton.workers.actor`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -104,17 +105,21 @@ def plan_resume(spec: JobSpec, source: str,
                                   "committed checkpoint")
         return None, []
     meta = store.read_meta(step)
+    _check_recipe(meta, spec, source, step)
+    if meta["step"] >= spec.train.steps:
+        raise CheckpointError(
+            f"{source}: job {spec.name!r} already finished: its checkpoint is at step "
+            f"{meta['step']} and train.steps is {spec.train.steps}; raise train.steps to train on")
+    return meta, failed
+
+
+def _check_recipe(meta: dict, spec: JobSpec, source: str, step: int) -> None:
     if meta.get("job") != spec.name or meta.get("fingerprint") != spec.fingerprint():
         changed = _changed_keys(meta.get("recipe", {}), spec.recipe())
         raise CheckpointError(
             f"{source}: {spec.checkpoint_dir} holds a checkpoint (step {step}) of another recipe "
             f"({changed or 'a different job'}); set checkpoint.path to a new folder, or restore "
             "the old values to resume")
-    if meta["step"] >= spec.train.steps:
-        raise CheckpointError(
-            f"{source}: job {spec.name!r} already finished: its checkpoint is at step "
-            f"{meta['step']} and train.steps is {spec.train.steps}; raise train.steps to train on")
-    return meta, failed
 
 
 def check_corpus(meta: dict, manifest: Manifest, source: str, rebase: bool) -> None:
@@ -198,29 +203,9 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             log(f"warning: checkpoint {step} failed verification ({why}); it is set aside and "
                 f"the run goes back to {back_to}")
             CheckpointStore(spec.checkpoint_dir).reject(step, why)
-        tracker = make_tracker(spec.tracking)
-        _quiet_library_logs()  # MLflow's notes while it makes a new store's tables
-        tracker.open_ahead()  # while Ray starts
-        started_ray = False
-        if not ray.is_initialized():
-            if address is None:
-                start_local_ray()
-            else:
-                join_cluster(address)
-            started_ray = True
-            ray_messages = RayMessages.for_this_ray().install()
-            # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
-            # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
-            # Installed after ray.init, which replaces SIGTERM's handler with one that only dumps
-            # a stack; both wait for a write to the run's record to finish (interrupts.py).
-            previous_handlers = interrupts.install()
-        try:
+        with _on_ray(spec, source, address, log) as tracker:
             from baton.coordinator import Coordinator  # most of it imported by now
 
-            if address is not None:
-                from baton.workers.capacity import fit_or_wait
-
-                fit_or_wait(spec, source, f"the cluster at {address}", log)
             if resume_meta:
                 log(f"resuming {spec.name} from step {resume_meta['step']} "
                     f"(checkpoint in {storage.redact(spec.checkpoint_dir)})")
@@ -228,15 +213,101 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                                       record_samples=record_samples, show_progress=show_progress,
                                       on_step=on_step, data=data, lease=lease)
             return coordinator.run()
-        finally:
-            tracker.drop_ahead()  # a run refused before its MLflow run leaves no store
-            if started_ray:
-                shutdown_ray()
-                ray_messages.restore()
-                interrupts.restore(previous_handlers)
-                if ray_messages.where():
-                    log(ray_messages.where())
-            tracker.wait_finished()  # a finished run's report, drawn meanwhile
+
+
+def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str] = None,
+             address: Optional[str] = None, show_progress: bool = True,
+             log: Callable[[str], None] = print) -> RunResult:
+    """The held-out evaluation (eval.fraction or eval.path) of checkpoint `step` of `spec`'s job
+    (default: the newest that verifies; "best": the one checkpoint.best kept), on as many
+    workers as the job would train on, without training: a new MLflow run, tagged with the
+    checkpoint, holds the metrics at its step. Ray as for `run`; no lease (nothing is written
+    to the job's checkpoints)."""
+    import ray
+
+    if not spec.eval.enabled:
+        raise SpecError(f"{source}: job {spec.name!r} holds out no data to evaluate on: set "
+                        "eval.fraction or eval.path (--set eval.path=DIR: a dataset of its own)")
+    if address is None and not ray.is_initialized():
+        address = cluster_address_from_env()
+    if address is not None and not ray.is_initialized():
+        probe_cluster(address)
+    meta = _evaluated_checkpoint(spec, source, step)
+    if not ray.is_initialized() and address is None:
+        check_fits(spec, os.cpu_count() or 1, _local_gpus() if spec.resources.gpus_per_worker else 0,
+                   source, "this machine")
+    if needs_prepare(spec):
+        prepare_data(spec, log)
+    data = preflight(spec, source)
+    with _on_ray(spec, source, address, log) as tracker:
+        from baton.coordinator import Coordinator
+
+        log(f"evaluating {spec.name} at step {meta['step']} (checkpoint in "
+            f"{storage.redact(spec.checkpoint_dir)})")
+        return Coordinator(spec, tracker, resume_meta=meta, show_progress=show_progress,
+                           data=data, evaluate_only=True).run()
+
+
+def _evaluated_checkpoint(spec: JobSpec, source: str, step: Optional[int | str]) -> dict:
+    """The metadata of the checkpoint `evaluate` loads: `step`, the best, or the newest whole
+    one (by its parts' sizes: the workers check the checksums as they load), of this recipe."""
+    from baton.checkpoint.export import pick
+
+    store = CheckpointStore(spec.checkpoint_dir)
+    try:
+        chosen = pick(spec, store, step, log=print, verify=sizes_only, doing="evaluating")
+    except OSError as e:
+        raise CheckpointError(f"{source}: checkpoint.path: cannot read "
+                              f"{storage.redact(spec.checkpoint_dir)} ({reason(e)})") from None
+    meta = store.read_meta(chosen)
+    # the model and the task must be the checkpoint's; how it was trained need not be
+    theirs, mine = meta.get("recipe"), spec.recipe()
+    changed = theirs is not None and _changed_keys({k: theirs.get(k) for k in ("model", "task")},
+                                                   {k: mine.get(k) for k in ("model", "task")})
+    if changed:
+        raise CheckpointError(f"{source}: checkpoint {chosen} in {storage.redact(spec.checkpoint_dir)} "
+                              f"holds another model or task ({changed}); restore the old values")
+    return meta
+
+
+@contextlib.contextmanager
+def _on_ray(spec: JobSpec, source: str, address: Optional[str], log: Callable[[str], None]):
+    """A run's tracker, opened while Ray starts (the embedded one, or `address`'s cluster,
+    unless this process is connected already), with SIGTERM ending the run as Ctrl-C does and
+    Ray's messages kept off the console; all undone after."""
+    import ray
+
+    tracker = make_tracker(spec.tracking)
+    _quiet_library_logs()  # MLflow's notes while it makes a new store's tables
+    tracker.open_ahead()  # while Ray starts
+    started_ray = False
+    if not ray.is_initialized():
+        if address is None:
+            start_local_ray()
+        else:
+            join_cluster(address)
+        started_ray = True
+        ray_messages = RayMessages.for_this_ray().install()
+        # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
+        # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
+        # Installed after ray.init, which replaces SIGTERM's handler with one that only dumps
+        # a stack; both wait for a write to the run's record to finish (interrupts.py).
+        previous_handlers = interrupts.install()
+    try:
+        if address is not None:
+            from baton.workers.capacity import fit_or_wait
+
+            fit_or_wait(spec, source, f"the cluster at {address}", log)
+        yield tracker
+    finally:
+        tracker.drop_ahead()  # a run refused before its MLflow run leaves no store
+        if started_ray:
+            shutdown_ray()
+            ray_messages.restore()
+            interrupts.restore(previous_handlers)
+            if ray_messages.where():
+                log(ray_messages.where())
+        tracker.wait_finished()  # a finished run's report, drawn meanwhile
 
 
 def shutdown_ray() -> None:

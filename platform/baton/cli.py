@@ -28,6 +28,18 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a spec value, e.g. --set train.steps=20 (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress line")
 
+    ev = sub.add_parser("eval", help="evaluate a job's checkpoint on its held-out data "
+                        "(eval.fraction or eval.path), without training")
+    ev.add_argument("job", help="the job's YAML file")
+    which_eval = ev.add_mutually_exclusive_group()
+    which_eval.add_argument("--step", type=int, help="the checkpoint (default: the newest that "
+                            "verifies)")
+    which_eval.add_argument("--best", action="store_const", const="best", dest="step",
+                            help="the checkpoint the job's checkpoint.best kept")
+    ev.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
+    ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a spec value, e.g. --set eval.path=test-set (repeatable)")
+
     init = sub.add_parser("init", help="print a commented job file to start from")
     init.add_argument("task", choices=["language_model", "classification"])
 
@@ -384,6 +396,16 @@ def _dispatch(args: argparse.Namespace) -> int:
                 print(f"baton: error: {flag} must be at least {least}", file=sys.stderr)
                 return 2
         print(sample(args.folder, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+        return 0
+    if args.command == "eval":
+        from baton.spec import load_spec
+
+        spec = load_spec(args.job, args.set)
+        result = api.evaluate(spec, source=args.job, step=args.step, address=args.address)
+        e = result.eval
+        print(f"{result.job}: step {result.step} on {e['eval_samples']:,} held-out samples: "
+              + ", ".join(f"{k} {v:.4g}" for k, v in e.items() if k != "eval_samples")
+              + f"; MLflow run {result.run_id}")
         return 0
     if args.command == "run":
         from baton.spec import load_spec

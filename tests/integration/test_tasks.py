@@ -134,6 +134,20 @@ def test_classification_at_dp2_matches_one_process_and_evaluates_only_held_out_r
     store = CheckpointStore(spec.checkpoint_dir)
     assert sorted(store.committed_steps()) == sorted({best, 6})
     assert store.read_meta(best)["eval"]["eval_accuracy"] == accuracy[best]
+    # `baton eval`: the kept checkpoint evaluated again, without training, in a run of its
+    # own: what the training's evaluation at that step found, to the bit (the same state, the
+    # same batches, the same sums); at dp 1, to float rounding (measured 1.5e-8)
+    again = api.evaluate(spec, step="best", show_progress=False)
+    assert again.step == best and again.run_id != result.run_id
+    for key in ("eval_loss", "eval_accuracy"):
+        assert again.eval[key] == dict(result.history(key))[best], key
+    if shard == "none":
+        alone = api.evaluate(spec_from_dict({**spec.to_dict(), "parallel": {**spec.to_dict()["parallel"], "dp": 1}}),
+                             show_progress=False)
+        assert alone.step == 6
+        print("dp 1:", abs(alone.eval["eval_loss"] / result.eval["eval_loss"] - 1))
+        assert alone.eval["eval_loss"] == pytest.approx(result.eval["eval_loss"], rel=1e-6)
+        assert alone.eval["eval_accuracy"] == result.eval["eval_accuracy"]
 
     # the ledger: every training sample once in epoch 0 (5 steps), no held-out one ever
     trained = Counter(i for step, _, batch in result.ledger if step < 5 for i in batch)

@@ -28,7 +28,7 @@ def _job(tmp_path, model=GPT):
 
 
 def _stages(store: CheckpointStore, step: int, state: dict, cut: str = "2.",
-            evaluated: dict | None = None) -> None:
+            evaluated: dict | None = None, recipe: dict | None = None) -> None:
     """A checkpoint as two pipeline stages write it: the model's names up to `cut` in the
     first file, the rest in the second; `evaluated`: its held-out metrics."""
     names = list(state)
@@ -39,8 +39,8 @@ def _stages(store: CheckpointStore, step: int, state: dict, cut: str = "2.",
                               {n: state[n] for n in names if n not in first})):
         parts.append(store.write_tensors(step, f"model-{i:04d}.pt", part))
         parts.append(store.write_tensors(step, f"optim-{i:04d}.pt", {"state": {}, "param_groups": []}))
-    store.commit(step, {"step": step, "layout": {"pp": 2}, **({"eval": evaluated} if evaluated else {})},
-                 keep=5, parts=parts)
+    store.commit(step, {"step": step, "layout": {"pp": 2}, **({"eval": evaluated} if evaluated else {}),
+                        **({"recipe": recipe} if recipe else {})}, keep=5, parts=parts)
 
 
 def test_a_pipelines_checkpoint_exports_whole_and_loads_back(tmp_path, capsys):
@@ -200,6 +200,25 @@ def test_best_exports_the_checkpoint_of_the_best_held_out_evaluation(tmp_path, c
     args[3] = str(tmp_path / "bare-out")
     assert cli.main([*args, "--set", f"checkpoint.path={tmp_path / 'bare'}"]) == 2
     assert "--best: no checkpoint in" in capsys.readouterr().err
+
+
+def test_what_baton_eval_cannot_evaluate_is_one_line_before_ray_starts(tmp_path, capsys):
+    spec, job = _job(tmp_path)
+    state = build_model(spec.model, 0).state_dict()
+    for step in (2, 4):
+        _stages(CheckpointStore(spec.checkpoint_dir), step, state, recipe=spec.recipe())
+    held = ["--set", "eval.fraction=0.1"]
+    for argv, message in (
+            ([], "holds out no data to evaluate on: set eval.fraction or eval.path"),
+            ([*held, "--step", "3"], "has no committed checkpoint 3; it has 2, 4"),
+            ([*held, "--set", "model.width=64"], "holds another model or task (model.width 32 -> 64)"),
+            ([*held, "--best"], "--best: job 'exp' sets no checkpoint.best")):
+        assert cli.main(["eval", str(job), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("baton: error: ") and message in err and err.count("\n") == 1, err
+    import ray
+
+    assert not ray.is_initialized()
 
 
 class _Counting(torch.nn.Module):

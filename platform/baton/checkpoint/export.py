@@ -60,9 +60,7 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
         raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
                               "built-in gpt (as GPT-2) and hf: models do")
     store = CheckpointStore(spec.checkpoint_dir)
-    if step == "best":
-        step = _best(spec, store)
-    step = _pick(store, step, log or (lambda line: print(line, file=sys.stderr)))
+    step = pick(spec, store, step, log or (lambda line: print(line, file=sys.stderr)))
     about = {"job": spec.name, "step": step, "model": spec.to_dict()["model"],
              "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step),
              "names": names}
@@ -134,22 +132,28 @@ def _best(spec: JobSpec, store: CheckpointStore) -> int:
     return found[0]
 
 
-def _pick(store: CheckpointStore, step: Optional[int], log: Callable[[str], None]) -> int:
-    """`step` if it is committed and verifies, else one line why not; without `step`, the
-    newest committed checkpoint that verifies (each newer one that does not named)."""
+def pick(spec: JobSpec, store: CheckpointStore, step: Optional[int | str],
+         log: Callable[[str], None], verify: Optional[Callable] = None,
+         doing: str = "exporting") -> int:
+    """`step` ("best": the one checkpoint.best kept) if it is committed and verifies, else one
+    line why not; without `step`, the newest committed checkpoint that verifies (each newer
+    one that does not named). `verify`: how its parts are checked (`store.verify`'s; the
+    default reads them all)."""
+    if step == "best":
+        step = _best(spec, store)
     where = store.root
     if step is not None:
         if step not in store.committed_steps():
             have = store.committed_steps()
             raise CheckpointError(f"{where} has no committed checkpoint {step}"
                                   + (f"; it has {', '.join(map(str, sorted(have)))}" if have else ""))
-        problem = store.verify(step)
+        problem = store.verify(step, verify)
         if problem:
             raise CheckpointError(f"checkpoint {step} in {where} does not verify: {problem}")
         return step
-    found, failed = store.latest_verified()
+    found, failed = store.latest_verified(verify)
     for bad, why in failed:
-        log(f"baton: checkpoint {bad} does not verify ({why}); exporting an older one")
+        log(f"baton: checkpoint {bad} does not verify ({why}); {doing} an older one")
     if found is None:
         if failed:
             raise CheckpointError(store.none_verifies(failed))

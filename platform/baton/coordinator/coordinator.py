@@ -95,6 +95,7 @@ class State(enum.Enum):
     RECOVERING = "recovering"
     RESCALING = "rescaling"
     MOVING = "moving"  # off nodes Ray is draining
+    EVALUATING = "evaluating"  # a checkpoint, without training (`baton eval`)
     FINISHED = "finished"
     FAILED = "failed"
 
@@ -104,7 +105,8 @@ class Coordinator:
                  record_samples: bool = False, show_progress: bool = True,
                  on_step: Optional[Callable[["Coordinator"], None]] = None,
                  group_factory: Callable[..., WorkerGroup] = WorkerGroup,
-                 data: Optional[JobData] = None, lease: Optional[Lease] = None):
+                 data: Optional[JobData] = None, lease: Optional[Lease] = None,
+                 evaluate_only: bool = False):
         self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
         self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
@@ -129,6 +131,9 @@ class Coordinator:
         self.samples: Optional[Samples] = None  # the cursor, the batches, the ledger
         self.evaluation: Optional[Evaluation] = None
         self.record_samples = record_samples
+        # evaluate checkpoint resume_meta on the held-out data and stop (`baton eval`): no
+        # training feed, a new MLflow run, and a lost worker ends it (nothing to recover)
+        self.evaluate_only = evaluate_only
         self.state = State.PENDING
         self.step = 0
         self.group: Optional[WorkerGroup] = None
@@ -175,12 +180,13 @@ class Coordinator:
     def tick(self) -> None:
         handler = {State.PENDING: self._prepare, State.SCHEDULING: self._schedule,
                    State.RUNNING: self._run_step, State.RECOVERING: self._recover,
-                   State.RESCALING: self._rescale, State.MOVING: self._move}[self.state]
+                   State.RESCALING: self._rescale, State.MOVING: self._move,
+                   State.EVALUATING: self._evaluate}[self.state]
         before = self.state
         try:
             self.state = handler()
         except WorkerLost as e:
-            if self.state is State.PENDING:
+            if self.state is State.PENDING or self.evaluate_only:
                 raise
             self.failure = Failure(self.step + 1, e.cause, str(e), e.ranks)
             self.failure_at = time.time()
@@ -198,21 +204,29 @@ class Coordinator:
         if self.data is None:
             self.data = preflight(self.spec, self.spec.name)
         self.manifest, order = self.data.manifest, self.data.order(self.spec)
-        self.samples = Samples(DataFeed(self.manifest, order, self.data.columns,
-                                         self.spec.data.read == "spread"), self.manifest)
+        if not self.evaluate_only:
+            self.samples = Samples(DataFeed(self.manifest, order, self.data.columns,
+                                             self.spec.data.read == "spread"), self.manifest)
         self.evaluation = evaluation(self.spec, self.data)
         meta = self.resume_meta
         if meta:
             self.step = self.submitted = meta["step"]
-            self.samples.seek(meta)
-        self.samples.prime(self.spec.train.global_batch)
+        if self.samples:
+            if meta:
+                self.samples.seek(meta)
+            self.samples.prime(self.spec.train.global_batch)
         timer.lap("data")
-        run_id = self.tracker.start(self.spec.name, self.spec.flat(),
-                                    run_id=meta.get("mlflow_run_id") if meta else None)
+        # (an evaluation's run is named apart: `baton report JOB` draws the job's training)
+        run_id = self.tracker.start(
+            f"{self.spec.name}-eval" if self.evaluate_only else self.spec.name, self.spec.flat(),
+            run_id=meta.get("mlflow_run_id") if meta and not self.evaluate_only else None)
         self.tracker.set_tags({"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),
                                "data.samples": order.num_samples, "data.manifest": self.manifest.digest(),
                                "checkpoint.dir": self.spec.checkpoint_dir,
-                               **({"resumed_from_step": self.step} if meta else {})})
+                               **({"resumed_from_step": self.step} if meta and not self.evaluate_only
+                                  else {}),
+                               **({"baton.evaluates": self.store.step_dir(self.step)}
+                                  if self.evaluate_only else {})})
         self.run_id = run_id
         self.report.opened(self.spec.train.steps, self.step,
                            "tok" if self.spec.task == "language_model" else "samples")
@@ -233,10 +247,23 @@ class Coordinator:
         timer.lap("workers")
         self._form(members)
         timer.lap("form")
+        if self.evaluate_only:  # the checkpoint asked for (the workers check its checksums)
+            self._load(self.resume_meta)
+            timer.lap("load")
+            return State.EVALUATING
         if self.resume_meta:
             self._load_latest(resuming=True)
         timer.lap("load")
         return State.RUNNING
+
+    def _evaluate(self) -> State:
+        """`evaluate_only`: one pass over the held-out data, logged at the checkpoint's step."""
+        refs = self.evaluation.submit(self.group, self.spec.train.global_batch)
+        evaluated = self.evaluation.collect(self.group, refs, self.step)
+        self.tracker.log_metrics(self.step, evaluated)
+        self.report.evaluated(self.step, evaluated)
+        self.tracker.finish("FINISHED", background=True)
+        return State.FINISHED
 
     def _run_step(self) -> State:
         if self.resumed is None and self.placement.leaving():
@@ -438,7 +465,8 @@ class Coordinator:
         self.spec = self.base.at_dp(dp)
         self.dims = self.spec.dims()
         self.group.form(members[:dp * self.per_replica], self.spec, self.dims)
-        self.samples.new_world()
+        if self.samples:
+            self.samples.new_world()
         if self.stage_layers is None:
             self.stage_layers = plan_stages(
                 self.spec, lambda: self.group.call_one(0, "profile_layers", self.data.columns))
@@ -465,7 +493,8 @@ class Coordinator:
                         checkpoint=True)
         self.live.checkpoint_loaded(time.perf_counter() - t0)
         self.step = self.submitted = meta["step"]
-        self.samples.seek(meta)
+        if self.samples:
+            self.samples.seek(meta)
 
     def _load_latest(self, resuming: bool = False) -> None:
         """Load the newest whole checkpoint (`Commits.newest_whole`). With none: start over;
