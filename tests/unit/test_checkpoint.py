@@ -428,6 +428,22 @@ def test_the_best_checkpoint_by_its_held_out_metric_outlives_newer_ones(tmp_path
     assert save(resumed, 14, {"eval_loss": 1.5}) == [14]
     assert save(resumed, 16, {"eval_loss": 1.7}) == [14, 16]
 
+    # the best found broken by a recovery's load (newest_whole sets it aside; the workers'
+    # checksums here say so of step 34): the best of those left is kept from then on
+    class Group:
+        def check_sums(self, root, step, parts):
+            return "part model-0000.pt does not match its checksum" if step == 34 else None
+
+    store = CheckpointStore(str(tmp_path / "broken"))
+    commits = Commits(store, Tags(), None, keep=2, best=("eval_loss", True))
+    assert save(commits, 30, {"eval_loss": 2.0}) == [30]
+    assert save(commits, 32, {"eval_loss": 3.0}) == [30, 32]
+    assert save(commits, 34, {"eval_loss": 1.0}) == [32, 34]
+    meta, failed = commits.newest_whole(Group())
+    assert meta["step"] == 32 and [s for s, _ in failed] == [34]
+    assert save(commits, 34, {"eval_loss": 3.5}) == [32, 34]  # trained again, worse
+    assert save(commits, 36, {"eval_loss": 4.0}) == [32, 34, 36]
+
     # highest first, and a metric the run does not report: one warning, the newest kept
     store = CheckpointStore(str(tmp_path / "other"))
     commits = Commits(store, Tags(), None, keep=1, best=("eval_accuracy", False))

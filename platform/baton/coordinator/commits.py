@@ -144,6 +144,8 @@ class Commits:
             lambda step, parts: group.check_sums(self.store.root, step, parts))
         for bad, why in failed:
             self.store.reject(bad, why)
+        if failed:  # the best may have been one of them: looked for again at the next commit
+            self.best_read = False
         return (None if step is None else self.store.read_meta(step)), failed
 
     def _finish(self, group, save: Save, parts: list[dict]) -> None:
