@@ -107,6 +107,10 @@ def describe(s: dict) -> list[str]:
                      f"computes {lag['ratio']:.1f}x as long as its peers "
                      f"({lag['compute_s']:.3f} s a step against {lag['peers_s']:.3f} s)")
     lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
+    best = s.get("best_checkpoint")  # checkpoint.best's, once one is kept
+    if best:
+        lines.append("  best checkpoint: step " + ", ".join(
+            [str(best["step"]), *(f"{k} {v:.4g}" for k, v in best.items() if k != "step")]))
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
     lines.append(f"  failures: {s['failures']}" + (f" ({causes})" if causes else "")
                  + f"; rescales: {s['rescales']}")

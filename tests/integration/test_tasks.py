@@ -134,6 +134,7 @@ def test_classification_at_dp2_matches_one_process_and_evaluates_only_held_out_r
     store = CheckpointStore(spec.checkpoint_dir)
     assert sorted(store.committed_steps()) == sorted({best, 6})
     assert store.read_meta(best)["eval"]["eval_accuracy"] == accuracy[best]
+    assert store.read_status()["best_checkpoint"] == {"step": best, "eval_accuracy": accuracy[best]}
     # `baton eval`: the kept checkpoint evaluated again, without training, in a run of its
     # own: what the training's evaluation at that step found, to the bit (the same state, the
     # same batches, the same sums); at dp 1, to float rounding (measured 1.5e-8)

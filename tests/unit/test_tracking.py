@@ -268,6 +268,8 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
     assert status.describe({**s, "spares": 2})[2] == "  world: dp 2 x pp 1 = 2 workers, 1 alive; 2 spares"
     lag = {"rank": 1, "node": "9c4dce4247f6ddada74a", "pid": 3573, "ratio": 2.5,
            "compute_s": 0.25, "peers_s": 0.1}
+    assert status.describe({**s, "best_checkpoint": {"step": 350, "eval_loss": 0.14031}})[4] == (
+        "  best checkpoint: step 350, eval_loss 0.1403")
     assert status.describe({**s, "straggler": lag})[3] == (
         "  straggler: rank 1 (node 9c4dce4247f6, pid 3573) computes 2.5x as long as its peers "
         "(0.250 s a step against 0.100 s)")

@@ -656,6 +656,8 @@ class Coordinator:
                 "failures_by_cause": dict(causes), "rescales": sum(
                     e["kind"] == "rescale" for e in self.events),
                 **({"straggler": self.stragglers.named} if self.stragglers.named else {}),
+                **({"best_checkpoint": {"step": best[0], self.spec.checkpoint.best: best[1]}}
+                   if (best := self.commits.best_found) else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}
