@@ -233,6 +233,8 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
     if address is not None and not ray.is_initialized():
         probe_cluster(address)
     meta = _evaluated_checkpoint(spec, source, step)
+    if meta is None:  # the weights the job starts from
+        check_init_from(spec, source)
     if not ray.is_initialized() and address is None:
         check_fits(spec, os.cpu_count() or 1, _local_gpus() if spec.resources.gpus_per_worker else 0,
                    source, "this machine")
@@ -243,18 +245,24 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
         from baton.coordinator import Coordinator
 
         log(f"evaluating {spec.name} at step {meta['step']} (checkpoint in "
-            f"{storage.redact(spec.checkpoint_dir)})")
+            f"{storage.redact(spec.checkpoint_dir)})" if meta else
+            f"evaluating {spec.name} as it starts: the weights of {spec.model.init_from} "
+            "(model.init_from; no checkpoint yet)")
         return Coordinator(spec, tracker, resume_meta=meta, show_progress=show_progress,
                            data=data, evaluate_only=True).run()
 
 
-def _evaluated_checkpoint(spec: JobSpec, source: str, step: Optional[int | str]) -> dict:
+def _evaluated_checkpoint(spec: JobSpec, source: str, step: Optional[int | str]) -> Optional[dict]:
     """The metadata of the checkpoint `evaluate` loads: `step`, the best, or the newest whole
-    one (by its parts' sizes: the workers check the checksums as they load), of this recipe."""
+    one (by its parts' sizes: the workers check the checksums as they load), of this recipe;
+    None for a job that has none yet and starts from model.init_from (evaluated as it starts:
+    a pretrained model on a new task's data, before fine-tuning)."""
     from baton.checkpoint.export import pick
 
     store = CheckpointStore(spec.checkpoint_dir)
     try:
+        if step is None and spec.model.init_from and not store.committed_steps():
+            return None
         chosen = pick(spec, store, step, log=print, verify=sizes_only, doing="evaluating")
     except OSError as e:
         raise CheckpointError(f"{source}: checkpoint.path: cannot read "

@@ -149,6 +149,13 @@ def test_classification_at_dp2_matches_one_process_and_evaluates_only_held_out_r
         print("dp 1:", abs(alone.eval["eval_loss"] / result.eval["eval_loss"] - 1))
         assert alone.eval["eval_loss"] == pytest.approx(result.eval["eval_loss"], rel=1e-6)
         assert alone.eval["eval_accuracy"] == result.eval["eval_accuracy"]
+        # the best exported, and a new job starting from it evaluated before it trains (no
+        # checkpoint yet): the export's numbers are the checkpoint's, so are the metrics
+        baton.export(spec, str(tmp_path / "best"), step="best")
+        raw = spec.to_dict()
+        raw["name"], raw["model"]["init_from"] = "tuned", str(tmp_path / "best")
+        start = api.evaluate(spec_from_dict(raw), show_progress=False)
+        assert start.step == 0 and start.eval == again.eval
 
     # the ledger: every training sample once in epoch 0 (5 steps), no held-out one ever
     trained = Counter(i for step, _, batch in result.ledger if step < 5 for i in batch)

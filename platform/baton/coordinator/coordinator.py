@@ -225,8 +225,8 @@ class Coordinator:
                                "checkpoint.dir": self.spec.checkpoint_dir,
                                **({"resumed_from_step": self.step} if meta and not self.evaluate_only
                                   else {}),
-                               **({"baton.evaluates": self.store.step_dir(self.step)}
-                                  if self.evaluate_only else {})})
+                               **({"baton.evaluates": self.store.step_dir(self.step) if meta
+                                   else self.spec.model.init_from} if self.evaluate_only else {})})
         self.run_id = run_id
         self.report.opened(self.spec.train.steps, self.step,
                            "tok" if self.spec.task == "language_model" else "samples")
@@ -247,8 +247,9 @@ class Coordinator:
         timer.lap("workers")
         self._form(members)
         timer.lap("form")
-        if self.evaluate_only:  # the checkpoint asked for (the workers check its checksums)
-            self._load(self.resume_meta)
+        if self.evaluate_only:  # the checkpoint asked for (the workers check its checksums),
+            if self.resume_meta:  # or the weights the job starts from (model.init_from)
+                self._load(self.resume_meta)
             timer.lap("load")
             return State.EVALUATING
         if self.resume_meta:
