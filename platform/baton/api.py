@@ -53,7 +53,7 @@ def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> Non
     from baton.models import _on_meta
 
     try:
-        problem = Exported(m.init_from, m.init_fresh).problem(_on_meta(m))
+        problem = Exported(m.init_from, m.init_fresh, m.init_grow).problem(_on_meta(m))
     except CheckpointError as e:
         problem = str(e)
     if problem:
@@ -69,6 +69,17 @@ def fresh_names(spec: JobSpec) -> str:
     fresh = [(n, t.numel()) for n, t in _on_meta(spec.model).state_dict().items()
              if is_fresh(n, spec.model.init_fresh)]
     return f"{', '.join(n for n, _ in fresh)} ({sum(k for _, k in fresh):,} values)"
+
+
+def grown_names(spec: JobSpec) -> str:
+    """The parameters `model.init_grow` fills the first rows of, and how many rows of how many."""
+    from baton.checkpoint.export import Exported, is_fresh
+    from baton.models import _on_meta
+
+    theirs = Exported(spec.model.init_from).shapes
+    return ", ".join(f"{n} ({theirs[n][0]:,} of {t.shape[0]:,} rows)"
+                     for n, t in _on_meta(spec.model).state_dict().items()
+                     if is_fresh(n, spec.model.init_grow))
 
 
 def stage_plan(spec: JobSpec) -> str:

@@ -340,6 +340,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                   f"{about.get('job')} ({about.get('parameters', 0):,} parameters)")
             if spec.model.init_fresh:
                 print(f"  fresh (its own initialization): {api.fresh_names(spec)}")
+            if spec.model.init_grow:
+                print(f"  grown (the export's rows first): {api.grown_names(spec)}")
         if d.pp > 1:
             print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
                   f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "

@@ -40,6 +40,9 @@ class ModelSpec:
     # parameters (by name, shell patterns: "5.*", "*.lm.weight") that keep their
     # initialization instead of init_from's values: a new head on a pretrained backbone
     init_fresh: list[str] = field(default_factory=list)
+    # parameters whose first dimension grew (tokens added at a vocabulary's end: "0.tok.weight",
+    # "*.lm.weight"): init_from's rows fill their first rows, the rest keep their initialization
+    init_grow: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -302,8 +305,9 @@ class JobSpec:
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
                  **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}
                     if self.eval.fraction else {})}
-        # (model.init_fresh only where set: a checkpoint written before it keeps its recipe)
-        model = {k: v for k, v in d["model"].items() if k != "init_fresh" or v}
+        # (model.init_fresh and init_grow only where set: a checkpoint written before them
+        # keeps its recipe)
+        model = {k: v for k, v in d["model"].items() if k not in ("init_fresh", "init_grow") or v}
         return {"name": d["name"], "model": model, "data": data, "train": train, **extra}
 
     def fingerprint(self) -> str:

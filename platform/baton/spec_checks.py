@@ -67,6 +67,11 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
          "builder's" + ("; an hf: model's from_pretrained reads its own" if hf else
                         ": set model.init_from"))
     need(all(m.init_fresh), "model.init_fresh", m.init_fresh, "an empty name matches no parameter")
+    need(not m.init_grow or (m.init_from is not None and not hf), "model.init_grow", m.init_grow,
+         "names parameters whose first rows come from model.init_from's, for a model of baton's "
+         "or your builder's" + ("; an hf: model's from_pretrained reads its own" if hf else
+                               ": set model.init_from"))
+    need(all(m.init_grow), "model.init_grow", m.init_grow, "an empty name matches no parameter")
     need(not hf or p.pp == 1, "parallel.pp", p.pp, "hf: models are not an nn.Sequential of "
          "layers to cut into stages; use pp: 1 (data parallel or sharded)")
     if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)

@@ -401,3 +401,49 @@ def test_init_fresh_keeps_the_models_own_values_of_the_parameters_it_names(tmp_p
             api.validate(write_spec(tmp_path / "tuned.yaml", {**raw, "model": model}))
     # a job that sets none keeps the fingerprint its checkpoints were written under
     assert "init_fresh" not in spec.recipe()["model"] and "init_fresh" in tuned.recipe()["model"]
+
+
+def test_init_grow_fills_a_grown_vocabularys_first_rows_from_the_export(tmp_path, capsys):
+    """`model.init_grow`: 4 tokens added at the end of a 256-token vocabulary: the embedding's
+    and the head's first 256 rows are the export's, the 4 new ones the seed's, every other
+    parameter the export's, in the whole build and the layer-by-layer one; what cannot grow
+    is one line."""
+    from baton import api
+    from baton.errors import SpecError
+    from baton.models import build_lazily
+
+    spec, _ = _job(tmp_path)
+    trained = build_model(spec.model, 9).state_dict()
+    _stages(CheckpointStore(spec.checkpoint_dir), 2, trained)
+    baton.export(spec, str(tmp_path / "out"))
+    wide = {**GPT, "vocab_size": 260, "init_from": str(tmp_path / "out")}
+    raw = tiny_spec(tmp_path, tmp_path / "data", name="grown",
+                    model={**wide, "init_grow": ["0.tok.weight", "*.lm.weight"]})
+    grown = baton.load(raw)
+    own = build_model(spec_from_dict({**raw, "model": {**GPT, "vocab_size": 260}}).model, 0).state_dict()
+    lazy, fill = build_lazily(grown.model, 0)
+    fill(list(lazy))
+    for got in (build_model(grown.model, 0).state_dict(), lazy.state_dict()):
+        for n in own:
+            if n in ("0.tok.weight", "3.lm.weight"):
+                assert torch.equal(got[n][:256], trained[n]) and torch.equal(got[n][256:], own[n][256:]), n
+            else:
+                assert torch.equal(got[n], trained[n]), n
+    write_dataset(tmp_path / "data", num_samples=64, seq_len=GPT["seq_len"])
+    assert cli.main(["validate", str(write_spec(tmp_path / "grown.yaml", raw))]) == 0
+    assert "grown (the export's rows first): 0.tok.weight (256 of 260 rows), 3.lm.weight (256 of " \
+           "260 rows)" in capsys.readouterr().out
+
+    for model, message in (
+            ({**wide, "vocab_size": 128, "init_grow": ["0.tok.weight", "3.lm.weight"]},
+             r"model.init_grow: .*out holds 0.tok.weight of shape \[256, 32\], which cannot fill "
+             r"the first rows of this model's \[128, 32\]"),
+            ({**wide, "width": 64, "heads": 4, "init_grow": ["0.tok.weight"]},
+             r"cannot fill the first rows of this model's \[260, 64\]"),
+            ({**wide, "init_grow": ["0.tok.weight", "3.lm.weight"], "init_fresh": ["3.*"]},
+             "model.init_fresh and model.init_grow both name 3.lm.weight"),
+            ({**wide, "init_grow": ["0.tok.weight", "7.*"]}, r"model.init_grow: '7.\*' names no parameter"),
+            ({**GPT, "init_grow": ["0.*"]}, "model.init_grow: \\['0.\\*'\\] is invalid; .*: set model.init_from")):
+        with pytest.raises(SpecError, match=message):
+            api.validate(write_spec(tmp_path / "grown.yaml", {**raw, "model": model}))
+    assert "init_grow" not in spec.recipe()["model"] and "init_grow" in grown.recipe()["model"]

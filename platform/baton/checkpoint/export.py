@@ -270,10 +270,13 @@ class Exported:
     file when asked for (safetensors reads one tensor without the rest): what `load_model`
     and `model.init_from` take them from, whichever names the export was written under."""
 
-    def __init__(self, folder: str, fresh: Sequence[str] = ()):
+    def __init__(self, folder: str, fresh: Sequence[str] = (), grown: Sequence[str] = ()):
         """`fresh`: patterns (fnmatch) of the names a model keeps its own values of
-        (`model.init_fresh`), which need not be here, or not at the model's shape."""
-        self.folder, self.about, self.fresh = folder, read_about(folder), tuple(fresh)
+        (`model.init_fresh`), which need not be here, or not at the model's shape. `grown`:
+        those whose first dimension the model has grown (`model.init_grow`: tokens added at
+        a vocabulary's end), whose rows here fill its first rows."""
+        self.folder, self.about = folder, read_about(folder)
+        self.fresh, self.grown = tuple(fresh), tuple(grown)
         try:
             self._index()
         except Exception as e:  # a baton.json or a file not as export writes them: one line
@@ -285,7 +288,8 @@ class Exported:
 
         from baton.models import _on_meta
 
-        self.spec = ModelSpec(**{**self.about["model"], "init_from": None, "init_fresh": []})
+        self.spec = ModelSpec(**{**self.about["model"], "init_from": None, "init_fresh": [],
+                                 "init_grow": []})
         kind = self.about.get("names", "baton")
         # GPT-2's name -> (baton's, transposed in the file)
         gpt2 = ({theirs: (mine, transposed) for mine in _on_meta(self.spec).state_dict()
@@ -318,13 +322,23 @@ class Exported:
         may hold more: the head the fresh one replaces)."""
         have = self.shapes
         want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-        unmatched = next((p for p in self.fresh if not any(is_fresh(n, [p]) for n in want)), None)
-        if unmatched is not None:
-            return (f"model.init_fresh: {unmatched!r} names no parameter of this model (its "
-                    f"names: {_some(want)})")
-        want = {n: shape for n, shape in want.items() if not self.is_fresh(n)}
+        for key, patterns in (("init_fresh", self.fresh), ("init_grow", self.grown)):
+            unmatched = next((p for p in patterns if not any(is_fresh(n, [p]) for n in want)), None)
+            if unmatched is not None:
+                return (f"model.{key}: {unmatched!r} names no parameter of this model (its "
+                        f"names: {_some(want)})")
+        grown = [n for n in want if is_fresh(n, self.grown)]
+        both = next((n for n in grown if self.is_fresh(n)), None)
+        if both is not None:
+            return f"model.init_fresh and model.init_grow both name {both}: it is one or the other"
+        for n in grown:
+            if n not in have or have[n][1:] != want[n][1:] or have[n][0] > want[n][0]:
+                return (f"model.init_grow: {self.folder} holds "
+                        + (f"no {n}" if n not in have else f"{n} of shape {list(have[n])}")
+                        + f", which cannot fill the first rows of this model's {list(want[n])}")
+        want = {n: shape for n, shape in want.items() if not self.is_fresh(n) and n not in grown}
         missing = [n for n in want if n not in have]
-        extra = [] if self.fresh else [n for n in have if n not in want]
+        extra = [] if self.fresh else [n for n in have if n not in want and n not in grown]
         hint = "; model.init_fresh names those to keep the model's own values of"
         if missing or extra:
             return (f"{self.folder} holds {'no ' + missing[0] if missing else extra[0]!s}"
@@ -335,7 +349,7 @@ class Exported:
         if wrong:
             return (f"{self.folder} holds {wrong} of shape {list(have[wrong])}, this model's is "
                     f"{list(want[wrong])}{hint}")
-        if not want:
+        if not want and not grown:
             return f"model.init_fresh names every parameter: nothing is taken from {self.folder}"
         return None
 
@@ -344,11 +358,13 @@ class Exported:
 
     def load_into(self, module: torch.nn.Module, prefix: str = "") -> None:
         """Each of `module`'s parameters and buffers that the export holds and `fresh` does not
-        name (`prefix`: the module's name in the whole model, with its dot), in place."""
+        name (`prefix`: the module's name in the whole model, with its dot), in place; a grown
+        one's first rows."""
         with torch.no_grad():
             for name, t in module.state_dict(keep_vars=True).items():
                 if prefix + name in self.where and not self.is_fresh(prefix + name):
-                    t.copy_(self.get(prefix + name))
+                    theirs = self.get(prefix + name)
+                    (t[:len(theirs)] if is_fresh(prefix + name, self.grown) else t).copy_(theirs)
 
 
 def is_fresh(name: str, patterns: Sequence[str]) -> bool:

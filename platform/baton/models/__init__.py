@@ -160,7 +160,7 @@ def _init_from(spec):
         return None
     from baton.checkpoint.export import Exported
 
-    return Exported(spec.init_from, spec.init_fresh)
+    return Exported(spec.init_from, spec.init_fresh, spec.init_grow)
 
 
 def build_lazily(spec, seed: int) -> tuple[nn.Module, Callable[[Iterable[nn.Module]], None]]:
