@@ -54,8 +54,9 @@ def evaluate(job, step=None, overrides=(), **options):
 
 def export(job, out, step=None, overrides=(), max_shard_bytes=None, hf=False):
     """Write a job's trained model (checkpoint `step`, default the newest that verifies,
-    "best" the one checkpoint.best kept) to the folder `out` as safetensors, in Hugging Face's layout (`baton.checkpoint.export`);
-    returns what its baton.json says. `hf`: the built-in gpt as GPT-2, for transformers."""
+    "best" the one checkpoint.best kept) to the folder `out` as safetensors, in Hugging
+    Face's layout (`baton.checkpoint.export`); returns what its baton.json says. `hf`: the
+    built-in gpt as GPT-2, for transformers."""
     from baton.checkpoint import export as exporting
 
     return exporting.export(_spec(job, overrides), out, step,

@@ -63,23 +63,23 @@ def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> Non
 def fresh_names(spec: JobSpec) -> str:
     """The parameters `model.init_fresh` keeps at the model's own initialization, and how many
     values they hold."""
-    from baton.checkpoint.export import is_fresh
+    from baton.checkpoint.export import named
     from baton.models import _on_meta
 
     fresh = [(n, t.numel()) for n, t in _on_meta(spec.model).state_dict().items()
-             if is_fresh(n, spec.model.init_fresh)]
+             if named(n, spec.model.init_fresh)]
     return f"{', '.join(n for n, _ in fresh)} ({sum(k for _, k in fresh):,} values)"
 
 
 def grown_names(spec: JobSpec) -> str:
     """The parameters `model.init_grow` fills the first rows of, and how many rows of how many."""
-    from baton.checkpoint.export import Exported, is_fresh
+    from baton.checkpoint.export import Exported, named
     from baton.models import _on_meta
 
     theirs = Exported(spec.model.init_from).shapes
     return ", ".join(f"{n} ({theirs[n][0]:,} of {t.shape[0]:,} rows)"
                      for n, t in _on_meta(spec.model).state_dict().items()
-                     if is_fresh(n, spec.model.init_grow))
+                     if named(n, spec.model.init_grow))
 
 
 def stage_plan(spec: JobSpec) -> str:
@@ -187,23 +187,11 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
     connected or `address` names a cluster. `on_step(coordinator)` is called after every
     completed step (to observe a run, or to inject faults in tests). `rebase_data`: resume on a
     corpus other than the checkpoint's, from the start of the next epoch."""
-    import ray
-
-    if address is None and not ray.is_initialized():
-        address = cluster_address_from_env()
-        if address:
-            log(f"joining the Ray cluster at {address} ($RAY_ADDRESS)")
-    if address is not None and not ray.is_initialized():
-        probe_cluster(address)
+    address = _cluster(address, log)
     resume_meta, failed = plan_resume(spec, source, resume)
     if resume_meta is None:  # (a resume takes its checkpoint's weights)
         check_init_from(spec, source)
-    if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
-        check_fits(spec, os.cpu_count() or 1, _local_gpus() if spec.resources.gpus_per_worker else 0,
-                   source, "this machine")
-    if needs_prepare(spec):
-        prepare_data(spec, log)
-    data = preflight(spec, source)
+    data = _fitted_data(spec, source, address, log)
     if resume_meta:
         check_corpus(resume_meta, data.manifest, source, rebase_data)
 
@@ -234,24 +222,14 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
     workers as the job would train on, without training: a new MLflow run, tagged with the
     checkpoint, holds the metrics at its step. Ray as for `run`; no lease (nothing is written
     to the job's checkpoints)."""
-    import ray
-
     if not spec.eval.enabled:
         raise SpecError(f"{source}: job {spec.name!r} holds out no data to evaluate on: set "
                         "eval.fraction or eval.path (--set eval.path=DIR: a dataset of its own)")
-    if address is None and not ray.is_initialized():
-        address = cluster_address_from_env()
-    if address is not None and not ray.is_initialized():
-        probe_cluster(address)
+    address = _cluster(address, log)
     meta = _evaluated_checkpoint(spec, source, step)
     if meta is None:  # the weights the job starts from
         check_init_from(spec, source)
-    if not ray.is_initialized() and address is None:
-        check_fits(spec, os.cpu_count() or 1, _local_gpus() if spec.resources.gpus_per_worker else 0,
-                   source, "this machine")
-    if needs_prepare(spec):
-        prepare_data(spec, log)
-    data = preflight(spec, source)
+    data = _fitted_data(spec, source, address, log)
     with _on_ray(spec, source, address, log) as tracker:
         from baton.coordinator import Coordinator
 
@@ -287,6 +265,34 @@ def _evaluated_checkpoint(spec: JobSpec, source: str, step: Optional[int | str])
         raise CheckpointError(f"{source}: checkpoint {chosen} in {storage.redact(spec.checkpoint_dir)} "
                               f"holds another model or task ({changed}); restore the old values")
     return meta
+
+
+def _cluster(address: Optional[str], log: Callable[[str], None]) -> Optional[str]:
+    """The cluster to join: `address`, else $RAY_ADDRESS (said), checked to answer; None for
+    the embedded Ray (or the one this process is connected to)."""
+    import ray
+
+    if address is None and not ray.is_initialized():
+        address = cluster_address_from_env()
+        if address:
+            log(f"joining the Ray cluster at {address} ($RAY_ADDRESS)")
+    if address is not None and not ray.is_initialized():
+        probe_cluster(address)
+    return address
+
+
+def _fitted_data(spec: JobSpec, source: str, address: Optional[str],
+                 log: Callable[[str], None]) -> JobData:
+    """What the job reads, prepared (built-in data) and checked, once the embedded Ray (this
+    machine) is known to hold the job."""
+    import ray
+
+    if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
+        check_fits(spec, os.cpu_count() or 1, _local_gpus() if spec.resources.gpus_per_worker else 0,
+                   source, "this machine")
+    if needs_prepare(spec):
+        prepare_data(spec, log)
+    return preflight(spec, source)
 
 
 @contextlib.contextmanager

@@ -31,11 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a job's checkpoint on its held-out data "
                         "(eval.fraction or eval.path), without training")
     ev.add_argument("job", help="the job's YAML file")
-    which_eval = ev.add_mutually_exclusive_group()
-    which_eval.add_argument("--step", type=int, help="the checkpoint (default: the newest that "
-                            "verifies)")
-    which_eval.add_argument("--best", action="store_const", const="best", dest="step",
-                            help="the checkpoint the job's checkpoint.best kept")
+    _which_checkpoint(ev)
     ev.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
     ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec value, e.g. --set eval.path=test-set (repeatable)")
@@ -60,12 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                          "(Hugging Face's layout), from its newest verified checkpoint")
     exp.add_argument("job", help="the job's YAML file (where its checkpoints are)")
     exp.add_argument("--out", required=True, help="folder to create")
-    which = exp.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="the checkpoint to export (default: the newest "
-                       "that verifies)")
-    which.add_argument("--best", action="store_const", const="best", dest="step",
-                       help="the checkpoint the job's checkpoint.best kept: the best held-out "
-                            "evaluation")
+    _which_checkpoint(exp)
     exp.add_argument("--max-file-mb", type=int, default=5000,
                      help="split into files of at most this many MB (default 5000, as "
                           "Hugging Face's save_pretrained)")
@@ -295,6 +286,15 @@ def _tensor_line(spec) -> str:
     return (f"tensor parallel: {len({n.rsplit('.', 1)[0] for n in splits})} layers split "
             f"over {d.tp} workers{sharded}; per worker {mine:,} of the {whole:,} "
             f"parameters: {mib(held)} of parameters, gradients and optimizer state (whole: {mib(whole * 16)})")
+
+
+def _which_checkpoint(parser: argparse.ArgumentParser) -> None:
+    """`--step N` or `--best` (args.step: N, "best", or None for the newest that verifies)."""
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="the checkpoint (default: the newest that verifies)")
+    which.add_argument("--best", action="store_const", const="best", dest="step",
+                       help="the checkpoint the job's checkpoint.best kept: the best held-out "
+                            "evaluation")
 
 
 def _dispatch(args: argparse.Namespace) -> int:

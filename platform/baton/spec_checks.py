@@ -62,16 +62,12 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     if m.init_from is not None:
         problem = path_problem(m.init_from)
         need(problem is None, "model.init_from", m.init_from, problem or "")
-    need(not m.init_fresh or (m.init_from is not None and not hf), "model.init_fresh", m.init_fresh,
-         "names parameters to leave out of model.init_from's, for a model of baton's or your "
-         "builder's" + ("; an hf: model's from_pretrained reads its own" if hf else
-                        ": set model.init_from"))
-    need(all(m.init_fresh), "model.init_fresh", m.init_fresh, "an empty name matches no parameter")
-    need(not m.init_grow or (m.init_from is not None and not hf), "model.init_grow", m.init_grow,
-         "names parameters whose first rows come from model.init_from's, for a model of baton's "
-         "or your builder's" + ("; an hf: model's from_pretrained reads its own" if hf else
-                               ": set model.init_from"))
-    need(all(m.init_grow), "model.init_grow", m.init_grow, "an empty name matches no parameter")
+    for key, names, what in (("init_fresh", m.init_fresh, "to leave out of model.init_from's"),
+                             ("init_grow", m.init_grow, "whose first rows come from model.init_from's")):
+        need(not names or (m.init_from is not None and not hf), f"model.{key}", names,
+             f"names parameters {what}, for a model of baton's or your builder's"
+             + ("; an hf: model's from_pretrained reads its own" if hf else ": set model.init_from"))
+        need(all(names), f"model.{key}", names, "an empty name matches no parameter")
     need(not hf or p.pp == 1, "parallel.pp", p.pp, "hf: models are not an nn.Sequential of "
          "layers to cut into stages; use pp: 1 (data parallel or sharded)")
     if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)
@@ -267,7 +263,7 @@ def _check_best(spec: JobSpec, need) -> None:
     c, e = spec.checkpoint, spec.eval
     need(c.best is not None, "checkpoint.best_mode", c.best_mode, "says which way "
          "checkpoint.best's metric is better; name the metric (e.g. checkpoint.best: eval_loss)")
-    reported = getattr(make_task(spec), "metrics", None)  # a task of your own: known when it runs
+    reported = make_task(spec).metrics
     names = ["eval_loss", *(f"eval_{m}" for m in reported or ())]
     need(c.best.startswith("eval_") if reported is None else c.best in names, "checkpoint.best",
          c.best, "names a metric of the held-out evaluation: "

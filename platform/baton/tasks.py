@@ -42,6 +42,9 @@ class Task:
     name = ""
     needs: tuple[str, ...] = ("inputs",)  # data.columns keys the task reads
     per_sample = 1  # loss terms a sample contributes
+    # what its evaluation reports besides the loss; None: known only when it runs (a task of
+    # your own), which checkpoint.best's check cannot look into
+    metrics: Optional[tuple[str, ...]] = None
 
     def inputs(self, batch: dict) -> torch.Tensor:
         return batch["inputs"]
@@ -52,10 +55,10 @@ class Task:
 
 
 class LanguageModel(Task):
-    metrics: tuple[str, ...] = ()  # what its evaluation reports besides the loss
     """Next-token prediction over rows of seq_len + 1 token ids."""
 
     name, needs = "language_model", ("tokens",)
+    metrics = ()
     split_logits = True  # its loss takes logits split by vocabulary (tensor parallelism)
 
     def __init__(self, seq_len: int):

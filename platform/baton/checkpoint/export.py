@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import sys
-from fnmatch import fnmatchcase as fnmatch
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -46,8 +46,9 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
            max_shard_bytes: int = MAX_SHARD_BYTES, log: Optional[Callable[[str], None]] = None,
            hf: bool = False) -> dict:
     """Write checkpoint `step` of `spec`'s job (default: the newest that verifies; "best": the
-    one `checkpoint.best` kept) to the folder `out`, which must not exist; returns what `baton.json` says, with the files.
-    `hf`: the built-in GPT as Hugging Face's GPT-2 (an hf: model is in its form anyway)."""
+    one `checkpoint.best` kept) to the folder `out`, which must not exist; returns what
+    `baton.json` says, with the files. `hf`: the built-in GPT as Hugging Face's GPT-2 (an hf:
+    model is in its form anyway)."""
     from safetensors.torch import save_file
 
     target = Path(out)
@@ -323,12 +324,12 @@ class Exported:
         have = self.shapes
         want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         for key, patterns in (("init_fresh", self.fresh), ("init_grow", self.grown)):
-            unmatched = next((p for p in patterns if not any(is_fresh(n, [p]) for n in want)), None)
+            unmatched = next((p for p in patterns if not any(named(n, [p]) for n in want)), None)
             if unmatched is not None:
                 return (f"model.{key}: {unmatched!r} names no parameter of this model (its "
                         f"names: {_some(want)})")
-        grown = [n for n in want if is_fresh(n, self.grown)]
-        both = next((n for n in grown if self.is_fresh(n)), None)
+        grown = [n for n in want if named(n, self.grown)]
+        both = next((n for n in grown if named(n, self.fresh)), None)
         if both is not None:
             return f"model.init_fresh and model.init_grow both name {both}: it is one or the other"
         for n in grown:
@@ -336,7 +337,7 @@ class Exported:
                 return (f"model.init_grow: {self.folder} holds "
                         + (f"no {n}" if n not in have else f"{n} of shape {list(have[n])}")
                         + f", which cannot fill the first rows of this model's {list(want[n])}")
-        want = {n: shape for n, shape in want.items() if not self.is_fresh(n) and n not in grown}
+        want = {n: shape for n, shape in want.items() if not named(n, self.fresh) and n not in grown}
         missing = [n for n in want if n not in have]
         extra = [] if self.fresh else [n for n in have if n not in want and n not in grown]
         hint = "; model.init_fresh names those to keep the model's own values of"
@@ -353,23 +354,21 @@ class Exported:
             return f"model.init_fresh names every parameter: nothing is taken from {self.folder}"
         return None
 
-    def is_fresh(self, name: str) -> bool:
-        return is_fresh(name, self.fresh)
-
     def load_into(self, module: torch.nn.Module, prefix: str = "") -> None:
         """Each of `module`'s parameters and buffers that the export holds and `fresh` does not
         name (`prefix`: the module's name in the whole model, with its dot), in place; a grown
         one's first rows."""
         with torch.no_grad():
             for name, t in module.state_dict(keep_vars=True).items():
-                if prefix + name in self.where and not self.is_fresh(prefix + name):
+                if prefix + name in self.where and not named(prefix + name, self.fresh):
                     theirs = self.get(prefix + name)
-                    (t[:len(theirs)] if is_fresh(prefix + name, self.grown) else t).copy_(theirs)
+                    (t[:len(theirs)] if named(prefix + name, self.grown) else t).copy_(theirs)
 
 
-def is_fresh(name: str, patterns: Sequence[str]) -> bool:
-    """`model.init_fresh` names this parameter (or buffer)."""
-    return any(fnmatch(name, p) for p in patterns)
+def named(name: str, patterns: Sequence[str]) -> bool:
+    """A pattern of `model.init_fresh`'s or `init_grow`'s (shell patterns) names this parameter
+    (or buffer)."""
+    return any(fnmatchcase(name, p) for p in patterns)
 
 
 def _some(names, most: int = 6) -> str:
