@@ -319,6 +319,26 @@ def test_the_built_in_gpt_exports_as_hugging_faces_gpt2(tmp_path, capsys):
     assert "--hf: model 'mlp' has no Hugging Face form" in capsys.readouterr().err
 
 
+def _trained_export(tmp_path, hf: bool = False) -> tuple:
+    """The test job, its model's parameters from seed 9 committed as step 2, and that
+    checkpoint exported to tmp_path/out."""
+    spec, _ = _job(tmp_path)
+    trained = build_model(spec.model, 9).state_dict()
+    _stages(CheckpointStore(spec.checkpoint_dir), 2, trained)
+    baton.export(spec, str(tmp_path / "out"), hf=hf)
+    return spec, trained
+
+
+def _both_builds(model) -> tuple[dict, dict]:
+    """The parameters `model` (a ModelSpec) starts with in the whole build (DDP's) and in the
+    layer-by-layer one (sharded, pipeline and tp workers)."""
+    from baton.models import build_lazily
+
+    lazy, fill = build_lazily(model, 0)
+    fill(list(lazy))
+    return build_model(model, 0).state_dict(), lazy.state_dict()
+
+
 @pytest.mark.parametrize("hf", [False, True], ids=["baton-names", "gpt2-names"])
 def test_a_job_starts_from_an_exports_weights_however_its_model_is_built(tmp_path, hf):
     """`model.init_from: EXPORT` for the built-in GPT: the whole build (DDP's) and the
@@ -327,17 +347,10 @@ def test_a_job_starts_from_an_exports_weights_however_its_model_is_built(tmp_pat
     export; a job whose model does not match is one line at validation."""
     from baton import api
     from baton.errors import SpecError
-    from baton.models import build_lazily
 
-    spec, job = _job(tmp_path)
-    trained = build_model(spec.model, 9).state_dict()
-    _stages(CheckpointStore(spec.checkpoint_dir), 2, trained)
-    baton.export(spec, str(tmp_path / "out"), hf=hf)
+    spec, trained = _trained_export(tmp_path, hf)
     tuned = baton.load({**spec.to_dict(), "model": {**GPT, "init_from": str(tmp_path / "out")}})
-    whole = build_model(tuned.model, 0).state_dict()
-    lazy, fill = build_lazily(tuned.model, 0)
-    fill(list(lazy))
-    for got in (whole, lazy.state_dict()):
+    for got in _both_builds(tuned.model):
         assert got.keys() == trained.keys()
         assert all(torch.equal(got[n], trained[n]) for n in trained)
 
@@ -366,22 +379,15 @@ def test_init_fresh_keeps_the_models_own_values_of_the_parameters_it_names(tmp_p
     a mismatch it does not name and a pattern that names everything are one line each."""
     from baton import api
     from baton.errors import SpecError
-    from baton.models import build_lazily
 
-    spec, _ = _job(tmp_path)
-    trained = build_model(spec.model, 9).state_dict()
-    _stages(CheckpointStore(spec.checkpoint_dir), 2, trained)
-    baton.export(spec, str(tmp_path / "out"))
+    spec, trained = _trained_export(tmp_path)
     wide = {**GPT, "vocab_size": 512, "init_from": str(tmp_path / "out")}
     raw = tiny_spec(tmp_path, tmp_path / "data", name="tuned",
                     model={**wide, "init_fresh": ["0.tok.*", "*.lm.weight"]})
     tuned = baton.load(raw)
     own = build_model(spec_from_dict({**raw, "model": {**GPT, "vocab_size": 512}}).model, 0).state_dict()
-    whole = build_model(tuned.model, 0).state_dict()
-    lazy, fill = build_lazily(tuned.model, 0)
-    fill(list(lazy))
     fresh = {"0.tok.weight", "3.lm.weight"}
-    for got in (whole, lazy.state_dict()):
+    for got in _both_builds(tuned.model):
         assert got.keys() == own.keys()
         assert all(torch.equal(got[n], own[n] if n in fresh else trained[n]) for n in own)
     write_dataset(tmp_path / "data", num_samples=64, seq_len=GPT["seq_len"])
@@ -410,20 +416,14 @@ def test_init_grow_fills_a_grown_vocabularys_first_rows_from_the_export(tmp_path
     is one line."""
     from baton import api
     from baton.errors import SpecError
-    from baton.models import build_lazily
 
-    spec, _ = _job(tmp_path)
-    trained = build_model(spec.model, 9).state_dict()
-    _stages(CheckpointStore(spec.checkpoint_dir), 2, trained)
-    baton.export(spec, str(tmp_path / "out"))
+    spec, trained = _trained_export(tmp_path)
     wide = {**GPT, "vocab_size": 260, "init_from": str(tmp_path / "out")}
     raw = tiny_spec(tmp_path, tmp_path / "data", name="grown",
                     model={**wide, "init_grow": ["0.tok.weight", "*.lm.weight"]})
     grown = baton.load(raw)
     own = build_model(spec_from_dict({**raw, "model": {**GPT, "vocab_size": 260}}).model, 0).state_dict()
-    lazy, fill = build_lazily(grown.model, 0)
-    fill(list(lazy))
-    for got in (build_model(grown.model, 0).state_dict(), lazy.state_dict()):
+    for got in _both_builds(grown.model):
         for n in own:
             if n in ("0.tok.weight", "3.lm.weight"):
                 assert torch.equal(got[n][:256], trained[n]) and torch.equal(got[n][256:], own[n][256:]), n
