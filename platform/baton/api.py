@@ -121,6 +121,13 @@ def plan_resume(spec: JobSpec, source: str,
         raise CheckpointError(
             f"{source}: job {spec.name!r} already finished: its checkpoint is at step "
             f"{meta['step']} and train.steps is {spec.train.steps}; raise train.steps to train on")
+    from baton.coordinator.stopping import stopped_before
+
+    stopped = stopped_before(spec, meta)
+    if stopped is not None:
+        raise CheckpointError(
+            f"{source}: job {spec.name!r} already stopped early at step {meta['step']}: {stopped}; "
+            "raise eval.patience (or set it to 0) to train on")
     return meta, failed
 
 

@@ -331,7 +331,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                       + (f", every {e.every_steps} steps and" if e.every_steps else "") + " at the end"
                       + (f"; the best checkpoint by {spec.checkpoint.best} "
                          f"({'lowest' if spec.checkpoint.best_lowest else 'highest'}) kept"
-                         if spec.checkpoint.best else ""))
+                         if spec.checkpoint.best else "")
+                      + (f"; stops after {e.patience} evaluation{'s' * (e.patience > 1)} without "
+                         f"an improvement" + (f" larger than {e.min_delta:g}" if e.min_delta else "")
+                         if e.patience else ""))
         if spec.model.init_from and os.path.exists(os.path.join(spec.model.init_from, "baton.json")):
             from baton.checkpoint.export import read_about
 
@@ -418,7 +421,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                          show_progress=not args.quiet)
         from baton.storage import redact
 
-        print(f"{result.job}: finished at step {result.step}, loss {result.loss:.4f}, "
+        stopped = " (stopped early)" if result.stopped_early else ""
+        print(f"{result.job}: finished at step {result.step}{stopped}, loss {result.loss:.4f}, "
               f"{result.tokens_per_s:,.0f} {'tokens' if spec.task == 'language_model' else 'samples'}/s; "
               + "".join(f"{k} {v:.4g}; " for k, v in result.eval.items() if k != "eval_samples")
               + f"checkpoint {redact(result.checkpoint)}; MLflow run {result.run_id}")

@@ -191,6 +191,10 @@ class EvalSpec:
     fraction: float = 0.0
     path: Optional[str] = None  # or a dataset of its own (same columns)
     seed: int = 0
+    # stop early: when checkpoint.best's metric has not improved by more than min_delta over
+    # this many evaluations in a row (0: train every step); the run ends on a checkpoint
+    patience: int = 0
+    min_delta: float = 0.0
 
     @property
     def enabled(self) -> bool:

@@ -80,6 +80,7 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     _check_task(spec, need)
     if c.best is not None or c.best_mode is not None:  # (after the task's checks: it names it)
         _check_best(spec, need)
+    _check_patience(spec, need)
 
     for key in ("steps", "global_batch"):
         need(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")
@@ -181,6 +182,7 @@ MOST: dict[str, tuple[float, str]] = {
     "elastic.spares": (64, "standby workers"),
     "eval.every_steps": (10**12, "steps"),
     "eval.seed": (2**32 - 1, "a 32-bit seed"),
+    "eval.patience": (10**6, "evaluations"),
 }
 MOST_WORKERS = 2**16  # replicas x pipeline stages
 MOST_PASSES = 2**16  # micro-batches x pipeline stages of one step: a schedule is built from them
@@ -275,6 +277,20 @@ def _check_best(spec: JobSpec, need) -> None:
     need(e.every_steps >= 1 and c.every_steps % e.every_steps == 0, "eval.every_steps",
          e.every_steps, f"must divide checkpoint.every_steps ({c.every_steps}) so that every "
          f"checkpoint is evaluated for checkpoint.best (e.g. {c.every_steps})")
+
+
+def _check_patience(spec: JobSpec, need) -> None:
+    """eval.patience watches checkpoint.best's metric: one metric says which model is best and
+    whether training still improves it, and the run that stops early keeps that model."""
+    e = spec.eval
+    need(e.patience >= 0, "eval.patience", e.patience, "must be >= 0 evaluations (0: no early stop)")
+    need(e.min_delta >= 0, "eval.min_delta", e.min_delta, "must be >= 0 (an improvement counts "
+         "when it is larger than this)")
+    need(e.min_delta == 0 or e.patience > 0, "eval.min_delta", e.min_delta,
+         "counts only with eval.patience (how many evaluations without improvement stop the run)")
+    need(e.patience == 0 or spec.checkpoint.best is not None, "eval.patience", e.patience,
+         "stops the run when checkpoint.best's metric stops improving: name it (e.g. "
+         "checkpoint.best: eval_loss), and its checkpoint is kept")
 
 
 def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:

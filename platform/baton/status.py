@@ -88,7 +88,7 @@ def describe(s: dict) -> list[str]:
         state += f" when last seen: its process ({where}) is gone"
     lines = [f"{s['job']}: {state} (updated {_ago(ago)} ago, {where})"]
     loss = f", loss {s['loss']:.4f}" if s.get("loss") is not None else ""
-    tps = f", {s['tokens_per_s']:,.0f} tokens/s" if s.get("tokens_per_s") else ""
+    tps = f", {s['tokens_per_s']:,.0f} {s.get('unit', 'tokens')}/s" if s.get("tokens_per_s") else ""
     lines.append(f"  step {s['step']}/{s['steps']}{loss}{tps}")
     starting, spares = s.get("workers_starting", 0), s.get("spares", 0)  # absent from older files
     tp = f" x tp {s['tp']}" if s.get("tp", 1) > 1 else ""
@@ -111,6 +111,9 @@ def describe(s: dict) -> list[str]:
     if best:
         lines.append("  best checkpoint: step " + ", ".join(
             [str(best["step"]), *(f"{k} {v:.4g}" for k, v in best.items() if k != "step")]))
+    stop = s.get("stopped_early")  # eval.patience, once it ended the run
+    if stop:
+        lines.append(f"  stopped early at step {stop['step']}: {stop['why']}")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
     lines.append(f"  failures: {s['failures']}" + (f" ({causes})" if causes else "")
                  + f"; rescales: {s['rescales']}")

@@ -19,6 +19,7 @@ from baton.data import Cursor
 from baton.data.local import job_order
 from baton.data.manifest import Manifest
 from baton.data.source import held_out
+from baton.errors import CheckpointError
 from baton.models import build_model
 from baton.spec import spec_from_dict
 from baton.tasks import COUNTED, Counts
@@ -296,6 +297,44 @@ def test_a_classification_run_resumed_mid_epoch_ends_where_an_uninterrupted_one_
     assert_params_close(CheckpointStore(spec.checkpoint_dir).read_model(6), want, rtol=1e-5, atol=4e-5)
     trained = Counter(i for step, _, ids in first.ledger + second.ledger if step < 5 for i in ids)
     assert len(trained) == 72 and set(trained.values()) == {1}  # epoch 0: each sample once
+
+
+def test_a_run_that_stops_early_ends_on_the_state_of_its_last_evaluation(tmp_path):
+    """eval.patience 2 with a min_delta no evaluation can pass: the first evaluation sets the
+    best, the next two do not improve on it, and the run stops at step 3 (not a checkpoint
+    step) on a checkpoint of step 3 that holds one process's 3 steps: nothing ran past it.
+    Run again it is refused; with the patience raised it trains on from there and stops
+    again, each step logged once in the same MLflow run."""
+    data = write_table(tmp_path / "data")
+
+    def job(patience):
+        return spec_from_dict(tiny_spec(
+            tmp_path, data, name="classify-stop", task="classification",
+            model={"name": "classifier", "layers": 2, "width": 16, "options": {"inputs": 6, "classes": 4}},
+            data={"source": "parquet", "path": str(data), "columns": COLUMNS},
+            train={"steps": 8, "global_batch": 16, "micro_batch": 4},
+            parallel={"dp": 2, "timeout_s": 60}, checkpoint={"every_steps": 2, "best": "eval_loss"},
+            eval={"fraction": 0.25, "every_steps": 1, "patience": patience, "min_delta": 100.0}))
+
+    spec = job(2)
+    first = api.run(spec, show_progress=False)
+    assert (first.state, first.step, first.stopped_early["step"], first.stopped_early["waited"]) == (
+        "finished", 3, 3, 2)
+    assert first.stopped_early["best_step"] == 1
+    store = CheckpointStore(spec.checkpoint_dir)
+    assert store.latest() == 3 and store.read_meta(3)["early_stop"]["waited"] == 2
+    want, _, _, _ = reference(spec, data, COLUMNS, classification, 3)
+    # measured: largest parameter difference 3.0e-08 (as above)
+    assert_params_close(store.read_model(3), want, rtol=1e-5, atol=4e-5)
+    with pytest.raises(CheckpointError, match="already stopped early at step 3: eval_loss has not "
+                                              "improved on .* raise eval.patience"):
+        api.run(spec, show_progress=False)
+
+    second = api.run(job(4), show_progress=False)
+    assert (second.resumed_from, second.step, second.stopped_early["waited"]) == (3, 5, 4)
+    assert second.run_id == first.run_id
+    assert sorted(_history(spec, second.run_id, "loss")) == [1, 2, 3, 4, 5]
+    assert sorted(_history(spec, second.run_id, "eval_loss")) == [1, 2, 3, 4, 5]
 
 
 def test_a_step_that_runs_out_of_memory_is_one_line_that_says_what_lowers_it(tmp_path):

@@ -353,12 +353,12 @@ class OrderOnlyFeed:
         pass
 
 
-def _coordinator(tmp_path, cluster, parallel=None, **elastic):
+def _coordinator(tmp_path, cluster, parallel=None, sections=None, **elastic):
     spec = spec_from_dict({
         "name": "fake", "data": {"source": "parquet", "path": str(tmp_path)},
         "train": {"steps": 8, "global_batch": 4, "warmup_steps": 0},
         "parallel": parallel or {"dp": 2}, "checkpoint": {"path": str(tmp_path / "ckpt"), "every_steps": 2},
-        "tracking": {"enabled": False}, "elastic": {"max_failures": 3, **elastic}})
+        "tracking": {"enabled": False}, "elastic": {"max_failures": 3, **elastic}, **(sections or {})})
     c = Coordinator(spec, NullTracker(), record_samples=True, show_progress=False,
                     group_factory=lambda s, d: FakeGroup(s, d, cluster))
     # what _prepare does with Ray and the data, stood in for: 12 samples, 3 steps an epoch
@@ -898,3 +898,90 @@ def test_a_replicas_tp_workers_are_ranked_on_one_node_where_they_can_be():
     nodes = [info["node"] for _, info in ranked]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3]
     assert together(placed, 1) == placed  # without tp, the order stays
+
+
+class ScriptedEvaluation:
+    """The held-out evaluation's interface (coordinator/evaluation.py), after every step, with
+    eval_loss scripted by step: queued on the workers behind its step as the real one is (the
+    fake group evaluates nothing)."""
+
+    def __init__(self, losses: dict):
+        self.losses, self.last, self.step, self.judged = losses, {}, 0, []
+
+    def due(self, done):
+        return True
+
+    def submit(self, group, global_batch):
+        return [group.submit("evaluate")]
+
+    def collect(self, group, refs, step):
+        for batch_refs in refs:
+            group.wait(batch_refs, f"evaluating after step {step}")
+        self.judged.append(step)
+        self.last, self.step = {"eval_loss": self.losses[step], "eval_samples": 4}, step
+        return self.last
+
+    def close(self):
+        pass
+
+
+def _stopping(tmp_path, cluster, losses, parallel=None, **eval_):
+    c = _coordinator(tmp_path, cluster, parallel, sections={
+        "eval": {"path": str(tmp_path), "every_steps": 1, **eval_},
+        "checkpoint": {"path": str(tmp_path / "ckpt"), "every_steps": 2, "best": "eval_loss"}})
+    c.evaluation = ScriptedEvaluation(losses)
+    return c
+
+
+# the best so far improves at 2 and 3, not (by more than 0) at 4, 5 and 6
+LOSSES = {1: 5.0, 2: 4.0, 3: 3.9, 4: 3.95, 5: 3.97, 6: 3.99, 7: 3.0, 8: 2.0}
+
+
+@pytest.mark.parametrize("patience,min_delta,stop", [(2, 0.0, 5), (3, 0.0, 6), (2, 0.2, 4), (9, 0.0, None)])
+def test_the_run_stops_once_patience_evaluations_have_not_improved(tmp_path, patience, min_delta, stop):
+    """eval.patience: the run ends at the evaluation that spends it, on a checkpoint of that
+    step (written for it where the step is not a checkpoint step), with nothing trained or
+    queued past it; the state it stops with is that checkpoint's, so a resume is refused
+    until the patience is raised, and goes on from there once it is."""
+    from baton.api import plan_resume
+
+    c = _stopping(tmp_path, FakeCluster(free=2), LOSSES, patience=patience, min_delta=min_delta)
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    result = c._result()
+    if stop is None:
+        assert c.step == 8 and result.stopped_early is None
+        return
+    assert c.step == stop and c.evaluation.judged == list(range(1, stop + 1))
+    assert c.submitted == stop  # no step past it was handed to the workers
+    assert c.store.latest() == stop and c.store.verify(stop) is None
+    best = 3 if min_delta == 0 else 2  # the improvement that counted last
+    assert result.stopped_early == {
+        "step": stop, "metric": "eval_loss", "best": LOSSES[best], "best_step": best,
+        "waited": patience, "why": f"eval_loss has not improved on {LOSSES[best]:g} (step {best}) "
+                                  f"by more than {min_delta:g} in {patience} evaluations (eval.patience {patience})"}
+    assert [e["kind"] for e in c.events] == ["early_stop"]
+    assert c.store.read_meta(stop)["early_stop"]["waited"] == patience
+    from baton.status import describe
+
+    assert f"  stopped early at step {stop}: {result.stopped_early['why']}" in describe(c.status())
+
+    with pytest.raises(CheckpointError, match=rf"job 'fake' already stopped early at step {stop}: "
+                                              rf"eval_loss has not improved .* raise eval.patience"):
+        plan_resume(c.base, "job.yaml", None)
+    more = spec_from_dict({**c.base.to_dict(), "eval": {**c.base.to_dict()["eval"], "patience": patience + 1}})
+    meta, _ = plan_resume(more, "job.yaml", None)
+    assert meta["step"] == stop and meta["early_stop"]["waited"] == patience
+
+
+def test_a_recovery_from_a_checkpoint_counts_its_evaluations_again_from_there(tmp_path):
+    """dp 1 loses its only worker at step 6: the run goes back to checkpoint 4 and evaluates 5
+    again. The count of evaluations without improvement is checkpoint 4's, not the one the
+    lost run had reached (which had counted 5 already and would stop a step early)."""
+    cluster = FakeCluster(free=2)
+    cluster.failures[6] = ("actor_died", 0, False)
+    c = _stopping(tmp_path, cluster, LOSSES, parallel={"dp": 1}, patience=3)
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert [e["kind"] for e in c.events] == ["failure", "recovery", "early_stop"]
+    assert c.events[1]["resumed_from_step"] == 4 and c.events[1]["state_from"] == "checkpoint"
+    assert c.evaluation.judged == [1, 2, 3, 4, 5, 5, 6]
+    assert c.step == 6 and c._result().stopped_early["waited"] == 3

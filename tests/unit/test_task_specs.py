@@ -128,6 +128,17 @@ def test_eval_data_that_is_training_data_is_refused(tmp_path):
     ({"checkpoint": {"best": "eval_loss", "every_steps": 50}, "eval": {"fraction": 0.1, "every_steps": 20}},
      "eval.every_steps: 20 is invalid; must divide checkpoint.every_steps (50) so that every "
      "checkpoint is evaluated for checkpoint.best (e.g. 50)"),
+    # eval.patience: watches checkpoint.best's metric
+    ({"eval": {"fraction": 0.1, "every_steps": 10, "patience": 3}},
+     "eval.patience: 3 is invalid; stops the run when checkpoint.best's metric stops improving: "
+     "name it (e.g. checkpoint.best: eval_loss)"),
+    ({"eval": {"fraction": 0.1, "min_delta": 0.01}}, "eval.min_delta: 0.01 is invalid; counts only "
+                                                     "with eval.patience"),
+    ({"eval": {"fraction": 0.1, "patience": -1}}, "eval.patience: -1 is invalid; must be >= 0"),
+    ({"eval": {"fraction": 0.1, "every_steps": 10, "patience": 2, "min_delta": -0.5},
+      "checkpoint": {"best": "eval_loss", "every_steps": 10}},
+     "eval.min_delta: -0.5 is invalid; must be >= 0"),
+    ({"eval": {"fraction": 0.1, "patience": 10**7}}, "eval.patience: 10000000 is invalid; at most"),
 ])
 def test_spec_mistakes_about_tasks_are_one_line(raw, expected):
     with pytest.raises(SpecError) as e:

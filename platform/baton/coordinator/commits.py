@@ -58,6 +58,7 @@ class Commits:
         self.background = background  # checkpoint.async
         self.pending: Optional[Save] = None  # a background save being written
         self.last: Optional[str] = None  # where the newest checkpoint this run committed is
+        self.last_step: Optional[int] = None  # its step
         self.replica_digests: list[str] = []  # each worker's parameter digest at that commit
         self.outpaced = False  # a save came due while the one before it was still being written
 
@@ -94,6 +95,10 @@ class Commits:
         else:
             self._finish(group, save, [p for parts in done for p in parts])
         self.live.checkpoint_saved(time.perf_counter() - t0)
+
+    def holds(self, step: int) -> bool:
+        """Whether checkpoint `step` is committed, or being written in the background."""
+        return self.last_step == step or (self.pending is not None and self.pending.step == step)
 
     def poll(self, group) -> None:
         """Commit the background save if every part of it is written (does not wait)."""
@@ -199,6 +204,7 @@ class Commits:
         self.tracker.flush()
         best = self._best_with(step, meta)
         self.last = self.store.commit(step, meta, self.keep, parts, protect=[best[0]] if best else [])
+        self.last_step = step
         self.tracker.set_tags({"checkpoint.latest": self.last})
         if best is not None and best != self.best_found:
             self.best_found = best

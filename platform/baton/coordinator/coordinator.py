@@ -3,6 +3,7 @@
     pending --(the data's manifest and order ready, MLflow run open)--> scheduling
     scheduling --(workers placed, group formed, checkpoint loaded)--> running
     running --(one optimizer step; a checkpoint when due)--> running | finished
+    running --(eval.patience evaluations without improvement: a checkpoint here)--> finished
     running --(room for more replicas, seen every elastic.rescale_check_s)--> rescaling
     rescaling --(checkpoint here, world re-formed larger, checkpoint loaded)--> running
     any --(a worker lost: dead, frozen, failed)--> recovering
@@ -14,7 +15,7 @@
 It decides (which samples, which learning rate, when to checkpoint, what world size); the
 workers execute. The decisions about failures and world sizes come from the pure policies in
 `policy.py`; its collaborators place workers (`placement.py`), commit checkpoints
-(`commits.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
+(`commits.py`), stop early (`stopping.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
 through `data/feed.py`), and report (`report.py`: MLflow, live metrics, the progress line,
 the status file). It is the only writer to MLflow, through them.
 """
@@ -38,6 +39,7 @@ from baton.data.manifest import Manifest
 from baton.data.source import JobData, preflight
 from baton.coordinator.commits import Commits, Save
 from baton.coordinator.evaluation import Evaluation, evaluation
+from baton.coordinator.stopping import early_stop
 from baton.coordinator.stragglers import Stragglers
 from baton.coordinator.steps import StepStats
 from baton.coordinator.phases import Phases
@@ -152,6 +154,9 @@ class Coordinator:
         self.live = self.report.live
         self.stats = StepStats(spec)  # what the steps measured
         self.stragglers = Stragglers()  # the worker every step waits for, if one does
+        # eval.patience; `stopped_early` says why the run ended before train.steps, once it has
+        self.early_stop = None if evaluate_only else early_stop(spec)
+        self.stopped_early: Optional[dict] = None
         c = spec.checkpoint
         self.commits = Commits(self.store, tracker, self.live, c.keep, lease, background=c.async_,
                                best=(c.best, c.best_lowest) if c.best else None)
@@ -267,6 +272,8 @@ class Coordinator:
         return State.FINISHED
 
     def _run_step(self) -> State:
+        if self.stopped_early:
+            return self._finish()
         if self.resumed is None and self.placement.leaving():
             return State.MOVING
         if self._rescale_due():
@@ -274,16 +281,25 @@ class Coordinator:
         # Keep the next step queued on the workers while this one runs, so that no worker
         # idles waiting for the coordinator between steps (measured: 3.5 ms a step on CPU,
         # a larger share of a short GPU step). Workers run calls in order (actor.py), so a
-        # checkpoint queued behind step k sees exactly the state after step k.
-        while self.submitted < self.spec.train.steps and len(self.inflight) < PIPELINE_DEPTH:
+        # checkpoint queued behind step k sees exactly the state after step k. Under
+        # eval.patience nothing is queued behind an evaluation until it is judged: a step
+        # taken after the one the run stops at would change the state it ends with.
+        while (self.submitted < self.spec.train.steps and len(self.inflight) < PIPELINE_DEPTH
+               and not (self.early_stop and self.inflight and self.inflight[-1].eval_refs)):
             self.inflight.append(self._submit(self.submitted))
         if not self.inflight:
-            self.commits.drain(self.group)  # the last checkpoint, if written in the background
-            # the report is drawn while the workers and Ray shut down: api.run waits for it
-            self.tracker.finish("FINISHED", background=True)
-            return State.FINISHED
+            return self._finish()
         self._complete_next()
         return State.RUNNING
+
+    def _finish(self) -> State:
+        """Every step done, or stopped early (on a checkpoint of the step it stopped at)."""
+        if self.stopped_early and not self.commits.holds(self.step):
+            self._checkpoint_now()
+        self.commits.drain(self.group)  # the last checkpoint, if written in the background
+        # the report is drawn while the workers and Ray shut down: api.run waits for it
+        self.tracker.finish("FINISHED", background=True)
+        return State.FINISHED
 
     def _recover(self) -> State:
         """Keep the workers that are still there, replace the rest where the cluster has room,
@@ -496,6 +512,12 @@ class Coordinator:
         self.step = self.submitted = meta["step"]
         if self.samples:
             self.samples.seek(meta)
+        if self.early_stop:  # its count at that step: the evaluations after it count again
+            self.early_stop.restore(meta.get("early_stop"))
+            # (a failure while the stop's own checkpoint was written: the survivors' state of
+            # that step still stops there)
+            self.stopped_early = (self.early_stop.ended(self.step)
+                                  if self.step < self.spec.train.steps else None)
 
     def _load_latest(self, resuming: bool = False) -> None:
         """Load the newest whole checkpoint (`Commits.newest_whole`). With none: start over;
@@ -512,6 +534,9 @@ class Coordinator:
         if meta is None:  # no checkpoint yet: start over (setup built the models from the seed)
             self.step = self.submitted = 0
             self.samples.seek(None)
+            if self.early_stop:
+                self.early_stop.restore(None)
+                self.stopped_early = None
             return
         self._load(meta)
         if resuming and meta["step"] != self.resume_meta["step"]:
@@ -604,11 +629,16 @@ class Coordinator:
             evaluated = self.evaluation.collect(self.group, p.eval_refs, self.step)
             metrics.update(evaluated)
             self.report.evaluated(self.step, evaluated)
+            if (self.early_stop and self.early_stop.observe(self.step, evaluated)
+                    and self.step < self.spec.train.steps):
+                self.stopped_early = self.early_stop.ended(self.step)
         self.report.step(self.step, metrics, p.lr, step_time_s)
         self.last_metrics = metrics  # for on_step observers
         if p.save:
             self._commit(p.cursor, p.save)
         self.commits.poll(self.group)  # a background save, written by now
+        if self.stopped_early:  # after the step's metrics: its evaluation is why
+            self.report.stopped_early(self.stopped_early, self._tags())
         if self.starting:
             self.start = self._finish_phases(self.starting)
         if self.resumed:
@@ -637,7 +667,8 @@ class Coordinator:
                 "time": time.time(),
                 # the held-out metrics of this step's state, where it was evaluated (checkpoint.best)
                 **({"eval": self.evaluation.last}
-                   if self.evaluation and self.evaluation.step == self.step else {})}
+                   if self.evaluation and self.evaluation.step == self.step else {}),
+                **({"early_stop": self.early_stop.state()} if self.early_stop else {})}
 
     def status(self) -> dict:
         """What `baton status` shows of a running job."""
@@ -652,6 +683,7 @@ class Coordinator:
                 "spares": len(self.group.spares) if self.group else 0,
                 "loss": None if math.isnan(self.stats.last_loss) else round(self.stats.last_loss, 6),
                 "tokens_per_s": round(self.stats.tokens_per_s[-1], 1) if self.stats.tokens_per_s else None,
+                "unit": "tokens" if self.spec.task == "language_model" else "samples",
                 "memory_mib": {kind: round(held / 2**20) for kind, held in self.stats.memory.items()},
                 "last_checkpoint": self.commits.last, "failures": sum(causes.values()),
                 "failures_by_cause": dict(causes), "rescales": sum(
@@ -659,6 +691,7 @@ class Coordinator:
                 **({"straggler": self.stragglers.named} if self.stragglers.named else {}),
                 **({"best_checkpoint": {"step": best[0], self.spec.checkpoint.best: best[1]}}
                    if (best := self.commits.best_found) else {}),
+                **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}
@@ -676,5 +709,6 @@ class Coordinator:
                          stage_layers=self.stage_layers, events=self.events,
                          dp_history=self.dp_history, start=self.start,
                          eval=self.evaluation.last if self.evaluation else {},
-                         best=self.commits.best_found, tracking_uri=getattr(self.tracker, "uri", None),
+                         best=self.commits.best_found, stopped_early=self.stopped_early,
+                         tracking_uri=getattr(self.tracker, "uri", None),
                          **self.stats.result_fields())

@@ -55,6 +55,12 @@ class Report:
             f"{k} {v:.4g}" for k, v in evaluated.items() if k != "eval_samples")
             + f" over {evaluated['eval_samples']:,} held-out samples")
 
+    def stopped_early(self, stop: dict, tags: dict) -> None:
+        """eval.patience ends the run at `stop["step"]`: in the run record, on the console and
+        in MLflow's tags (early_stop.step)."""
+        self.record({"kind": "early_stop", **stop}, tags | {"early_stop.step": stop["step"]})
+        self.progress.note(f"step {stop['step']}: stopping early: {stop['why']}")
+
     def phases(self, event: dict, step: int, dp: int, failures: int, tags: dict) -> None:
         """The first step of the run, or after a recovery or a rescale, is done: how long each
         part took (a start's phases go to the result and MLflow, not to the events)."""

@@ -35,6 +35,9 @@ class RunResult:
     start: dict = field(default_factory=dict)
     eval: dict = field(default_factory=dict)  # the last evaluation's metrics (eval_loss, ...)
     best: Optional[tuple[int, float]] = None  # checkpoint.best's checkpoint: (step, its value)
+    # eval.patience ended the run before train.steps: the step, the metric's best value and
+    # step, the evaluations waited, and why in words
+    stopped_early: Optional[dict] = None
     tracking_uri: Optional[str] = None  # the MLflow store the run is in
 
     def history(self, key: str) -> list[tuple[int, float]]:
