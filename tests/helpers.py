@@ -94,12 +94,18 @@ def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], 
     """Plain PyTorch in this process: the whole global batch at once, no Ray, no accumulation.
     Returns the final parameters and each step's loss and gradient norm (before clipping)."""
     _, tokens = read_table(data_dir)
+    order, cursor = job_order(spec, data_dir), Cursor()
+    return train_on(spec, tokens, [order.next_batch(cursor, spec.train.global_batch)
+                                   for _ in range(steps)])
+
+
+def train_on(spec, tokens: np.ndarray, batches: list) -> tuple[dict[str, torch.Tensor], list, list]:
+    """reference_run's loop over given batches (positions into `tokens`)."""
     model = build_model(spec.model, spec.train.seed)
     optimizer = make_optimizer(model, spec.train)
-    order, cursor = job_order(spec, data_dir), Cursor()
     losses, norms = [], []
-    for step in range(steps):
-        batch = torch.from_numpy(tokens[order.next_batch(cursor, spec.train.global_batch)]).long()
+    for step, positions in enumerate(batches):
+        batch = torch.from_numpy(tokens[positions]).long()
         loss = loss_sum(model(batch[:, :-1]), batch[:, 1:]) / batch[:, 1:].numel()
         loss.backward()
         set_lr(optimizer, spec.train.lr_at(step))

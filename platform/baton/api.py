@@ -23,6 +23,7 @@ from baton.checkpoint.lease import Lease
 from baton.console import RayMessages
 from baton.data import corpus
 from baton.data.manifest import Manifest
+from baton.data.mix import Mixture
 from baton.data.source import JobData, needs_prepare, preflight
 from baton.errors import CheckpointError, ClusterError, SpecError, reason
 from baton.spec import JobSpec, load_spec
@@ -140,17 +141,23 @@ def _check_recipe(meta: dict, spec: JobSpec, source: str, step: int) -> None:
             "the old values to resume")
 
 
-def check_corpus(meta: dict, manifest: Manifest, source: str, rebase: bool) -> None:
+def check_corpus(meta: dict, manifest: Manifest | Mixture, source: str, rebase: bool) -> None:
     """Refuse to resume on a corpus other than the one the checkpoint was trained on: its
     cursor counts samples of that corpus's order. With `rebase`, the run goes on from the start
     of the next epoch on the new corpus (`Coordinator._cursor_of`)."""
     if rebase or manifest.trained(meta):
         return
     old = meta.get("manifest")
-    what = (manifest.changes_from(Manifest.from_json(manifest.root, old)) if old
-            else "the checkpoint records no manifest (written before baton 0.6)")
+    key = "data.path"
+    if isinstance(manifest, Mixture):
+        key, what = "data.mix", manifest.changed_since(meta)
+    elif old and "files" in old:
+        what = manifest.changes_from(Manifest.from_json(manifest.root, old))
+    else:
+        what = ("the checkpoint was trained on a mix (data.mix)" if old
+                else "the checkpoint records no manifest (written before baton 0.6)")
     raise CheckpointError(
-        f"{source}: data.path: {manifest.root!r} is not the corpus checkpoint {meta['step']} was "
+        f"{source}: {key}: {manifest.root!r} is not the corpus checkpoint {meta['step']} was "
         f"trained on: {what}; restore it, or pass --rebase-data to go on from the next epoch on "
         "the new corpus")
 

@@ -297,6 +297,21 @@ def _which_checkpoint(parser: argparse.ArgumentParser) -> None:
                             "evaluation")
 
 
+def _data_lines(m: dict, shuffle_block: int, mixed: list[str]) -> list[str]:
+    """`baton validate`'s lines about the training corpus, or each source of a mix."""
+    def shape(m: dict) -> str:
+        blocks = -(-m["samples"] // shuffle_block)
+        return (f"{m['samples']:,} samples in {m['row_groups']} row groups of {m['files']} files "
+                f"({m['bytes'] / 2**20:,.1f} MiB), manifest {m['digest']}; "
+                + ("a full permutation each epoch" if blocks == 1 else
+                   f"shuffled in {blocks} blocks of {shuffle_block:,} samples"))
+    if not mixed:
+        return [f"  data: {shape(m)}"]
+    return [f"  data: a mix of {len(mixed)} sources, manifest {m['digest']}"] + [
+        f"    {s['weight']:.1%} of the samples from {path}: {shape(s)}"
+        for path, s in zip(mixed, m["sources"])]
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     from baton import api
 
@@ -314,11 +329,8 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"{spec.train.steps} steps of {spec.train.global_batch} samples)")
         if data is not None:
             m = data.manifest.summary()
-            blocks = -(-m["samples"] // spec.data.shuffle_block)
-            print(f"  data: {m['samples']:,} samples in {m['row_groups']} row groups of "
-                  f"{m['files']} files ({m['bytes'] / 2**20:,.1f} MiB), manifest {m['digest']}; "
-                  + ("a full permutation each epoch" if blocks == 1 else
-                     f"shuffled in {blocks} blocks of {spec.data.shuffle_block:,} samples"))
+            for line in _data_lines(m, spec.data.shuffle_block, [s.path for s in spec.data.mix]):
+                print(line)
             if spec.task != "language_model":
                 print("  columns: " + ", ".join(
                     f"{f.name} <- {'+'.join(f.sources)} ({f.dtype}{list(f.shape) if f.shape else ''})"

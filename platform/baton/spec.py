@@ -46,6 +46,12 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class MixSource:
+    path: str  # a Parquet dataset, as data.path
+    weight: float = 1.0  # its share of the samples: weight / the sum of the weights
+
+
+@dataclass(frozen=True)
 class DataSpec:
     # stdlib and digits: built-in data, prepared into data.path on first run
     source: Literal["stdlib", "digits", "parquet"] = "stdlib"
@@ -65,6 +71,14 @@ class DataSpec:
     # where row groups are read: spread over the cluster's nodes (Ray Data's default), or all
     # on the driver's node (data only that node can see: a folder on its own disk)
     read: Literal["spread", "driver"] = "spread"
+    # several Parquet datasets trained on as one stream, each sample drawn from a source in
+    # proportion to its weight (data.path is then not read): [{path: web, weight: 3}, ...]
+    mix: list[MixSource] = field(default_factory=list)
+
+    @property
+    def paths(self) -> list[str]:
+        """The datasets training reads: the mix's, or data.path."""
+        return [m.path for m in self.mix] or [self.path]
 
 
 @dataclass(frozen=True)
@@ -304,7 +318,7 @@ class JobSpec:
         train = {k: v for k, v in d["train"].items()
                  if k not in ("steps", "micro_batch", "activation_checkpointing", "compile")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
-        data = {k: v for k, v in d["data"].items() if k not in ("columns", "pad") or v}
+        data = {k: v for k, v in d["data"].items() if k not in ("columns", "pad", "mix") or v}
         # the task and the held-out split only where set: v0.5's checkpoints keep their recipe
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
                  **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}

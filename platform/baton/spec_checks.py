@@ -77,6 +77,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
     need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
+    if d.mix:
+        _check_mix(spec, need)
     _check_task(spec, need)
     if c.best is not None or c.best_mode is not None:  # (after the task's checks: it names it)
         _check_best(spec, need)
@@ -185,6 +187,7 @@ MOST: dict[str, tuple[float, str]] = {
     "eval.patience": (10**6, "evaluations"),
 }
 MOST_WORKERS = 2**16  # replicas x pipeline stages
+MOST_SOURCES = 256  # datasets in data.mix: each has a feed reading ahead in the driver
 MOST_PASSES = 2**16  # micro-batches x pipeline stages of one step: a schedule is built from them
 _SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
 
@@ -277,6 +280,23 @@ def _check_best(spec: JobSpec, need) -> None:
     need(e.every_steps >= 1 and c.every_steps % e.every_steps == 0, "eval.every_steps",
          e.every_steps, f"must divide checkpoint.every_steps ({c.every_steps}) so that every "
          f"checkpoint is evaluated for checkpoint.best (e.g. {c.every_steps})")
+
+
+def _check_mix(spec: JobSpec, need) -> None:
+    d = spec.data
+    need(d.source == "parquet", "data.source", d.source, "data.mix reads Parquet datasets: "
+         "set data.source: parquet")
+    need(len(d.mix) >= 2, "data.mix", [m.path for m in d.mix], "mixes two or more datasets "
+         "(one is data.path)")
+    need(len(d.mix) <= MOST_SOURCES, "data.mix", f"{len(d.mix)} sources", f"at most {MOST_SOURCES}")
+    for k, m in enumerate(d.mix):
+        problem = path_problem(m.path)
+        need(problem is None and bool(m.path), f"data.mix[{k}].path", m.path,
+             problem or "give a folder or URI")
+        need(0 < m.weight <= 10**6, f"data.mix[{k}].weight", m.weight,
+             "must be > 0 and at most 1,000,000 (its share is weight / the sum of the weights)")
+    need(not spec.eval.fraction, "eval.fraction", spec.eval.fraction, "holds out row groups of "
+         "data.path; with data.mix, evaluate on a dataset of its own: eval.path")
 
 
 def _check_patience(spec: JobSpec, need) -> None:

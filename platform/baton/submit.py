@@ -222,7 +222,7 @@ def job_excludes(spec: JobSpec, root: Path, job_file: Path) -> tuple[str, ...]:
     from baton import storage
 
     out = []
-    for path in (spec.data.path, spec.checkpoint.path):
+    for path in (*spec.data.paths, spec.checkpoint.path):
         if "://" in path and not path.startswith("file://"):
             continue
         full = Path(storage.local_path(path)).resolve()
@@ -424,7 +424,7 @@ def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optiona
             raise ClusterError(f"--storage {storage!r}: give a folder that every node mounts "
                                "(for object storage, set checkpoint.path to the URI instead)")
         env_vars["BATON_STORAGE"] = storage
-    elif any(_is_relative_local(p) for p in (spec.data.path, spec.checkpoint.path)):
+    elif any(_is_relative_local(p) for p in (*spec.data.paths, spec.checkpoint.path)):
         warnings.append(
             "relative paths (data.path, checkpoint.path) resolve in the job's upload folder on "
             "the cluster, which a later submission does not reuse: pass --storage /shared/folder "

@@ -17,7 +17,7 @@ from baton.coordinator.commits import Commits
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.coordinator.samples import Samples
 from baton.data import EpochOrder
-from baton.data.feed import Batch
+from baton.data.feed import Batch, DataFeed
 from baton.data.manifest import FileEntry, Manifest
 from baton.data.source import JobData, columns
 from baton.errors import CheckpointError, SpecError, WorkerError, WorkerLost, raised_cause
@@ -342,6 +342,8 @@ def written_parts(store, step, names):
 
 class OrderOnlyFeed:
     """The data feed without Ray Data: the order's positions, no units to read."""
+
+    cursor, rebased = staticmethod(DataFeed.cursor), staticmethod(DataFeed.rebased)  # one corpus
 
     def __init__(self, order):
         self.order = order

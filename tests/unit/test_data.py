@@ -116,6 +116,44 @@ def test_rebased_cursor_starts_the_next_epoch():
     assert rebased({"epoch": 2, "consumed": 0}) == {"epoch": 2, "consumed": 0}
 
 
+@pytest.mark.parametrize("weights", [[1, 3], [3, 5], [1, 1, 1], [0.5, 2, 7.25], [1, 1000]])
+def test_a_mix_gives_each_source_its_share_within_one_sample_whatever_the_batches(weights):
+    """data.mix's schedule: after every prefix of the stream, source k has given w_k n
+    samples within one (measured against the exact share); and the stream is the same taken
+    in batches of any sizes (a resume or another dp splits it elsewhere)."""
+    from baton.data.mix import due
+
+    w = np.array(weights, dtype=np.float64) / sum(weights)
+    whole = due([0] * len(w), w, 2000)
+    counts = np.cumsum(np.eye(len(w), dtype=np.int64)[whole], axis=0)
+    n = np.arange(1, 2001)[:, None]
+    assert np.abs(counts - w[None, :] * n).max() < 1
+    taken, pieces = [0] * len(w), []
+    for size in [1, 7, 64, 3, 500, 1, 1424]:
+        piece = due(taken, w, size)
+        pieces.append(piece)
+        taken = [t + int((piece == k).sum()) for k, t in enumerate(taken)]
+    assert np.array_equal(np.concatenate(pieces), whole)
+
+
+def test_a_mix_cursor_keeps_each_sources_place_and_rebases_each():
+    from baton.data.mix import MixCursor, MixedFeed
+
+    cursor = MixCursor(2)
+    cursor.sizes = [16, 100]
+    cursor.load_state_dict({"sources": [{"epoch": 1, "consumed": 14}, {"epoch": 0, "consumed": 50}]})
+    assert cursor.taken() == [30, 50]
+    assert cursor.state_dict() == {"epoch": 0, "consumed": 80, "sources": [
+        {"epoch": 1, "consumed": 14}, {"epoch": 0, "consumed": 50}]}
+    feed = MixedFeed(None, [None, None])  # (rebasing reads neither the mixture nor the feeds)
+    assert feed.rebased(cursor.state_dict())["sources"] == [{"epoch": 2, "consumed": 0},
+                                                           {"epoch": 1, "consumed": 0}]
+    # from a checkpoint of one corpus (--rebase-data onto a mix): the epoch after its own
+    assert feed.rebased({"epoch": 3, "consumed": 5})["sources"] == [{"epoch": 4, "consumed": 0}] * 2
+    with pytest.raises(ValueError, match="a cursor of 0 sources for a mix of 2"):
+        cursor.load_state_dict({"epoch": 0, "consumed": 8})  # a checkpoint of one corpus
+
+
 @pytest.mark.parametrize("dp_before,dp_after", [(2, 2), (2, 3), (4, 1)])
 def test_resumed_at_any_world_size_every_sample_once(dp_before, dp_after):
     """Switch world size mid-epoch through a saved cursor: still exactly once."""
@@ -218,3 +256,31 @@ def test_ray_data_is_quiet_once_the_feed_imports_it():
              "data.DataContext.get_current().execution_options.preserve_order)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["30", "40", "False", "True"], out.stdout + out.stderr
+
+
+def test_a_mix_of_corpora_tokenised_two_ways_is_refused(tmp_path):
+    """Token ids mean one vocabulary: sources `baton data prepare` tokenised by different
+    tokenizers are refused before Ray starts, naming both; sources of other shapes too."""
+    from pathlib import Path
+
+    from baton.data.source import preflight
+    from baton.errors import SpecError
+    from baton.spec import spec_from_dict
+    from helpers import tiny_spec, write_dataset
+
+    a = write_dataset(Path(tmp_path) / "a", num_samples=16, seq_len=32)
+    b = write_dataset(Path(tmp_path) / "b", num_samples=16, seq_len=32, id_offset=5000)
+    raw = tiny_spec(tmp_path, a)
+    raw["data"]["mix"] = [{"path": str(a)}, {"path": str(b), "weight": 2}]
+    data = preflight(spec_from_dict(raw), "job.yaml")
+    assert data.train_samples == 32 and data.manifest.weights.tolist() == pytest.approx([1 / 3, 2 / 3])
+    (a / "_corpus.json").write_text(json.dumps({"tokenizer": "bytes"}))
+    preflight(spec_from_dict(raw), "job.yaml")  # one source says, the other does not
+    (b / "_corpus.json").write_text(json.dumps({"tokenizer": "mytok:encode"}))
+    with pytest.raises(SpecError, match=r"data.mix\[1\].path: '.*b' was tokenised by mytok:encode, "
+                                        r"data.mix\[0\].path by bytes; a model reads one vocabulary"):
+        preflight(spec_from_dict(raw), "job.yaml")
+    short = write_dataset(Path(tmp_path) / "short", num_samples=16, seq_len=16)
+    raw["data"]["mix"][1]["path"] = str(short)
+    with pytest.raises(SpecError, match=r"model.seq_len: 32 does not fit the data; rows of '.*short' hold 17"):
+        preflight(spec_from_dict(raw), "job.yaml")

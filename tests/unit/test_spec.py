@@ -97,6 +97,14 @@ BROKEN = [
     ({"model": {"seq_len": 64}}, "model.seq_len: 64 does not fit the data; rows of"),
     ({"name": "has space"}, "name: 'has space' is invalid"),
     ({"checkpoint": {"keep": 0}}, "checkpoint.keep: 0 is invalid; must be at least 1"),
+    ({"data": {"mix": [{"path": "../data"}, {"path": "no/such"}]}}, "data.mix[1].path: 'no/such' does not exist"),
+    ({"data": {"mix": [{"path": "../data"}]}}, "data.mix: ['../data'] is invalid; mixes two or more datasets"),
+    ({"data": {"mix": [{"path": "../data", "weight": 0}, {"path": "../data"}]}},
+     "data.mix[0].weight: 0.0 is invalid; must be > 0"),
+    ({"data": {"source": "stdlib", "mix": [{"path": "../data"}, {"path": "../data"}]}},
+     "data.source: 'stdlib' is invalid; data.mix reads Parquet datasets"),
+    ({"data": {"mix": [{"path": "../data"}, {"path": "../data"}]}, "eval": {"fraction": 0.25}},
+     "eval.fraction: 0.25 is invalid; holds out row groups of data.path; with data.mix, evaluate on a dataset of its own: eval.path"),
     ({"model": {"name": "nosuchmodule:build"}}, "model.name: 'nosuchmodule:build' is invalid; cannot load the builder"),
     ("name: x\ntrain: {steps: 3\n", "not valid YAML at line"),
     ("- just\n- a list\n", "the top level must be a mapping of sections, got a list"),
@@ -117,7 +125,7 @@ def test_bad_input_is_refused_before_anything_is_created(tmp_path, monkeypatch, 
         spec["checkpoint"]["path"] = "ckpt"  # relative: inside `work`
         spec["tracking"]["uri"] = None  # the default: ./mlflow.db inside `work`
         for section, values in broken.items():
-            spec[section] = {**spec[section], **values} if isinstance(values, dict) else values
+            spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
         write_spec(job, spec)
     monkeypatch.chdir(work)
     before = sorted(os.listdir(work))

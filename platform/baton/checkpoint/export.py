@@ -114,7 +114,7 @@ def _tokens(spec: JobSpec) -> Optional[dict]:
     if spec.task != "language_model":
         return None
     try:
-        fs, path = storage.resolve(spec.data.path)
+        fs, path = storage.resolve(spec.data.paths[0])  # (a mix's sources share a tokenizer)
         info = json.loads(storage.read_bytes(fs, f"{path}/_corpus.json"))
         return {"tokenizer": info["tokenizer"], "eod_token": info.get("eod_token")}
     except (OSError, ValueError, KeyError, TypeError):

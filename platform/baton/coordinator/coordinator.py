@@ -34,7 +34,6 @@ from typing import Callable, Optional
 from baton import __version__
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint.lease import Lease
-from baton.data.feed import DataFeed
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, preflight
 from baton.coordinator.commits import Commits, Save
@@ -208,10 +207,9 @@ class Coordinator:
         self._launch()
         if self.data is None:
             self.data = preflight(self.spec, self.spec.name)
-        self.manifest, order = self.data.manifest, self.data.order(self.spec)
+        self.manifest = self.data.manifest
         if not self.evaluate_only:
-            self.samples = Samples(DataFeed(self.manifest, order, self.data.columns,
-                                             self.spec.data.read == "spread"), self.manifest)
+            self.samples = Samples(self.data.feed(self.spec), self.manifest)
         self.evaluation = evaluation(self.spec, self.data)
         meta = self.resume_meta
         if meta:
@@ -226,7 +224,7 @@ class Coordinator:
             f"{self.spec.name}-eval" if self.evaluate_only else self.spec.name, self.spec.flat(),
             run_id=meta.get("mlflow_run_id") if meta and not self.evaluate_only else None)
         self.tracker.set_tags({"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),
-                               "data.samples": order.num_samples, "data.manifest": self.manifest.digest(),
+                               "data.samples": self.data.train_samples, "data.manifest": self.manifest.digest(),
                                "checkpoint.dir": self.spec.checkpoint_dir,
                                **({"resumed_from_step": self.step} if meta and not self.evaluate_only
                                   else {}),

@@ -7,7 +7,6 @@ from typing import Optional
 
 from baton.data.feed import Batch, DataFeed, UnitsSent
 from baton.data.manifest import Manifest
-from baton.data.order import Cursor, rebased
 
 
 class Samples:
@@ -18,8 +17,8 @@ class Samples:
     The cursor runs ahead of the completed steps by the steps queued on the workers."""
 
     def __init__(self, feed: DataFeed, manifest: Manifest):
-        self.feed, self.manifest = feed, manifest
-        self.cursor = Cursor()
+        self.feed, self.manifest = feed, manifest  # a DataFeed, or a MixedFeed (data/mix.py)
+        self.cursor = feed.cursor()
         self.done = self.cursor.state_dict()
         self.sent = UnitsSent()
         self.ledger: list = []
@@ -29,9 +28,9 @@ class Samples:
         checkpoint of another corpus (the run was started with --rebase-data,
         api.check_corpus) goes on from the start of the next epoch."""
         if meta is None:
-            state, step = Cursor().state_dict(), 0
+            state, step = self.feed.cursor().state_dict(), 0
         else:
-            state = meta["cursor"] if self.manifest.trained(meta) else rebased(meta["cursor"])
+            state = meta["cursor"] if self.manifest.trained(meta) else self.feed.rebased(meta["cursor"])
             step = meta["step"]
         self.cursor.load_state_dict(state)
         self.done = self.cursor.state_dict()

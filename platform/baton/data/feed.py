@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from baton import storage
 from baton.data.manifest import Manifest, Unit
-from baton.data.order import Cursor, EpochOrder
+from baton.data.order import Cursor, EpochOrder, rebased
 from baton.errors import DataError, reason
 
 # Read tasks ask for no CPU: the workers hold the CPUs (all of them on a small machine), and a
@@ -428,6 +428,13 @@ class DataFeed:
         self.ranges_read: list[tuple[int, int, int]] = []  # (epoch, first, last) of every read
         self._rows_done = 0  # rows of reads already let go
         self._stopping: list[_Read] = []  # cancelled, their threads perhaps still running
+
+    @staticmethod
+    def cursor() -> Cursor:
+        """Where a run starts in this feed's order."""
+        return Cursor()
+
+    rebased = staticmethod(rebased)  # a cursor moved onto another corpus (order.rebased)
 
     @property
     def rows_read(self) -> int:

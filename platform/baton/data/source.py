@@ -17,8 +17,9 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from baton import storage
-from baton.data.feed import Columns, Field, read_unit, token_columns
+from baton.data.feed import Columns, DataFeed, Field, read_unit, token_columns
 from baton.data.manifest import Manifest
+from baton.data.mix import Mixture, mixed_feed
 from baton.data.order import EpochOrder
 from baton.errors import SpecError, reason
 from baton.spec import JobSpec
@@ -28,9 +29,10 @@ from baton.spec import JobSpec
 class JobData:
     """A job's data as checked before Ray starts: the training corpus's manifest, the columns
     the workers read, and the held-out evaluation set (row groups of the corpus, or a
-    dataset of its own). Held-out row groups are never in the training order."""
+    dataset of its own). Held-out row groups are never in the training order. A mix of
+    corpora (data.mix) is one `Mixture` in place of the manifest."""
 
-    manifest: Manifest
+    manifest: Manifest | Mixture
     columns: Columns
     train_uids: Optional[np.ndarray] = None  # None: every row group trains
     eval_manifest: Optional[Manifest] = None
@@ -39,6 +41,25 @@ class JobData:
     def order(self, spec: JobSpec) -> EpochOrder:
         return EpochOrder(self.manifest.unit_rows, spec.train.seed, spec.data.shuffle_block,
                           self.train_uids)
+
+    def feed(self, spec: JobSpec):
+        """The training batches' feed: the corpus's (feed.DataFeed), or each source's (mix.py)."""
+        spread = spec.data.read == "spread"
+        if isinstance(self.manifest, Mixture):
+            return mixed_feed(self.manifest, self.columns, spec.train.seed, spec.data.shuffle_block,
+                              spread)
+        return DataFeed(self.manifest, self.order(spec), self.columns, spread)
+
+    @property
+    def train_samples(self) -> int:
+        if self.train_uids is None:
+            return self.manifest.num_samples
+        return int(self.manifest.unit_rows[self.train_uids].sum())
+
+    @property
+    def train_files(self) -> set[str]:
+        manifests = self.manifest.manifests if isinstance(self.manifest, Mixture) else [self.manifest]
+        return {u.file for m in manifests for u in m.units}
 
     def eval_order(self, spec: JobSpec) -> Optional[EpochOrder]:
         """Evaluation's order: every held-out sample once an epoch, in manifest order."""
@@ -64,24 +85,30 @@ def needs_prepare(spec: JobSpec) -> bool:
 def preflight(spec: JobSpec, source: str) -> JobData:
     """Check the data exists and is shaped for the model and the task, without Ray; return
     what the run reads."""
-    manifest, schema = _dataset(spec, spec.data.path, "data.path", source)
-    columns = job_columns(spec, schema, source, manifest)
-    _check_first_rows(manifest, columns)
-    data = JobData(manifest, columns)
+    if spec.data.mix:
+        data = _mixed(spec, source)
+    else:
+        manifest, schema = _dataset(spec, spec.data.path, "data.path", source)
+        columns = job_columns(spec, schema, source, manifest)
+        _check_first_rows(manifest, columns)
+        data = JobData(manifest, columns)
+    columns, manifest = data.columns, data.manifest
     e = spec.eval
     if e.fraction:
         data.train_uids, data.eval_uids = held_out(manifest, e.fraction, e.seed, source)
         data.eval_manifest = manifest
     elif e.path:
         data.eval_manifest, eval_schema = _dataset(spec, e.path, "eval.path", source)
-        shared = {u.file for u in manifest.units} & {u.file for u in data.eval_manifest.units}
+        trained = "data.mix" if spec.data.mix else "data.path"
+        shared = data.train_files & {u.file for u in data.eval_manifest.units}
         if shared:
             raise SpecError(f"{source}: eval.path: {e.path!r} shares {len(shared)} file(s) with "
-                            f"data.path (e.g. {sorted(shared)[0]!r}): held-out data must never be "
-                            "trained on; give a dataset of its own, or eval.fraction")
+                            f"{trained} (e.g. {sorted(shared)[0]!r}): held-out data must never be "
+                            "trained on; give a dataset of its own"
+                            + (", or eval.fraction" if not spec.data.mix else ""))
         theirs = job_columns(spec, eval_schema, source, data.eval_manifest, key="eval.path")
         if theirs != columns:
-            raise SpecError(f"{source}: eval.path: {e.path!r} holds other columns than data.path "
+            raise SpecError(f"{source}: eval.path: {e.path!r} holds other columns than {trained} "
                             "(names, types or sizes); evaluation reads what training reads")
         _check_first_rows(data.eval_manifest, columns)
     if spec.task != "language_model":
@@ -89,6 +116,43 @@ def preflight(spec: JobSpec, source: str) -> JobData:
         if problem:
             raise SpecError(f"{source}: task: {spec.task}: {problem}")
     return data
+
+
+def _mixed(spec: JobSpec, source: str) -> JobData:
+    """data.mix: every source a Parquet dataset of the same columns, each checked as data.path
+    is (its footers, its first row group)."""
+    manifests, columns = [], None
+    for k, mixed in enumerate(spec.data.mix):
+        key = f"data.mix[{k}].path"
+        manifest, schema = _dataset(spec, mixed.path, key, source)
+        mine = job_columns(spec, schema, source, manifest, key=key, where=mixed.path)
+        if columns is not None and mine != columns:
+            raise SpecError(f"{source}: {key}: {mixed.path!r} holds other columns than "
+                            f"data.mix[0].path {spec.data.mix[0].path!r} (names, types or sizes); "
+                            "every source of a mix is read as one corpus")
+        _check_first_rows(manifest, mine)
+        manifests.append(manifest)
+        columns = mine
+    # token ids mean one vocabulary: corpora `baton data prepare` tokenised otherwise differ
+    known = [(k, t) for k, t in enumerate(_tokenizer(m.path) for m in spec.data.mix) if t is not None]
+    other = next(((k, t) for k, t in known if t != known[0][1]), None)
+    if other is not None:
+        raise SpecError(f"{source}: data.mix[{other[0]}].path: {spec.data.mix[other[0]].path!r} was "
+                        f"tokenised by {other[1]}, data.mix[{known[0][0]}].path by {known[0][1]}; a "
+                        "model reads one vocabulary: prepare every source with one tokenizer")
+    return JobData(Mixture([m.path for m in spec.data.mix], manifests,
+                           [m.weight for m in spec.data.mix]), columns)
+
+
+def _tokenizer(path: str) -> Optional[str]:
+    """The tokenizer `baton data prepare` recorded for a corpus (`_corpus.json`), or None."""
+    import json
+
+    try:
+        fs, root = storage.resolve(path)
+        return str(json.loads(storage.read_bytes(fs, f"{root}/_corpus.json"))["tokenizer"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_first_rows(manifest: Manifest, columns: Columns) -> None:
@@ -181,11 +245,11 @@ def _dataset(spec: JobSpec, where: str, key: str, source: str) -> tuple[Manifest
 
 
 def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifest,
-                key: str = "data.path") -> Columns:
+                key: str = "data.path", where: Optional[str] = None) -> Columns:
     """What the workers read, checked against the schema: a language model's token rows of
     seq_len + 1, or the task's `data.columns` (numbers, or lists of numbers of one length)."""
     d = spec.data
-    where = spec.data.path if key == "data.path" else spec.eval.path
+    where = where or (spec.data.path if key == "data.path" else spec.eval.path)
     if d.id_column is not None and d.id_column not in schema.names:
         raise SpecError(f"{source}: data.id_column: {d.id_column!r} is not a column of {where!r}; "
                         f"columns: {', '.join(schema.names)}")

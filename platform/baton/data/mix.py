@@ -1,0 +1,179 @@
+"""Corpora mixed by weight (`data.mix`): several Parquet datasets trained on as one stream, each
+sample drawn from a source in proportion to its weight, whatever the sources' sizes (a small
+source is repeated, epoch after epoch, a large one is not finished as often).
+
+Which source each sample of the stream comes from is fixed by the weights alone (stride
+scheduling): the i-th sample of source k is due at time (i + 1/2) / w_k, and the stream takes
+samples in the order of those times (ties by source index). After n samples every source has
+given w_k n of them, within one; and the choice for sample n depends only on how many each
+source has given before it, so a batch split at any size, a resume and a resize continue the
+same stream. Each source keeps its own epoch order and cursor (`order.py`: every sample of a
+source once per epoch of that source) and its own feed (`feed.py`), unchanged; a batch merges
+their batches into one position space, sources one after another (source k's positions and
+row groups offset by the sizes of the sources before it), so the workers read it as they read
+one corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Optional, Sequence
+
+import numpy as np
+
+from baton.data.feed import Batch, DataFeed
+from baton.data.manifest import Manifest
+from baton.data.order import Cursor, EpochOrder, rebased
+
+
+def due(taken: Sequence[int], weights: np.ndarray, count: int) -> np.ndarray:
+    """The source of each of the next `count` samples, after source k has given `taken[k]`."""
+    k = len(weights)
+    i = np.asarray(taken, dtype=np.float64)[:, None] + np.arange(count, dtype=np.float64)[None, :]
+    times = (i + 0.5) / weights[:, None]
+    sources = np.broadcast_to(np.arange(k)[:, None], times.shape)
+    order = np.lexsort((sources.ravel(), times.ravel()))[:count]
+    return sources.ravel()[order]
+
+
+class MixCursor:
+    """Where the stream stands: each source's cursor in its own epochs. Its state holds them,
+    the samples taken in all (`consumed`) and the fewest epochs any source has finished
+    (`epoch`, the run's epoch metric: every sample of every source seen that many times)."""
+
+    def __init__(self, sources: int):
+        self.sources = [Cursor() for _ in range(sources)]
+        self.sizes: list[int] = [0] * sources  # samples of each source's order, for `taken`
+
+    @property
+    def epoch(self) -> int:
+        return min(c.epoch for c in self.sources)
+
+    def taken(self) -> list[int]:
+        return [c.epoch * n + c.consumed for c, n in zip(self.sources, self.sizes)]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": sum(self.taken()),
+                "sources": [c.state_dict() for c in self.sources]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("sources", ())) != len(self.sources):
+            raise ValueError(f"a cursor of {len(state.get('sources', ()))} sources for a mix of "
+                             f"{len(self.sources)}")
+        for cursor, s in zip(self.sources, state["sources"]):
+            cursor.load_state_dict(s)
+
+
+class Mixture:
+    """The corpora of `data.mix` as the coordinator sees one corpus: their manifests and
+    weights, a digest that pins every source and its weight, and a summary."""
+
+    def __init__(self, paths: Sequence[str], manifests: Sequence[Manifest], weights: Sequence[float]):
+        self.paths, self.manifests = list(paths), list(manifests)
+        total = float(sum(weights))
+        self.weights = np.array([w / total for w in weights], dtype=np.float64)
+        sizes = [m.num_samples for m in self.manifests]
+        self.bases = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)  # positions
+        counts = [len(m.units) for m in self.manifests]
+        self.unit_bases = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.num_samples = int(sum(sizes))
+        self.root = ", ".join(self.paths)  # for messages
+
+    def to_json(self) -> dict:
+        return {"mix": [{"weight": float(w), **m.to_json()} for w, m in zip(self.weights, self.manifests)]}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def bytes(self) -> int:
+        return sum(m.bytes for m in self.manifests)
+
+    def summary(self) -> dict:
+        return {"files": sum(len(m.files) for m in self.manifests),
+                "row_groups": sum(len(m.units) for m in self.manifests),
+                "samples": self.num_samples, "bytes": self.bytes, "digest": self.digest(),
+                "sources": [{"weight": round(float(w), 6), **m.summary()}
+                            for w, m in zip(self.weights, self.manifests)]}
+
+    def trained(self, meta: dict) -> bool:
+        return meta.get("data", {}).get("digest") == self.digest()
+
+    def changed_since(self, meta: dict) -> str:
+        """Which sources differ from those checkpoint `meta` was trained on, in one line."""
+        old = meta.get("data", {}).get("sources")
+        if old is None:
+            return "the checkpoint was not trained on a mix"
+        if len(old) != len(self.manifests):
+            return f"{len(old)} sources then, {len(self.manifests)} now"
+        changed = [f"data.mix[{k}] ({self.paths[k]})" for k, (o, m) in enumerate(zip(old, self.manifests))
+                   if o.get("digest") != m.digest()]
+        return (", ".join(changed) + " changed") if changed else "the weights changed"
+
+    def orders(self, seed: int, shuffle_block: int) -> list[EpochOrder]:
+        """Each source's epoch order, by a seed of its own (drawn from the job's)."""
+        return [EpochOrder(m.unit_rows, int(np.random.SeedSequence([seed, 0x313C, k]).generate_state(1)[0]),
+                           shuffle_block) for k, m in enumerate(self.manifests)]
+
+
+class MixedFeed:
+    """The batches of a mix: each source's own feed asked for its share of each batch."""
+
+    def __init__(self, mixture: Mixture, feeds: Sequence[DataFeed]):
+        self.mixture, self.feeds = mixture, list(feeds)
+
+    def cursor(self) -> MixCursor:
+        cursor = MixCursor(len(self.feeds))
+        cursor.sizes = [f.order.num_samples for f in self.feeds]
+        return cursor
+
+    def rebased(self, state: dict) -> dict:
+        """Each source goes on from the start of its next epoch (`order.rebased`); from a
+        checkpoint of one corpus or of another number of sources, every source from the start
+        of the epoch after that checkpoint's."""
+        sources = state.get("sources")
+        if sources is None or len(sources) != len(self.feeds):
+            sources = [rebased(state)] * len(self.feeds)
+        return {**state, "sources": [rebased(s) for s in sources]}
+
+    def prime(self, cursor: MixCursor, global_batch: int) -> None:
+        sources = due(cursor.taken(), self.mixture.weights, global_batch)
+        for k, feed in enumerate(self.feeds):
+            c = cursor.sources[k]
+            count = min(int((sources == k).sum()), feed.order.num_samples - c.consumed)
+            if count:
+                feed.prime(c, count)
+
+    def next_batch(self, cursor: MixCursor, global_batch: int) -> Batch:
+        sources = due(cursor.taken(), self.mixture.weights, global_batch)
+        positions = np.empty(global_batch, dtype=np.int64)
+        units: dict = {}
+        window: set = set()
+        for k, feed in enumerate(self.feeds):
+            want = int((sources == k).sum())
+            got = []
+            while sum(len(b) for b in got) < want:  # across the source's epoch end
+                got.append(feed.next_batch(cursor.sources[k], want - sum(len(b) for b in got)))
+            if not got:
+                continue
+            base, unit_base = int(self.mixture.bases[k]), int(self.mixture.unit_bases[k])
+            positions[sources == k] = np.concatenate([b.positions for b in got]) + base
+            for b in got:
+                units.update({uid + unit_base: (offset + base, refs)
+                              for uid, (offset, refs) in b.units.items()})
+            window |= {uid + unit_base for uid in got[-1].window}
+        return Batch(positions, units, frozenset(window))
+
+    @property
+    def rows_read(self) -> int:
+        return sum(f.rows_read for f in self.feeds)
+
+    def close(self, wait: bool = True) -> None:
+        for feed in self.feeds:
+            feed.close(wait)
+
+
+def mixed_feed(mixture: Mixture, columns, seed: int, shuffle_block: int, spread: bool) -> MixedFeed:
+    return MixedFeed(mixture, [DataFeed(m, order, columns, spread) for m, order in
+                               zip(mixture.manifests, mixture.orders(seed, shuffle_block))])
