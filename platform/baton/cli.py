@@ -335,10 +335,12 @@ def _dispatch(args: argparse.Namespace) -> int:
                 print("  columns: " + ", ".join(
                     f"{f.name} <- {'+'.join(f.sources)} ({f.dtype}{list(f.shape) if f.shape else ''})"
                     for f in data.columns.fields))
-            if data.eval_manifest is not None:
+            if data.eval_sets:
                 e = spec.eval
+                held = sum(len(s.uids) for s in data.eval_sets) if e.fraction else 0
                 print(f"  eval: {data.eval_samples:,} held-out samples "
-                      + (f"({len(data.eval_uids)} of {m['row_groups']} row groups, eval.seed {e.seed})"
+                      + (f"({held} of {m['row_groups']} row groups"
+                         f"{', some of each source' if spec.data.mix else ''}, eval.seed {e.seed})"
                          if e.fraction else f"from {e.path}")
                       + (f", every {e.every_steps} steps and" if e.every_steps else "") + " at the end"
                       + (f"; the best checkpoint by {spec.checkpoint.best} "

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -49,6 +50,13 @@ class ModelSpec:
 class MixSource:
     path: str  # a Parquet dataset, as data.path
     weight: float = 1.0  # its share of the samples: weight / the sum of the weights
+    # its held-out metrics' suffix under eval.fraction (eval_loss/NAME); null: the folder's name
+    name: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        return self.name or re.sub(r"[^A-Za-z0-9_.-]", "_", self.path.rstrip("/").rsplit("/", 1)[-1]
+                                   .split("?", 1)[0]) or "source"
 
 
 @dataclass(frozen=True)
@@ -319,6 +327,8 @@ class JobSpec:
                  if k not in ("steps", "micro_batch", "activation_checkpointing", "compile")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items() if k not in ("columns", "pad", "mix") or v}
+        if "mix" in data:  # (a source's name labels its metrics: not part of the recipe)
+            data["mix"] = [{k: v for k, v in m.items() if k != "name"} for m in data["mix"]]
         # the task and the held-out split only where set: v0.5's checkpoints keep their recipe
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
                  **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}

@@ -295,8 +295,12 @@ def _check_mix(spec: JobSpec, need) -> None:
              problem or "give a folder or URI")
         need(0 < m.weight <= 10**6, f"data.mix[{k}].weight", m.weight,
              "must be > 0 and at most 1,000,000 (its share is weight / the sum of the weights)")
-    need(not spec.eval.fraction, "eval.fraction", spec.eval.fraction, "holds out row groups of "
-         "data.path; with data.mix, evaluate on a dataset of its own: eval.path")
+    labels = [m.label for m in d.mix]
+    for k, m in enumerate(d.mix):
+        need(m.name is None or re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", m.name), f"data.mix[{k}].name",
+             m.name, "names its held-out metrics (eval_loss/NAME): 1 to 64 letters, digits, _ . -")
+        need(labels.count(labels[k]) == 1, f"data.mix[{k}].name", m.name,
+             f"{labels[k]!r} names two sources; give each a name of its own (data.mix[{k}].name)")
 
 
 def _check_patience(spec: JobSpec, need) -> None:

@@ -70,6 +70,12 @@ def test_fingerprint_ignores_steps_and_layout_but_not_the_model(tmp_path):
                         "parallel": {"dp": 1}, "resources": {"cpus_per_worker": 1}})
     c = spec_from_dict({**base, "model": {**base["model"], "width": 64}})
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    # a mix: its sources and weights are the recipe, the names of their metrics are not
+    mix = [{"path": "a", "weight": 1}, {"path": "b", "weight": 3}]
+    mixed = [spec_from_dict({**base, "data": {**base["data"], "mix": m}}) for m in (
+        mix, [dict(mix[0], name="web"), mix[1]], [mix[0], dict(mix[1], weight=2)])]
+    assert mixed[0].fingerprint() == mixed[1].fingerprint() != mixed[2].fingerprint()
+    assert a.fingerprint() != mixed[0].fingerprint()
 
 
 # (override of the valid tiny spec, or raw YAML text; the message the user must see)
@@ -99,12 +105,14 @@ BROKEN = [
     ({"checkpoint": {"keep": 0}}, "checkpoint.keep: 0 is invalid; must be at least 1"),
     ({"data": {"mix": [{"path": "../data"}, {"path": "no/such"}]}}, "data.mix[1].path: 'no/such' does not exist"),
     ({"data": {"mix": [{"path": "../data"}]}}, "data.mix: ['../data'] is invalid; mixes two or more datasets"),
-    ({"data": {"mix": [{"path": "../data", "weight": 0}, {"path": "../data"}]}},
+    ({"data": {"mix": [{"path": "../data", "weight": 0}, {"path": "../data", "name": "b"}]}},
      "data.mix[0].weight: 0.0 is invalid; must be > 0"),
-    ({"data": {"source": "stdlib", "mix": [{"path": "../data"}, {"path": "../data"}]}},
+    ({"data": {"source": "stdlib", "mix": [{"path": "../data"}, {"path": "../data", "name": "b"}]}},
      "data.source: 'stdlib' is invalid; data.mix reads Parquet datasets"),
-    ({"data": {"mix": [{"path": "../data"}, {"path": "../data"}]}, "eval": {"fraction": 0.25}},
-     "eval.fraction: 0.25 is invalid; holds out row groups of data.path; with data.mix, evaluate on a dataset of its own: eval.path"),
+    ({"data": {"mix": [{"path": "../data"}, {"path": "../data"}]}},
+     "data.mix[0].name: None is invalid; 'data' names two sources; give each a name of its own"),
+    ({"data": {"mix": [{"path": "../data", "name": "a/b"}, {"path": "../data"}]}},
+     "data.mix[0].name: 'a/b' is invalid; names its held-out metrics (eval_loss/NAME)"),
     ({"model": {"name": "nosuchmodule:build"}}, "model.name: 'nosuchmodule:build' is invalid; cannot load the builder"),
     ("name: x\ntrain: {steps: 3\n", "not valid YAML at line"),
     ("- just\n- a list\n", "the top level must be a mapping of sections, got a list"),

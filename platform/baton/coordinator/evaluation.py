@@ -6,7 +6,9 @@ so it sees exactly the state after that step while the next step waits behind it
 split over the replicas as training batches are; the workers compute sums without gradients
 and the pass divides them by the count of terms. Pass n reads epoch n of the evaluation order:
 the order does not shuffle, so every pass sees the same samples, and the feed's read-ahead of
-the next epoch is the next pass's data."""
+the next epoch is the next pass's data. A mix of corpora held out by eval.fraction has a set
+(and a feed) per source, read one after another in each pass: the metrics over all of them,
+and each source's apart (eval_loss/NAME)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,19 @@ from baton.spec import JobSpec
 from baton.tasks import metric_values
 
 
+class Pass(list):
+    """One pass's references, per batch, and how many batches each held-out set took."""
+
+    def __init__(self, refs: list, batches: list[int]):
+        super().__init__(refs)
+        self.batches = batches
+
+
 class Evaluation:
     def __init__(self, spec: JobSpec, data: JobData):
         self.every, self.steps = spec.eval.every_steps, spec.train.steps
-        self.feed = DataFeed(data.eval_manifest, data.eval_order(spec), data.columns,
-                             spec.data.read == "spread")
+        self.sets = [(s.name, DataFeed(s.manifest, s.order(spec.data.shuffle_block), data.columns,
+                                       spec.data.read == "spread")) for s in data.eval_sets]
         self.samples = data.eval_samples
         self.passes = 0
         self.last: dict = {}  # the metrics of the last pass
@@ -32,27 +42,44 @@ class Evaluation:
     def due(self, done: int) -> bool:
         return done == self.steps or bool(self.every and done % self.every == 0)
 
-    def submit(self, group, global_batch: int) -> list[list]:
+    def submit(self, group, global_batch: int) -> Pass:
         """Queue one pass on every worker: per batch, the workers' references."""
-        cursor, refs = Cursor(epoch=self.passes), []
+        refs, batches = [], []
+        for _, feed in self.sets:
+            cursor = Cursor(epoch=self.passes)
+            before = len(refs)
+            while cursor.epoch == self.passes:
+                refs.append(group.submit("evaluate", feed.next_batch(cursor, global_batch)))
+            batches.append(len(refs) - before)
         self.passes += 1
-        while cursor.epoch < self.passes:
-            refs.append(group.submit("evaluate", self.feed.next_batch(cursor, global_batch)))
-        return refs
+        return Pass(refs, batches)
 
-    def collect(self, group, refs: list[list], step: int) -> dict:
-        results = [r for batch_refs in refs
-                   for r in group.wait(batch_refs, f"evaluating after step {step}")]
-        count = sum(r["tokens"] for r in results)
-        self.last = {"eval_loss": sum(r["loss_sum"] for r in results) / count,
-                     **{f"eval_{k}": v for k, v in metric_values(results, count).items()},
+    def collect(self, group, refs: Pass, step: int) -> dict:
+        """The pass's metrics over every held-out set; with several (a mix's sources, under
+        eval.fraction), each set's too, as eval_loss/NAME."""
+        at, by_set = 0, []
+        for (name, _), n in zip(self.sets, refs.batches):
+            by_set.append((name, [r for batch_refs in refs[at:at + n]
+                                  for r in group.wait(batch_refs, f"evaluating after step {step}")]))
+            at += n
+        self.last = {**_metrics([r for _, results in by_set for r in results]),
                      "eval_samples": self.samples}
+        for name, results in by_set:
+            if name is not None:
+                self.last.update({f"{k}/{name}": v for k, v in _metrics(results).items()})
         self.step = step
         return self.last
 
     def close(self) -> None:
-        self.feed.close()
+        for _, feed in self.sets:
+            feed.close()
+
+
+def _metrics(results: list[dict]) -> dict:
+    count = sum(r["tokens"] for r in results)
+    return {"eval_loss": sum(r["loss_sum"] for r in results) / count,
+            **{f"eval_{k}": v for k, v in metric_values(results, count).items()}}
 
 
 def evaluation(spec: JobSpec, data: JobData) -> Optional[Evaluation]:
-    return Evaluation(spec, data) if data.eval_manifest is not None else None
+    return Evaluation(spec, data) if data.eval_sets else None

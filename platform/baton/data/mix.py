@@ -69,8 +69,12 @@ class Mixture:
     """The corpora of `data.mix` as the coordinator sees one corpus: their manifests and
     weights, a digest that pins every source and its weight, and a summary."""
 
-    def __init__(self, paths: Sequence[str], manifests: Sequence[Manifest], weights: Sequence[float]):
+    def __init__(self, paths: Sequence[str], manifests: Sequence[Manifest], weights: Sequence[float],
+                 names: Optional[Sequence[str]] = None):
         self.paths, self.manifests = list(paths), list(manifests)
+        self.names = list(names or (str(k) for k in range(len(paths))))  # its eval metrics' suffix
+        # each source's training row groups (None: all): eval.fraction holds some out
+        self.train_uids: list[Optional[np.ndarray]] = [None] * len(manifests)
         total = float(sum(weights))
         self.weights = np.array([w / total for w in weights], dtype=np.float64)
         sizes = [m.num_samples for m in self.manifests]
@@ -79,6 +83,11 @@ class Mixture:
         self.unit_bases = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self.num_samples = int(sum(sizes))
         self.root = ", ".join(self.paths)  # for messages
+
+    @property
+    def train_samples(self) -> int:
+        return sum(int(m.unit_rows[u].sum()) if u is not None else m.num_samples
+                   for m, u in zip(self.manifests, self.train_uids))
 
     def to_json(self) -> dict:
         return {"mix": [{"weight": float(w), **m.to_json()} for w, m in zip(self.weights, self.manifests)]}
@@ -112,9 +121,11 @@ class Mixture:
         return (", ".join(changed) + " changed") if changed else "the weights changed"
 
     def orders(self, seed: int, shuffle_block: int) -> list[EpochOrder]:
-        """Each source's epoch order, by a seed of its own (drawn from the job's)."""
+        """Each source's epoch order over its training row groups, by a seed of its own (drawn
+        from the job's)."""
         return [EpochOrder(m.unit_rows, int(np.random.SeedSequence([seed, 0x313C, k]).generate_state(1)[0]),
-                           shuffle_block) for k, m in enumerate(self.manifests)]
+                           shuffle_block, uids)
+                for k, (m, uids) in enumerate(zip(self.manifests, self.train_uids))]
 
 
 class MixedFeed:

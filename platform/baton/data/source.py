@@ -8,7 +8,7 @@ and the rows stream through Ray Data once the job runs (`feed.py`).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -26,17 +26,35 @@ from baton.spec import JobSpec
 
 
 @dataclass
+class EvalSet:
+    """Held-out data: row groups `uids` of a corpus (None: all of it), named by the mix's
+    source it was held out of (its metrics are also reported on their own), or None."""
+
+    name: Optional[str]
+    manifest: Manifest
+    uids: Optional[np.ndarray] = None
+
+    @property
+    def samples(self) -> int:
+        return int(self.manifest.unit_rows[self.uids if self.uids is not None else slice(None)].sum())
+
+    def order(self, shuffle_block: int) -> EpochOrder:
+        """Every held-out sample once an epoch, in manifest order."""
+        return EpochOrder(self.manifest.unit_rows, 0, shuffle_block, self.uids, shuffle=False)
+
+
+@dataclass
 class JobData:
     """A job's data as checked before Ray starts: the training corpus's manifest, the columns
-    the workers read, and the held-out evaluation set (row groups of the corpus, or a
+    the workers read, and the held-out evaluation sets (row groups of the corpus, or a
     dataset of its own). Held-out row groups are never in the training order. A mix of
-    corpora (data.mix) is one `Mixture` in place of the manifest."""
+    corpora (data.mix) is one `Mixture` in place of the manifest, holding each source's
+    training row groups; `eval.fraction` holds out row groups of each source, a set each."""
 
     manifest: Manifest | Mixture
     columns: Columns
     train_uids: Optional[np.ndarray] = None  # None: every row group trains
-    eval_manifest: Optional[Manifest] = None
-    eval_uids: Optional[np.ndarray] = None
+    eval_sets: list[EvalSet] = field(default_factory=list)
 
     def order(self, spec: JobSpec) -> EpochOrder:
         return EpochOrder(self.manifest.unit_rows, spec.train.seed, spec.data.shuffle_block,
@@ -52,6 +70,8 @@ class JobData:
 
     @property
     def train_samples(self) -> int:
+        if isinstance(self.manifest, Mixture):
+            return self.manifest.train_samples
         if self.train_uids is None:
             return self.manifest.num_samples
         return int(self.manifest.unit_rows[self.train_uids].sum())
@@ -61,19 +81,9 @@ class JobData:
         manifests = self.manifest.manifests if isinstance(self.manifest, Mixture) else [self.manifest]
         return {u.file for m in manifests for u in m.units}
 
-    def eval_order(self, spec: JobSpec) -> Optional[EpochOrder]:
-        """Evaluation's order: every held-out sample once an epoch, in manifest order."""
-        if self.eval_manifest is None:
-            return None
-        return EpochOrder(self.eval_manifest.unit_rows, 0, spec.data.shuffle_block,
-                          self.eval_uids, shuffle=False)
-
     @property
     def eval_samples(self) -> int:
-        if self.eval_manifest is None:
-            return 0
-        uids = self.eval_uids if self.eval_uids is not None else slice(None)
-        return int(self.eval_manifest.unit_rows[uids].sum())
+        return sum(s.samples for s in self.eval_sets)
 
 
 def needs_prepare(spec: JobSpec) -> bool:
@@ -94,23 +104,27 @@ def preflight(spec: JobSpec, source: str) -> JobData:
         data = JobData(manifest, columns)
     columns, manifest = data.columns, data.manifest
     e = spec.eval
-    if e.fraction:
-        data.train_uids, data.eval_uids = held_out(manifest, e.fraction, e.seed, source)
-        data.eval_manifest = manifest
+    if e.fraction and isinstance(manifest, Mixture):  # row groups of each source, a set each
+        for k, m in enumerate(manifest.manifests):
+            manifest.train_uids[k], held = held_out(m, e.fraction, e.seed, source, k)
+            data.eval_sets.append(EvalSet(manifest.names[k], m, held))
+    elif e.fraction:
+        data.train_uids, held = held_out(manifest, e.fraction, e.seed, source)
+        data.eval_sets = [EvalSet(None, manifest, held)]
     elif e.path:
-        data.eval_manifest, eval_schema = _dataset(spec, e.path, "eval.path", source)
+        held, eval_schema = _dataset(spec, e.path, "eval.path", source)
+        data.eval_sets = [EvalSet(None, held)]
         trained = "data.mix" if spec.data.mix else "data.path"
-        shared = data.train_files & {u.file for u in data.eval_manifest.units}
+        shared = data.train_files & {u.file for u in held.units}
         if shared:
             raise SpecError(f"{source}: eval.path: {e.path!r} shares {len(shared)} file(s) with "
                             f"{trained} (e.g. {sorted(shared)[0]!r}): held-out data must never be "
-                            "trained on; give a dataset of its own"
-                            + (", or eval.fraction" if not spec.data.mix else ""))
-        theirs = job_columns(spec, eval_schema, source, data.eval_manifest, key="eval.path")
+                            "trained on; give a dataset of its own, or eval.fraction")
+        theirs = job_columns(spec, eval_schema, source, held, key="eval.path")
         if theirs != columns:
             raise SpecError(f"{source}: eval.path: {e.path!r} holds other columns than {trained} "
                             "(names, types or sizes); evaluation reads what training reads")
-        _check_first_rows(data.eval_manifest, columns)
+        _check_first_rows(held, columns)
     if spec.task != "language_model":
         problem = task_problem_on_meta(spec, columns)
         if problem:
@@ -141,7 +155,8 @@ def _mixed(spec: JobSpec, source: str) -> JobData:
                         f"tokenised by {other[1]}, data.mix[{known[0][0]}].path by {known[0][1]}; a "
                         "model reads one vocabulary: prepare every source with one tokenizer")
     return JobData(Mixture([m.path for m in spec.data.mix], manifests,
-                           [m.weight for m in spec.data.mix]), columns)
+                           [m.weight for m in spec.data.mix], [m.label for m in spec.data.mix]),
+                   columns)
 
 
 def _tokenizer(path: str) -> Optional[str]:
@@ -202,17 +217,20 @@ def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
     return None
 
 
-def held_out(manifest: Manifest, fraction: float, seed: int, source: str) -> tuple:
+def held_out(manifest: Manifest, fraction: float, seed: int, source: str,
+             mixed: Optional[int] = None) -> tuple:
     """(training uids, held-out uids): round(fraction x row groups) row groups (at least one),
-    drawn by `seed`. By row group, not by row, so that an evaluation reads only its own part
-    of a corpus of any size."""
+    drawn by `seed` (and, for source `mixed` of a mix, its index). By row group, not by row, so
+    that an evaluation reads only its own part of a corpus of any size."""
     n = len(manifest.units)
     k = max(1, round(fraction * n))
+    where = "data.path" if mixed is None else f"data.mix[{mixed}].path"
     if k >= n:
         raise SpecError(f"{source}: eval.fraction: {fraction} holds out {k} of the {n} row groups "
-                        f"of data.path, leaving none to train on; hold-out is by row group: "
+                        f"of {where}, leaving none to train on; hold-out is by row group: "
                         "write the data in more row groups, lower the fraction, or give eval.path")
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xE7A1])))
+    key = [seed, 0xE7A1] + ([mixed] if mixed is not None else [])
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(key)))
     chosen = np.zeros(n, dtype=bool)
     chosen[rng.permutation(n)[:k]] = True
     return np.flatnonzero(~chosen), np.flatnonzero(chosen)
