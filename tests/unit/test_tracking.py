@@ -54,6 +54,26 @@ def test_a_run_finished_in_the_background_is_whole_once_waited_for(tmp_path):
     assert listed == ["report/report.html", "report/report.png"]
 
 
+def test_the_report_draws_the_held_out_losses_beside_the_training_loss(tmp_path):
+    """eval_loss and a mix's per-source eval_loss/NAME are drawn on the loss panel, each at
+    the steps it was evaluated; other eval metrics (accuracy) are not."""
+    from baton.tracking import report
+
+    spec = TrackingSpec(uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="t")
+    tracker = MLflowTracker(spec)
+    run_id = tracker.start("job", {})
+    for step in range(1, 7):
+        evaluated = {"eval_loss": 2.0, "eval_loss/web": 1.5, "eval_loss/code": 2.5,
+                     "eval_accuracy": 0.5} if step % 3 == 0 else {}
+        tracker.log_metrics(step, {"loss": 3.0 - step / 3, "tokens_per_s": 100.0,
+                                   "world_size": 2, **evaluated})
+    tracker.finish("FINISHED")
+    client = MlflowClient(spec.uri)
+    rep = report.build(client, client.get_run(run_id), str(tmp_path / "r"))
+    assert rep.points == {"loss": 6, "tokens_per_s": 6, "world_size": 6, "eval_loss": 2,
+                          "eval_loss/code": 2, "eval_loss/web": 2}
+
+
 def test_the_periodic_delivery_runs_beside_the_steps_and_logs_each_once(tmp_path):
     """Metrics due by `flush_every_s` go to the store on the tracker's own thread: the
     coordinator's thread, which logs them, goes on handing out steps while a slow store takes

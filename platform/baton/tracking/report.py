@@ -1,6 +1,7 @@
 """`baton report`: a run's pictures, from what MLflow holds of it.
 
-One PNG (and an HTML page embedding it): the loss curve, throughput, the world size over time
+One PNG (and an HTML page embedding it): the loss curve with the held-out loss beside it
+(eval_loss, and each mixed corpus's, eval_loss/NAME), throughput, the world size over time
 with failure and rescale markers, the largest worker's memory (runs that logged it), and the
 pipeline swimlane of a traced step (pp > 1). The
 coordinator logs the same files as MLflow artifacts (report/) when a run ends, so a run's
@@ -25,7 +26,8 @@ from baton.tracking.metrics import MEMORY_LABEL, MEMORY_MIB
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 ARTIFACT_DIR = "report"
-_EVENT_KEYS = ("cause", "message", "from_dp", "dp", "state_from", "total_s")  # shown per event
+_EVENT_KEYS = ("cause", "message", "from_dp", "dp", "state_from", "total_s", "why")  # shown per event
+SOURCE_COLORS = ["#8C564B", "#E377C2", "#17BECF", "#BCBD22", "#9467BD"]  # a mix's held-out losses
 
 
 @dataclass
@@ -106,6 +108,9 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     run_id = run.info.run_id
     name = run.info.run_name or run_id
     loss = _history(client, run_id, "loss")
+    # the held-out losses: over all held-out data, and each source's of a mix (eval_loss/NAME)
+    held = {key: _history(client, run_id, key) for key in sorted(run.data.metrics)
+            if key == "eval_loss" or key.startswith("eval_loss/")}
     tps = _history(client, run_id, "tokens_per_s")
     world = _history(client, run_id, "world_size")
     memory = {kind: _history(client, run_id, name) for kind, name in MEMORY_MIB.items()}
@@ -128,12 +133,23 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
         ax_memory.set_ylim(0, 1.15 * max(max(mib) for _, mib in memory.values()))  # off the frame
         ax_memory.legend(loc="lower right", fontsize=7, frameon=False, ncols=len(memory))
         plotted.append(ax_memory)
-    ax_loss.plot(*loss, color="#4C72B0", lw=1.2, marker="." if len(loss[0]) <= 60 else None)
+    ax_loss.plot(*loss, color="#4C72B0", lw=1.2, marker="." if len(loss[0]) <= 60 else None,
+                 label="loss" if held else None)
+    sources = iter(SOURCE_COLORS * len(held))
+    for key, (steps, values) in held.items():
+        whole = key == "eval_loss"
+        ax_loss.plot(steps, values, lw=1.0, marker="o", ms=3, ls="-" if whole else ":",
+                     color="#222222" if whole else next(sources),
+                     label=key.replace("eval_loss", "held-out", 1))
+    if held:
+        ax_loss.legend(loc="upper right", fontsize=7, frameon=False, ncols=len(held) + 1)
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(f"{name}: {len(loss[0])} steps, final loss {loss[1][-1]:.4f}  "
                       f"(MLflow run {run_id[:8]})", loc="left", fontsize=10)
     ax_tps.plot(*tps, color="#55A868", lw=1.0)
-    ax_tps.set_ylabel("tokens/s")
+    # (a task other than next-token prediction counts samples: tokens_per_s is samples/s)
+    ax_tps.set_ylabel("tokens/s" if run.data.params.get("task", "language_model") == "language_model"
+                      else "samples/s")
     ax_world.step(*world, where="mid", color="#8172B2", lw=1.5)  # step s's world, around s
     ax_world.set_ylabel("workers")
     ax_world.set_xlabel("step")
@@ -150,7 +166,7 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
         else:
             continue
         style = {"failure": ("#C44E52", "--"), "rescale": ("#DD8452", ":"),
-                 "recovery": ("#937860", "-.")}.get(kind, ("grey", ":"))
+                 "recovery": ("#937860", "-."), "early_stop": ("#000000", "-")}.get(kind, ("grey", ":"))
         label = None if kind in marked else kind
         marked.add(kind)
         for ax in plotted:
@@ -168,7 +184,8 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     fig.savefig(png)
     points = {"loss": len(ax_loss.lines[0].get_xdata()), "tokens_per_s": len(ax_tps.lines[0].get_xdata()),
               "world_size": len(ax_world.lines[0].get_xdata()),
-              **{MEMORY_MIB[kind]: len(series[0]) for kind, series in memory.items()}}
+              **{MEMORY_MIB[kind]: len(series[0]) for kind, series in memory.items()},
+              **{key: len(series[0]) for key, series in held.items()}}
     plt.close(fig)
     page = os.path.join(out_dir, "report.html")
     with open(page, "w") as f:
