@@ -284,3 +284,32 @@ def test_a_mix_of_corpora_tokenised_two_ways_is_refused(tmp_path):
     raw["data"]["mix"][1]["path"] = str(short)
     with pytest.raises(SpecError, match=r"model.seq_len: 32 does not fit the data; rows of '.*short' hold 17"):
         preflight(spec_from_dict(raw), "job.yaml")
+
+
+def test_a_mix_pins_each_source_and_says_which_changed(tmp_path):
+    """A checkpoint of a mix records each source's manifest; resuming on a mix whose second
+    source gained rows is refused naming that source (api.check_corpus), and a checkpoint of
+    one corpus is not a mix's."""
+    from pathlib import Path
+
+    from baton.api import check_corpus
+    from baton.data.manifest import Manifest
+    from baton.data.mix import Mixture
+    from baton.errors import CheckpointError
+    from helpers import write_dataset
+
+    a = write_dataset(Path(tmp_path) / "a", num_samples=16, seq_len=8)
+    b = write_dataset(Path(tmp_path) / "b", num_samples=16, seq_len=8, id_offset=5000)
+    before = Mixture([str(a), str(b)], [Manifest.build(str(a)), Manifest.build(str(b))], [1, 1])
+    meta = {"step": 40, "data": before.summary(), "manifest": before.to_json()}
+    check_corpus(meta, before, "job.yaml", rebase=False)  # the same corpora: resumes
+    write_dataset(Path(tmp_path) / "b", num_samples=24, seq_len=8, id_offset=5000)
+    after = Mixture([str(a), str(b)], [Manifest.build(str(a)), Manifest.build(str(b))], [1, 1])
+    with pytest.raises(CheckpointError, match=r"job.yaml: data.mix: '.*' is not the corpus checkpoint 40 "
+                                              r"was trained on: data.mix\[1\] \(.*b\) changed; restore it, "
+                                              r"or pass --rebase-data"):
+        check_corpus(meta, after, "job.yaml", rebase=False)
+    check_corpus(meta, after, "job.yaml", rebase=True)
+    one = {"step": 40, "data": Manifest.build(str(a)).summary(), "manifest": Manifest.build(str(a)).to_json()}
+    with pytest.raises(CheckpointError, match="the checkpoint was not trained on a mix"):
+        check_corpus(one, after, "job.yaml", rebase=False)
