@@ -9,6 +9,7 @@ From Python (a notebook, a script), without the CLI:
     result.loss, result.eval              # the last step's loss, the last evaluation
     result.history("eval_accuracy")       # [(step, value), ...] from the run's MLflow record
     baton.evaluate(spec, step="best").eval  # a checkpoint on the held-out data, no training
+    baton.sweep(spec, {"train.lr": [1e-3, 3e-3]})  # a trial per value, ranked
     baton.export(spec, "model-out")       # its newest verified checkpoint, as safetensors
     model = baton.load_model("model-out") # the trained nn.Module, on the CPU
 
@@ -41,6 +42,16 @@ def run(job, overrides=(), **options):
     from baton import api
 
     return api.run(_spec(job, overrides), **options)
+
+
+def sweep(job, grid, overrides=(), **options):
+    """Train a job (a path, a dict or a JobSpec) for every combination of `grid` ({key:
+    [values]}), a trial after another on one Ray, as `baton sweep`; returns the trials
+    (`baton.sweeps.Trial`: name, values, state, step, loss, metric, run_id), best first.
+    `options`: `baton.api.sweep`'s (address, show_progress)."""
+    from baton import api
+
+    return api.sweep(job, grid, list(overrides), **options)
 
 
 def evaluate(job, step=None, overrides=(), **options):

@@ -118,18 +118,25 @@ def plan_resume(spec: JobSpec, source: str,
         return None, []
     meta = store.read_meta(step)
     _check_recipe(meta, spec, source, step)
-    if meta["step"] >= spec.train.steps:
-        raise CheckpointError(
-            f"{source}: job {spec.name!r} already finished: its checkpoint is at step "
-            f"{meta['step']} and train.steps is {spec.train.steps}; raise train.steps to train on")
+    done = finished_why(spec, meta)
+    if done is not None:
+        raise CheckpointError(f"{source}: job {spec.name!r} {done}")
+    return meta, failed
+
+
+def finished_why(spec: JobSpec, meta: dict) -> Optional[str]:
+    """Why the job is done at checkpoint `meta` (every step trained, or stopped early under its
+    eval.patience), and what trains it on; None while it has steps to go."""
     from baton.coordinator.stopping import stopped_before
 
+    if meta["step"] >= spec.train.steps:
+        return (f"already finished: its checkpoint is at step {meta['step']} and train.steps is "
+                f"{spec.train.steps}; raise train.steps to train on")
     stopped = stopped_before(spec, meta)
     if stopped is not None:
-        raise CheckpointError(
-            f"{source}: job {spec.name!r} already stopped early at step {meta['step']}: {stopped}; "
-            "raise eval.patience (or set it to 0) to train on")
-    return meta, failed
+        return (f"already stopped early at step {meta['step']}: {stopped}; raise eval.patience "
+                "(or set it to 0) to train on")
+    return None
 
 
 def _check_recipe(meta: dict, spec: JobSpec, source: str, step: int) -> None:
@@ -255,6 +262,32 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
                            data=data, evaluate_only=True).run()
 
 
+def sweep(job, axes: dict[str, list], overrides: list[str] = (), *,
+          address: Optional[str] = None, show_progress: bool = True,
+          log: Callable[[str], None] = print) -> list:
+    """`baton sweep`: the job (a YAML file's path, a dict or a JobSpec) trained for every
+    combination of `axes` (key -> values), a trial after another on one Ray, those done
+    already skipped; the trials (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
+    import ray
+
+    from baton import sweeps
+
+    trials = sweeps.plan(job, axes, list(overrides))
+    source = job if isinstance(job, str) else "<spec>"
+    if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
+        for t in trials:
+            check_fits(t.spec, os.cpu_count() or 1,
+                       _local_gpus() if t.spec.resources.gpus_per_worker else 0, source, "this machine")
+    address = _cluster(address, log)
+    with ray_session(address, log):
+        for k, t in enumerate(trials, 1):
+            log(f"trial {k} of {len(trials)}: {t.name} "
+                f"({', '.join(f'{key}={v}' for key, v in t.values.items())})")
+            sweeps.train(t, lambda spec: run(spec, source=source, address=address,
+                                             show_progress=show_progress, log=log), log)
+    return sweeps.rank(trials, *sweeps.ranked_by(trials[0].spec))
+
+
 def _evaluated_checkpoint(spec: JobSpec, source: str, step: Optional[int | str]) -> Optional[dict]:
     """The metadata of the checkpoint `evaluate` loads: `step`, the best, or the newest whole
     one (by its parts' sizes: the workers check the checksums as they load), of this recipe;
@@ -314,39 +347,50 @@ def _on_ray(spec: JobSpec, source: str, address: Optional[str], log: Callable[[s
     """A run's tracker, opened while Ray starts (the embedded one, or `address`'s cluster,
     unless this process is connected already), with SIGTERM ending the run as Ctrl-C does and
     Ray's messages kept off the console; all undone after."""
-    import ray
-
     tracker = make_tracker(spec.tracking)
     _quiet_library_logs()  # MLflow's notes while it makes a new store's tables
     tracker.open_ahead()  # while Ray starts
-    started_ray = False
-    if not ray.is_initialized():
-        if address is None:
-            start_local_ray()
-        else:
-            join_cluster(address)
-        started_ray = True
-        ray_messages = RayMessages.for_this_ray().install()
-        # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
-        # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
-        # Installed after ray.init, which replaces SIGTERM's handler with one that only dumps
-        # a stack; both wait for a write to the run's record to finish (interrupts.py).
-        previous_handlers = interrupts.install()
     try:
-        if address is not None:
-            from baton.workers.capacity import fit_or_wait
+        with ray_session(address, log):
+            if address is not None:
+                from baton.workers.capacity import fit_or_wait
 
-            fit_or_wait(spec, source, f"the cluster at {address}", log)
-        yield tracker
+                fit_or_wait(spec, source, f"the cluster at {address}", log)
+            yield tracker
     finally:
         tracker.drop_ahead()  # a run refused before its MLflow run leaves no store
-        if started_ray:
-            shutdown_ray()
-            ray_messages.restore()
-            interrupts.restore(previous_handlers)
-            if ray_messages.where():
-                log(ray_messages.where())
         tracker.wait_finished()  # a finished run's report, drawn meanwhile
+
+
+@contextlib.contextmanager
+def ray_session(address: Optional[str], log: Callable[[str], None]):
+    """Ray for what runs inside (the embedded one, or `address`'s cluster), unless this process
+    is connected already, with SIGTERM ending a run as Ctrl-C does and Ray's messages kept off
+    the console; shut down after. Runs one after another inside one session (a sweep's trials)
+    share it, and the workers each keeps warm (resources.keep_warm_s)."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    if address is None:
+        start_local_ray()
+    else:
+        join_cluster(address)
+    ray_messages = RayMessages.for_this_ray().install()
+    # SIGTERM (kill, Kubernetes stopping a pod) ends a run like Ctrl-C: the workers shut
+    # down, the MLflow run is marked KILLED, the last checkpoint stays for a resume.
+    # Installed after ray.init, which replaces SIGTERM's handler with one that only dumps
+    # a stack; both wait for a write to the run's record to finish (interrupts.py).
+    previous_handlers = interrupts.install()
+    try:
+        yield
+    finally:
+        shutdown_ray()
+        ray_messages.restore()
+        interrupts.restore(previous_handlers)
+        if ray_messages.where():
+            log(ray_messages.where())
 
 
 def shutdown_ray() -> None:

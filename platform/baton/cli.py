@@ -28,6 +28,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a spec value, e.g. --set train.steps=20 (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress line")
 
+    sw = sub.add_parser("sweep", help="train a job for every combination of a grid of settings, "
+                        "a trial after another, and rank the trials")
+    sw.add_argument("job", help="the job's YAML file")
+    sw.add_argument("--grid", action="append", default=[], metavar="KEY=[VALUES]",
+                    help="a key and its values as a YAML list, e.g. --grid 'train.lr=[1e-3, 3e-3]' "
+                         "(repeatable: every combination is a trial)")
+    sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a spec value for every trial (repeatable)")
+    sw.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
+    sw.add_argument("--quiet", action="store_true", help="no progress line")
+
     ev = sub.add_parser("eval", help="evaluate a job's checkpoint on its held-out data "
                         "(eval.fraction or eval.path), without training")
     ev.add_argument("job", help="the job's YAML file")
@@ -312,6 +323,28 @@ def _data_lines(m: dict, shuffle_block: int, mixed: list[str]) -> list[str]:
         for path, s in zip(mixed, m["sources"])]
 
 
+def _grid(job: str, items: list[str]) -> dict[str, list]:
+    """--grid KEY=[V1, V2] items as {key: values}: each value a YAML list."""
+    import yaml
+
+    from baton.errors import SpecError
+
+    axes = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        try:
+            values = yaml.safe_load(text) if sep else None
+        except yaml.YAMLError as e:
+            raise SpecError(f"{job}: --grid {item!r}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not key or not isinstance(values, list) or not values:
+            raise SpecError(f"{job}: --grid {item!r}: give KEY=[VALUES], a YAML list, e.g. "
+                            "--grid 'train.lr=[1e-3, 3e-3]'")
+        if key in axes:
+            raise SpecError(f"{job}: --grid {key}: given twice; put every value in one list")
+        axes[key] = values
+    return axes
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     from baton import api
 
@@ -416,6 +449,17 @@ def _dispatch(args: argparse.Namespace) -> int:
                 return 2
         print(sample(args.folder, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
         return 0
+    if args.command == "sweep":
+        from baton import sweeps
+
+        axes = _grid(args.job, args.grid)
+        trials = api.sweep(args.job, axes, args.set, address=args.address, show_progress=not args.quiet)
+        metric, lowest = sweeps.ranked_by(trials[0].spec)
+        print(f"{args.job}: {len(trials)} trials, best first by {metric} "
+              f"({'lowest' if lowest else 'highest'}{', its best checkpoint' if trials[0].spec.checkpoint.best else ''}):")
+        for line in sweeps.table(trials, metric):
+            print(line)
+        return 1 if all(t.state == "failed" for t in trials) else 0
     if args.command == "eval":
         from baton.spec import load_spec
 

@@ -337,6 +337,40 @@ def test_a_run_that_stops_early_ends_on_the_state_of_its_last_evaluation(tmp_pat
     assert sorted(_history(spec, second.run_id, "eval_loss")) == [1, 2, 3, 4, 5]
 
 
+def test_a_sweep_trains_each_trial_once_and_ranks_them_by_the_best_checkpoint(tmp_path, capsys):
+    """`baton sweep` over two learning rates: each trial is a job of its own (its checkpoints,
+    its MLflow run), the table ranks them by checkpoint.best's value, lowest first; run again,
+    every trial is done before and nothing trains."""
+    from baton import cli
+    from helpers import write_spec
+
+    data = write_table(tmp_path / "data")
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="sw", task="classification",
+        model={"name": "classifier", "layers": 2, "width": 16, "options": {"inputs": 6, "classes": 4}},
+        data={"source": "parquet", "path": str(data), "columns": COLUMNS},
+        train={"steps": 4, "global_batch": 16, "micro_batch": 4},
+        eval={"fraction": 0.25, "every_steps": 2}, checkpoint={"every_steps": 2, "best": "eval_loss"}))
+    assert cli.main(["sweep", str(job), "--grid", "train.lr=[0.001, 0.1]", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index(": 2 trials, best first by eval_loss (lowest, its best checkpoint):"):].splitlines()[1:]
+    assert table[0].split() == ["trial", "train.lr", "state", "step", "loss", "eval_loss"]
+    rows = [line.split() for line in table[1:]]
+    assert sorted(r[0] for r in rows) == ["sw-lr0.001", "sw-lr0.1"] and {r[2] for r in rows} == {"finished"}
+    best = {}
+    for name in ("sw-lr0.001", "sw-lr0.1"):
+        store = CheckpointStore(str(tmp_path / "ckpt" / name))
+        best[name] = store.best("eval_loss", True)[1]
+        assert store.latest() == 4
+    assert [r[0] for r in rows] == sorted(best, key=best.get)  # lowest first
+    assert [float(r[5]) for r in rows] == pytest.approx(sorted(best.values()), rel=1e-3)  # (4 digits)
+
+    assert cli.main(["sweep", str(job), "--grid", "train.lr=[0.001, 0.1]", "--quiet"]) == 0
+    again = capsys.readouterr().out
+    assert again.count(": done before, at step 4") == 2  # (api.run would have refused them)
+    assert [line.split()[0] for line in again.splitlines()[-2:]] == [r[0] for r in rows]
+
+
 def test_a_step_that_runs_out_of_memory_is_one_line_that_says_what_lowers_it(tmp_path):
     """torch's own line is "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator:
     can't allocate memory: ..."; the CLI prints the run's error as `baton: error: ` and this

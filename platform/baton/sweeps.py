@@ -1,0 +1,176 @@
+"""`baton sweep`: one job trained over a grid of settings, a trial after another on one Ray.
+
+Each trial is the job with one combination of the grid's values, under a name of its own
+(the job's name and the values: `quickstart-lr0.001-width64`), so it has its own checkpoints
+and MLflow run and is an ordinary job: `baton status`, `report`, `export` and `eval` take its
+name. Every trial's job file is checked before anything runs. A trial already done (every
+step trained, or stopped early) is not trained again, and one that stopped part-way resumes:
+running a sweep again finishes it. A trial that fails (a learning rate that diverges) is
+reported and the rest go on. The trials share one Ray (started once) and, unless the job says
+otherwise, keep their workers warm for the next (`resources.keep_warm_s`).
+
+At the end a table ranks the trials by a metric: `checkpoint.best`'s where the job keeps a
+best checkpoint (that checkpoint's value), else the last held-out loss, else the last
+training loss.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from baton.errors import BatonError, SpecError
+from baton.spec import JobSpec
+
+KEEP_WARM_S = 60  # a trial's workers wait this long for the next trial's (resources.keep_warm_s)
+MOST_TRIALS = 1024
+
+
+@dataclass
+class Trial:
+    name: str
+    values: dict  # grid key -> this trial's value
+    state: str = "pending"  # finished | stopped early | done before | failed
+    step: int = 0
+    loss: Optional[float] = None
+    metric: Optional[float] = None  # the sweep's metric (see `ranked_by`)
+    run_id: Optional[str] = None
+    error: Optional[str] = None
+    spec: Optional[JobSpec] = field(default=None, repr=False)
+
+
+def grid(axes: dict[str, list]) -> list[dict]:
+    """Every combination of the axes' values, the first axis slowest."""
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def trial_name(job: str, values: dict) -> str:
+    """The job's name and each value, after its key's last part (`train.lr=0.001` -> lr0.001),
+    in characters a job name may hold; a hash of the values where that is too long."""
+    import hashlib
+
+    parts = [f"{key.rsplit('.', 1)[-1]}{json.dumps(v) if not isinstance(v, str) else v}"
+             for key, v in values.items()]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "", "-".join([job, *parts]))
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{job[:52]}-{digest}"
+
+
+def ranked_by(spec: JobSpec) -> tuple[str, bool]:
+    """The metric trials are ranked by, and whether lower is better."""
+    if spec.checkpoint.best:
+        return spec.checkpoint.best, spec.checkpoint.best_lowest
+    return ("eval_loss" if spec.eval.enabled else "loss"), True
+
+
+def plan(job, axes: dict[str, list], overrides: list[str] = ()) -> list[Trial]:
+    """The trials of `job` (a YAML file's path, a dict or a JobSpec), each one's job checked
+    (one line naming the key at fault)."""
+    from baton import load
+
+    if isinstance(job, JobSpec):
+        job = job.to_dict()
+    where = job if isinstance(job, str) else "<spec>"
+    if not axes:
+        raise SpecError(f"{where}: a sweep needs --grid KEY=[VALUES] (e.g. --grid 'train.lr=[1e-3, 3e-3]')")
+    for key, values in axes.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError(f"{where}: --grid {key}: give a list of values, e.g. {key}=[1, 2]")
+    combos = grid(axes)
+    if len(combos) > MOST_TRIALS:
+        raise SpecError(f"{where}: the grid holds {len(combos):,} trials; at most {MOST_TRIALS:,}")
+    base = load(job, list(overrides))
+    warm = [] if base.resources.keep_warm_s else [f"resources.keep_warm_s={KEEP_WARM_S}"]
+    trials = []
+    for values in combos:
+        name = trial_name(base.name, values)
+        sets = [*overrides, *warm, *(f"{k}={json.dumps(v)}" for k, v in values.items()), f"name={name}"]
+        trials.append(Trial(name, values, spec=load(job, sets)))
+    names = [t.name for t in trials]
+    if len(set(names)) < len(names):
+        raise SpecError(f"{where}: two trials would share the name {next(n for n in names if names.count(n) > 1)!r}; "
+                        "give values that differ once written out")
+    return trials
+
+
+def train(t: Trial, run: Callable[[JobSpec], object], log: Callable[[str], None]) -> None:
+    """Train trial `t` by `run` (api.run), unless it is done; record how it ended."""
+    metric, _ = ranked_by(t.spec)
+    done = _done(t.spec)
+    if done is not None:
+        t.state, t.step, t.loss, t.run_id = "done before", done["step"], done.get("loss"), done.get("mlflow_run_id")
+        t.metric = _metric_of(t.spec, metric, done.get("eval", {}), done.get("loss"), _best_value(t.spec))
+        log(f"  {t.name}: done before, at step {t.step}")
+        return
+    try:
+        result = run(t.spec)
+    except BatonError as e:
+        t.state, t.error = "failed", str(e).splitlines()[0]
+        log(f"  {t.name}: failed: {t.error}")
+        return
+    t.state = "stopped early" if result.stopped_early else "finished"
+    t.step, t.loss, t.run_id = result.step, result.loss, result.run_id
+    t.metric = _metric_of(t.spec, metric, result.eval, result.loss,
+                          result.best[1] if result.best else None)
+
+
+def _done(spec: JobSpec) -> Optional[dict]:
+    """The newest checkpoint's metadata where the job is done at it (api.finished_why)."""
+    from baton import api
+    from baton.checkpoint import CheckpointStore
+    from baton.checkpoint.store import sizes_only
+
+    store = CheckpointStore(spec.checkpoint_dir)
+    step, _ = store.latest_verified(sizes_only)
+    if step is None:
+        return None
+    meta = store.read_meta(step)
+    if meta.get("fingerprint") != spec.fingerprint():
+        return None  # another recipe: api.run says so
+    return meta if api.finished_why(spec, meta) is not None else None
+
+
+def _best_value(spec: JobSpec) -> Optional[float]:
+    from baton.checkpoint import CheckpointStore
+
+    if not spec.checkpoint.best:
+        return None
+    found = CheckpointStore(spec.checkpoint_dir).best(spec.checkpoint.best, spec.checkpoint.best_lowest)
+    return found[1] if found else None
+
+
+def _metric_of(spec: JobSpec, metric: str, evaluated: dict, loss: Optional[float],
+               best: Optional[float]) -> Optional[float]:
+    if spec.checkpoint.best:
+        return best
+    value = loss if metric == "loss" else evaluated.get(metric)
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def rank(trials: list[Trial], metric: str, lowest: bool) -> list[Trial]:
+    """Best first; trials without a value (failed, never evaluated) last, in grid order."""
+    def key(t: Trial):
+        if t.metric is None:
+            return (1, 0.0)
+        return (0, t.metric if lowest else -t.metric)
+    return sorted(trials, key=key)
+
+
+def table(trials: list[Trial], metric: str) -> list[str]:
+    """The lines `baton sweep` prints: a trial a row, its values, state, step, loss, metric."""
+    keys = list(trials[0].values)
+    head = ["trial", *keys, "state", "step", "loss", metric]
+    rows = [[t.name, *(json.dumps(t.values[k]) if not isinstance(t.values[k], str) else t.values[k]
+                       for k in keys),
+             t.state, str(t.step), "" if t.loss is None else f"{t.loss:.4f}",
+             "" if t.metric is None else f"{t.metric:.4g}"] for t in trials]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
+    lines += [f"  {t.name}: {t.error}" for t in trials if t.error]
+    return lines
