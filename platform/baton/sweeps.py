@@ -118,6 +118,9 @@ def train(t: Trial, run: Callable[[JobSpec], object], log: Callable[[str], None]
     t.step, t.loss, t.run_id = result.step, result.loss, result.run_id
     t.metric = _metric_of(t.spec, metric, result.eval, result.loss,
                           result.best[1] if result.best else None)
+    log(f"  {t.name}: {t.state} at step {t.step}, loss {t.loss:.4f}"
+        + (f", {metric} {t.metric:.4g}" if t.metric is not None and metric != "loss" else "")
+        + f"; MLflow run {t.run_id}")
 
 
 def _done(spec: JobSpec) -> Optional[dict]:
