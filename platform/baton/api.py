@@ -155,9 +155,11 @@ def check_corpus(meta: dict, manifest: Manifest | Mixture, source: str, rebase: 
     if rebase or manifest.trained(meta):
         return
     old = meta.get("manifest")
-    key = "data.path"
+    key, then = "data.path", "go on from the next epoch on the new corpus"
     if isinstance(manifest, Mixture):
         key, what = "data.mix", manifest.changed_since(meta)
+        then = ("go on with it (a source whose files are unchanged from its place, another "
+                "from its next epoch; the new weights from here on)")
     elif old and "files" in old:
         what = manifest.changes_from(Manifest.from_json(manifest.root, old))
     else:
@@ -165,8 +167,7 @@ def check_corpus(meta: dict, manifest: Manifest | Mixture, source: str, rebase: 
                 else "the checkpoint records no manifest (written before baton 0.6)")
     raise CheckpointError(
         f"{source}: {key}: {manifest.root!r} is not the corpus checkpoint {meta['step']} was "
-        f"trained on: {what}; restore it, or pass --rebase-data to go on from the next epoch on "
-        "the new corpus")
+        f"trained on: {what}; restore it, or pass --rebase-data to {then}")
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> str:

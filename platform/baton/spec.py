@@ -327,8 +327,9 @@ class JobSpec:
                  if k not in ("steps", "micro_batch", "activation_checkpointing", "compile")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items() if k not in ("columns", "pad", "mix") or v}
-        if "mix" in data:  # (a source's name labels its metrics: not part of the recipe)
-            data["mix"] = [{k: v for k, v in m.items() if k != "name"} for m in data["mix"]]
+        if "mix" in data:  # its sources; their weights are pinned with their files (a change
+            # is resumed with --rebase-data: api.check_corpus), their names label metrics
+            data["mix"] = [m["path"] for m in data["mix"]]
         # the task and the held-out split only where set: v0.5's checkpoints keep their recipe
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
                  **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}

@@ -624,11 +624,23 @@ def test_a_mix_of_two_corpora_trains_on_their_weighted_stream_across_a_resume(tm
     # order); the bound is torch's pipelining tests' (rtol 1e-5, atol 4e-5), as in this module
     assert_params_close(CheckpointStore(spec.checkpoint_dir).read_model(10), want, rtol=1e-5, atol=4e-5)
 
-    # the weights are part of the recipe: another mix is another job
-    sections["data"]["mix"] = [dict(mix[0], weight=2), mix[1]]
-    with pytest.raises(CheckpointError, match=r"holds a checkpoint \(step 10\) of another recipe "
-                                              r"\(data.mix .*weight"):
-        api.run(spec_from_dict(tiny_spec(tmp_path, small, name="mixed", **sections)), show_progress=False)
+    # other weights (an annealing phase): refused unless asked for; then each source goes on
+    # from its place and the new weights hold from there (4 and 4 a step, not a catch-up)
+    sections["data"]["mix"] = [dict(mix[0], weight=1), dict(mix[1], weight=1)]
+    sections["train"]["steps"] = 12
+    annealed = spec_from_dict(tiny_spec(tmp_path, small, name="mixed", **sections))
+    with pytest.raises(CheckpointError, match=r"data.mix: .* is not the corpus checkpoint 10 was trained "
+                                              r"on: the weights changed \(0.375, 0.625 -> 0.5, 0.5\); "
+                                              r"restore it, or pass --rebase-data to go on with it"):
+        api.run(annealed, show_progress=False)
+    third = api.run(annealed, show_progress=False, record_samples=True, rebase_data=True)
+    assert third.resumed_from == 10 and third.step == 12
+    for step in (10, 11):
+        trained = [i for s, _, got in third.ledger if s == step for i in got]
+        assert sum(i < 5000 for i in trained) == 4 and len(trained) == 8, step
+    meta = CheckpointStore(spec.checkpoint_dir).read_meta(12)
+    assert meta["cursor"]["sources"] == [{"epoch": 2, "consumed": 6}, {"epoch": 0, "consumed": 58}]
+    assert meta["cursor"]["since"] == [30, 50]
 
 
 def test_a_mix_holds_out_row_groups_of_each_source_and_reports_each(tmp_path):

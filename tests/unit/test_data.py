@@ -136,22 +136,40 @@ def test_a_mix_gives_each_source_its_share_within_one_sample_whatever_the_batche
     assert np.array_equal(np.concatenate(pieces), whole)
 
 
-def test_a_mix_cursor_keeps_each_sources_place_and_rebases_each():
-    from baton.data.mix import MixCursor, MixedFeed
+def test_a_mix_cursor_keeps_each_sources_place_and_rebases_each(tmp_path):
+    """A mix's cursor: each source's place and the counts its schedule starts from. Rebased
+    (--rebase-data) onto new weights, each source whose files are unchanged keeps its place and
+    a changed one starts its next epoch; the schedule starts again from there."""
+    from types import SimpleNamespace
+
+    from baton.data.manifest import FileEntry, Manifest
+    from baton.data.mix import MixCursor, MixedFeed, Mixture
 
     cursor = MixCursor(2)
     cursor.sizes = [16, 100]
     cursor.load_state_dict({"sources": [{"epoch": 1, "consumed": 14}, {"epoch": 0, "consumed": 50}]})
-    assert cursor.taken() == [30, 50]
-    assert cursor.state_dict() == {"epoch": 0, "consumed": 80, "sources": [
+    assert cursor.taken() == [30, 50] and cursor.scheduled() == [30, 50]
+    state = cursor.state_dict()
+    assert state == {"epoch": 0, "consumed": 80, "since": [0, 0], "sources": [
         {"epoch": 1, "consumed": 14}, {"epoch": 0, "consumed": 50}]}
-    feed = MixedFeed(None, [None, None])  # (rebasing reads neither the mixture nor the feeds)
-    assert feed.rebased(cursor.state_dict())["sources"] == [{"epoch": 2, "consumed": 0},
-                                                           {"epoch": 1, "consumed": 0}]
-    # from a checkpoint of one corpus (--rebase-data onto a mix): the epoch after its own
-    assert feed.rebased({"epoch": 3, "consumed": 5})["sources"] == [{"epoch": 4, "consumed": 0}] * 2
     with pytest.raises(ValueError, match="a cursor of 0 sources for a mix of 2"):
         cursor.load_state_dict({"epoch": 0, "consumed": 8})  # a checkpoint of one corpus
+
+    def manifest(path, rows):
+        return Manifest(str(tmp_path / path), [FileEntry("part-0.parquet", 100, rows)])
+
+    sources = [manifest("a", (16,)), manifest("b", (100,))]
+    before = Mixture(["a", "b"], sources, [3, 5])
+    meta = {"cursor": state, "data": before.summary()}
+    feeds = [SimpleNamespace(order=SimpleNamespace(num_samples=n)) for n in (16, 100)]
+    after = MixedFeed(Mixture(["a", "b"], sources, [1, 1]), feeds)
+    assert after.rebased(meta) == {"epoch": 0, "consumed": 80, "since": [30, 50], "sources": [
+        {"epoch": 1, "consumed": 14}, {"epoch": 0, "consumed": 50}]}
+    grown = MixedFeed(Mixture(["a", "b"], [sources[0], manifest("b", (100, 20))], [1, 1]), feeds)
+    assert grown.rebased(meta)["sources"] == [{"epoch": 1, "consumed": 14}, {"epoch": 1, "consumed": 0}]
+    # from a checkpoint of one corpus (--rebase-data onto a mix): the epoch after its own
+    one = {"cursor": {"epoch": 3, "consumed": 5}, "data": sources[0].summary()}
+    assert after.rebased(one)["sources"] == [{"epoch": 4, "consumed": 0}] * 2
 
 
 @pytest.mark.parametrize("dp_before,dp_after", [(2, 2), (2, 3), (4, 1)])

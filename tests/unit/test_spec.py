@@ -70,11 +70,13 @@ def test_fingerprint_ignores_steps_and_layout_but_not_the_model(tmp_path):
                         "parallel": {"dp": 1}, "resources": {"cpus_per_worker": 1}})
     c = spec_from_dict({**base, "model": {**base["model"], "width": 64}})
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
-    # a mix: its sources and weights are the recipe, the names of their metrics are not
+    # a mix: its sources are the recipe; their weights are pinned with their files (resumed
+    # with --rebase-data: tests/unit/test_data.py), the names of their metrics are not
     mix = [{"path": "a", "weight": 1}, {"path": "b", "weight": 3}]
     mixed = [spec_from_dict({**base, "data": {**base["data"], "mix": m}}) for m in (
-        mix, [dict(mix[0], name="web"), mix[1]], [mix[0], dict(mix[1], weight=2)])]
-    assert mixed[0].fingerprint() == mixed[1].fingerprint() != mixed[2].fingerprint()
+        mix, [dict(mix[0], name="web"), mix[1]], [mix[0], dict(mix[1], weight=2)],
+        [mix[0], dict(mix[1], path="c")])]
+    assert mixed[0].fingerprint() == mixed[1].fingerprint() == mixed[2].fingerprint() != mixed[3].fingerprint()
     assert a.fingerprint() != mixed[0].fingerprint()
 
 

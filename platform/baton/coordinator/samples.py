@@ -30,7 +30,7 @@ class Samples:
         if meta is None:
             state, step = self.feed.cursor().state_dict(), 0
         else:
-            state = meta["cursor"] if self.manifest.trained(meta) else self.feed.rebased(meta["cursor"])
+            state = meta["cursor"] if self.manifest.trained(meta) else self.feed.rebased(meta)
             step = meta["step"]
         self.cursor.load_state_dict(state)
         self.done = self.cursor.state_dict()

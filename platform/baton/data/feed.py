@@ -434,7 +434,10 @@ class DataFeed:
         """Where a run starts in this feed's order."""
         return Cursor()
 
-    rebased = staticmethod(rebased)  # a cursor moved onto another corpus (order.rebased)
+    @staticmethod
+    def rebased(meta: dict) -> dict:
+        """The cursor of checkpoint `meta` moved onto another corpus (order.rebased)."""
+        return rebased(meta["cursor"])
 
     @property
     def rows_read(self) -> int:

@@ -7,7 +7,10 @@ scheduling): the i-th sample of source k is due at time (i + 1/2) / w_k, and the
 samples in the order of those times (ties by source index). After n samples every source has
 given w_k n of them, within one; and the choice for sample n depends only on how many each
 source has given before it, so a batch split at any size, a resume and a resize continue the
-same stream. Each source keeps its own epoch order and cursor (`order.py`: every sample of a
+same stream. The weights may change on a resume (`--rebase-data`: an annealing phase on
+other proportions): each source goes on from its place, and the schedule starts again from
+there (counting from the samples each had given then, `since`), so the new weights hold
+from that step on rather than making up for the old ones. Each source keeps its own epoch order and cursor (`order.py`: every sample of a
 source once per epoch of that source) and its own feed (`feed.py`), unchanged; a batch merges
 their batches into one position space, sources one after another (source k's positions and
 row groups offset by the sizes of the sources before it), so the workers read it as they read
@@ -38,13 +41,15 @@ def due(taken: Sequence[int], weights: np.ndarray, count: int) -> np.ndarray:
 
 
 class MixCursor:
-    """Where the stream stands: each source's cursor in its own epochs. Its state holds them,
-    the samples taken in all (`consumed`) and the fewest epochs any source has finished
-    (`epoch`, the run's epoch metric: every sample of every source seen that many times)."""
+    """Where the stream stands: each source's cursor in its own epochs, and the samples each
+    had given when the current weights took effect (`since`). Its state holds them, the
+    samples taken in all (`consumed`) and the fewest epochs any source has finished (`epoch`,
+    the run's epoch metric: every sample of every source seen that many times)."""
 
     def __init__(self, sources: int):
         self.sources = [Cursor() for _ in range(sources)]
         self.sizes: list[int] = [0] * sources  # samples of each source's order, for `taken`
+        self.since: list[int] = [0] * sources
 
     @property
     def epoch(self) -> int:
@@ -53,9 +58,13 @@ class MixCursor:
     def taken(self) -> list[int]:
         return [c.epoch * n + c.consumed for c, n in zip(self.sources, self.sizes)]
 
+    def scheduled(self) -> list[int]:
+        """What the schedule counts: each source's samples under the current weights."""
+        return [t - s for t, s in zip(self.taken(), self.since)]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": sum(self.taken()),
-                "sources": [c.state_dict() for c in self.sources]}
+                "sources": [c.state_dict() for c in self.sources], "since": list(self.since)}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state.get("sources", ())) != len(self.sources):
@@ -63,6 +72,7 @@ class MixCursor:
                              f"{len(self.sources)}")
         for cursor, s in zip(self.sources, state["sources"]):
             cursor.load_state_dict(s)
+        self.since = [int(n) for n in state.get("since", [0] * len(self.sources))]
 
 
 class Mixture:
@@ -118,7 +128,10 @@ class Mixture:
             return f"{len(old)} sources then, {len(self.manifests)} now"
         changed = [f"data.mix[{k}] ({self.paths[k]})" for k, (o, m) in enumerate(zip(old, self.manifests))
                    if o.get("digest") != m.digest()]
-        return (", ".join(changed) + " changed") if changed else "the weights changed"
+        if changed:
+            return ", ".join(changed) + " changed"
+        before = ", ".join(f"{o.get('weight', 0):.3g}" for o in old)
+        return f"the weights changed ({before} -> {', '.join(f'{w:.3g}' for w in self.weights)})"
 
     def orders(self, seed: int, shuffle_block: int) -> list[EpochOrder]:
         """Each source's epoch order over its training row groups, by a seed of its own (drawn
@@ -139,17 +152,27 @@ class MixedFeed:
         cursor.sizes = [f.order.num_samples for f in self.feeds]
         return cursor
 
-    def rebased(self, state: dict) -> dict:
-        """Each source goes on from the start of its next epoch (`order.rebased`); from a
-        checkpoint of one corpus or of another number of sources, every source from the start
-        of the epoch after that checkpoint's."""
+    def rebased(self, meta: dict) -> dict:
+        """The cursor to go on from after checkpoint `meta`, trained on other data (`--rebase-data`):
+        a source whose files are those of the checkpoint's source at its place goes on from
+        where it was, another from the start of its next epoch (`order.rebased`), every source
+        so from a checkpoint of one corpus or of another number of sources; and the schedule
+        starts again from there under the new weights."""
+        state = meta["cursor"]
+        old = meta.get("data", {}).get("sources")
         sources = state.get("sources")
-        if sources is None or len(sources) != len(self.feeds):
+        if old is None or sources is None or len(sources) != len(self.feeds):
             sources = [rebased(state)] * len(self.feeds)
-        return {**state, "sources": [rebased(s) for s in sources]}
+        else:
+            sources = [s if o.get("digest") == m.digest() else rebased(s)
+                       for s, o, m in zip(sources, old, self.mixture.manifests)]
+        cursor = self.cursor()
+        cursor.load_state_dict({"sources": sources})
+        cursor.since = cursor.taken()
+        return cursor.state_dict()
 
     def prime(self, cursor: MixCursor, global_batch: int) -> None:
-        sources = due(cursor.taken(), self.mixture.weights, global_batch)
+        sources = due(cursor.scheduled(), self.mixture.weights, global_batch)
         for k, feed in enumerate(self.feeds):
             c = cursor.sources[k]
             count = min(int((sources == k).sum()), feed.order.num_samples - c.consumed)
@@ -157,7 +180,7 @@ class MixedFeed:
                 feed.prime(c, count)
 
     def next_batch(self, cursor: MixCursor, global_batch: int) -> Batch:
-        sources = due(cursor.taken(), self.mixture.weights, global_batch)
+        sources = due(cursor.scheduled(), self.mixture.weights, global_batch)
         positions = np.empty(global_batch, dtype=np.int64)
         units: dict = {}
         window: set = set()
