@@ -14,6 +14,7 @@ from baton.checkpoint import CheckpointStore
 from baton.checkpoint.store import sizes_only
 from baton.coordinator import Coordinator, State
 from baton.coordinator.commits import Commits
+from baton.coordinator.evaluation import Pass
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
 from baton.coordinator.samples import Samples
 from baton.data import EpochOrder
@@ -914,10 +915,10 @@ class ScriptedEvaluation:
         return True
 
     def submit(self, group, global_batch):
-        return [group.submit("evaluate")]
+        return Pass([group.submit("evaluate")], [1])
 
-    def collect(self, group, refs, step):
-        for batch_refs in refs:
+    def collect(self, group, queued, step):
+        for batch_refs in queued.refs:
             group.wait(batch_refs, f"evaluating after step {step}")
         self.judged.append(step)
         self.last, self.step = {"eval_loss": self.losses[step], "eval_samples": 4}, step

@@ -37,7 +37,7 @@ from baton.checkpoint.lease import Lease
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, preflight
 from baton.coordinator.commits import Commits, Save
-from baton.coordinator.evaluation import Evaluation, evaluation
+from baton.coordinator.evaluation import Evaluation, Pass, evaluation
 from baton.coordinator.stopping import early_stop
 from baton.coordinator.stragglers import Stragglers
 from baton.coordinator.steps import StepStats
@@ -80,12 +80,12 @@ class _Pending:
     cursor: dict  # the data cursor after this step
     ledger_refs: Optional[list] = None
     save: Optional[Save] = None  # a checkpoint of this step, queued behind it
-    eval_refs: Optional[list] = None  # an evaluation pass after it: per batch, per worker
+    evaluation: Optional[Pass] = None  # an evaluation pass after it
     traced: bool = False
 
     def all_refs(self) -> list:
         saving = [*self.save.save_refs, *self.save.digest_refs] if self.save else []
-        evaluating = [ref for refs in self.eval_refs or [] for ref in refs]
+        evaluating = self.evaluation.all_refs() if self.evaluation else []
         return [*self.refs, *(self.ledger_refs or []), *saving, *evaluating]
 
 
@@ -283,7 +283,7 @@ class Coordinator:
         # eval.patience nothing is queued behind an evaluation until it is judged: a step
         # taken after the one the run stops at would change the state it ends with.
         while (self.submitted < self.spec.train.steps and len(self.inflight) < PIPELINE_DEPTH
-               and not (self.early_stop and self.inflight and self.inflight[-1].eval_refs)):
+               and not (self.early_stop and self.inflight and self.inflight[-1].evaluation)):
             self.inflight.append(self._submit(self.submitted))
         if not self.inflight:
             return self._finish()
@@ -511,7 +511,7 @@ class Coordinator:
         if self.samples:
             self.samples.seek(meta)
         if self.early_stop:  # its count at that step: the evaluations after it count again
-            self.early_stop.restore(meta.get("early_stop"))
+            self.early_stop.load_state_dict(meta.get("early_stop"))
             # (a failure while the stop's own checkpoint was written: the survivors' state of
             # that step still stops there)
             self.stopped_early = (self.early_stop.ended(self.step)
@@ -533,7 +533,7 @@ class Coordinator:
             self.step = self.submitted = 0
             self.samples.seek(None)
             if self.early_stop:
-                self.early_stop.restore(None)
+                self.early_stop.load_state_dict(None)
                 self.stopped_early = None
             return
         self._load(meta)
@@ -591,7 +591,7 @@ class Coordinator:
         if done % self.spec.checkpoint.every_steps == 0 or done == t.steps:
             pending.save = self.commits.queue(self.group, self.dims, done)
         if self.evaluation and self.evaluation.due(done):
-            pending.eval_refs = self.evaluation.submit(self.group, t.global_batch)
+            pending.evaluation = self.evaluation.submit(self.group, t.global_batch)
         self.submitted += 1
         return pending
 
@@ -623,8 +623,8 @@ class Coordinator:
         self.samples.completed(p.cursor, entries)  # with the step: see above
         if p.traced:
             self.stats.save_trace(self.step, results, self.spec, self.dims, self.tracker)
-        if p.eval_refs:  # logged with the step's metrics: a step is logged once
-            evaluated = self.evaluation.collect(self.group, p.eval_refs, self.step)
+        if p.evaluation:  # logged with the step's metrics: a step is logged once
+            evaluated = self.evaluation.collect(self.group, p.evaluation, self.step)
             metrics.update(evaluated)
             self.report.evaluated(self.step, evaluated)
             if (self.early_stop and self.early_stop.observe(self.step, evaluated)
@@ -666,7 +666,7 @@ class Coordinator:
                 # the held-out metrics of this step's state, where it was evaluated (checkpoint.best)
                 **({"eval": self.evaluation.last}
                    if self.evaluation and self.evaluation.step == self.step else {}),
-                **({"early_stop": self.early_stop.state()} if self.early_stop else {})}
+                **({"early_stop": self.early_stop.state_dict()} if self.early_stop else {})}
 
     def status(self) -> dict:
         """What `baton status` shows of a running job."""

@@ -12,6 +12,7 @@ and each source's apart (eval_loss/NAME)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from baton.data.feed import DataFeed
@@ -21,12 +22,16 @@ from baton.spec import JobSpec
 from baton.tasks import metric_values
 
 
-class Pass(list):
-    """One pass's references, per batch, and how many batches each held-out set took."""
+@dataclass
+class Pass:
+    """One pass queued on the workers: per batch, each worker's reference, and how many
+    batches each held-out set took (in order)."""
 
-    def __init__(self, refs: list, batches: list[int]):
-        super().__init__(refs)
-        self.batches = batches
+    refs: list[list]
+    batches: list[int]
+
+    def all_refs(self) -> list:
+        return [ref for batch_refs in self.refs for ref in batch_refs]
 
 
 class Evaluation:
@@ -54,12 +59,12 @@ class Evaluation:
         self.passes += 1
         return Pass(refs, batches)
 
-    def collect(self, group, refs: Pass, step: int) -> dict:
+    def collect(self, group, queued: Pass, step: int) -> dict:
         """The pass's metrics over every held-out set; with several (a mix's sources, under
         eval.fraction), each set's too, as eval_loss/NAME."""
         at, by_set = 0, []
-        for (name, _), n in zip(self.sets, refs.batches):
-            by_set.append((name, [r for batch_refs in refs[at:at + n]
+        for (name, _), n in zip(self.sets, queued.batches):
+            by_set.append((name, [r for batch_refs in queued.refs[at:at + n]
                                   for r in group.wait(batch_refs, f"evaluating after step {step}")]))
             at += n
         self.last = {**_metrics([r for _, results in by_set for r in results]),

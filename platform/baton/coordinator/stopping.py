@@ -48,19 +48,19 @@ class EarlyStop:
 
     def ended(self, step: int) -> Optional[dict]:
         """The record of a run that stops at `step` (RunResult.stopped_early), or None."""
-        return {"step": step, **self.state(), "why": self.why()} if self.stopped else None
+        return {"step": step, **self.state_dict(), "why": self.why()} if self.stopped else None
 
     def why(self) -> str:
         return (f"{self.metric} has not improved on {self.best:.6g} (step {self.best_step}) by more "
                 f"than {self.min_delta:g} in {self.waited} evaluation{'s' * (self.waited != 1)} "
                 f"(eval.patience {self.patience})")
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """What a checkpoint of this step records."""
         return {"metric": self.metric, "best": self.best, "best_step": self.best_step,
                 "waited": self.waited}
 
-    def restore(self, state: Optional[dict]) -> None:
+    def load_state_dict(self, state: Optional[dict]) -> None:
         """Back to a checkpoint's count (none recorded, or another metric's: from the start)."""
         if not state or state.get("metric") != self.metric:
             state = {}
@@ -79,5 +79,5 @@ def stopped_before(spec: JobSpec, meta: dict) -> Optional[str]:
     stop = early_stop(spec)
     if stop is None:
         return None
-    stop.restore(meta.get("early_stop"))
+    stop.load_state_dict(meta.get("early_stop"))
     return stop.why() if stop.best is not None and stop.stopped else None
