@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="override a spec value for every trial (repeatable)")
     sw.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
     sw.add_argument("--quiet", action="store_true", help="no progress line")
+    sw.add_argument("--list", action="store_true",
+                    help="list the trials (each job checked) and whether each is done, and train nothing")
 
     ev = sub.add_parser("eval", help="evaluate a job's checkpoint on its held-out data "
                         "(eval.fraction or eval.path), without training")
@@ -453,6 +455,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from baton import sweeps
 
         axes = _grid(args.job, args.grid)
+        if args.list:
+            for t in sweeps.plan(args.job, axes, args.set):
+                meta = sweeps.done(t.spec)
+                print(f"{t.name}: " + ", ".join(f"{k}={v}" for k, v in t.values.items())
+                      + (f"; done at step {meta['step']}" if meta else ""))
+            return 0
         trials = api.sweep(args.job, axes, args.set, address=args.address, show_progress=not args.quiet)
         metric, lowest = sweeps.ranked_by(trials[0].spec)
         print(f"{args.job}: {len(trials)} trials, best first by {metric} "

@@ -102,10 +102,10 @@ def plan(job, axes: dict[str, list], overrides: list[str] = ()) -> list[Trial]:
 def train(t: Trial, run: Callable[[JobSpec], object], log: Callable[[str], None]) -> None:
     """Train trial `t` by `run` (api.run), unless it is done; record how it ended."""
     metric, _ = ranked_by(t.spec)
-    done = _done(t.spec)
-    if done is not None:
-        t.state, t.step, t.loss, t.run_id = "done before", done["step"], done.get("loss"), done.get("mlflow_run_id")
-        t.metric = _metric_of(t.spec, metric, done.get("eval", {}), done.get("loss"), _best_value(t.spec))
+    meta = done(t.spec)
+    if meta is not None:
+        t.state, t.step, t.loss, t.run_id = "done before", meta["step"], meta.get("loss"), meta.get("mlflow_run_id")
+        t.metric = _metric_of(t.spec, metric, meta.get("eval", {}), meta.get("loss"), _best_value(t.spec))
         log(f"  {t.name}: done before, at step {t.step}")
         return
     try:
@@ -123,7 +123,7 @@ def train(t: Trial, run: Callable[[JobSpec], object], log: Callable[[str], None]
         + f"; MLflow run {t.run_id}")
 
 
-def _done(spec: JobSpec) -> Optional[dict]:
+def done(spec: JobSpec) -> Optional[dict]:
     """The newest checkpoint's metadata where the job is done at it (api.finished_why)."""
     from baton import api
     from baton.checkpoint import CheckpointStore

@@ -72,3 +72,10 @@ def test_trials_are_ranked_by_the_jobs_metric_failed_ones_last(tmp_path):
                 {"train.lr": [0.1]})[0].spec
     assert ranked_by(spec) == ("eval_loss", True)
     assert ranked_by(plan(_job(tmp_path), {"train.lr": [0.1]})[0].spec) == ("loss", True)
+
+
+def test_list_shows_each_trial_and_trains_nothing(tmp_path, capsys):
+    job = _job(tmp_path)
+    assert cli.main(["sweep", job, "--grid", "train.lr=[0.001, 0.003]", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["q-lr0.001: train.lr=0.001", "q-lr0.003: train.lr=0.003"]
+    assert not (tmp_path / "ckpt").exists()
