@@ -151,7 +151,8 @@ def _check_recipe(meta: dict, spec: JobSpec, source: str, step: int) -> None:
 def check_corpus(meta: dict, manifest: Manifest | Mixture, source: str, rebase: bool) -> None:
     """Refuse to resume on a corpus other than the one the checkpoint was trained on: its
     cursor counts samples of that corpus's order. With `rebase`, the run goes on from the start
-    of the next epoch on the new corpus (`Coordinator._cursor_of`)."""
+    of the next epoch on the new corpus, or, for a mix, as `MixedFeed.rebased` says
+    (`Samples.seek`)."""
     if rebase or manifest.trained(meta):
         return
     old = meta.get("manifest")

@@ -145,8 +145,7 @@ def test_a_mix_cursor_keeps_each_sources_place_and_rebases_each(tmp_path):
     from baton.data.manifest import FileEntry, Manifest
     from baton.data.mix import MixCursor, MixedFeed, Mixture
 
-    cursor = MixCursor(2)
-    cursor.sizes = [16, 100]
+    cursor = MixCursor([16, 100])
     cursor.load_state_dict({"sources": [{"epoch": 1, "consumed": 14}, {"epoch": 0, "consumed": 50}]})
     assert cursor.taken() == [30, 50] and cursor.scheduled() == [30, 50]
     state = cursor.state_dict()

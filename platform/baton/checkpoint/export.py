@@ -109,16 +109,11 @@ def _tokens(spec: JobSpec) -> Optional[dict]:
     """How the job's corpus was tokenised, as `baton data prepare` recorded it (its
     `_corpus.json`: the tokenizer, `bytes` or a `module:function`, and the end-of-document
     token), for `baton sample`; None for a corpus written otherwise, or not readable here."""
-    from baton import storage
+    from baton.data.text import tokenised_by
 
     if spec.task != "language_model":
         return None
-    try:
-        fs, path = storage.resolve(spec.data.paths[0])  # (a mix's sources share a tokenizer)
-        info = json.loads(storage.read_bytes(fs, f"{path}/_corpus.json"))
-        return {"tokenizer": info["tokenizer"], "eod_token": info.get("eod_token")}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return tokenised_by(spec.data.paths[0])  # (a mix's sources share one: data/source.py)
 
 
 def _best(spec: JobSpec, store: CheckpointStore) -> int:

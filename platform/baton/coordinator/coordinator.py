@@ -510,12 +510,7 @@ class Coordinator:
         self.step = self.submitted = meta["step"]
         if self.samples:
             self.samples.seek(meta)
-        if self.early_stop:  # its count at that step: the evaluations after it count again
-            self.early_stop.load_state_dict(meta.get("early_stop"))
-            # (a failure while the stop's own checkpoint was written: the survivors' state of
-            # that step still stops there)
-            self.stopped_early = (self.early_stop.ended(self.step)
-                                  if self.step < self.spec.train.steps else None)
+        self._rewind_stop(meta)
 
     def _load_latest(self, resuming: bool = False) -> None:
         """Load the newest whole checkpoint (`Commits.newest_whole`). With none: start over;
@@ -532,14 +527,21 @@ class Coordinator:
         if meta is None:  # no checkpoint yet: start over (setup built the models from the seed)
             self.step = self.submitted = 0
             self.samples.seek(None)
-            if self.early_stop:
-                self.early_stop.load_state_dict(None)
-                self.stopped_early = None
+            self._rewind_stop(None)
             return
         self._load(meta)
         if resuming and meta["step"] != self.resume_meta["step"]:
             self.resume_meta = meta
             self.tracker.set_tags({"resumed_from_step": meta["step"]})
+
+    def _rewind_stop(self, meta: Optional[dict]) -> None:
+        """eval.patience's count back to checkpoint `meta`'s (None: the start): the evaluations
+        after it count again. A failure while the stop's own checkpoint was written leaves the
+        survivors' state of that step, which still stops there."""
+        if self.early_stop:
+            self.early_stop.load_state_dict(meta.get("early_stop") if meta else None)
+            self.stopped_early = (self.early_stop.ended(self.step)
+                                  if self.step < self.spec.train.steps else None)
 
     def _rescale_due(self) -> bool:
         # a recovery or rescale that has not completed its first step yet is still being

@@ -5,7 +5,7 @@ checkpoint.best's metric improved by more than `eval.min_delta` on the best valu
 Its state after a step is part of that step's checkpoint (`meta.json`'s `early_stop`): a run
 sent back to a checkpoint counts again from there, so a recovered run stops where an
 uninterrupted one does, and a job that stopped early is not trained on by running it again
-unless its patience is raised (`api._resume_meta`)."""
+unless its patience is raised (`api.finished_why`)."""
 
 from __future__ import annotations
 

@@ -46,10 +46,10 @@ class MixCursor:
     samples taken in all (`consumed`) and the fewest epochs any source has finished (`epoch`,
     the run's epoch metric: every sample of every source seen that many times)."""
 
-    def __init__(self, sources: int):
-        self.sources = [Cursor() for _ in range(sources)]
-        self.sizes: list[int] = [0] * sources  # samples of each source's order, for `taken`
-        self.since: list[int] = [0] * sources
+    def __init__(self, sizes: Sequence[int]):
+        self.sizes = list(sizes)  # samples of each source's order (an epoch), for `taken`
+        self.sources = [Cursor() for _ in sizes]
+        self.since: list[int] = [0] * len(sizes)
 
     @property
     def epoch(self) -> int:
@@ -148,9 +148,7 @@ class MixedFeed:
         self.mixture, self.feeds = mixture, list(feeds)
 
     def cursor(self) -> MixCursor:
-        cursor = MixCursor(len(self.feeds))
-        cursor.sizes = [f.order.num_samples for f in self.feeds]
-        return cursor
+        return MixCursor([f.order.num_samples for f in self.feeds])
 
     def rebased(self, meta: dict) -> dict:
         """The cursor to go on from after checkpoint `meta`, trained on other data (`--rebase-data`):
@@ -185,10 +183,10 @@ class MixedFeed:
         units: dict = {}
         window: set = set()
         for k, feed in enumerate(self.feeds):
-            want = int((sources == k).sum())
-            got = []
-            while sum(len(b) for b in got) < want:  # across the source's epoch end
-                got.append(feed.next_batch(cursor.sources[k], want - sum(len(b) for b in got)))
+            want, got, have = int((sources == k).sum()), [], 0
+            while have < want:  # across the source's epoch end
+                got.append(feed.next_batch(cursor.sources[k], want - have))
+                have += len(got[-1])
             if not got:
                 continue
             base, unit_base = int(self.mixture.bases[k]), int(self.mixture.unit_bases[k])

@@ -148,7 +148,10 @@ def _mixed(spec: JobSpec, source: str) -> JobData:
         manifests.append(manifest)
         columns = mine
     # token ids mean one vocabulary: corpora `baton data prepare` tokenised otherwise differ
-    known = [(k, t) for k, t in enumerate(_tokenizer(m.path) for m in spec.data.mix) if t is not None]
+    from baton.data.text import tokenised_by
+
+    known = [(k, t["tokenizer"]) for k, t in enumerate(tokenised_by(m.path) for m in spec.data.mix)
+             if t is not None]
     other = next(((k, t) for k, t in known if t != known[0][1]), None)
     if other is not None:
         raise SpecError(f"{source}: data.mix[{other[0]}].path: {spec.data.mix[other[0]].path!r} was "
@@ -157,17 +160,6 @@ def _mixed(spec: JobSpec, source: str) -> JobData:
     return JobData(Mixture([m.path for m in spec.data.mix], manifests,
                            [m.weight for m in spec.data.mix], [m.label for m in spec.data.mix]),
                    columns)
-
-
-def _tokenizer(path: str) -> Optional[str]:
-    """The tokenizer `baton data prepare` recorded for a corpus (`_corpus.json`), or None."""
-    import json
-
-    try:
-        fs, root = storage.resolve(path)
-        return str(json.loads(storage.read_bytes(fs, f"{root}/_corpus.json"))["tokenizer"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _check_first_rows(manifest: Manifest, columns: Columns) -> None:

@@ -152,6 +152,20 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
     return info
 
 
+def tokenised_by(path: str) -> Optional[dict]:
+    """How `prepare_text` tokenised the corpus at `path`, as its `_corpus.json` records: the
+    tokenizer (`bytes` or a `module:function`) and the end-of-document token; None for a
+    corpus written otherwise, or not readable here."""
+    from baton import storage
+
+    try:
+        fs, root = storage.resolve(path)
+        info = json.loads(storage.read_bytes(fs, f"{root}/_corpus.json"))
+        return {"tokenizer": str(info["tokenizer"]), "eod_token": info.get("eod_token")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _on_ray(files: list[Path], part: Callable[[int, str], dict]) -> list[dict]:
     """`part` of every file as a Ray Data map stage, its tasks kept on this node: they write
     into a local folder, which a task on another node would not see."""
