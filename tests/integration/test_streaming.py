@@ -684,5 +684,6 @@ def test_a_mix_holds_out_row_groups_of_each_source_and_reports_each(tmp_path):
         print(name, abs(e[f"eval_loss/{name}"] / (total / count) - 1))
         assert e[f"eval_loss/{name}"] == pytest.approx(total / count, rel=1e-5), name
     both = sum(t for t, _ in losses.values()) / sum(c for _, c in losses.values())
+    print("both", abs(e["eval_loss"] / both - 1))  # measured 2.7e-08; the same bound
     assert e["eval_loss"] == pytest.approx(both, rel=1e-5)
     assert not held_ids & {i for _, _, ids in result.ledger for i in ids}  # never trained on

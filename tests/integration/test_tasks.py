@@ -363,7 +363,8 @@ def test_a_sweep_trains_each_trial_once_and_ranks_them_by_the_best_checkpoint(tm
         best[name] = store.best("eval_loss", True)[1]
         assert store.latest() == 4
     assert [r[0] for r in rows] == sorted(best, key=best.get)  # lowest first
-    assert [float(r[5]) for r in rows] == pytest.approx(sorted(best.values()), rel=1e-3)  # (4 digits)
+    assert [float(r[5]) for r in rows] == pytest.approx(sorted(best.values()), rel=1e-3)
+    # (not an equivalence: the table prints 4 significant digits, `.4g`, of the same values)
 
     assert cli.main(["sweep", str(job), "--grid", "train.lr=[0.001, 0.1]", "--quiet"]) == 0
     again = capsys.readouterr().out
