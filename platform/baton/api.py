@@ -46,15 +46,19 @@ def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> Non
     """`model.init_from` names weights this model can start from: for a model of baton's (or
     your builder's), a `baton export` folder holding every parameter at its shape; an hf:
     model's is read by transformers' from_pretrained on the workers. `if_present` (`baton
-    validate`, as for the data): a folder not here (on a cluster's storage) is not checked."""
+    validate`, as for the data): a local folder not here (on a cluster's storage) is not
+    checked; a URI (`s3://`) is read from here, its files' headers only."""
     m = spec.model
-    if m.init_from is None or m.name.startswith("hf:") or (if_present and not os.path.exists(m.init_from)):
+    if m.init_from is None or m.name.startswith("hf:") or (
+            if_present and not storage.is_uri(m.init_from) and not os.path.exists(m.init_from)):
         return
     from baton.checkpoint.export import Exported
     from baton.models import _on_meta
 
     try:
-        problem = Exported(m.init_from, m.init_fresh, m.init_grow).problem(_on_meta(m))
+        exported = Exported(m.init_from, m.init_fresh, m.init_grow)
+        exported.close()
+        problem = exported.problem(_on_meta(m))
     except CheckpointError as e:
         problem = str(e)
     if problem:
@@ -77,7 +81,9 @@ def grown_names(spec: JobSpec) -> str:
     from baton.checkpoint.export import Exported, named
     from baton.models import _on_meta
 
-    theirs = Exported(spec.model.init_from).shapes
+    exported = Exported(spec.model.init_from)
+    exported.close()
+    theirs = exported.shapes
     return ", ".join(f"{n} ({theirs[n][0]:,} of {t.shape[0]:,} rows)"
                      for n, t in _on_meta(spec.model).state_dict().items()
                      if named(n, spec.model.init_grow))

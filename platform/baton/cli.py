@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="write a job's trained model as safetensors files "
                          "(Hugging Face's layout), from its newest verified checkpoint")
     exp.add_argument("job", help="the job's YAML file (where its checkpoints are)")
-    exp.add_argument("--out", required=True, help="folder to create")
+    exp.add_argument("--out", required=True,
+                     help="folder to create: a local path or a URI (s3://bucket/models/x)")
     _which_checkpoint(exp)
     exp.add_argument("--max-file-mb", type=int, default=5000,
                      help="split into files of at most this many MB (default 5000, as "
@@ -79,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
     smp = sub.add_parser("sample", help="text from an exported language model (baton export)")
-    smp.add_argument("folder", help="the folder baton export wrote")
+    smp.add_argument("folder", help="the folder baton export wrote (a local path or a URI)")
     smp.add_argument("--prompt", required=True, help="the text to go on from")
     smp.add_argument("--tokens", type=int, default=200, help="how many tokens to write (default 200)")
     smp.add_argument("--temperature", type=float, default=0.8,
@@ -384,11 +385,12 @@ def _dispatch(args: argparse.Namespace) -> int:
                       + (f"; stops after {e.patience} evaluation{'s' * (e.patience > 1)} without "
                          f"an improvement" + (f" larger than {e.min_delta:g}" if e.min_delta else "")
                          if e.patience else ""))
-        if spec.model.init_from and os.path.exists(os.path.join(spec.model.init_from, "baton.json")):
-            from baton.checkpoint.export import read_about
+        from baton.checkpoint.export import is_export, read_about
+        from baton.storage import redact
 
+        if spec.model.init_from and is_export(spec.model.init_from):
             about = read_about(spec.model.init_from)
-            print(f"  starts from {spec.model.init_from}: step {about.get('step')} of "
+            print(f"  starts from {redact(spec.model.init_from)}: step {about.get('step')} of "
                   f"{about.get('job')} ({about.get('parameters', 0):,} parameters)")
             if spec.model.init_fresh:
                 print(f"  fresh (its own initialization): {api.fresh_names(spec)}")

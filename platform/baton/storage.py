@@ -58,9 +58,14 @@ def local_path(path: str) -> str:
     return os.path.join(local_root(), os.path.expanduser(local))
 
 
+def is_uri(path: str) -> bool:
+    """`path` names a filesystem of its own (`s3://...`), not a local path."""
+    return "://" in path and not path.startswith("file://")
+
+
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem and the path within it (relative local paths: see `local_root`)."""
-    if "://" in path and not path.startswith("file://"):
+    if is_uri(path):
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), os.path.normpath(local_path(path))
 

@@ -223,7 +223,7 @@ def job_excludes(spec: JobSpec, root: Path, job_file: Path) -> tuple[str, ...]:
 
     out = []
     for path in (*spec.data.paths, spec.checkpoint.path):
-        if "://" in path and not path.startswith("file://"):
+        if storage.is_uri(path):
             continue
         full = Path(storage.local_path(path)).resolve()
         if root in full.parents:
@@ -439,7 +439,9 @@ def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optiona
 
 
 def _is_relative_local(path: str) -> bool:
-    return not ("://" in path and not path.startswith("file://")) and not os.path.isabs(
+    from baton import storage
+
+    return not storage.is_uri(path) and not os.path.isabs(
         path[len("file://"):] if path.startswith("file://") else path)
 
 

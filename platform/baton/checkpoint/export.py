@@ -22,20 +22,25 @@ folder beside `out` and renamed into place once all of them are: `out` is whole 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+import posixpath
 import sys
+import shutil
 from fnmatch import fnmatchcase
-from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
+import pyarrow.fs as pafs
 import torch
 
+from baton import storage
+from baton.checkpoint import tensorfile
 from baton.checkpoint.store import CheckpointStore
-from baton.errors import CheckpointError
+from baton.errors import CheckpointError, StoreUnavailable
 from baton.models import HF_PREFIX
 from baton.spec import JobSpec, ModelSpec
+from baton.storage import redact
 
 MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default (save_pretrained's max_shard_size "5GB")
 SINGLE, INDEX, ABOUT = "model.safetensors", "model.safetensors.index.json", "baton.json"
@@ -46,29 +51,23 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
            max_shard_bytes: int = MAX_SHARD_BYTES, log: Optional[Callable[[str], None]] = None,
            hf: bool = False) -> dict:
     """Write checkpoint `step` of `spec`'s job (default: the newest that verifies; "best": the
-    one `checkpoint.best` kept) to the folder `out`, which must not exist; returns what
-    `baton.json` says, with the files. `hf`: the built-in GPT as Hugging Face's GPT-2 (an hf:
-    model is in its form anyway)."""
-    from safetensors.torch import save_file
-
-    target = Path(out)
-    if target.exists():
-        raise CheckpointError(f"{out} already exists; choose a new --out")
+    one `checkpoint.best` kept) to the folder `out` (a local path or a URI: `s3://...`), which
+    must not exist; returns what `baton.json` says, with the files. `hf`: the built-in GPT as
+    Hugging Face's GPT-2 (an hf: model is in its form anyway)."""
     # whose names the files use: baton's, transformers' (an hf: model's), or GPT-2's
     names = ("transformers" if spec.model.name.startswith(HF_PREFIX)
              else "gpt2" if hf and spec.model.name == "gpt" else "baton")
     if hf and names == "baton":
         raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
                               "built-in gpt (as GPT-2) and hf: models do")
+    target = _Out(out)
     store = CheckpointStore(spec.checkpoint_dir)
     step = pick(spec, store, step, log or (lambda line: print(line, file=sys.stderr)))
     about = {"job": spec.name, "step": step, "model": spec.to_dict()["model"],
              "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step),
              "names": names}
     meta = {"format": "pt", "baton.job": spec.name, "baton.step": str(step)}
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    target.begin()
     try:
         files, where, total, count = [], {}, 0, 0
         for group in _files(_tensors(store, step, max_shard_bytes), max_shard_bytes):
@@ -77,8 +76,8 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
                 group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
             elif names == "gpt2":
                 group = dict(_to_gpt2(n, t, spec.model.layers) for n, t in group.items())
-            save_file(_unshared(group), str(tmp / name), metadata=meta)
-            os.chmod(tmp / name, 0o666 & ~_umask())  # safetensors writes its files 0600
+            with target.fs.open_output_stream(target.file(name)) as f:
+                tensorfile.write(f, group, meta)
             files.append(name)
             for n, t in group.items():
                 where[n] = name
@@ -86,23 +85,70 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
                 count += t.numel()
         final = _final_names(len(files))
         for old, new in zip(files, final):
-            os.replace(tmp / old, tmp / new)
+            target.fs.move(target.file(old), target.file(new))
         if len(final) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {n: final[files.index(f)] for n, f in sorted(where.items())}}
-            (tmp / INDEX).write_text(json.dumps(index, indent=1))
+            target.write(INDEX, json.dumps(index, indent=1))
         if names == "transformers":
             from baton.models.hf import _config
 
-            _config(spec.model).save_pretrained(tmp)
+            target.write("config.json", _config(spec.model).to_json_string(use_diff=True))
         elif names == "gpt2":
-            (tmp / "config.json").write_text(json.dumps(gpt2_config(spec.model), indent=1))
+            target.write("config.json", json.dumps(gpt2_config(spec.model), indent=1))
         about.update(files=final, parameters=count, bytes=total)
-        (tmp / ABOUT).write_text(json.dumps(about, indent=1))
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        target.write(ABOUT, json.dumps(about, indent=1))  # last: an export without it is none
+        target.done()
+    except BaseException:
+        target.abandon()
+        raise
     return about
+
+
+def where(folder: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem of an export's folder and its path there: a URI (`s3://...`), or a local
+    path as given (from the working directory)."""
+    if storage.is_uri(folder):
+        return storage.resolve(folder)
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(folder))
+
+
+class _Out:
+    """The folder an export is written to, whole or absent: on a local disk the files go into
+    a folder beside it that is renamed into place at the end; on object storage (no renames
+    of folders) into the folder itself, `baton.json` last, since an export is read from its
+    `baton.json` and one without it is refused; a failed export's files are deleted."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.fs, self.final = where(out)
+        self.local = storage.is_local(self.fs)
+        if storage.exists(self.fs, self.final):
+            raise CheckpointError(f"{redact(out)} already exists; choose a new --out")
+        head, tail = posixpath.split(self.final)
+        self.dir = f"{head}/.{tail}.tmp-{os.getpid()}" if self.local else self.final
+
+    def begin(self) -> None:
+        if self.local:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.fs.create_dir(self.dir, recursive=True)
+
+    def file(self, name: str) -> str:
+        return f"{self.dir}/{name}"
+
+    def write(self, name: str, text: str) -> None:
+        storage.write_bytes(self.fs, self.file(name), text.encode())
+
+    def done(self) -> None:
+        if self.local:
+            os.replace(self.dir, self.final)
+
+    def abandon(self) -> None:
+        if self.local:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        with contextlib.suppress(OSError):  # (what is left has no baton.json: not an export)
+            self.fs.delete_dir(self.final)
 
 
 def _tokens(spec: JobSpec) -> Optional[dict]:
@@ -192,26 +238,6 @@ def _files(tensors: Iterator[tuple[str, torch.Tensor]], most: int) -> Iterator[d
         yield group
 
 
-def _unshared(group: dict) -> dict:
-    """safetensors refuses tensors that share memory (a tied weight read from one file): each
-    later one copied, every one contiguous."""
-    seen, out = set(), {}
-    for name, t in group.items():
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = (t.clone() if ptr in seen else t).contiguous()
-        seen.add(ptr)
-    return out
-
-
-def _umask() -> int:
-    """This process's umask, read without setting it (os.umask sets it, for every thread)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError):
-        return 0o022
-
-
 def _final_names(n: int) -> list[str]:
     return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
@@ -253,12 +279,22 @@ def gpt2_config(model: ModelSpec) -> dict:
 
 
 def read_about(folder: str) -> dict:
-    """An export's `baton.json`."""
+    """An export's `baton.json` (`folder`: a local path or a URI)."""
     try:
-        return json.loads((Path(folder) / ABOUT).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder} is not a folder baton export wrote (its {ABOUT}: "
-                              f"{type(e).__name__}: {getattr(e, 'strerror', None) or e})") from None
+        fs, path = where(folder)
+        return json.loads(storage.read_retried(fs, f"{path}/{ABOUT}"))
+    except (OSError, ValueError, StoreUnavailable) as e:
+        raise CheckpointError(f"{redact(folder)} is not a folder baton export wrote (its {ABOUT}: "
+                              f"{type(e).__name__}: {redact(getattr(e, 'strerror', None) or str(e))})") from None
+
+
+def is_export(folder: str) -> bool:
+    """`folder` holds an export's `baton.json` (False where it cannot be read)."""
+    try:
+        fs, path = where(folder)
+        return storage.exists(fs, f"{path}/{ABOUT}")
+    except (OSError, ValueError):
+        return False
 
 
 class Exported:
@@ -273,15 +309,16 @@ class Exported:
         a vocabulary's end), whose rows here fill its first rows."""
         self.folder, self.about = folder, read_about(folder)
         self.fresh, self.grown = tuple(fresh), tuple(grown)
+        self.fs, self.path = where(folder)
+        self.files: dict[str, tensorfile.TensorFile] = {}
         try:
             self._index()
         except Exception as e:  # a baton.json or a file not as export writes them: one line
-            raise CheckpointError(f"{folder} is not an export baton can read ({type(e).__name__}: "
-                                  f"{str(e)[:200]})") from None
+            self.close()
+            raise CheckpointError(f"{redact(folder)} is not an export baton can read "
+                                  f"({type(e).__name__}: {redact(str(e))[:200]})") from None
 
     def _index(self) -> None:
-        from safetensors import safe_open
-
         from baton.models import _on_meta
 
         self.spec = ModelSpec(**{**self.about["model"], "init_from": None, "init_fresh": [],
@@ -295,21 +332,24 @@ class Exported:
         self.where: dict[str, tuple[str, str, bool]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}  # baton's name -> its shape, as baton holds it
         for file in self.about["files"]:
-            with safe_open(str(Path(self.folder) / file), framework="pt") as f:
-                for stored in f.keys():
-                    mine, transposed = (gpt2[stored] if kind == "gpt2" else
-                                        (HF_NAMES + stored if kind == "transformers" else stored, False))
-                    shape = tuple(f.get_slice(stored).get_shape())
-                    self.where[mine] = (file, stored, transposed)
-                    self.shapes[mine] = shape[::-1] if transposed else shape
+            f = self.files[file] = tensorfile.TensorFile(self.fs, f"{self.path}/{file}")
+            for stored in f.keys():
+                mine, transposed = (gpt2[stored] if kind == "gpt2" else
+                                    (HF_NAMES + stored if kind == "transformers" else stored, False))
+                shape = f.shape(stored)
+                self.where[mine] = (file, stored, transposed)
+                self.shapes[mine] = shape[::-1] if transposed else shape
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         file, stored, transposed = self.where[name]
-        with safe_open(str(Path(self.folder) / file), framework="pt") as f:
-            t = f.get_tensor(stored)
+        t = self.files[file].get(stored)
         return t.t().contiguous() if transposed else t
+
+    def close(self) -> None:
+        """Let go of the files (each is held open from the first read of its header)."""
+        for f in self.files.values():
+            f.close()
+        self.files = {}
 
     def problem(self, model: torch.nn.Module) -> Optional[str]:
         """Why `model` (on the meta device will do) cannot take these parameters: the first
@@ -382,4 +422,5 @@ def load_model(folder: str) -> torch.nn.Module:
     if problem:
         raise CheckpointError(problem)
     exported.load_into(model)
+    exported.close()
     return model.eval()

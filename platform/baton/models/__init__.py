@@ -150,6 +150,7 @@ def build_model(spec, seed: int) -> nn.Module:
     weights = _init_from(spec)
     if weights is not None:
         weights.load_into(model)
+        weights.close()
     return model
 
 
@@ -181,6 +182,7 @@ def build_lazily(spec, seed: int) -> tuple[nn.Module, Callable[[Iterable[nn.Modu
     if not isinstance(made, Layers):
         if weights is not None:
             weights.load_into(made)
+            weights.close()
         return made, lambda layers: None
     lazy = LayerByLayer(made, seed, weights)
     return lazy.module, lazy.fill

@@ -4,13 +4,15 @@ keys), built from the configuration with parameters drawn from the job's seed, n
 downloaded (no hub is reachable from most clusters' nodes, and none from here). A causal
 language model by default; `model.options: {head: sequence_classification}` builds the
 type's sequence classifier (`config.num_labels` classes) for `task: classification` over
-token-id inputs. `model.init_from`: a local `save_pretrained` folder to take the weights from
-(`baton export` writes one for an hf: model).
+token-id inputs. `model.init_from`: a `save_pretrained` folder to take the weights from, local or a URI
+(`s3://`, copied to a temporary folder first; `baton export` writes one for an hf: model).
 
 An optional extra: `pip install 'baton[hf]'`."""
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from typing import Optional
 
 from torch import nn
@@ -83,5 +85,23 @@ def build_hf(spec) -> nn.Module:
     auto = (transformers.AutoModelForCausalLM if head == "causal_lm"
             else transformers.AutoModelForSequenceClassification)
     if spec.init_from:
-        return HFModel(auto.from_pretrained(spec.init_from, local_files_only=True))
+        with local_copy(spec.init_from) as folder:
+            return HFModel(auto.from_pretrained(folder, local_files_only=True))
     return HFModel(auto.from_config(_config(spec)))
+
+
+@contextlib.contextmanager
+def local_copy(folder: str):
+    """A local folder holding what `folder` holds: itself, or for a URI (`s3://...`) a copy in
+    a temporary folder, removed afterwards (transformers' from_pretrained reads local files)."""
+    from baton import storage
+
+    if not storage.is_uri(folder):
+        yield folder
+        return
+    import pyarrow.fs as pafs
+
+    fs, path = storage.resolve(folder)
+    with tempfile.TemporaryDirectory(prefix="baton-init-") as tmp:
+        pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield tmp
