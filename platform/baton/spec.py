@@ -104,7 +104,10 @@ class TrainSpec:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 10
-    schedule: Literal["cosine", "constant"] = "cosine"
+    # after the warm-up: cosine or linear to min_lr at the last step; constant; or wsd
+    # (warmup-stable-decay): lr until the last decay_steps, then down to min_lr as 1 - sqrt
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    decay_steps: Optional[int] = None  # wsd's decay; null: the last fifth of train.steps
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # 0 turns clipping off
@@ -121,15 +124,27 @@ class TrainSpec:
     compile: Literal[True, False, "auto"] = "auto"
 
     def lr_at(self, step: int) -> float:
-        """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine to
-        min_lr at the last step (or constant)."""
+        """Learning rate for optimizer step `step` (0-based): linear warm-up, then `schedule`
+        down to min_lr at the last step. wsd holds lr until its decay's first step, then
+        decays as 1 - sqrt(progress), the shape Hägele et al. (2024, "Scaling Laws and
+        Compute-Optimal Training Beyond Fixed Training Durations") found to match cosine
+        where linear decay falls short."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         if self.schedule == "constant":
             return self.lr
-        span = max(1, self.steps - self.warmup_steps - 1)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+        start = self.warmup_steps if self.schedule != "wsd" else max(
+            self.warmup_steps, self.steps - self.wsd_decay_steps)
+        if step < start:
+            return self.lr
+        progress = min(1.0, (step - start) / max(1, self.steps - start - 1))
+        shape = {"cosine": lambda x: 0.5 * (1 + math.cos(math.pi * x)),
+                 "linear": lambda x: 1 - x, "wsd": lambda x: 1 - math.sqrt(x)}[self.schedule]
+        return self.min_lr + (self.lr - self.min_lr) * shape(progress)
+
+    @property
+    def wsd_decay_steps(self) -> int:
+        return self.decay_steps if self.decay_steps is not None else max(1, self.steps // 5)
 
 
 @dataclass(frozen=True)
@@ -320,11 +335,12 @@ class JobSpec:
 
     def recipe(self) -> dict:
         """What makes a checkpoint belong to this job: its name, model, data and optimisation
-        recipe. Steps, layout (including micro-batching), resources, checkpointing and tracking
-        may change on resume."""
+        recipe. Steps (and wsd's decay steps), layout (including micro-batching), resources,
+        checkpointing and tracking may change on resume."""
         d = self.to_dict()
-        train = {k: v for k, v in d["train"].items()
-                 if k not in ("steps", "micro_batch", "activation_checkpointing", "compile")
+        train = {k: v for k, v in d["train"].items()  # (decay_steps: like steps, a length)
+                 if k not in ("steps", "decay_steps", "micro_batch", "activation_checkpointing",
+                              "compile")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items() if k not in ("columns", "pad", "mix") or v}
         if "mix" in data:  # its sources; their weights are pinned with their files (a change

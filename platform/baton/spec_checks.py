@@ -91,6 +91,10 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(t.lr > 0, "train.lr", t.lr, "must be > 0 (e.g. 3e-4)")
     need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be in [0, train.lr = {t.lr}]")
     need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
+    need(t.decay_steps is None or t.schedule == "wsd", "train.decay_steps", t.decay_steps,
+         f"is wsd's (warmup-stable-decay); train.schedule is {t.schedule}")
+    need(t.decay_steps is None or 1 <= t.decay_steps <= t.steps, "train.decay_steps",
+         t.decay_steps, f"must be in [1, train.steps = {t.steps}]")
     need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", t.betas,
          "give two numbers in [0, 1), e.g. [0.9, 0.95]")
@@ -157,6 +161,7 @@ MOST: dict[str, tuple[float, str]] = {
     "train.global_batch": (2**24, "samples a step"),
     "train.micro_batch": (2**24, "samples"),
     "train.warmup_steps": (10**12, "steps"),
+    "train.decay_steps": (10**12, "steps"),
     "train.seed": (2**32 - 1, "a 32-bit seed"),
     "parallel.dp": (2**16, "replicas"),
     "parallel.pp": (2**10, "pipeline stages"),

@@ -66,6 +66,34 @@ def test_lr_schedule_warms_up_then_decays_to_min():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     const = TrainSpec(steps=100, lr=0.5, warmup_steps=0, schedule="constant")
     assert {const.lr_at(s) for s in range(100)} == {0.5}
+    linear = [TrainSpec(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10, schedule="linear").lr_at(s)
+              for s in range(100)]
+    assert linear[:10] == pytest.approx(lrs[:10]) and linear[99] == pytest.approx(0.1)
+    assert linear[10:] == pytest.approx([1.0 - 0.9 * k / 89 for k in range(90)])
+
+
+def test_wsd_holds_the_rate_then_decays_as_one_minus_the_square_root(tmp_path):
+    """warmup-stable-decay: the warm-up, lr until the last `decay_steps`, then 1 - sqrt of
+    the decay's progress down to min_lr at the last step; raising train.steps (a run trained
+    on) before the decay starts changes none of the rates already used."""
+    t = TrainSpec(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10, schedule="wsd", decay_steps=20)
+    lrs = [t.lr_at(s) for s in range(100)]
+    assert lrs[:10] == pytest.approx([0.1 * (s + 1) for s in range(10)])
+    assert lrs[10:80] == [1.0] * 70
+    assert lrs[80:] == pytest.approx([0.1 + 0.9 * (1 - (k / 19) ** 0.5) for k in range(20)])
+    assert lrs[99] == pytest.approx(0.1) and all(a > b for a, b in zip(lrs[80:], lrs[81:]))
+    longer = TrainSpec(steps=300, lr=1.0, min_lr=0.1, warmup_steps=10, schedule="wsd", decay_steps=20)
+    assert [longer.lr_at(s) for s in range(80)] == lrs[:80] and longer.lr_at(279) == 1.0
+    # without decay_steps the last fifth decays; the step count and decay length stay out of
+    # the recipe, so either changes on resume
+    assert TrainSpec(steps=100, schedule="wsd").wsd_decay_steps == 20
+    from baton.spec import spec_from_dict
+    from helpers import tiny_spec
+    raw = tiny_spec(tmp_path, tmp_path / "data")
+    wsd = {**raw, "train": {**raw["train"], "schedule": "wsd"}}
+    assert (spec_from_dict(wsd).fingerprint()
+            == spec_from_dict({**wsd, "train": {**wsd["train"], "decay_steps": 7, "steps": 70}}).fingerprint())
+    assert spec_from_dict(raw).fingerprint() != spec_from_dict(wsd).fingerprint()
 
 
 def test_the_attention_key_bias_changes_no_output():

@@ -100,7 +100,11 @@ BROKEN = [
     ({"parallel": {"dp": 1, "pp": 2, "microbatches": 3}, "train": {"micro_batch": None}}, "parallel.microbatches: 3 is invalid; must divide the 8 samples each replica gets per step"),
     ({"parallel": {"dp": 1, "pp": 2, "schedule": "1f1b", "chunks": 2}}, "parallel.chunks: 2 is invalid; only interleaved-1f1b runs several chunks per rank"),
     ({"parallel": {"dp": 1, "pp": 2, "microbatches": 2}}, "parallel.microbatches: 2 is invalid; dp x microbatches x train.micro_batch must equal train.global_batch (1 x 2 x 2 != 8)"),
-    ({"train": {"schedule": "linear"}}, "train.schedule: 'linear' is not one of cosine | constant"),
+    ({"train": {"schedule": "step"}}, "train.schedule: 'step' is not one of cosine | linear | constant | wsd"),
+    ({"train": {"decay_steps": 10}}, "train.decay_steps: 10 is invalid; is wsd's (warmup-stable-decay); "
+                                     "train.schedule is cosine"),
+    ({"train": {"schedule": "wsd", "decay_steps": 0}},
+     "train.decay_steps: 0 is invalid; must be in [1, train.steps = "),
     ({"train": {"compile": 1}}, "train.compile: 1 is not one of true | false | auto"),  # 1 == True in Python
     ({"model": {"seq_len": 64}}, "model.seq_len: 64 does not fit the data; rows of"),
     ({"name": "has space"}, "name: 'has space' is invalid"),
