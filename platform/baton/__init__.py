@@ -10,6 +10,7 @@ From Python (a notebook, a script), without the CLI:
     result.history("eval_accuracy")       # [(step, value), ...] from the run's MLflow record
     baton.evaluate(spec, step="best").eval  # a checkpoint on the held-out data, no training
     baton.sweep(spec, {"train.lr": [1e-3, 3e-3]})  # a trial per value, ranked
+    baton.fork("decay.yaml", spec)        # a new job starting at spec's newest checkpoint
     baton.export(spec, "model-out")       # its newest verified checkpoint, as safetensors
     model = baton.load_model("model-out") # the trained nn.Module, on the CPU
 
@@ -72,6 +73,15 @@ def export(job, out, step=None, overrides=(), max_shard_bytes=None, hf=False):
 
     return exporting.export(_spec(job, overrides), out, step,
                             max_shard_bytes or exporting.MAX_SHARD_BYTES, hf=hf)
+
+
+def fork(job, source, step=None, overrides=()):
+    """Make checkpoint `step` of job `source` (default: its newest that verifies; "best") the
+    first checkpoint of job `job`, which then runs (`baton.run`) as its resume, with its own
+    training settings (`baton.checkpoint.fork`); returns that checkpoint's metadata."""
+    from baton.checkpoint.fork import fork as forking
+
+    return forking(_spec(job, overrides), _spec(source, ()), step)
 
 
 def load_model(folder):

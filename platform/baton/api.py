@@ -235,8 +235,10 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
             from baton.coordinator import Coordinator  # most of it imported by now
 
             if resume_meta:
+                forked = resume_meta.get("forked_from")
                 log(f"resuming {spec.name} from step {resume_meta['step']} "
-                    f"(checkpoint in {storage.redact(spec.checkpoint_dir)})")
+                    f"(checkpoint in {storage.redact(spec.checkpoint_dir)}"
+                    + (f"; forked from {forked['job']})" if forked else ")"))
             coordinator = Coordinator(spec, tracker, resume_meta=resume_meta,
                                       record_samples=record_samples, show_progress=show_progress,
                                       on_step=on_step, data=data, lease=lease)

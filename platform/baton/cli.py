@@ -79,6 +79,15 @@ def _parser() -> argparse.ArgumentParser:
                           "and a config.json), for transformers and what reads its folders")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+    frk = sub.add_parser("fork", help="start a new job from another job's checkpoint (weights, "
+                         "optimizer state, data cursor) with its own training settings")
+    frk.add_argument("job", help="the new job's YAML file")
+    frk.add_argument("--from", required=True, dest="source", metavar="JOB.yaml",
+                     help="the job whose checkpoint it starts from")
+    _which_checkpoint(frk)
+    frk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a key of the new job's file")
+
     smp = sub.add_parser("sample", help="text from an exported language model (baton export)")
     smp.add_argument("folder", help="the folder baton export wrote (a local path or a URI)")
     smp.add_argument("--prompt", required=True, help="the text to go on from")
@@ -443,6 +452,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _report(args)
     if args.command == "export":
         return _export(args)
+    if args.command == "fork":
+        from baton.checkpoint.fork import fork
+        from baton.spec import load_spec
+        from baton.storage import redact
+
+        spec, source = load_spec(args.job, args.set), load_spec(args.source)
+        meta = fork(spec, source, args.step, log=lambda line: print(line, file=sys.stderr))
+        print(f"{spec.name} starts at step {meta['step']} of {source.name} (its weights, optimizer "
+              f"state and data cursor), in {redact(spec.checkpoint_dir)}; train it: baton run "
+              f"{args.job}")
+        return 0
     if args.command == "sample":
         from baton.sample import sample
 

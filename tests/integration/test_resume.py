@@ -1,6 +1,7 @@
 """Resume is invisible: 10 steps straight equal 5 steps, a SIGKILL, and 5 resumed steps, bitwise,
-in one MLflow run, with checkpoints written in the background (checkpoint.async). Runs the
-real `baton run` command in its own process group."""
+in one MLflow run, with checkpoints written in the background (checkpoint.async); and so is a
+fork (`baton fork`) of the straight run's step 5. Runs the real `baton run` command in its own
+process group."""
 
 from __future__ import annotations
 
@@ -72,6 +73,27 @@ def test_killed_and_resumed_equals_straight(tmp_path):
         client.search_runs([exp.experiment_id], "attributes.run_name = 'straight'")[0].info.run_id, "loss")}
     got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert got == ref
+
+    # `baton fork`: a job of another name started at the straight run's step 5 (weights,
+    # optimizer, RNG states, data cursor) trains steps 6-10 as the straight run did, bitwise,
+    # in an MLflow run of its own
+    forked = tmp_path / "forked.yaml"
+    forked.write_text(specs["straight"].read_text().replace("name: straight", "name: forked"))
+    fork = start_baton(["fork", str(forked), "--from", str(specs["straight"]), "--step", "5"],
+                       tmp_path, env=fast)
+    out, _ = fork.communicate(timeout=120)
+    assert fork.returncode == 0 and "forked starts at step 5 of straight" in out, out
+    run = start_baton(["run", str(forked), "--quiet"], tmp_path, env=fast)
+    out, _ = run.communicate(timeout=300)
+    assert run.returncode == 0 and "resuming forked from step 5" in out and "forked from straight" in out, out
+    mine = CheckpointStore(str(tmp_path / "ckpt" / "forked"))
+    for part in ("model-0000.pt", "optim-0000.pt"):
+        flat_a, flat_b = _tensors(want.read_tensors(10, part)), _tensors(mine.read_tensors(10, part))
+        assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
+    runs = client.search_runs([exp.experiment_id], "attributes.run_name = 'forked'")
+    assert len(runs) == 1 and runs[0].data.tags["forked_from"] == "straight step 5"
+    got = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "loss")}
+    assert got == {s: v for s, v in ref.items() if s > 5}
 
 
 def _tensors(tree, prefix="") -> dict[str, torch.Tensor]:

@@ -563,3 +563,55 @@ def test_an_export_to_object_storage_loads_back_and_starts_jobs(tmp_path, s3_end
     baton.export(hf_spec, hf_uri)
     started = build_model(baton.load({**hf_spec.to_dict(), "model": {**hf_model, "init_from": hf_uri}}).model, 0)
     assert all(torch.equal(started.state_dict()[n], t) for n, t in hf_trained.items())
+
+
+def test_a_fork_starts_a_new_job_at_another_jobs_checkpoint(tmp_path, capsys):
+    """`baton fork NEW --from OLD`: the old job's checkpoint (its every part, byte for byte)
+    becomes the new job's first, under the new job's name and recipe and with no MLflow run
+    of the old one, so the new job resumes from it; its training settings may differ, its
+    model, data and the rest of its recipe may not (one line naming what differs, nothing
+    written); a job with checkpoints is never forked into."""
+    from baton import api
+    from baton.errors import CheckpointError
+    from baton.storage import redact
+
+    spec, job = _job(tmp_path)
+    store = CheckpointStore(spec.checkpoint_dir)
+    state = build_model(spec.model, 3).state_dict()
+    for step in (4, 6):
+        _stages(store, step, {n: t + step for n, t in state.items()}, recipe=redact(spec.recipe()))
+    raw = tiny_spec(tmp_path, tmp_path / "data", name="branch", model=GPT,
+                    train={"steps": 10, "lr": 3e-4, "min_lr": 3e-5, "schedule": "wsd", "grad_clip": 0.5})
+    branch = write_spec(tmp_path / "branch.yaml", raw)
+    assert cli.main(["fork", str(branch), "--from", str(job), "--step", "4"]) == 0
+    assert capsys.readouterr().out.startswith("branch starts at step 4 of exp (its weights, optimizer state")
+    new = CheckpointStore(spec_from_dict(raw).checkpoint_dir)
+    assert new.committed_steps() == [4] and new.verify(4) is None
+    meta = new.read_meta(4)
+    assert meta["job"] == "branch" and meta["fingerprint"] == spec_from_dict(raw).fingerprint()
+    assert meta["mlflow_run_id"] is None and meta["forked_from"]["job"] == "exp"
+    for part in ("model-0000.pt", "model-0001.pt", "optim-0000.pt"):
+        assert ((tmp_path / "ckpt" / "branch" / "step_00000004" / part).read_bytes()
+                == (tmp_path / "ckpt" / "exp" / "step_00000004" / part).read_bytes())
+    resumed, failed = api.plan_resume(spec_from_dict(raw), "branch.yaml", None)
+    assert resumed["step"] == 4 and not failed
+
+    with pytest.raises(CheckpointError, match="job 'branch' already has checkpoints in .*: a fork "
+                                              "starts a new job"):
+        baton.fork(str(branch), spec)
+    with pytest.raises(CheckpointError, match="job 'exp' is job 'exp'"):
+        baton.fork(spec, spec)
+    with pytest.raises(CheckpointError, match="job 'short' would start finished: train.steps is 3, "
+                                              "the checkpoint is at step 6"):
+        baton.fork({**raw, "name": "short", "train": {**raw["train"], "steps": 3}}, spec)
+    for name, section, changed, message in (
+            ("wide", "model", {"width": 64}, "model.width 32 -> 64"),
+            ("decay", "train", {"weight_decay": 0.0}, "train.weight_decay 0.1 -> 0.0"),
+            ("seeded", "train", {"seed": 5}, "train.seed 7 -> 5")):
+        other = tiny_spec(tmp_path, tmp_path / "data", name=name, model=GPT)
+        other[section] = {**other[section], **changed}
+        other["train"] = {**other["train"], "steps": 10}
+        with pytest.raises(CheckpointError, match=f"checkpoint 6 of 'exp' is not a start for "
+                                                  f"'{name}': {message} \\(a fork may change train.lr"):
+            baton.fork(other, spec)
+        assert not (tmp_path / "ckpt" / name).exists()

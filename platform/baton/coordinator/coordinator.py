@@ -228,6 +228,9 @@ class Coordinator:
                                "checkpoint.dir": self.spec.checkpoint_dir,
                                **({"resumed_from_step": self.step} if meta and not self.evaluate_only
                                   else {}),
+                               **({"forked_from": f"{meta['forked_from']['job']} step {self.step}"}
+                                  if meta and meta.get("forked_from") and not self.evaluate_only
+                                  else {}),
                                **({"baton.evaluates": self.store.step_dir(self.step) if meta
                                    else self.spec.model.init_from} if self.evaluate_only else {})})
         self.run_id = run_id
