@@ -453,16 +453,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         return _export(args)
     if args.command == "fork":
-        from baton.checkpoint.fork import fork
-        from baton.spec import load_spec
-        from baton.storage import redact
-
-        spec, source = load_spec(args.job, args.set), load_spec(args.source)
-        meta = fork(spec, source, args.step, log=lambda line: print(line, file=sys.stderr))
-        print(f"{spec.name} starts at step {meta['step']} of {source.name} (its weights, optimizer "
-              f"state and data cursor), in {redact(spec.checkpoint_dir)}; train it: baton run "
-              f"{args.job}")
-        return 0
+        return _fork(args)
     if args.command == "sample":
         from baton.sample import sample
 
@@ -611,6 +602,18 @@ def _export(args: argparse.Namespace) -> int:
     print(f'  load it: baton.load_model("{args.out}")'
           + (f', or transformers\' from_pretrained("{args.out}")'
              if about["names"] != "baton" else ""))
+    return 0
+
+
+def _fork(args: argparse.Namespace) -> int:
+    from baton.checkpoint.fork import fork
+    from baton.spec import load_spec
+    from baton.storage import redact
+
+    spec, source = load_spec(args.job, args.set), load_spec(args.source)
+    meta = fork(spec, source, args.step, log=lambda line: print(line, file=sys.stderr))
+    print(f"{spec.name} starts at step {meta['step']} of {source.name} (its weights, optimizer "
+          f"state and data cursor), in {redact(spec.checkpoint_dir)}; train it: baton run {args.job}")
     return 0
 
 
