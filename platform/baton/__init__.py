@@ -49,7 +49,8 @@ def sweep(job, grid, overrides=(), **options):
     """Train a job (a path, a dict or a JobSpec) for every combination of `grid` ({key:
     [values]}), a trial after another on one Ray, as `baton sweep`; returns the trials
     (`baton.sweeps.Trial`: name, values, state, step, loss, metric, run_id), best first.
-    `options`: `baton.api.sweep`'s (address, show_progress)."""
+    `options`: `baton.api.sweep`'s (trials=N and seed for a random search, whose ranges are
+    strings: {"train.lr": "loguniform(1e-4, 1e-2)"}; address, show_progress)."""
     from baton import api
 
     return api.sweep(job, grid, list(overrides), **options)

@@ -272,17 +272,18 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
                            data=data, evaluate_only=True).run()
 
 
-def sweep(job, axes: dict[str, list], overrides: list[str] = (), *,
-          address: Optional[str] = None, show_progress: bool = True,
+def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] = None,
+          seed: int = 0, address: Optional[str] = None, show_progress: bool = True,
           log: Callable[[str], None] = print) -> list:
     """`baton sweep`: the job (a YAML file's path, a dict or a JobSpec) trained for every
-    combination of `axes` (key -> values), a trial after another on one Ray, those done
+    combination of `axes` (key -> values), or for `trials` random draws from them (a value a
+    list or a `sweeps.Draw`; seeded by `seed`), a trial after another on one Ray, those done
     already skipped; the trials (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
     import ray
 
     from baton import sweeps
 
-    trials = sweeps.plan(job, axes, list(overrides))
+    trials = sweeps.plan(job, axes, list(overrides), trials, seed)
     source = job if isinstance(job, str) else "<spec>"
     if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
         for t in trials:

@@ -33,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("job", help="the job's YAML file")
     sw.add_argument("--grid", action="append", default=[], metavar="KEY=[VALUES]",
                     help="a key and its values as a YAML list, e.g. --grid 'train.lr=[1e-3, 3e-3]' "
-                         "(repeatable: every combination is a trial)")
+                         "(repeatable: every combination is a trial); with --trials, also a "
+                         "range: loguniform(LOW, HIGH), uniform(LOW, HIGH), randint(LOW, HIGH)")
+    sw.add_argument("--trials", type=int, metavar="N",
+                    help="a random search: N trials, each drawing every --grid key's value")
+    sw.add_argument("--seed", type=int, default=0, help="the random search's draws (default 0)")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec value for every trial (repeatable)")
     sw.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
@@ -335,8 +339,9 @@ def _data_lines(m: dict, shuffle_block: int, mixed: list[str]) -> list[str]:
         for path, s in zip(mixed, m["sources"])]
 
 
-def _grid(job: str, items: list[str]) -> dict[str, list]:
-    """--grid KEY=[V1, V2] items as {key: values}: each value a YAML list."""
+def _grid(job: str, items: list[str]) -> dict:
+    """--grid KEY=[V1, V2] items as {key: values}: each value a YAML list, or a range to draw
+    from (a string `sweeps.plan` reads: loguniform(1e-4, 1e-2))."""
     import yaml
 
     from baton.errors import SpecError
@@ -348,9 +353,10 @@ def _grid(job: str, items: list[str]) -> dict[str, list]:
             values = yaml.safe_load(text) if sep else None
         except yaml.YAMLError as e:
             raise SpecError(f"{job}: --grid {item!r}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not key or not isinstance(values, list) or not values:
+        if not key or not (isinstance(values, str) or isinstance(values, list) and values):
             raise SpecError(f"{job}: --grid {item!r}: give KEY=[VALUES], a YAML list, e.g. "
-                            "--grid 'train.lr=[1e-3, 3e-3]'")
+                            "--grid 'train.lr=[1e-3, 3e-3]', or with --trials a range, e.g. "
+                            "--grid 'train.lr=loguniform(1e-4, 1e-2)'")
         if key in axes:
             raise SpecError(f"{job}: --grid {key}: given twice; put every value in one list")
         axes[key] = values
@@ -469,12 +475,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         axes = _grid(args.job, args.grid)
         if args.list:
-            for t in sweeps.plan(args.job, axes, args.set):
+            for t in sweeps.plan(args.job, axes, args.set, args.trials, args.seed):
                 meta = sweeps.done(t.spec)
                 print(f"{t.name}: " + ", ".join(f"{k}={v}" for k, v in t.values.items())
                       + (f"; done at step {meta['step']}" if meta else ""))
             return 0
-        trials = api.sweep(args.job, axes, args.set, address=args.address, show_progress=not args.quiet)
+        trials = api.sweep(args.job, axes, args.set, trials=args.trials, seed=args.seed,
+                           address=args.address, show_progress=not args.quiet)
         metric, lowest = sweeps.ranked_by(trials[0].spec)
         print(f"{args.job}: {len(trials)} trials, best first by {metric} "
               f"({'lowest' if lowest else 'highest'}{', its best checkpoint' if trials[0].spec.checkpoint.best else ''}):")

@@ -9,6 +9,14 @@ running a sweep again finishes it. A trial that fails (a learning rate that dive
 reported and the rest go on. The trials share one Ray (started once) and, unless the job says
 otherwise, keep their workers warm for the next (`resources.keep_warm_s`).
 
+With `trials=N` (`--trials N`) the sweep is a random search instead: N trials, each drawing
+every axis's value: one of a list's values, or from a range, `loguniform(LOW, HIGH)` (a
+learning rate), `uniform(LOW, HIGH)` or `randint(LOW, HIGH)` (both ends included). Draws are
+seeded (`seed`), so the same sweep run again draws the same trials (and finishes itself), and
+a drawn float keeps 3 significant digits (trial names stay short, and no finer setting is
+told apart by a run). Random search finds good settings in fewer trials than a grid where
+few of the axes matter (Bergstra and Bengio, 2012).
+
 At the end a table ranks the trials by a metric: `checkpoint.best`'s where the job keeps a
 best checkpoint (that checkpoint's value), else the last held-out loss, else the last
 training loss.
@@ -48,6 +56,62 @@ def grid(axes: dict[str, list]) -> list[dict]:
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
+@dataclass(frozen=True)
+class Draw:
+    """A range a random search draws an axis's value from."""
+    kind: str  # loguniform | uniform | randint
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.low:g}, {self.high:g})"
+
+    def sample(self, rng) -> float | int:
+        if self.kind == "randint":
+            return rng.randint(int(self.low), int(self.high))
+        x = (math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+             if self.kind == "loguniform" else rng.uniform(self.low, self.high))
+        return float(f"{x:.3g}")
+
+
+_DRAW = re.compile(r"\s*(loguniform|uniform|randint)\s*\(\s*([^,\s]+)\s*,\s*([^)\s]+)\s*\)\s*")
+
+
+def parse_draw(text: str) -> Draw:
+    """`loguniform(1e-4, 1e-2)`, `uniform(0, 0.2)` or `randint(1, 8)`; ValueError (what is
+    wrong) for anything else."""
+    m = _DRAW.fullmatch(text)
+    if not m:
+        raise ValueError("give a YAML list, or a range: loguniform(LOW, HIGH), uniform(LOW, HIGH) "
+                         "or randint(LOW, HIGH)")
+    kind, low, high = m.group(1), float(m.group(2)), float(m.group(3))
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"{kind}: LOW must be below HIGH, both finite numbers")
+    if kind == "loguniform" and low <= 0:
+        raise ValueError("loguniform: LOW must be above 0")
+    if kind == "randint" and not (low.is_integer() and high.is_integer()):
+        raise ValueError("randint: LOW and HIGH must be whole numbers")
+    return Draw(kind, low, high)
+
+
+def drawn(axes: dict[str, list | Draw], n: int, seed: int) -> list[dict]:
+    """`n` distinct random trials (`Draw` axes drawn, list axes chosen from), seeded. Fewer
+    distinct ones than `n` in the space (short lists, a narrow randint): SpecError."""
+    import random
+
+    rng, out, seen = random.Random(seed), [], set()
+    for _ in range(100 * n):
+        values = {k: v.sample(rng) if isinstance(v, Draw) else rng.choice(v) for k, v in axes.items()}
+        key = json.dumps(values, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(values)
+            if len(out) == n:
+                return out
+    raise SpecError(f"--trials {n}: only {len(out)} distinct trials could be drawn from these "
+                    "axes; ask for fewer, or give wider ranges")
+
+
 def trial_name(job: str, values: dict) -> str:
     """The job's name and each value, after its key's last part (`train.lr=0.001` -> lr0.001),
     in characters a job name may hold; a hash of the values where that is too long."""
@@ -69,9 +133,11 @@ def ranked_by(spec: JobSpec) -> tuple[str, bool]:
     return ("eval_loss" if spec.eval.enabled else "loss"), True
 
 
-def plan(job, axes: dict[str, list], overrides: list[str] = ()) -> list[Trial]:
-    """The trials of `job` (a YAML file's path, a dict or a JobSpec), each one's job checked
-    (one line naming the key at fault)."""
+def plan(job, axes: dict[str, list | Draw], overrides: list[str] = (),
+         trials: Optional[int] = None, seed: int = 0) -> list[Trial]:
+    """The trials of `job` (a YAML file's path, a dict or a JobSpec): every combination of
+    the axes' values, or with `trials` that many drawn at random (`drawn`); each one's job
+    checked (one line naming the key at fault)."""
     from baton import load
 
     if isinstance(job, JobSpec):
@@ -79,10 +145,22 @@ def plan(job, axes: dict[str, list], overrides: list[str] = ()) -> list[Trial]:
     where = job if isinstance(job, str) else "<spec>"
     if not axes:
         raise SpecError(f"{where}: a sweep needs --grid KEY=[VALUES] (e.g. --grid 'train.lr=[1e-3, 3e-3]')")
+    axes = dict(axes)
     for key, values in axes.items():
-        if not isinstance(values, list) or not values:
+        if isinstance(values, str):
+            try:
+                axes[key] = values = parse_draw(values)
+            except ValueError as e:
+                raise SpecError(f"{where}: --grid {key}={values}: {e}") from None
+        if isinstance(values, Draw):
+            if trials is None:
+                raise SpecError(f"{where}: --grid {key}={values}: a range is drawn from by a random "
+                                "search; give --trials N (or a list of values)")
+        elif not isinstance(values, list) or not values:
             raise SpecError(f"{where}: --grid {key}: give a list of values, e.g. {key}=[1, 2]")
-    combos = grid(axes)
+    if trials is not None and not 1 <= trials <= MOST_TRIALS:
+        raise SpecError(f"{where}: --trials {trials}: give 1 to {MOST_TRIALS:,}")
+    combos = grid(axes) if trials is None else drawn(axes, trials, seed)
     if len(combos) > MOST_TRIALS:
         raise SpecError(f"{where}: the grid holds {len(combos):,} trials; at most {MOST_TRIALS:,}")
     base = load(job, list(overrides))
