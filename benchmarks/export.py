@@ -140,7 +140,7 @@ def main() -> None:
         for r in range(args.rounds):
             for way in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
                 where, what, most = ways[way]
-                name = f"out-{r}-{len(runs[way])}-{abs(hash(way)) % 10**6}"
+                name = f"out-{r}-{list(ways).index(way)}"
                 out = (sources[where] if what == "load" else
                        str(root / name) if where == "local" else f"s3://bench/{name}?{query}")
                 done = subprocess.run([sys.executable, "-c", CHILD, what, out, str(most)],

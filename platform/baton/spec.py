@@ -137,10 +137,10 @@ class TrainSpec:
             self.warmup_steps, self.steps - self.wsd_decay_steps)
         if step < start:
             return self.lr
-        progress = min(1.0, (step - start) / max(1, self.steps - start - 1))
-        shape = {"cosine": lambda x: 0.5 * (1 + math.cos(math.pi * x)),
-                 "linear": lambda x: 1 - x, "wsd": lambda x: 1 - math.sqrt(x)}[self.schedule]
-        return self.min_lr + (self.lr - self.min_lr) * shape(progress)
+        x = min(1.0, (step - start) / max(1, self.steps - start - 1))  # the decay's progress
+        left = (0.5 * (1 + math.cos(math.pi * x)) if self.schedule == "cosine"
+                else 1 - x if self.schedule == "linear" else 1 - math.sqrt(x))
+        return self.min_lr + (self.lr - self.min_lr) * left
 
     @property
     def wsd_decay_steps(self) -> int:

@@ -26,8 +26,8 @@ import contextlib
 import json
 import os
 import posixpath
-import sys
 import shutil
+import sys
 from fnmatch import fnmatchcase
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -105,7 +105,7 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
     return about
 
 
-def where(folder: str) -> tuple[pafs.FileSystem, str]:
+def located(folder: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem of an export's folder and its path there: a URI (`s3://...`), or a local
     path as given (from the working directory)."""
     if storage.is_uri(folder):
@@ -120,8 +120,7 @@ class _Out:
     `baton.json` and one without it is refused; a failed export's files are deleted."""
 
     def __init__(self, out: str):
-        self.out = out
-        self.fs, self.final = where(out)
+        self.fs, self.final = located(out)
         self.local = storage.is_local(self.fs)
         if storage.exists(self.fs, self.final):
             raise CheckpointError(f"{redact(out)} already exists; choose a new --out")
@@ -281,17 +280,18 @@ def gpt2_config(model: ModelSpec) -> dict:
 def read_about(folder: str) -> dict:
     """An export's `baton.json` (`folder`: a local path or a URI)."""
     try:
-        fs, path = where(folder)
+        fs, path = located(folder)
         return json.loads(storage.read_retried(fs, f"{path}/{ABOUT}"))
     except (OSError, ValueError, StoreUnavailable) as e:
+        why = redact(getattr(e, "strerror", None) or str(e))
         raise CheckpointError(f"{redact(folder)} is not a folder baton export wrote (its {ABOUT}: "
-                              f"{type(e).__name__}: {redact(getattr(e, 'strerror', None) or str(e))})") from None
+                              f"{type(e).__name__}: {why})") from None
 
 
 def is_export(folder: str) -> bool:
     """`folder` holds an export's `baton.json` (False where it cannot be read)."""
     try:
-        fs, path = where(folder)
+        fs, path = located(folder)
         return storage.exists(fs, f"{path}/{ABOUT}")
     except (OSError, ValueError):
         return False
@@ -309,7 +309,7 @@ class Exported:
         a vocabulary's end), whose rows here fill its first rows."""
         self.folder, self.about = folder, read_about(folder)
         self.fresh, self.grown = tuple(fresh), tuple(grown)
-        self.fs, self.path = where(folder)
+        self.fs, self.path = located(folder)
         self.files: dict[str, tensorfile.TensorFile] = {}
         try:
             self._index()

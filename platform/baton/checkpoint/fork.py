@@ -70,7 +70,7 @@ def fork(spec: JobSpec, source: JobSpec, step: Optional[int | str] = None,
               "mlflow_run_id": None,  # a run of its own, tagged with where it started
               "forked_from": {"job": source.name, "step": step, "checkpoint": redact(src)}}
     parts = [{"name": name, **record} for name, record in forked.pop("parts").items()]
-    new.commit(step, forked, keep=max(1, spec.checkpoint.keep), parts=parts)
+    new.commit(step, forked, keep=spec.checkpoint.keep, parts=parts)
     return new.read_meta(step)
 
 

@@ -4,8 +4,9 @@ keys), built from the configuration with parameters drawn from the job's seed, n
 downloaded (no hub is reachable from most clusters' nodes, and none from here). A causal
 language model by default; `model.options: {head: sequence_classification}` builds the
 type's sequence classifier (`config.num_labels` classes) for `task: classification` over
-token-id inputs. `model.init_from`: a `save_pretrained` folder to take the weights from, local or a URI
-(`s3://`, copied to a temporary folder first; `baton export` writes one for an hf: model).
+token-id inputs. `model.init_from`: a `save_pretrained` folder to take the weights from,
+local or a URI (`s3://`, copied to a temporary folder first; `baton export` writes one for an
+hf: model).
 
 An optional extra: `pip install 'baton[hf]'`."""
 
