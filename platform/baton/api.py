@@ -209,15 +209,22 @@ def prepare_data(spec: JobSpec, log: Callable[[str], None]) -> None:
 
 def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         resume: Optional[bool] = None, rebase_data: bool = False, record_samples: bool = False,
-        show_progress: bool = True,
+        show_progress: bool = True, until: Optional[int] = None,
         log: Callable[[str], None] = print,
         on_step: Optional[Callable[[Coordinator], None]] = None) -> RunResult:
-    """Train `spec` to its last step. Starts an embedded local Ray unless Ray is already
-    connected or `address` names a cluster. `on_step(coordinator)` is called after every
-    completed step (to observe a run, or to inject faults in tests). `rebase_data`: resume on a
-    corpus other than the checkpoint's, from the start of the next epoch."""
-    address = _cluster(address, log)
+    """Train `spec` to its last step, or to step `until` (`baton run --until`: a checkpoint
+    there, and the run's state "paused"; run again, it goes on as if it had not stopped: the
+    schedule is train.steps's). Starts an embedded local Ray unless Ray is already connected
+    or `address` names a cluster. `on_step(coordinator)` is called after every completed step
+    (to observe a run, or to inject faults in tests). `rebase_data`: resume on a corpus other
+    than the checkpoint's, from the start of the next epoch."""
+    if until is not None and until < 1:
+        raise SpecError(f"{source}: --until {until}: give a step of 1 or more")
     resume_meta, failed = plan_resume(spec, source, resume)
+    if until is not None and resume_meta and until <= resume_meta["step"]:
+        raise CheckpointError(f"{source}: --until {until}: job {spec.name!r} is at step "
+                              f"{resume_meta['step']} already (its checkpoint); give a later step")
+    address = _cluster(address, log)
     if resume_meta is None:  # (a resume takes its checkpoint's weights)
         check_init_from(spec, source)
     data = _fitted_data(spec, source, address, log)
@@ -241,7 +248,7 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                     + (f"; forked from {forked['job']})" if forked else ")"))
             coordinator = Coordinator(spec, tracker, resume_meta=resume_meta,
                                       record_samples=record_samples, show_progress=show_progress,
-                                      on_step=on_step, data=data, lease=lease)
+                                      on_step=on_step, data=data, lease=lease, until=until)
             return coordinator.run()
 
 
@@ -273,29 +280,43 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
 
 
 def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] = None,
-          seed: int = 0, address: Optional[str] = None, show_progress: bool = True,
+          seed: int = 0, halving: Optional[int] = None, first_rung: Optional[int] = None,
+          address: Optional[str] = None, show_progress: bool = True,
           log: Callable[[str], None] = print) -> list:
     """`baton sweep`: the job (a YAML file's path, a dict or a JobSpec) trained for every
     combination of `axes` (key -> values), or for `trials` random draws from them (a value a
     list or a `sweeps.Draw`; seeded by `seed`), a trial after another on one Ray, those done
-    already skipped; the trials (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
+    already skipped; with `halving` (ETA), by successive halving from step `first_rung`
+    (`sweeps.halve`). Returns the trials (`sweeps.Trial`) ranked best first
+    (`sweeps.ranked_by`)."""
     import ray
 
     from baton import sweeps
 
     trials = sweeps.plan(job, axes, list(overrides), trials, seed)
     source = job if isinstance(job, str) else "<spec>"
+    if halving is not None:
+        sweeps.check_halving(trials, halving, first_rung, source)
+    elif first_rung is not None:
+        raise SpecError(f"{source}: --first-rung is where --halving first judges the trials: give --halving too")
     if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
         for t in trials:
             check_fits(t.spec, os.cpu_count() or 1,
                        _local_gpus() if t.spec.resources.gpus_per_worker else 0, source, "this machine")
     address = _cluster(address, log)
+
+    def train(spec: JobSpec, until: Optional[int]) -> RunResult:
+        return run(spec, source=source, address=address, show_progress=show_progress,
+                   until=until, log=log)
+
     with ray_session(address, log):
-        for k, t in enumerate(trials, 1):
-            log(f"trial {k} of {len(trials)}: {t.name} "
-                f"({', '.join(f'{key}={v}' for key, v in t.values.items())})")
-            sweeps.train(t, lambda spec: run(spec, source=source, address=address,
-                                             show_progress=show_progress, log=log), log)
+        if halving is not None:
+            sweeps.halve(trials, halving, first_rung, train, log)
+        else:
+            for k, t in enumerate(trials, 1):
+                log(f"trial {k} of {len(trials)}: {t.name} "
+                    f"({', '.join(f'{key}={v}' for key, v in t.values.items())})")
+                sweeps.train(t, train, log)
     return sweeps.rank(trials, *sweeps.ranked_by(trials[0].spec))
 
 

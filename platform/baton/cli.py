@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="require a checkpoint to resume from (resuming is automatic anyway)")
     run.add_argument("--rebase-data", action="store_true",
                      help="resume on a changed corpus, from the start of the next epoch")
+    run.add_argument("--until", type=int, metavar="STEP",
+                     help="stop at this step with a checkpoint; run again to go on (the "
+                          "schedule stays train.steps's)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a spec value, e.g. --set train.steps=20 (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress line")
@@ -38,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--trials", type=int, metavar="N",
                     help="a random search: N trials, each drawing every --grid key's value")
     sw.add_argument("--seed", type=int, default=0, help="the random search's draws (default 0)")
+    sw.add_argument("--halving", type=int, metavar="ETA",
+                    help="successive halving: every trial a short way, the best 1/ETA of them "
+                         "ETA times as far, and so on to train.steps; the others are cut (3 is usual)")
+    sw.add_argument("--first-rung", type=int, metavar="STEP",
+                    help="with --halving, the step the trials are first judged at (default: "
+                         "train.steps / ETA^k, for as many rungs as the trials allow)")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec value for every trial (repeatable)")
     sw.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
@@ -475,16 +484,24 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         axes = _grid(args.job, args.grid)
         if args.list:
-            for t in sweeps.plan(args.job, axes, args.set, args.trials, args.seed):
-                meta = sweeps.done(t.spec)
+            trials = sweeps.plan(args.job, axes, args.set, args.trials, args.seed)
+            for t in trials:
+                meta = sweeps.done(t.spec, 1)
                 print(f"{t.name}: " + ", ".join(f"{k}={v}" for k, v in t.values.items())
-                      + (f"; done at step {meta['step']}" if meta else ""))
+                      + (f"; at step {meta['step']}" if meta else ""))
+            if args.halving is not None:
+                sweeps.check_halving(trials, args.halving, args.first_rung, args.job)
+                ends = sweeps.rungs(len(trials), trials[0].spec.train.steps, args.halving, args.first_rung)
+                print("halving: judged at steps " + ", ".join(map(str, ends[:-1])) + "; the best "
+                      f"1/{args.halving} go on each time, the last to step {ends[-1]}")
             return 0
         trials = api.sweep(args.job, axes, args.set, trials=args.trials, seed=args.seed,
+                           halving=args.halving, first_rung=args.first_rung,
                            address=args.address, show_progress=not args.quiet)
         metric, lowest = sweeps.ranked_by(trials[0].spec)
         print(f"{args.job}: {len(trials)} trials, best first by {metric} "
-              f"({'lowest' if lowest else 'highest'}{', its best checkpoint' if trials[0].spec.checkpoint.best else ''}):")
+              f"({'lowest' if lowest else 'highest'}{', its best checkpoint' if trials[0].spec.checkpoint.best else ''}"
+              + ("; those that trained furthest first" if args.halving else "") + "):")
         for line in sweeps.table(trials, metric):
             print(line)
         return 1 if all(t.state == "failed" for t in trials) else 0
@@ -504,17 +521,21 @@ def _dispatch(args: argparse.Namespace) -> int:
         spec = load_spec(args.job, args.set)
         result = api.run(spec, source=args.job, address=args.address,
                          resume=True if args.resume else None, rebase_data=args.rebase_data,
-                         show_progress=not args.quiet)
+                         show_progress=not args.quiet, until=args.until)
         from baton.storage import redact
 
-        stopped = " (stopped early)" if result.stopped_early else ""
-        print(f"{result.job}: finished at step {result.step}{stopped}, loss {result.loss:.4f}, "
+        ended = ("paused" if result.state == "paused" else "finished") + f" at step {result.step}"
+        ended += (" (stopped early)" if result.stopped_early else
+                  f" of {spec.train.steps}" if result.state == "paused" else "")
+        print(f"{result.job}: {ended}, loss {result.loss:.4f}, "
               f"{result.tokens_per_s:,.0f} {'tokens' if spec.task == 'language_model' else 'samples'}/s; "
               + "".join(f"{k} {v:.4g}; " for k, v in result.eval.items() if k != "eval_samples")
               + f"checkpoint {redact(result.checkpoint)}; MLflow run {result.run_id}")
         if result.best is not None:
             print(f"  best by {spec.checkpoint.best}: step {result.best[0]} ({result.best[1]:.4g}), "
                   "kept; export it with baton export --best")
+        if result.state == "paused":
+            print(f"  baton run {args.job} goes on from step {result.step}")
         return 0
     raise AssertionError(args.command)
 

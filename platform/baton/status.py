@@ -83,7 +83,7 @@ def describe(s: dict) -> list[str]:
     ago = time.time() - s["updated_at"]
     where = f"pid {s['pid']} on {s['host']}"
     state = s["state"]
-    if state not in ("finished", "failed") and s["host"] == socket.gethostname() \
+    if state not in ("finished", "paused", "failed") and s["host"] == socket.gethostname() \
             and not _alive(s["pid"]):
         state += f" when last seen: its process ({where}) is gone"
     lines = [f"{s['job']}: {state} (updated {_ago(ago)} ago, {where})"]

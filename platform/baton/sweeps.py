@@ -17,9 +17,16 @@ a drawn float keeps 3 significant digits (trial names stay short, and no finer s
 told apart by a run). Random search finds good settings in fewer trials than a grid where
 few of the axes matter (Bergstra and Bengio, 2012).
 
+With `halving=ETA` (`--halving ETA`) the trials are judged as they train (successive
+halving: Jamieson and Talwalkar, 2016; Li et al., 2018): every trial trains to a first rung
+of steps, the best 1/ETA of them on to ETA times as far, and so on until the few left train
+to train.steps; the others stop there ("cut"). A trial stops at a rung as `baton run --until`
+does, on a checkpoint, its learning-rate schedule still train.steps's, so one that goes on
+trains exactly as if it had never stopped. The rungs: `rungs`.
+
 At the end a table ranks the trials by a metric: `checkpoint.best`'s where the job keeps a
 best checkpoint (that checkpoint's value), else the last held-out loss, else the last
-training loss.
+training loss; under halving, those that trained furthest first.
 """
 
 from __future__ import annotations
@@ -38,17 +45,23 @@ KEEP_WARM_S = 60  # a trial's workers wait this long for the next trial's (resou
 MOST_TRIALS = 1024
 
 
-@dataclass
+@dataclass(eq=False)
 class Trial:
     name: str
     values: dict  # grid key -> this trial's value
-    state: str = "pending"  # finished | stopped early | done before | failed
+    state: str = "pending"  # finished | stopped early | done before | failed | paused | cut
     step: int = 0
     loss: Optional[float] = None
     metric: Optional[float] = None  # the sweep's metric (see `ranked_by`)
     run_id: Optional[str] = None
     error: Optional[str] = None
+    rung: int = 0  # under halving, the last rung it trained to (0 the first)
     spec: Optional[JobSpec] = field(default=None, repr=False)
+
+    @property
+    def ended(self) -> bool:
+        """Trains no further: every step trained, stopped early, or failed."""
+        return self.state in ("finished", "stopped early", "done before", "failed")
 
 
 def grid(axes: dict[str, list]) -> list[dict]:
@@ -177,22 +190,27 @@ def plan(job, axes: dict[str, list | Draw], overrides: list[str] = (),
     return trials
 
 
-def train(t: Trial, run: Callable[[JobSpec], object], log: Callable[[str], None]) -> None:
-    """Train trial `t` by `run` (api.run), unless it is done; record how it ended."""
+def train(t: Trial, run: Callable[[JobSpec, Optional[int]], object], log: Callable[[str], None],
+          until: Optional[int] = None) -> None:
+    """Train trial `t` by `run(spec, until)` (api.run) to its end, or to step `until` (a
+    rung), unless it is there already; record where it got to."""
     metric, _ = ranked_by(t.spec)
-    meta = done(t.spec)
+    from baton import api
+
+    meta = done(t.spec, until)
     if meta is not None:
-        t.state, t.step, t.loss, t.run_id = "done before", meta["step"], meta.get("loss"), meta.get("mlflow_run_id")
+        t.state = "done before" if api.finished_why(t.spec, meta) is not None else "paused"
+        t.step, t.loss, t.run_id = meta["step"], meta.get("loss"), meta.get("mlflow_run_id")
         t.metric = _metric_of(t.spec, metric, meta.get("eval", {}), meta.get("loss"), _best_value(t.spec))
-        log(f"  {t.name}: done before, at step {t.step}")
+        log(f"  {t.name}: {'done' if t.state == 'done before' else 'trained'} before, at step {t.step}")
         return
     try:
-        result = run(t.spec)
+        result = run(t.spec, until)
     except BatonError as e:
         t.state, t.error = "failed", str(e).splitlines()[0]
         log(f"  {t.name}: failed: {t.error}")
         return
-    t.state = "stopped early" if result.stopped_early else "finished"
+    t.state = "stopped early" if result.stopped_early else result.state  # finished | paused
     t.step, t.loss, t.run_id = result.step, result.loss, result.run_id
     t.metric = _metric_of(t.spec, metric, result.eval, result.loss,
                           result.best[1] if result.best else None)
@@ -201,8 +219,9 @@ def train(t: Trial, run: Callable[[JobSpec], object], log: Callable[[str], None]
         + f"; MLflow run {t.run_id}")
 
 
-def done(spec: JobSpec) -> Optional[dict]:
-    """The newest checkpoint's metadata where the job is done at it (api.finished_why)."""
+def done(spec: JobSpec, until: Optional[int] = None) -> Optional[dict]:
+    """The newest checkpoint's metadata where the job is done at it (api.finished_why), or
+    where it is at step `until` or later."""
     from baton import api
     from baton.checkpoint import CheckpointStore
     from baton.checkpoint.store import sizes_only
@@ -214,7 +233,73 @@ def done(spec: JobSpec) -> Optional[dict]:
     meta = store.read_meta(step)
     if meta.get("fingerprint") != spec.fingerprint():
         return None  # another recipe: api.run says so
+    if until is not None and step >= until:
+        return meta
     return meta if api.finished_why(spec, meta) is not None else None
+
+
+def rungs(trials: int, steps: int, eta: int, first: Optional[int] = None) -> list[int]:
+    """The steps successive halving judges `trials` trials at, train.steps last: `first`
+    (default: train.steps / ETA^k, k as many rungs as leave at least one trial at the end),
+    then ETA times as far each time, while that is short of train.steps."""
+    k = 0
+    while eta ** (k + 1) <= trials:
+        k += 1
+    first = first or max(1, round(steps / eta ** k))
+    out = []
+    while first < steps and len(out) < k:
+        out.append(first)
+        first *= eta
+    return out + [steps]
+
+
+def check_halving(trials: list[Trial], eta: int, first: Optional[int], where: str) -> None:
+    """Refuse, in one line, a halving that cannot judge these trials."""
+    if eta < 2:
+        raise SpecError(f"{where}: --halving {eta}: give 2 or more (the best 1/ETA of the trials "
+                        "go on at each rung; 3 is usual)")
+    if len(trials) < eta:
+        raise SpecError(f"{where}: --halving {eta} keeps the best 1/{eta} of the trials at each "
+                        f"rung: give at least {eta} trials (there are {len(trials)})")
+    steps = {t.spec.train.steps for t in trials}
+    if len(steps) > 1:
+        raise SpecError(f"{where}: --halving judges every trial at the same steps: train.steps "
+                        "cannot differ between trials")
+    if first is not None and not 1 <= first < steps.pop():
+        raise SpecError(f"{where}: --first-rung {first}: give a step from 1 to below train.steps "
+                        f"({trials[0].spec.train.steps})")
+
+
+def halve(trials: list[Trial], eta: int, first: Optional[int],
+          run: Callable[[JobSpec, Optional[int]], object], log: Callable[[str], None]) -> None:
+    """Successive halving: every trial to the first rung, the best 1/`eta` of those judged
+    there (at least one) on to the next, ..., the last rung's to train.steps; the others are
+    "cut" where they stopped. A trial that trained past a rung before (a sweep run again) is
+    kept without being judged there; one that ended (stopped early, failed) holds its place
+    in the ranking but trains no further."""
+    metric, lowest = ranked_by(trials[0].spec)
+    steps = trials[0].spec.train.steps
+    ends = rungs(len(trials), steps, eta, first)
+    alive = list(trials)
+    for k, end in enumerate(ends):
+        log(f"rung {k + 1} of {len(ends)}: {len(alive)} trial{'s' * (len(alive) > 1)} to step {end}")
+        for t in alive:
+            t.rung = k
+            if not t.ended:
+                train(t, run, log, until=end if end < steps else None)
+        if end == steps:
+            return
+        ahead = [t for t in alive if t.step > end]  # trained past this rung before
+        judged = rank([t for t in alive if t not in ahead], metric, lowest)
+        kept = ahead + [t for t in judged[:max(0, max(1, len(alive) // eta) - len(ahead))]
+                        if t.metric is not None]
+        for place, t in enumerate(judged, 1):
+            if t not in kept and t.state == "paused":
+                t.state = "cut"
+                log(f"  {t.name}: cut at step {t.step}: " + (
+                    f"{metric} {t.metric:.4g}, {place} of {len(judged)}" if t.metric is not None
+                    else f"no {metric} to judge it by"))
+        alive = kept
 
 
 def _best_value(spec: JobSpec) -> Optional[float]:
@@ -235,11 +320,12 @@ def _metric_of(spec: JobSpec, metric: str, evaluated: dict, loss: Optional[float
 
 
 def rank(trials: list[Trial], metric: str, lowest: bool) -> list[Trial]:
-    """Best first; trials without a value (failed, never evaluated) last, in grid order."""
+    """Best first: those that reached a later rung (halving) before the others, then by the
+    metric; trials without a value (failed, never evaluated) last, in grid order."""
     def key(t: Trial):
         if t.metric is None:
-            return (1, 0.0)
-        return (0, t.metric if lowest else -t.metric)
+            return (1, 0, 0.0)
+        return (0, -t.rung, t.metric if lowest else -t.metric)
     return sorted(trials, key=key)
 
 

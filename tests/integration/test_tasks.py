@@ -372,6 +372,72 @@ def test_a_sweep_trains_each_trial_once_and_ranks_them_by_the_best_checkpoint(tm
     assert [line.split()[0] for line in again.splitlines()[-2:]] == [r[0] for r in rows]
 
 
+def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straight_run(tmp_path, capsys):
+    """`baton sweep --halving 3` over three learning rates, 4 steps: each trial to step 1 (a
+    checkpoint there, evaluated), the best by its best eval_loss on to step 4, the other two
+    cut at step 1. The winner paused and resumed, yet its final parameters equal a run of
+    its job straight to step 4, bitwise, and its MLflow run holds each step once. Run again,
+    nothing trains."""
+    from baton import cli
+    from helpers import write_spec
+
+    data = write_table(tmp_path / "data")
+    sections = dict(task="classification",
+                    model={"name": "classifier", "layers": 2, "width": 16, "options": {"inputs": 6, "classes": 4}},
+                    data={"source": "parquet", "path": str(data), "columns": COLUMNS},
+                    train={"steps": 4, "global_batch": 16, "micro_batch": 4},
+                    eval={"fraction": 0.25, "every_steps": 2},
+                    checkpoint={"every_steps": 2, "best": "eval_loss"})
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="hv", **sections))
+    argv = ["sweep", str(job), "--grid", "train.lr=[0.001, 0.03, 1.0]", "--halving", "3", "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rung 1 of 2: 3 trials to step 1" in out and "rung 2 of 2: 1 trial to step 4" in out
+    at_1, specs = {}, {}
+    for lr in ("0.001", "0.03", "1.0"):  # (the checkpoints' folders are named by the job alone)
+        specs[lr] = spec = spec_from_dict(tiny_spec(tmp_path, data, name=f"hv-lr{lr}", **sections))
+        store = CheckpointStore(spec.checkpoint_dir)
+        run_id = store.read_meta(store.latest())["mlflow_run_id"]
+        at_1[lr] = _history(spec, run_id, "eval_loss")[1]  # the pause at step 1 evaluated
+    winner = min(at_1, key=at_1.get)
+    for lr in at_1:
+        assert CheckpointStore(specs[lr].checkpoint_dir).latest() == (4 if lr == winner else 1)
+        if lr != winner:
+            assert f"  hv-lr{lr}: cut at step 1: eval_loss {at_1[lr]:.4g}, " in out
+    rows = [line.split() for line in out[out.index("best first by eval_loss"):].splitlines()[2:]]
+    assert [r[0] for r in rows][0] == f"hv-lr{winner}" and rows[0][2:4] == ["finished", "4"]
+    assert sorted(r[2] for r in rows[1:]) == ["cut", "cut"]
+
+    straight = spec_from_dict(tiny_spec(tmp_path, data, name="straight",
+                                        **{**sections, "train": {**sections["train"], "lr": float(winner)}}))
+    api.run(straight, show_progress=False)
+    got = CheckpointStore(str(tmp_path / "ckpt" / f"hv-lr{winner}")).read_model(4)
+    want = CheckpointStore(straight.checkpoint_dir).read_model(4)
+    assert got.keys() == want.keys()
+    for key in want:  # pausing at a rung changes nothing: not its schedule, not its RNG
+        assert torch.equal(got[key], want[key]), key
+    spec = specs[winner]
+    run_id = CheckpointStore(spec.checkpoint_dir).read_meta(4)["mlflow_run_id"]
+    assert sorted(_history(spec, run_id, "loss")) == [1, 2, 3, 4]
+    assert sorted(_history(spec, run_id, "eval_loss")) == [1, 2, 4]  # every 2 steps, and the pause
+
+    assert cli.main(argv) == 0
+    again = capsys.readouterr().out
+    assert again.count(": trained before, at step 1") == 2 and again.count(": done before, at step 4") == 1
+    assert [line.split()[0] for line in again.splitlines()[-3:]] == [r[0] for r in rows]
+
+    # a cut trial goes on by hand (`baton run --until`), paused again where it is told
+    cut = next(lr for lr in at_1 if lr != winner)
+    trial = write_spec(tmp_path / "cut.yaml", tiny_spec(
+        tmp_path, data, name=f"hv-lr{cut}", **{**sections, "train": {**sections["train"], "lr": float(cut)}}))
+    assert cli.main(["run", str(trial), "--until", "1", "--quiet"]) == 2
+    assert f"--until 1: job 'hv-lr{cut}' is at step 1 already" in capsys.readouterr().err
+    assert cli.main(["run", str(trial), "--until", "3", "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3].startswith(f"hv-lr{cut}: paused at step 3 of 4, loss ")  # (then the best)
+    assert lines[-1] == f"  baton run {trial} goes on from step 3"
+
+
 def test_a_step_that_runs_out_of_memory_is_one_line_that_says_what_lowers_it(tmp_path):
     """torch's own line is "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator:
     can't allocate memory: ..."; the CLI prints the run's error as `baton: error: ` and this

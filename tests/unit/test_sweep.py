@@ -120,3 +120,81 @@ def test_a_random_search_draws_seeded_distinct_trials_in_their_ranges(tmp_path, 
     assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == [t.name for t in trials]
     with pytest.raises(SpecError, match="--trials 0: give 1 to 1,024"):
         plan(job, {"train.lr": [0.1]}, trials=0)
+
+
+def test_halving_rungs_leave_at_least_one_trial_at_the_end():
+    from baton.sweeps import rungs
+
+    assert rungs(8, 80, 2) == [10, 20, 40, 80]  # 8 -> 4 -> 2 -> 1 trials
+    assert rungs(9, 100, 3) == [11, 33, 100]  # 9 -> 3 -> 1 (100 / 9 rounded)
+    assert rungs(4, 4, 2) == [1, 2, 4]
+    assert rungs(5, 100, 3) == [33, 100]  # 5 -> 1: one rung to judge at
+    assert rungs(9, 100, 3, first=5) == [5, 15, 100]
+    assert rungs(27, 10, 3) == [1, 3, 9, 10]  # short jobs: a rung is at least a step
+    assert rungs(27, 10, 3, first=8) == [8, 10]  # 24 is past train.steps
+
+
+def _losses():
+    """A stand-in for api.run that trains nothing: each trial's loss falls with its step, by
+    a factor its learning rate sets (the closest to 3e-3 falls fastest); records each call."""
+    from types import SimpleNamespace
+
+    from baton.errors import WorkerError
+
+    calls = []
+
+    def run(spec, until):
+        calls.append((spec.name, until))
+        if spec.train.lr > 0.5:
+            raise WorkerError("worker rank 0 failed while training step 1: loss is NaN")
+        step = until or spec.train.steps
+        loss = 1 + abs(spec.train.lr - 3e-3) * 100 / step
+        return SimpleNamespace(state="paused" if until else "finished", step=step, loss=loss,
+                               run_id=f"run-{spec.name}", eval={}, best=None, stopped_early=None)
+    return run, calls
+
+
+def test_halving_trains_the_best_third_on_at_each_rung_and_cuts_the_rest(tmp_path):
+    """9 trials, --halving 3 over 90 steps: all 9 to step 10, the best 3 to step 30, the best
+    one to step 90; the others cut where they stopped. A trial that fails is never promoted."""
+    from baton.sweeps import halve
+
+    lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
+    trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": lrs})
+    run, calls = _losses()
+    log = []
+    halve(trials, 3, None, run, log.append)
+    name = {t.spec.train.lr: t.name for t in trials}
+    assert calls == ([(name[lr], 10) for lr in lrs] + [(name[lr], 30) for lr in (3e-3, 2e-3, 4.5e-3)]
+                     + [(name[3e-3], None)])
+    state = {t.spec.train.lr: (t.state, t.step, t.rung) for t in trials}
+    assert state[3e-3] == ("finished", 90, 2)
+    assert state[2e-3] == state[4.5e-3] == ("cut", 30, 1)
+    assert all(state[lr] == ("cut", 10, 0) for lr in (1e-3, 5e-3, 6e-3, 8e-3, 1e-2))
+    assert state[1.0] == ("failed", 0, 0)
+    ranked = [t.spec.train.lr for t in rank(trials, "loss", True)]
+    assert ranked[:3] == [3e-3, 2e-3, 4.5e-3] and ranked[-1] == 1.0  # furthest first, failed last
+    assert "rung 2 of 3: 3 trials to step 30" in log
+    assert any(line.startswith(f"  {name[1e-2]}: cut at step 10: loss ") and line.endswith(", 8 of 9")
+               for line in log), log
+
+
+def test_a_halving_that_cannot_judge_its_trials_is_one_line(tmp_path, capsys):
+    from baton.sweeps import check_halving
+
+    job = _job(tmp_path, train={"steps": 8})
+    two = plan(job, {"train.lr": [1e-3, 2e-3]})
+    for args, message in [((two, 1, None), "--halving 1: give 2 or more"),
+                          ((two, 3, None), "--halving 3 keeps the best 1/3 of the trials at each "
+                                           "rung: give at least 3 trials (there are 2)"),
+                          ((two, 2, 8), "--first-rung 8: give a step from 1 to below train.steps (8)"),
+                          ((plan(job, {"train.steps": [4, 8]}), 2, None),
+                           "train.steps cannot differ between trials")]:
+        with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            check_halving(*args, job)
+    assert cli.main(["sweep", job, "--grid", "train.lr=[1e-3, 2e-3]", "--first-rung", "2"]) == 2
+    assert "--first-rung is where --halving first judges the trials: give --halving too" in capsys.readouterr().err
+    assert cli.main(["sweep", job, "--grid", "train.lr=[1e-3, 2e-3, 3e-3, 4e-3]", "--halving", "2",
+                     "--list"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "halving: judged at steps 2, 4; the best 1/2 go on each time, the last to step 8")

@@ -98,6 +98,7 @@ class State(enum.Enum):
     MOVING = "moving"  # off nodes Ray is draining
     EVALUATING = "evaluating"  # a checkpoint, without training (`baton eval`)
     FINISHED = "finished"
+    PAUSED = "paused"  # at `until`, before train.steps, on a checkpoint: a run again goes on
     FAILED = "failed"
 
 
@@ -107,7 +108,7 @@ class Coordinator:
                  on_step: Optional[Callable[["Coordinator"], None]] = None,
                  group_factory: Callable[..., WorkerGroup] = WorkerGroup,
                  data: Optional[JobData] = None, lease: Optional[Lease] = None,
-                 evaluate_only: bool = False):
+                 evaluate_only: bool = False, until: Optional[int] = None):
         self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
         self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
@@ -135,6 +136,10 @@ class Coordinator:
         # evaluate checkpoint resume_meta on the held-out data and stop (`baton eval`): no
         # training feed, a new MLflow run, and a lost worker ends it (nothing to recover)
         self.evaluate_only = evaluate_only
+        # the step this run stops at (`baton run --until`): a checkpoint there, evaluated where
+        # the job evaluates; the schedule is still train.steps's, so going on later trains as
+        # a run that never stopped
+        self.end = min(until, spec.train.steps) if until else spec.train.steps
         self.state = State.PENDING
         self.step = 0
         self.group: Optional[WorkerGroup] = None
@@ -165,7 +170,7 @@ class Coordinator:
 
     def run(self) -> RunResult:
         try:
-            while self.state not in (State.FINISHED, State.FAILED):
+            while self.state not in (State.FINISHED, State.PAUSED, State.FAILED):
                 self.tick()
         except BaseException as e:
             self.state = State.FAILED
@@ -174,7 +179,7 @@ class Coordinator:
             raise
         finally:
             if self.group is not None:
-                self.group.shutdown(finished=self.state == State.FINISHED)
+                self.group.shutdown(finished=self.state in (State.FINISHED, State.PAUSED))
             for reads in (self.samples, self.evaluation):
                 if reads is not None:
                     reads.close()
@@ -210,7 +215,7 @@ class Coordinator:
         self.manifest = self.data.manifest
         if not self.evaluate_only:
             self.samples = Samples(self.data.feed(self.spec), self.manifest)
-        self.evaluation = evaluation(self.spec, self.data)
+        self.evaluation = evaluation(self.spec, self.data, self.end)
         meta = self.resume_meta
         if meta:
             self.step = self.submitted = meta["step"]
@@ -285,7 +290,7 @@ class Coordinator:
         # checkpoint queued behind step k sees exactly the state after step k. Under
         # eval.patience nothing is queued behind an evaluation until it is judged: a step
         # taken after the one the run stops at would change the state it ends with.
-        while (self.submitted < self.spec.train.steps and len(self.inflight) < PIPELINE_DEPTH
+        while (self.submitted < self.end and len(self.inflight) < PIPELINE_DEPTH
                and not (self.early_stop and self.inflight and self.inflight[-1].evaluation)):
             self.inflight.append(self._submit(self.submitted))
         if not self.inflight:
@@ -294,13 +299,15 @@ class Coordinator:
         return State.RUNNING
 
     def _finish(self) -> State:
-        """Every step done, or stopped early (on a checkpoint of the step it stopped at)."""
+        """Every step done (to train.steps, or paused at `until`), or stopped early (on a
+        checkpoint of the step it stopped at)."""
         if self.stopped_early and not self.commits.holds(self.step):
             self._checkpoint_now()
         self.commits.drain(self.group)  # the last checkpoint, if written in the background
         # the report is drawn while the workers and Ray shut down: api.run waits for it
         self.tracker.finish("FINISHED", background=True)
-        return State.FINISHED
+        paused = self.step < self.spec.train.steps and not self.stopped_early
+        return State.PAUSED if paused else State.FINISHED
 
     def _recover(self) -> State:
         """Keep the workers that are still there, replace the rest where the cluster has room,
@@ -369,7 +376,7 @@ class Coordinator:
             self._complete_next()
         timer.lap("queued_steps")
         grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
-        if grow_to is None or self.step >= self.spec.train.steps:
+        if grow_to is None or self.step >= self.end:
             return State.RUNNING
         share = self.per_replica == 1 and self.base.parallel.shard == "none"
         if share:
@@ -420,7 +427,7 @@ class Coordinator:
             self._complete_next()
         timer.lap("queued_steps")
         ranks = self.group.on_nodes(set(nodes))  # the world may have changed meanwhile
-        if not ranks or self.step >= self.spec.train.steps:
+        if not ranks or self.step >= self.end:
             self.placement.moved()
             return State.RUNNING
         if self.store.latest() != self.step:
@@ -593,7 +600,7 @@ class Coordinator:
         if self.record_samples:
             pending.ledger_refs = self.group.submit("take_ledger")
         done = step + 1
-        if done % self.spec.checkpoint.every_steps == 0 or done == t.steps:
+        if done % self.spec.checkpoint.every_steps == 0 or done == self.end:
             pending.save = self.commits.queue(self.group, self.dims, done)
         if self.evaluation and self.evaluation.due(done):
             pending.evaluation = self.evaluation.submit(self.group, t.global_batch)

@@ -35,8 +35,9 @@ class Pass:
 
 
 class Evaluation:
-    def __init__(self, spec: JobSpec, data: JobData):
-        self.every, self.steps = spec.eval.every_steps, spec.train.steps
+    def __init__(self, spec: JobSpec, data: JobData, last: Optional[int] = None):
+        # every `every` steps, and after the run's last step (train.steps, or --until's)
+        self.every, self.steps = spec.eval.every_steps, last or spec.train.steps
         self.sets = [(s.name, DataFeed(s.manifest, s.order(spec.data.shuffle_block), data.columns,
                                        spec.data.read == "spread")) for s in data.eval_sets]
         self.samples = data.eval_samples
@@ -86,5 +87,5 @@ def _metrics(results: list[dict]) -> dict:
             **{f"eval_{k}": v for k, v in metric_values(results, count).items()}}
 
 
-def evaluation(spec: JobSpec, data: JobData) -> Optional[Evaluation]:
-    return Evaluation(spec, data) if data.eval_sets else None
+def evaluation(spec: JobSpec, data: JobData, last: Optional[int] = None) -> Optional[Evaluation]:
+    return Evaluation(spec, data, last) if data.eval_sets else None
