@@ -440,6 +440,9 @@ def shutdown_ray() -> None:
 
     import ray
 
+    from baton.workers import warm
+
+    warm.forget()  # the workers kept warm go with this Ray
     gc.collect()
     gc.disable()
     try:

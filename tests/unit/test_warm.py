@@ -110,3 +110,43 @@ def test_the_actor_offers_every_call_of_the_worker_on_its_thread():
     assert actor.WorkerActor.heartbeat.__ray_concurrency_group__ == "health"
     assert actor.WorkerActor.written.__ray_concurrency_group__ == "io"
     assert not hasattr(actor.WorkerActor.train_step, "__ray_concurrency_group__")
+
+
+def test_workers_kept_by_an_earlier_ray_are_not_offered_to_the_next(tmp_path):
+    """A driver that starts a second local Ray (a second sweep in one process, a notebook's
+    ray.shutdown and ray.init) must not be offered the first Ray's kept workers: they went
+    with it. Ray derives the driver's worker id from the job's id, which a new cluster
+    numbers from 1 again, so that id alone matched, and the next run called a dead actor
+    ("Can't find actor ..."; found by benchmarks/halving.py)."""
+    code = """
+import ray
+from baton.api import start_local_ray
+from baton.spec import spec_from_dict
+from baton.workers import warm
+
+spec = spec_from_dict({"name": "w", "model": {"name": "gpt", "layers": 1, "width": 32, "heads": 2,
+                       "seq_len": 16}, "data": {"source": "parquet", "path": "/nowhere"},
+                       "train": {"steps": 3, "global_batch": 4},
+                       "resources": {"keep_warm_s": 60, "cpus_per_worker": 0.5}})
+
+@ray.remote(num_cpus=0.5)
+class Kept:
+    def renew(self, spec):
+        return True
+
+start_local_ray()
+first = Kept.remote()
+warm.keep(spec, [first])
+assert [a._actor_id for a in warm.claim(spec)] == [first._actor_id]  # the same Ray: renewed
+warm.keep(spec, [first])
+ray.shutdown()
+start_local_ray()
+print(len(warm.claim(spec)), warm.held())
+ray.shutdown()
+"""
+    platform = str(Path(__file__).resolve().parents[2] / "platform")
+    env = {**os.environ, "PYTHONPATH": platform, "HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                         env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["0", "0"]

@@ -34,13 +34,20 @@ _lock = threading.Lock()
 _kept: list[tuple[tuple, Any, float]] = []  # (key, actor, kept until: monotonic)
 
 
+def _connection() -> str:
+    """This Ray connection: a new `ray.init` has new actors. The driver's worker id alone does
+    not tell two apart: Ray derives it from the job's id, and a new local cluster numbers its
+    jobs from 1 again (a second sweep in one process found the first's workers, gone with
+    its cluster: benchmarks/halving.py); its node is new."""
+    context = ray.get_runtime_context()
+    return f"{context.get_worker_id()}@{context.get_node_id()}"
+
+
 def _key(spec: JobSpec) -> tuple:
-    """What a worker must share with a run to serve it: this Ray connection (a new
-    `ray.init` has new actors; the driver's worker id is new with each) and the resources and
-    threads its process was made with."""
+    """What a worker must share with a run to serve it: this Ray connection and the
+    resources and threads its process was made with."""
     r = spec.resources
-    return (ray.get_runtime_context().get_worker_id(), r.cpus_per_worker, r.gpus_per_worker,
-            r.placement, r.threads_per_worker)
+    return (_connection(), r.cpus_per_worker, r.gpus_per_worker, r.placement, r.threads_per_worker)
 
 
 def keep(spec: JobSpec, actors: list) -> None:
@@ -90,8 +97,14 @@ def expire() -> None:
         due = [(k, actor) for k, actor, until in _kept if until <= now]
         _kept[:] = [entry for entry in _kept if entry[2] > now]
     if due and ray.is_initialized():
-        me = ray.get_runtime_context().get_worker_id()
+        me = _connection()
         let_go([actor for k, actor in due if k[0] == me], wait=False)
+
+
+def forget() -> None:
+    """Forget every kept worker: Ray is shutting down, and they go with it."""
+    with _lock:
+        _kept.clear()
 
 
 def drain() -> None:
@@ -99,7 +112,7 @@ def drain() -> None:
     with _lock:
         kept, _kept[:] = list(_kept), []
     if kept and ray.is_initialized():
-        me = ray.get_runtime_context().get_worker_id()
+        me = _connection()
         mine = [(actor, k[1]) for k, actor, _ in kept if k[0] == me]
         let_go([actor for actor, _ in mine], sum(cpus for _, cpus in mine))
 
