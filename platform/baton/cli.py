@@ -535,7 +535,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"  best by {spec.checkpoint.best}: step {result.best[0]} ({result.best[1]:.4g}), "
                   "kept; export it with baton export --best")
         if result.state == "paused":
-            print(f"  baton run {args.job} goes on from step {result.step}")
+            print(f"  to go on from step {result.step}: baton run {args.job}")
         return 0
     raise AssertionError(args.command)
 

@@ -435,7 +435,7 @@ def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straig
     assert cli.main(["run", str(trial), "--until", "3", "--quiet"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[-3].startswith(f"hv-lr{cut}: paused at step 3 of 4, loss ")  # (then the best)
-    assert lines[-1] == f"  baton run {trial} goes on from step 3"
+    assert lines[-1] == f"  to go on from step 3: baton run {trial}"
 
 
 def test_a_step_that_runs_out_of_memory_is_one_line_that_says_what_lowers_it(tmp_path):
