@@ -281,14 +281,17 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
 
 def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] = None,
           seed: int = 0, halving: Optional[int] = None, first_rung: Optional[int] = None,
-          address: Optional[str] = None, show_progress: bool = True,
+          concurrent: int = 1, address: Optional[str] = None, show_progress: bool = True,
           log: Callable[[str], None] = print) -> list:
     """`baton sweep`: the job (a YAML file's path, a dict or a JobSpec) trained for every
     combination of `axes` (key -> values), or for `trials` random draws from them (a value a
-    list or a `sweeps.Draw`; seeded by `seed`), a trial after another on one Ray, those done
+    list or a `sweeps.Draw`; seeded by `seed`), on one Ray, a trial after another or up to
+    `concurrent` at once where the cluster holds them (`sweeps.train_each`), those done
     already skipped; with `halving` (ETA), by successive halving from step `first_rung`
     (`sweeps.halve`). Returns the trials (`sweeps.Trial`) ranked best first
     (`sweeps.ranked_by`)."""
+    import threading
+
     import ray
 
     from baton import sweeps
@@ -299,24 +302,32 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
         sweeps.check_halving(trials, halving, first_rung, source)
     elif first_rung is not None:
         raise SpecError(f"{source}: --first-rung is where --halving first judges the trials: give --halving too")
+    if concurrent < 1:
+        raise SpecError(f"{source}: --concurrent {concurrent}: give 1 or more")
     if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
         for t in trials:
             check_fits(t.spec, os.cpu_count() or 1,
                        _local_gpus() if t.spec.resources.gpus_per_worker else 0, source, "this machine")
     address = _cluster(address, log)
+    if concurrent > 1:  # lines from the trials' threads, whole; no progress line to share
+        lock, say, show_progress = threading.Lock(), log, False
 
-    def train(spec: JobSpec, until: Optional[int]) -> RunResult:
+        def log(line: str) -> None:
+            with lock:
+                say(line)
+
+    def train(spec: JobSpec, until: Optional[int], on_step) -> RunResult:
         return run(spec, source=source, address=address, show_progress=show_progress,
-                   until=until, log=log)
+                   until=until, on_step=on_step, log=log)
+
+    def each(batch: list, until: Optional[int]) -> None:
+        sweeps.train_each(batch, train, log, until, concurrent, ray.cluster_resources())
 
     with ray_session(address, log):
         if halving is not None:
-            sweeps.halve(trials, halving, first_rung, train, log)
+            sweeps.halve(trials, halving, first_rung, each, log)
         else:
-            for k, t in enumerate(trials, 1):
-                log(f"trial {k} of {len(trials)}: {t.name} "
-                    f"({', '.join(f'{key}={v}' for key, v in t.values.items())})")
-                sweeps.train(t, train, log)
+            each(trials, None)
     return sweeps.rank(trials, *sweeps.ranked_by(trials[0].spec))
 
 

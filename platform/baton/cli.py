@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--trials", type=int, metavar="N",
                     help="a random search: N trials, each drawing every --grid key's value")
     sw.add_argument("--seed", type=int, default=0, help="the random search's draws (default 0)")
+    sw.add_argument("--concurrent", type=int, default=1, metavar="N",
+                    help="train up to N trials at once, where the cluster holds their workers "
+                         "together (default 1)")
     sw.add_argument("--halving", type=int, metavar="ETA",
                     help="successive halving: every trial a short way, the best 1/ETA of them "
                          "ETA times as far, and so on to train.steps; the others are cut (3 is usual)")
@@ -496,7 +499,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                       f"1/{args.halving} go on each time, the last to step {ends[-1]}")
             return 0
         trials = api.sweep(args.job, axes, args.set, trials=args.trials, seed=args.seed,
-                           halving=args.halving, first_rung=args.first_rung,
+                           halving=args.halving, first_rung=args.first_rung, concurrent=args.concurrent,
                            address=args.address, show_progress=not args.quiet)
         metric, lowest = sweeps.ranked_by(trials[0].spec)
         print(f"{args.job}: {len(trials)} trials, best first by {metric} "

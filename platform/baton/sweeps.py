@@ -1,4 +1,5 @@
-"""`baton sweep`: one job trained over a grid of settings, a trial after another on one Ray.
+"""`baton sweep`: one job trained over a grid of settings on one Ray, a trial after another
+or, with `concurrent=N`, up to N at once where the cluster holds them (`train_each`).
 
 Each trial is the job with one combination of the grid's values, under a name of its own
 (the job's name and the values: `quickstart-lr0.001-width64`), so it has its own checkpoints
@@ -34,7 +35,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import queue
 import re
+import signal
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -270,13 +275,102 @@ def check_halving(trials: list[Trial], eta: int, first: Optional[int], where: st
                         f"({trials[0].spec.train.steps})")
 
 
+def most_room(spec: JobSpec) -> dict[str, float]:
+    """What a trial's workers may hold at once: its largest world's CPUs and GPUs."""
+    r, n = spec.resources, spec.dp_range[1] * spec.per_replica
+    return {"CPU": n * r.cpus_per_worker, "GPU": n * r.gpus_per_worker}
+
+
+def fit_together(specs: list[JobSpec], total: dict) -> bool:
+    """Whether the largest worlds of `specs` fit in a cluster of `total` resources at once."""
+    held: dict[str, float] = {}
+    for spec in specs:
+        for key, amount in most_room(spec).items():
+            held[key] = held.get(key, 0.0) + amount
+    return all(amount <= total.get(key, 0.0) + 1e-9 for key, amount in held.items())
+
+
+def train_each(trials: list[Trial], run: Callable[..., object], log: Callable[[str], None],
+               until: Optional[int] = None, concurrent: int = 1, total: Optional[dict] = None) -> None:
+    """Train each trial (`train`), a trial after another, or with `concurrent` > 1 up to that
+    many at once where their largest worlds fit in the cluster's `total` resources together
+    (one always runs), each on a thread of this driver, in order as room frees. A trial that
+    fails is reported and the rest go on; an error of another kind, or Ctrl-C, stops every
+    trial running (each at a step's end, its MLflow run marked KILLED, its checkpoints kept)
+    and is raised. `run(spec, until, on_step)` is api.run's."""
+    def header(k: int, t: Trial) -> None:
+        log(f"trial {k} of {len(trials)}: {t.name} "
+            f"({', '.join(f'{key}={v}' for key, v in t.values.items())})")
+
+    if concurrent <= 1:
+        for k, t in enumerate(trials, 1):
+            header(k, t)
+            train(t, lambda spec, end: run(spec, end, None), log, until)
+        return
+    stop, ended = threading.Event(), queue.Queue()
+
+    def on_step(_) -> None:  # the way into a trial's thread: signals reach the main one only
+        if stop.is_set():
+            raise KeyboardInterrupt(signal.SIGINT)
+
+    def work(t: Trial) -> None:
+        try:
+            train(t, lambda spec, end: run(spec, end, on_step), log, until)
+        except BaseException as e:
+            ended.put((t, e))
+            return
+        ended.put((t, None))
+
+    pending, running, errors = list(enumerate(trials, 1)), [], []
+    try:
+        while pending or running:
+            while (pending and len(running) < concurrent and not errors and (
+                    not running or fit_together([*(t.spec for t in running), pending[0][1].spec],
+                                                total or {}))):
+                k, t = pending.pop(0)
+                header(k, t)
+                running.append(t)
+                threading.Thread(target=work, args=(t,), name=f"baton-trial-{k}", daemon=True).start()
+            if not running:
+                break
+            try:
+                t, error = ended.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            running.remove(t)
+            if error is not None and not errors:
+                errors.append(error)
+                stop.set()
+    except KeyboardInterrupt:
+        stop.set()
+        _wait_out(running, ended, STOP_WAIT_S)
+        raise
+    if errors:
+        raise errors[0]
+
+
+STOP_WAIT_S = 60.0  # how long stopping a sweep waits for its running trials to stop
+
+
+def _wait_out(running: list, ended: queue.Queue, wait_s: float) -> None:
+    """Take the trials that end from `running`, for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while running and time.monotonic() < deadline:
+        try:
+            t, _ = ended.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        running.remove(t)
+
+
 def halve(trials: list[Trial], eta: int, first: Optional[int],
-          run: Callable[[JobSpec, Optional[int]], object], log: Callable[[str], None]) -> None:
+          each: Callable[[list[Trial], Optional[int]], None], log: Callable[[str], None]) -> None:
     """Successive halving: every trial to the first rung, the best 1/`eta` of those judged
     there (at least one) on to the next, ..., the last rung's to train.steps; the others are
     "cut" where they stopped. A trial that trained past a rung before (a sweep run again) is
     kept without being judged there; one that ended (stopped early, failed) holds its place
-    in the ranking but trains no further."""
+    in the ranking but trains no further. `each(trials, until)` trains a rung's trials
+    (`train_each`)."""
     metric, lowest = ranked_by(trials[0].spec)
     steps = trials[0].spec.train.steps
     ends = rungs(len(trials), steps, eta, first)
@@ -285,8 +379,7 @@ def halve(trials: list[Trial], eta: int, first: Optional[int],
         log(f"rung {k + 1} of {len(ends)}: {len(alive)} trial{'s' * (len(alive) > 1)} to step {end}")
         for t in alive:
             t.rung = k
-            if not t.ended:
-                train(t, run, log, until=end if end < steps else None)
+        each([t for t in alive if not t.ended], end if end < steps else None)
         if end == steps:
             return
         ahead = [t for t in alive if t.step > end]  # trained past this rung before

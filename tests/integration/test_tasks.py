@@ -438,6 +438,45 @@ def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straig
     assert lines[-1] == f"  to go on from step 3: baton run {trial}"
 
 
+def test_concurrent_trials_train_together_each_as_it_would_alone(tmp_path, capsys):
+    """`baton sweep --concurrent 2` on the 2-CPU Ray: two trials of 1 CPU each (dp 2 x 0.5)
+    train at once (their MLflow runs overlap in time), on threads of one driver; each ends
+    with the parameters of its job run alone, bitwise."""
+    from mlflow.tracking import MlflowClient
+
+    from baton import cli
+    from helpers import write_spec
+
+    data = write_table(tmp_path / "data")
+    sections = dict(task="classification",
+                    model={"name": "classifier", "layers": 2, "width": 16, "options": {"inputs": 6, "classes": 4}},
+                    data={"source": "parquet", "path": str(data), "columns": COLUMNS},
+                    train={"steps": 4, "global_batch": 16, "micro_batch": 4})
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="cc", **sections))
+    assert cli.main(["sweep", str(job), "--grid", "train.lr=[0.001, 0.03]", "--concurrent", "2",
+                     "--quiet"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out[out.index("2 trials, best first"):].splitlines()[2:]]
+    assert sorted(r[0] for r in rows) == ["cc-lr0.001", "cc-lr0.03"] and {r[2] for r in rows} == {"finished"}
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = {}
+    for name in ("cc-lr0.001", "cc-lr0.03"):
+        meta = CheckpointStore(str(tmp_path / "ckpt" / name)).read_meta(4)
+        runs[name] = client.get_run(meta["mlflow_run_id"]).info
+        assert sorted(m.step for m in client.get_metric_history(runs[name].run_id, "loss")) == [1, 2, 3, 4]
+    a, b = runs.values()
+    assert a.start_time < b.end_time and b.start_time < a.end_time, (a, b)  # together
+
+    alone = spec_from_dict(tiny_spec(tmp_path, data, name="alone",
+                                     **{**sections, "train": {**sections["train"], "lr": 0.03}}))
+    api.run(alone, show_progress=False)
+    want = CheckpointStore(alone.checkpoint_dir).read_model(4)
+    got = CheckpointStore(str(tmp_path / "ckpt" / "cc-lr0.03")).read_model(4)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
 def test_a_step_that_runs_out_of_memory_is_one_line_that_says_what_lowers_it(tmp_path):
     """torch's own line is "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator:
     can't allocate memory: ..."; the CLI prints the run's error as `baton: error: ` and this

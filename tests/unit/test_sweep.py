@@ -157,13 +157,14 @@ def _losses():
 def test_halving_trains_the_best_third_on_at_each_rung_and_cuts_the_rest(tmp_path):
     """9 trials, --halving 3 over 90 steps: all 9 to step 10, the best 3 to step 30, the best
     one to step 90; the others cut where they stopped. A trial that fails is never promoted."""
-    from baton.sweeps import halve
+    from baton.sweeps import halve, train_each
 
     lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
     trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": lrs})
     run, calls = _losses()
     log = []
-    halve(trials, 3, None, run, log.append)
+    halve(trials, 3, None, lambda batch, until: train_each(
+        batch, lambda spec, end, on_step: run(spec, end), log.append, until), log.append)
     name = {t.spec.train.lr: t.name for t in trials}
     assert calls == ([(name[lr], 10) for lr in lrs] + [(name[lr], 30) for lr in (3e-3, 2e-3, 4.5e-3)]
                      + [(name[3e-3], None)])
@@ -198,3 +199,91 @@ def test_a_halving_that_cannot_judge_its_trials_is_one_line(tmp_path, capsys):
                      "--list"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         "halving: judged at steps 2, 4; the best 1/2 go on each time, the last to step 8")
+
+
+def test_concurrent_trials_run_together_where_their_largest_worlds_fit(tmp_path):
+    """--concurrent 2 on a cluster of 2 CPUs: two trials of 1 CPU each (dp 2 x 0.5) at once,
+    each meeting the other at a barrier that only two running together pass; on 1.5 CPUs
+    one at a time. An elastic trial counts its largest world."""
+    import threading
+
+    from baton.sweeps import fit_together, train_each
+
+    job = _job(tmp_path)
+    trials = plan(job, {"train.lr": [1e-3, 2e-3, 3e-3, 4e-3]})
+    assert fit_together([t.spec for t in trials[:2]], {"CPU": 2.0})
+    assert not fit_together([t.spec for t in trials[:3]], {"CPU": 2.0})
+    elastic = plan(job, {"train.lr": [1e-3]}, ["elastic.min_dp=1", "elastic.max_dp=4"])
+    assert not fit_together([elastic[0].spec, trials[0].spec], {"CPU": 2.0})  # 2 CPUs + 1
+
+    def runner(meet=None):
+        from types import SimpleNamespace
+
+        lock, now, most = threading.Lock(), [0], [0]
+
+        def run(spec, until, on_step):
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            if meet is not None:
+                meet.wait(timeout=30)  # BrokenBarrierError unless two run at once
+            with lock:
+                now[0] -= 1
+            return SimpleNamespace(state="finished", step=spec.train.steps, loss=1.0, run_id="r",
+                                   eval={}, best=None, stopped_early=None)
+        return run, most
+
+    run, most = runner(threading.Barrier(2))
+    log = []
+    train_each(trials, run, log.append, concurrent=2, total={"CPU": 2.0, "GPU": 0.0})
+    assert [t.state for t in trials] == ["finished"] * 4 and most[0] == 2
+    assert log[:2] == ["trial 1 of 4: q-lr0.001 (train.lr=0.001)", "trial 2 of 4: q-lr0.002 (train.lr=0.002)"]
+
+    trials = plan(job, {"train.lr": [1e-3, 2e-3, 3e-3]})
+    run, most = runner()
+    train_each(trials, run, lambda line: None, concurrent=2, total={"CPU": 1.5})
+    assert [t.state for t in trials] == ["finished"] * 3 and most[0] == 1
+
+
+def test_a_concurrent_trial_that_fails_leaves_the_rest_and_a_crash_stops_them(tmp_path):
+    """A trial's BatonError (a rate that diverges) is reported and the others train on; any
+    other error stops the trials still running at their next step (their on_step raises
+    KeyboardInterrupt, as Ctrl-C would) and is raised."""
+    import threading
+    from types import SimpleNamespace
+
+    from baton.errors import WorkerError
+    from baton.sweeps import train_each
+
+    trials = plan(_job(tmp_path), {"train.lr": [1e-3, 2e-3]})
+    started, stopped = threading.Barrier(2), []
+
+    def run(spec, until, on_step):
+        started.wait(timeout=30)
+        if spec.train.lr == 2e-3:
+            raise WorkerError("worker rank 0 failed while training step 1: loss is NaN")
+        return SimpleNamespace(state="finished", step=3, loss=1.0, run_id="r", eval={}, best=None,
+                               stopped_early=None)
+
+    train_each(trials, run, lambda line: None, concurrent=2, total={"CPU": 2.0})
+    assert [t.state for t in trials] == ["finished", "failed"]
+
+    def crashing(spec, until, on_step):
+        started.wait(timeout=30)
+        if spec.train.lr == 2e-3:
+            raise RuntimeError("a bug")
+        try:
+            for _ in range(600):  # a trial's steps, at most 30 s
+                on_step(None)
+                threading.Event().wait(0.05)
+        except KeyboardInterrupt:
+            stopped.append(spec.name)
+            raise
+        return SimpleNamespace(state="finished", step=3, loss=1.0, run_id="r", eval={}, best=None,
+                               stopped_early=None)
+
+    started.reset()
+    trials = plan(_job(tmp_path), {"train.lr": [1e-3, 2e-3]})
+    with pytest.raises(RuntimeError, match="a bug"):
+        train_each(trials, crashing, lambda line: None, concurrent=2, total={"CPU": 2.0})
+    assert stopped == ["q-lr0.001"]

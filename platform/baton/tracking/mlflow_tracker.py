@@ -115,7 +115,8 @@ class MLflowTracker:
             raise TrackingError(f"the MLflow store {redact(self.uri)} cannot be opened: its folder "
                                 f"{db.parent} does not exist; make it, or set tracking.uri")
         new = db is not None and not db.exists()
-        fresh = self._fresh = db.with_name(f".{db.name}.{os.getpid()}.new") if new else None
+        # (named by the tracker too: a sweep's concurrent trials open one store from one process)
+        fresh = self._fresh = db.with_name(f".{db.name}.{os.getpid()}.{id(self):x}.new") if new else None
         done = self._opening = concurrent.futures.Future()
 
         def prepare() -> None:
@@ -190,14 +191,27 @@ class MLflowTracker:
             logged = self.client.get_metric_history(run_id, STEP_METRIC)
             self._logged_through = max((m.step for m in logged), default=0)
         else:
-            exp = self.client.get_experiment_by_name(self.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                self.experiment, artifact_location=_artifact_root(self.uri, self.experiment))
-            run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+            run_id = self.client.create_run(self._experiment_id(), run_name=run_name).info.run_id
             known = {}
         self.run_id = run_id
         self._log_params(params, known)
         return run_id
+
+    def _experiment_id(self) -> str:
+        """The experiment's id, made if it is new. Two runs that start together (a sweep's
+        concurrent trials, two jobs on one server) may both find none: the second to create
+        it is refused (its name is taken), and takes the first's."""
+        exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(
+                self.experiment, artifact_location=_artifact_root(self.uri, self.experiment))
+        except Exception:
+            exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is None:
+                raise
+            return exp.experiment_id
 
     def _log_params(self, params: dict[str, Any], known: dict[str, str]) -> None:
         from mlflow.entities import Param, RunTag

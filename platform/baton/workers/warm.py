@@ -64,16 +64,19 @@ def keep(spec: JobSpec, actors: list) -> None:
 
 
 def claim(spec: JobSpec) -> list:
-    """The kept workers that can serve `spec`, renewed for it; every other kept worker is let
-    go (its room freed before this returns)."""
+    """The kept workers that can serve `spec` (as many as its largest world takes), renewed
+    for it; the rest of their kind stay kept (a sweep's concurrent trial takes them), and
+    every other kept worker is let go (its room freed before this returns)."""
     if not ray.is_initialized():
         return []
-    key, now = _key(spec), time.monotonic()
+    key, now, most = _key(spec), time.monotonic(), spec.dp_range[1] * spec.per_replica
     with _lock:
-        mine = [actor for k, actor, until in _kept if k == key and until > now]
+        fits = [entry for entry in _kept if entry[0] == key and entry[2] > now]
+        mine = [actor for _, actor, _ in fits[:most]]
         others = [(actor, k[1]) for k, actor, until in _kept
                   if k[0] == key[0] and (k != key or until <= now)]
-        _kept.clear()  # those of an earlier Ray connection went with it
+        # those of an earlier Ray connection went with it
+        _kept[:] = fits[most:]
     let_go([actor for actor, _ in others], sum(cpus for _, cpus in others))
     if not mine:
         return []
