@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
     sw.add_argument("--quiet", action="store_true", help="no progress line")
     sw.add_argument("--list", action="store_true",
-                    help="list the trials (each job checked) and whether each is done, and train nothing")
+                    help="list the trials (each job checked) and where each is (running, paused, "
+                         "finished: a concurrent sweep watched from another shell), and train nothing")
 
     ev = sub.add_parser("eval", help="evaluate a job's checkpoint on its held-out data "
                         "(eval.fraction or eval.path), without training")
@@ -489,9 +490,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.list:
             trials = sweeps.plan(args.job, axes, args.set, args.trials, args.seed)
             for t in trials:
-                meta = sweeps.done(t.spec, 1)
+                where = sweeps.progress(t.spec)
                 print(f"{t.name}: " + ", ".join(f"{k}={v}" for k, v in t.values.items())
-                      + (f"; at step {meta['step']}" if meta else ""))
+                      + (f"; {where}" if where else ""))
             if args.halving is not None:
                 sweeps.check_halving(trials, args.halving, args.first_rung, args.job)
                 ends = sweeps.rungs(len(trials), trials[0].spec.train.steps, args.halving, args.first_rung)

@@ -82,11 +82,7 @@ def describe(s: dict) -> list[str]:
     """The lines `baton status` prints."""
     ago = time.time() - s["updated_at"]
     where = f"pid {s['pid']} on {s['host']}"
-    state = s["state"]
-    if state not in ("finished", "paused", "failed") and s["host"] == socket.gethostname() \
-            and not _alive(s["pid"]):
-        state += f" when last seen: its process ({where}) is gone"
-    lines = [f"{s['job']}: {state} (updated {_ago(ago)} ago, {where})"]
+    lines = [f"{s['job']}: {state_of(s)} (updated {_ago(ago)} ago, {where})"]
     loss = f", loss {s['loss']:.4f}" if s.get("loss") is not None else ""
     tps = f", {s['tokens_per_s']:,.0f} {s.get('unit', 'tokens')}/s" if s.get("tokens_per_s") else ""
     lines.append(f"  step {s['step']}/{s['steps']}{loss}{tps}")
@@ -124,6 +120,16 @@ def describe(s: dict) -> list[str]:
     if s.get("error"):
         lines.append(f"  error: {s['error'].splitlines()[0]}")
     return lines
+
+
+def state_of(s: dict) -> str:
+    """A status's state, and whether its process is gone where it says it is still at work
+    (a run on this machine killed outright)."""
+    state = s["state"]
+    if state not in ("finished", "paused", "failed") and s["host"] == socket.gethostname() \
+            and not _alive(s["pid"]):
+        state += f" when last seen: its process (pid {s['pid']} on {s['host']}) is gone"
+    return state
 
 
 def _alive(pid: int) -> bool:

@@ -243,6 +243,21 @@ def done(spec: JobSpec, until: Optional[int] = None) -> Optional[dict]:
     return meta if api.finished_why(spec, meta) is not None else None
 
 
+def progress(spec: JobSpec) -> str:
+    """Where a trial is, for `baton sweep --list`: its status file's state, step and loss
+    (a run at work, paused, finished or failed), else its newest checkpoint's step; "" for
+    one not begun."""
+    from baton.checkpoint import CheckpointStore
+    from baton.status import state_of
+
+    s = CheckpointStore(spec.checkpoint_dir).read_status()
+    if s is None:
+        meta = done(spec, 1)
+        return f"at step {meta['step']}" if meta else ""
+    loss = f", loss {s['loss']:.4f}" if s.get("loss") is not None else ""
+    return f"{state_of(s)}, step {s['step']} of {s['steps']}{loss}"
+
+
 def rungs(trials: int, steps: int, eta: int, first: Optional[int] = None) -> list[int]:
     """The steps successive halving judges `trials` trials at, train.steps last: `first`
     (default: train.steps / ETA^k, k as many rungs as leave at least one trial at the end),

@@ -426,6 +426,12 @@ def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straig
     assert again.count(": trained before, at step 1") == 2 and again.count(": done before, at step 4") == 1
     assert [line.split()[0] for line in again.splitlines()[-3:]] == [r[0] for r in rows]
 
+    assert cli.main([*argv[:-1], "--list"]) == 0  # where each trial is, from its status file
+    listed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines()[:3])
+    for lr in at_1:
+        state = "finished, step 4 of 4" if lr == winner else "paused, step 1 of 4"
+        assert listed[f"hv-lr{lr}"].startswith(f"train.lr={float(lr)}; {state}, loss "), listed
+
     # a cut trial goes on by hand (`baton run --until`), paused again where it is told
     cut = next(lr for lr in at_1 if lr != winner)
     trial = write_spec(tmp_path / "cut.yaml", tiny_spec(
