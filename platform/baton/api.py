@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -191,7 +192,17 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> str:
 
 
 def prepare_data(spec: JobSpec, log: Callable[[str], None]) -> None:
-    """Write the built-in data a job names into its data.path."""
+    """Write the built-in data a job names into its data.path; where another process wrote it
+    meanwhile (two runs of the job started at once), theirs is read (the same data)."""
+    try:
+        _prepare_data(spec, log)
+    except OSError:
+        if needs_prepare(spec):
+            raise
+        log(f"  {spec.data.path} was prepared meanwhile by another run: reading that")
+
+
+def _prepare_data(spec: JobSpec, log: Callable[[str], None]) -> None:
     out = storage.local_path(spec.data.path)
     if spec.data.source == "digits":
         from baton.data.digits import prepare_digits
@@ -380,9 +391,13 @@ def _fitted_data(spec: JobSpec, source: str, address: Optional[str],
     if not ray.is_initialized() and address is None:  # the embedded Ray is this machine
         check_fits(spec, os.cpu_count() or 1, _local_gpus() if spec.resources.gpus_per_worker else 0,
                    source, "this machine")
-    if needs_prepare(spec):
-        prepare_data(spec, log)
+    with _PREPARING:  # a sweep's concurrent trials share one built-in corpus: made once
+        if needs_prepare(spec):
+            prepare_data(spec, log)
     return preflight(spec, source)
+
+
+_PREPARING = threading.Lock()
 
 
 @contextlib.contextmanager

@@ -330,3 +330,34 @@ def test_a_mix_pins_each_source_and_says_which_changed(tmp_path):
     one = {"step": 40, "data": Manifest.build(str(a)).summary(), "manifest": Manifest.build(str(a)).to_json()}
     with pytest.raises(CheckpointError, match="the checkpoint was not trained on a mix"):
         check_corpus(one, after, "job.yaml", rebase=False)
+
+
+def test_runs_that_start_together_prepare_the_built_in_data_once(tmp_path):
+    """A sweep's concurrent trials (threads of one driver) and two runs of one job started at
+    once (two processes) name one built-in corpus: each reads it, none fails. Both prepared
+    it at once, and the second rename failed ("Directory not empty"; found by
+    benchmarks/sweeps.py)."""
+    import threading
+
+    from baton import api
+    from baton.spec import spec_from_dict
+
+    spec = spec_from_dict({"name": "d", "task": "classification", "data": {
+        "source": "digits", "path": str(tmp_path / "digits"), "columns": {"inputs": ["pixels"], "label": "label"}},
+        "model": {"name": "classifier", "layers": 1, "width": 8, "options": {"inputs": 64, "classes": 10}},
+        "train": {"steps": 1, "global_batch": 8}, "resources": {"cpus_per_worker": 0.5}})
+    got, lines = [], []
+
+    def fitted():
+        got.append(api._fitted_data(spec, "d.yaml", None, lines.append).train_samples)
+    threads = [threading.Thread(target=fitted) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(got) == 2 and got[0] == got[1] > 0
+    assert sum(line.startswith("preparing the digits dataset") for line in lines) == 1
+
+    # another process's: the folder is there by the time this one would rename its own
+    api.prepare_data(spec, lines.append)
+    assert lines[-1] == f"  {spec.data.path} was prepared meanwhile by another run: reading that"

@@ -1,0 +1,79 @@
+"""What a sweep's trials cost four ways, side by side in one run: the same seeded random
+search (the digits job, `--trials N` over `train.lr=loguniform(1e-4, 1e-2)` and
+`model.width=[32, 64, 128]`, ranked by the best checkpoint's eval_loss), with every trial
+trained its 200 steps or with `--halving 3`, each a trial at a time and 2 at once
+(`--concurrent 2`). Every row's workers take half a CPU each (`resources.cpus_per_worker:
+0.5`), so that two trials of 2 workers fit the 2-core machine together. Measured: seconds
+from the sweep's start to its table (each starts its own embedded Ray), the steps trained
+(each trial's last step, summed), and where the trial each picks stands in the first row's
+ranking (1: the same trial).
+
+    python benchmarks/sweeps.py --trials 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / ".." / "platform"))
+sys.path.insert(0, str(ROOT))
+from results_io import write_result  # noqa: E402
+
+AXES = {"train.lr": "loguniform(1e-4, 1e-2)", "model.width": [32, 64, 128]}
+
+
+def sweep(root: Path, way: str, trials: int, seed: int, halving, concurrent: int) -> dict:
+    from baton import api
+
+    sets = [f"checkpoint.path={root / way}", "checkpoint.best=eval_loss", f"data.path={root / 'digits'}",
+            f"tracking.uri=sqlite:///{root / way}.db", "resources.cpus_per_worker=0.5"]
+    t0 = time.perf_counter()
+    ranked = api.sweep(str(ROOT / ".." / "jobs" / "digits.yaml"), AXES, sets, trials=trials, seed=seed,
+                       halving=halving, concurrent=concurrent, show_progress=False,
+                       log=lambda line: None)
+    seconds = time.perf_counter() - t0
+    return {"seconds": round(seconds, 1), "steps": sum(t.step for t in ranked),
+            "ranked": [{"trial": t.name, "state": t.state, "step": t.step, "eval_loss": t.metric}
+                       for t in ranked]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=9)
+    p.add_argument("--eta", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "results" / "sweeps_cpu.json"))
+    args = p.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ways = {"every trial to the end": ("full", None, 1),
+            "every trial, 2 at once": ("full-2", None, 2),
+            f"--halving {args.eta}": ("halving", args.eta, 1),
+            f"--halving {args.eta}, 2 at once": ("halving-2", args.eta, 2)}
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, (way, halving, concurrent) in ways.items():
+            rows[label] = sweep(Path(tmp), way, args.trials, args.seed, halving, concurrent)
+            rows[label]["way"] = way
+    base = next(iter(rows.values()))
+    order = [r["trial"] for r in base["ranked"]]
+    print(f"{args.trials} trials of jobs/digits.yaml (seed {args.seed}), ranked by eval_loss:")
+    print(f"{'search':<28}{'seconds':>9}{'x time':>8}{'steps':>8}  best trial (eval_loss), its place")
+    for label, r in rows.items():
+        best = r["ranked"][0]
+        r["pick_place_in_full"] = order.index(best["trial"]) + 1
+        r["time_ratio"] = round(r["seconds"] / base["seconds"], 3)
+        r["steps_ratio"] = round(r["steps"] / base["steps"], 3)
+        print(f"{label:<28}{r['seconds']:>9.1f}{r['time_ratio']:>8.2f}{r['steps']:>8}  "
+              f"{best['trial']} ({best['eval_loss']:.4f}), {r['pick_place_in_full']} of {args.trials}")
+    write_result(args.out, {"trials": args.trials, "eta": args.eta, "seed": args.seed, "axes": AXES,
+                            "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
