@@ -181,6 +181,8 @@ def _remote_parsers(sub) -> None:
     cluster_args(sm)
     sm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec value (passed on to baton run)")
+    sm.add_argument("--until", type=int, metavar="STEP",
+                    help="stop at this step with a checkpoint (baton run --until); submit again to go on")
     sm.add_argument("--id", help="submission id (default: baton-JOBNAME-RANDOM)")
     sm.add_argument("--root", help="the folder to upload (default: the current one)")
     sm.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
@@ -583,7 +585,7 @@ def _submit(args: argparse.Namespace) -> int:
     env = dict(_key_value(item, "--env") for item in args.env)
     sub = submit.prepare(spec, args.job, args.set, root=args.root, excludes=tuple(args.exclude),
                          includes=tuple(args.include), max_upload_mb=args.max_upload_mb,
-                         storage=args.storage, env=env, submission_id=args.id)
+                         storage=args.storage, env=env, submission_id=args.id, until=args.until)
     try:
         for warning in sub.warnings:
             print(f"baton: note: {warning}", file=sys.stderr)

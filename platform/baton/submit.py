@@ -267,10 +267,11 @@ def write_zip(pkg: Package, out_dir: Path) -> Path:
     return path
 
 
-def entrypoint(job_rel: str, overrides: list[str]) -> str:
+def entrypoint(job_rel: str, overrides: list[str], until: Optional[int] = None) -> str:
     """The command the cluster runs: plain `baton run`, which joins the cluster through the
-    $RAY_ADDRESS that Ray sets for a job's entrypoint."""
-    return shlex.join(["baton", "run", job_rel, *[a for o in overrides for a in ("--set", o)]])
+    $RAY_ADDRESS that Ray sets for a job's entrypoint (`until`: its --until)."""
+    return shlex.join(["baton", "run", job_rel, *[a for o in overrides for a in ("--set", o)],
+                       *(["--until", str(until)] if until is not None else [])])
 
 
 # --- the cluster -----------------------------------------------------------------------------
@@ -395,7 +396,8 @@ def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optiona
             excludes: tuple[str, ...] = (), includes: tuple[str, ...] = (),
             max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB,
             storage: Optional[str] = None, env: Optional[dict] = None,
-            submission_id: Optional[str] = None, out_dir: Optional[Path] = None) -> Submission:
+            submission_id: Optional[str] = None, out_dir: Optional[Path] = None,
+            until: Optional[int] = None) -> Submission:
     """Everything `submit` sends, built and checked locally before the cluster is contacted."""
     root_path = Path(root or os.getcwd()).resolve()
     job_path = Path(job_file).resolve()
@@ -434,7 +436,7 @@ def prepare(spec: JobSpec, job_file: str, overrides: list[str], *, root: Optiona
         runtime_env["env_vars"] = env_vars
     return Submission(
         submission_id=submission_id or f"baton-{spec.name}-{secrets.token_hex(4)}",
-        entrypoint=entrypoint(job_rel, overrides), package=pkg, runtime_env=runtime_env,
+        entrypoint=entrypoint(job_rel, overrides, until), package=pkg, runtime_env=runtime_env,
         warnings=warnings, scratch=scratch)
 
 

@@ -356,14 +356,14 @@ class OrderOnlyFeed:
         pass
 
 
-def _coordinator(tmp_path, cluster, parallel=None, sections=None, **elastic):
+def _coordinator(tmp_path, cluster, parallel=None, sections=None, until=None, **elastic):
     spec = spec_from_dict({
         "name": "fake", "data": {"source": "parquet", "path": str(tmp_path)},
         "train": {"steps": 8, "global_batch": 4, "warmup_steps": 0},
         "parallel": parallel or {"dp": 2}, "checkpoint": {"path": str(tmp_path / "ckpt"), "every_steps": 2},
         "tracking": {"enabled": False}, "elastic": {"max_failures": 3, **elastic}, **(sections or {})})
     c = Coordinator(spec, NullTracker(), record_samples=True, show_progress=False,
-                    group_factory=lambda s, d: FakeGroup(s, d, cluster))
+                    group_factory=lambda s, d: FakeGroup(s, d, cluster), until=until)
     # what _prepare does with Ray and the data, stood in for: 12 samples, 3 steps an epoch
     c.manifest = Manifest(str(tmp_path), [FileEntry("part-0.parquet", 100, (5, 7))])
     c.data = JobData(c.manifest, columns(spec))
@@ -901,6 +901,21 @@ def test_a_replicas_tp_workers_are_ranked_on_one_node_where_they_can_be():
     nodes = [info["node"] for _, info in ranked]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3]
     assert together(placed, 1) == placed  # without tp, the order stays
+
+
+def test_a_run_paused_at_a_step_ends_there_on_a_checkpoint_and_says_so(tmp_path):
+    """`until` (baton run --until 5, checkpoints every 2 steps): steps 1-5 and no more are
+    handed to the workers, the run ends "paused" on a checkpoint of step 5, and its status
+    says how to go on."""
+    from baton.status import describe
+
+    c = _coordinator(tmp_path, FakeCluster(free=2), until=5)
+    _tick_until(c, lambda c: c.state in (State.PAUSED, State.FINISHED))
+    assert (c.state, c.step, c.submitted) == (State.PAUSED, 5, 5)
+    assert c.store.committed_steps()[-1] == 5 and c._result().state == "paused"
+    lines = describe(c.status())
+    assert lines[0].startswith("fake: paused (updated ")
+    assert "  paused at step 5 of 8: run the job again to go on" in lines
 
 
 class ScriptedEvaluation:

@@ -4,12 +4,13 @@ tests/integration/test_submit.py."""
 
 from __future__ import annotations
 
+import shlex
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from baton import storage, submit
+from baton import cli, storage, submit
 from baton.errors import ClusterError
 from baton.spec import load_spec
 from helpers import write_spec
@@ -54,6 +55,9 @@ def test_the_package_honours_ignore_files_and_leaves_out_run_state(tmp_path, mon
         assert sorted(z.namelist()) == sorted(sub.package.files)
         assert z.read("pkg/model.py") == b"x = 1\n"
     assert sub.entrypoint == "baton run jobs/demo.yaml --set train.steps=5"
+    paused = submit.prepare(spec, "jobs/demo.yaml", ["train.steps=5"], out_dir=tmp_path / "p", until=3)
+    assert paused.entrypoint == "baton run jobs/demo.yaml --set train.steps=5 --until 3"
+    assert cli._parser().parse_args(shlex.split(paused.entrypoint)[1:]).until == 3
     assert sub.runtime_env == {"working_dir": str(sub.package.zip_path)}
     assert sub.submission_id.startswith("baton-demo-")
     assert any("--storage" in w for w in sub.warnings)  # relative paths on the cluster
