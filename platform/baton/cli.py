@@ -199,6 +199,14 @@ def _remote_parsers(sub) -> None:
     sm.add_argument("--no-wait", action="store_true", help="submit and return")
     sm.add_argument("--dry-run", action="store_true", help="show what would be sent; send nothing")
 
+    sc = sub.add_parser("scale", help="set the largest world of a running elastic job (it gives "
+                        "workers back, or grows, at its next check)")
+    sc.add_argument("job", help="the job's YAML file")
+    sc.add_argument("--max-dp", type=int, metavar="N", help="at most N data-parallel replicas")
+    sc.add_argument("--clear", action="store_true", help="back to the job's own elastic.max_dp")
+    sc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a spec value, as the run was given (repeatable)")
+
     for name, text in (("status", "a job's state: a local job's (its YAML file or name), else "
                                   "a submitted one's"),
                        ("logs", "a submitted job's output"), ("stop", "stop a submitted job")):
@@ -521,6 +529,8 @@ def _dispatch(args: argparse.Namespace) -> int:
               + ", ".join(f"{k} {v:.4g}" for k, v in e.items() if k != "eval_samples")
               + f"; MLflow run {result.run_id}")
         return 0
+    if args.command == "scale":
+        return _scale(args)
     if args.command == "run":
         from baton.spec import load_spec
 
@@ -544,6 +554,28 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"  to go on from step {result.step}: baton run {args.job}")
         return 0
     raise AssertionError(args.command)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from baton.coordinator import ceiling
+    from baton.errors import SpecError
+    from baton.spec import load_spec
+
+    spec = load_spec(args.job, args.set)
+    low, high = spec.dp_range
+    if (args.max_dp is None) == (not args.clear):
+        raise SpecError(f"{args.job}: give --max-dp N, or --clear")
+    if low == high:
+        raise SpecError(f"{args.job}: job {spec.name!r} is not elastic (elastic.min_dp and max_dp "
+                        f"are both {low}): its world does not change size")
+    if args.max_dp is not None and not low <= args.max_dp <= high:
+        raise SpecError(f"{args.job}: --max-dp {args.max_dp}: give {low} (elastic.min_dp) to "
+                        f"{high} (elastic.max_dp)")
+    ceiling.ask(spec, args.max_dp)
+    print(f"{spec.name}: " + (f"at most {args.max_dp} replicas" if args.max_dp else
+                             f"back to elastic.max_dp ({high})")
+          + f", from its next check (within elastic.rescale_check_s, {spec.elastic.rescale_check_s:g} s)")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -527,6 +527,60 @@ def test_node_loss_shrinks_then_a_join_grows_back(tmp_path):
     assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
 
 
+def test_baton_scale_gives_replicas_back_and_lets_the_job_grow_again(tmp_path):
+    """`baton scale --max-dp 1` while dp 2 runs: at its next check (every step here) the job
+    commits a checkpoint of the step, re-forms at dp 1 from it and lets the other worker go
+    (its room is free); it does not grow back while the ceiling holds, though there is room;
+    `--clear` lets it grow again. Every sample is trained once per epoch."""
+    from baton.coordinator import ceiling
+    from baton.status import describe
+
+    cluster = FakeCluster(free=2)
+    c = _coordinator(tmp_path, cluster, min_dp=1, rescale_check_s=1e-9)
+    _tick_until(c, lambda c: c.step == 2)
+    ceiling.ask(c.base, 1)
+    states = _tick_until(c, lambda c: c.state is State.RUNNING and c.dims.dp == 1)
+    # step 3 was queued behind step 2: trained, then the checkpoint of step 3 re-formed from
+    assert State.SHRINKING in states and c.step == 3 and cluster.free == 1
+    assert CheckpointStore(c.store.root).latest() == 3
+    _tick_until(c, lambda c: c.step == 5)
+    assert c.dims.dp == 1 and cluster.free == 1  # room, and no growth into it
+    lines = describe(c.status())
+    assert "  at most 1 replicas (baton scale; --clear lifts it)" in lines
+    rescale = next(e for e in c.events if e["kind"] == "rescale")
+    assert (rescale["from_dp"], rescale["dp"], rescale["asked"]) == (2, 1, "baton scale")
+    ceiling.ask(c.base, None)
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert [dp for _, dp in c.dp_history] == [2, 1, 2] and c.step == 8
+    ids = [i for step, _, part in sorted(c.samples.ledger) for i in part]
+    assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-dp", "3"], "--max-dp 3: give 1 (elastic.min_dp) to 2 (elastic.max_dp)"),
+    ([], "give --max-dp N, or --clear"),
+    (["--max-dp", "1", "--clear"], "give --max-dp N, or --clear"),
+    (["--max-dp", "1", "--set", "elastic.min_dp=2"], "job 'fake' is not elastic (elastic.min_dp "
+                                                     "and max_dp are both 2)"),
+])
+def test_baton_scale_refuses_a_ceiling_the_job_cannot_keep_in_one_line(tmp_path, capsys, args, message):
+    from baton import cli
+    from baton.coordinator import ceiling
+    from helpers import write_spec
+
+    job = write_spec(tmp_path / "job.yaml", {
+        "name": "fake", "data": {"source": "parquet", "path": str(tmp_path)},
+        "train": {"steps": 8, "global_batch": 4}, "parallel": {"dp": 2},
+        "checkpoint": {"path": str(tmp_path / "ckpt")}, "elastic": {"min_dp": 1}})
+    assert cli.main(["scale", str(job), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "ckpt" / "fake" / ceiling.FILE).exists()
+    (tmp_path / "ckpt" / "fake").mkdir(parents=True)
+    (tmp_path / "ckpt" / "fake" / ceiling.FILE).write_text("{not json")  # a broken one: not obeyed
+    assert ceiling.asked(CheckpointStore(str(tmp_path / "ckpt" / "fake"))) is None
+
+
 def test_continue_goes_on_with_the_survivors_and_grows_back_once_replacements_start(tmp_path):
     """elastic.recovery continue: the world re-forms at once from the survivor (dp 1) instead
     of waiting for a new worker's process, the replacement starts at the recovery's first

@@ -6,6 +6,8 @@
     running --(eval.patience evaluations without improvement: a checkpoint here)--> finished
     running --(room for more replicas, seen every elastic.rescale_check_s)--> rescaling
     rescaling --(checkpoint here, world re-formed larger, checkpoint loaded)--> running
+    running --(`baton scale` set a ceiling below the world: seen every rescale_check_s)--> shrinking
+    shrinking --(checkpoint here, world re-formed smaller, the rest let go)--> running
     any --(a worker lost: dead, frozen, failed)--> recovering
     recovering --(survivors kept, workers topped up, world re-formed, latest checkpoint
                   loaded, data cursor rewound with it)--> running
@@ -36,6 +38,7 @@ from baton.checkpoint import CheckpointStore
 from baton.checkpoint.lease import Lease
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, preflight
+from baton.coordinator.ceiling import Ceiling
 from baton.coordinator.commits import Commits, Save
 from baton.coordinator.evaluation import Evaluation, Pass, evaluation
 from baton.coordinator.stopping import early_stop
@@ -96,6 +99,7 @@ class State(enum.Enum):
     RECOVERING = "recovering"
     RESCALING = "rescaling"
     MOVING = "moving"  # off nodes Ray is draining
+    SHRINKING = "shrinking"  # to the ceiling `baton scale` set
     EVALUATING = "evaluating"  # a checkpoint, without training (`baton eval`)
     FINISHED = "finished"
     PAUSED = "paused"  # at `until`, before train.steps, on a checkpoint: a run again goes on
@@ -115,7 +119,7 @@ class Coordinator:
         self.dims = spec.dims()
         self.pp = spec.parallel.pp
         self.per_replica = spec.per_replica  # workers a replica takes: pp x tp
-        self.scale = ScalePolicy(tuple(spec.valid_dps()), self.per_replica)
+        self.scale = ScalePolicy(tuple(spec.valid_dps()), self.per_replica)  # within the ceiling
         self.failures = FailurePolicy(spec.elastic.max_failures)
         self.on_step = on_step  # called after every completed step (observers, fault tests)
         self.group_factory = group_factory  # the unit tests' fake group stands in for Ray
@@ -127,6 +131,7 @@ class Coordinator:
         # the start's phases, from here to the first step (finished and kept in the result then)
         self.start: dict = {}  # the start's phases, once its first step is done
         self.store = CheckpointStore(spec.checkpoint_dir)
+        self.ceiling = Ceiling(self.store, spec)  # the largest world `baton scale` allows
         self.resume_meta = resume_meta
         self.data = data  # checked before Ray started (api.run), or in _prepare
         self.manifest: Optional[Manifest] = None
@@ -190,6 +195,7 @@ class Coordinator:
         handler = {State.PENDING: self._prepare, State.SCHEDULING: self._schedule,
                    State.RUNNING: self._run_step, State.RECOVERING: self._recover,
                    State.RESCALING: self._rescale, State.MOVING: self._move,
+                   State.SHRINKING: self._shrink,
                    State.EVALUATING: self._evaluate}[self.state]
         before = self.state
         try:
@@ -249,6 +255,8 @@ class Coordinator:
         """The workers' processes start: as many as the cluster has room for, up to max_dp."""
         self.group = self.group_factory(self.base, self.dims)
         self.placement = Placement(self.group, self.base, self.scale)
+        if self.ceiling.max_dp:
+            self._cap()
         self.first_workers = self.placement.first_workers()
         self.group.launch(self.first_workers)
 
@@ -282,6 +290,10 @@ class Coordinator:
             return self._finish()
         if self.resumed is None and self.placement.leaving():
             return State.MOVING
+        if self.resumed is None and self.ceiling.changed():
+            self._cap()
+            if self.dims.dp > max(self.scale.valid_dps):
+                return State.SHRINKING
         if self._rescale_due():
             return State.RESCALING
         # Keep the next step queued on the workers while this one runs, so that no worker
@@ -471,6 +483,50 @@ class Coordinator:
                         "workers_moved": len(ranks), "workers_new": len(new)}
         self.resumed = timer
         return State.RUNNING
+
+    def _shrink(self) -> State:
+        """Give room back (`baton scale --max-dp`): finish the queued steps, commit a
+        checkpoint of this step, and re-form the world of as many replicas as the ceiling
+        allows from the workers there are, the rest let go (their room is free once they
+        are), from that checkpoint. Nothing is trained twice; nothing counts as a failure."""
+        timer = Phases("rescale")
+        while self.inflight:
+            self._complete_next()
+        timer.lap("queued_steps")
+        old_dp = self.dims.dp
+        if old_dp <= max(self.scale.valid_dps) or self.step >= self.end:
+            return State.RUNNING
+        if self.store.latest() != self.step:
+            self._checkpoint_now()
+        self.commits.drain(self.group)
+        timer.lap("checkpoint")
+        everyone = list(range(len(self.group.actors)))
+        left = self.group.leave(everyone, LEAVE_GRACE_S)
+        if len(left) < len(everyone):
+            raise WorkerLost("a worker did not leave its group for a resize", "timeout",
+                             tuple(r for r in everyone if r not in left))
+        self.report.progress.note(f"step {self.step}: baton scale: at most "
+                                  f"{self.ceiling.max_dp} replicas, dp {old_dp} -> "
+                                  f"{self.scale.target(len(everyone))}")
+        timer.lap("reschedule")
+        self._form(self.group.members())  # the replicas beyond the ceiling are let go
+        timer.lap("group_init")
+        self._load_latest()
+        timer.lap("checkpoint_load")
+        timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
+                        "asked": "baton scale"}
+        self.resumed = timer
+        return State.RUNNING
+
+    def _cap(self) -> None:
+        """Place, grow and recover within the ceiling (none: the job's own max_dp); a ceiling
+        below min_dp keeps min_dp (`baton scale` refuses one)."""
+        valid = self.base.valid_dps()
+        ceiling = self.ceiling.max_dp or max(valid)
+        self.scale = ScalePolicy(tuple(dp for dp in valid if dp <= ceiling) or (min(valid),),
+                                 self.per_replica)
+        self.placement.cap(self.scale)
+        self.placement.check_soon()  # a ceiling raised: look for room at the next step
 
     # -- worlds ---------------------------------------------------------------------------------
 
@@ -702,6 +758,7 @@ class Coordinator:
                 **({"best_checkpoint": {"step": best[0], self.spec.checkpoint.best: best[1]}}
                    if (best := self.commits.best_found) else {}),
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
+                **({"max_dp": self.ceiling.max_dp} if self.ceiling.max_dp else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}

@@ -108,7 +108,7 @@ class Placement:
         instead of waiting out their processes' start in the growth (3.4-3.9 s on 2 cores, more
         where a worker initialises a GPU). Room the job cannot grow into keeps its warm spares
         (elastic.spares)."""
-        spares, most = self.base.elastic.spares, self.base.dp_range[1]
+        spares, most = self.base.elastic.spares, self.most // self.base.per_replica
         if self.joining:  # asked at every step until they have started
             return self._joined()
         if dp >= most and not spares:
@@ -158,6 +158,10 @@ class Placement:
         self.drains = {}
         if stay:
             self.next_drain_check = time.monotonic() + self.base.elastic.rescale_check_s
+
+    def cap(self, scale: ScalePolicy) -> None:
+        """Place and grow within `scale`'s replica counts from now on (`baton scale`)."""
+        self.scale, self.most = scale, max(scale.valid_dps) * self.base.per_replica
 
     def check_soon(self) -> None:
         """Look for room (and keep the spares) at the next step instead of after

@@ -1,0 +1,73 @@
+"""`baton scale`: an elastic job's largest world, set from outside while it runs.
+
+A job grows into room when nodes join and shrinks when it loses workers; on a cluster it
+shares, its owner may want room back without stopping it (a colleague's job, a debugging
+session), or to let it take more again. `baton scale JOB.yaml --max-dp N` writes the ceiling
+into the job's checkpoint folder (`scale.json`, beside `status.json`: a local folder or object
+storage, wherever the job writes). The coordinator looks for it as often as it looks for room
+(`elastic.rescale_check_s`): above the ceiling, it gives the workers of the replicas beyond it
+back at the next step boundary (a checkpoint of that step, and the world re-formed smaller
+from it: nothing is trained twice or lost); below it, it grows as far as the ceiling allows.
+The file stays until `baton scale JOB.yaml --clear`, so a resumed run keeps to it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Optional
+
+from baton import storage
+from baton.checkpoint import CheckpointStore
+from baton.spec import JobSpec
+
+FILE = "scale.json"
+
+
+def ask(spec: JobSpec, max_dp: Optional[int]) -> None:
+    """Set the ceiling of `spec`'s job to `max_dp` replicas (None: the job's own max_dp)."""
+    store = CheckpointStore(spec.checkpoint_dir)
+    path = f"{store.path}/{FILE}"
+    if max_dp is None:
+        if storage.exists(store.fs, path):
+            store.fs.delete_file(path)
+        return
+    store.fs.create_dir(store.path, recursive=True)
+    storage.write_durably(store.fs, path, json.dumps(
+        {"max_dp": max_dp, "at": round(time.time(), 3), "by": socket.gethostname()}).encode())
+
+
+def asked(store: CheckpointStore) -> Optional[int]:
+    """The ceiling in the job's folder, or None (none set, or a file that does not read as one:
+    a ceiling is a wish, and a broken one is not obeyed)."""
+    path = f"{store.path}/{FILE}"
+    try:
+        if not storage.exists(store.fs, path):
+            return None
+        value = json.loads(storage.read_bytes(store.fs, path)).get("max_dp")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class Ceiling:
+    """What the coordinator knows of the ceiling: read at the start, then every `check_s`."""
+
+    def __init__(self, store: CheckpointStore, spec: JobSpec):
+        self.store, self.check_s = store, spec.elastic.rescale_check_s
+        self.elastic = spec.dp_range[0] < spec.dp_range[1]
+        self.max_dp: Optional[int] = asked(store) if self.elastic else None
+        self.next_check = time.monotonic() + self.check_s
+
+    def changed(self) -> bool:
+        """Whether the ceiling changed since it was last read (read when due)."""
+        now = time.monotonic()
+        if not self.elastic or now < self.next_check:
+            return False
+        self.next_check = now + self.check_s
+        value = asked(self.store)
+        if value == self.max_dp:
+            return False
+        self.max_dp = value
+        return True
