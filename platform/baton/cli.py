@@ -572,7 +572,7 @@ def _scale(args: argparse.Namespace) -> int:
         raise SpecError(f"{args.job}: --max-dp {args.max_dp}: give {low} (elastic.min_dp) to "
                         f"{high} (elastic.max_dp)")
     ceiling.ask(spec, args.max_dp)
-    print(f"{spec.name}: " + (f"at most {args.max_dp} replicas" if args.max_dp else
+    print(f"{spec.name}: " + (f"at most {args.max_dp} replica{'s' * (args.max_dp > 1)}" if args.max_dp else
                              f"back to elastic.max_dp ({high})")
           + f", from its next check (within elastic.rescale_check_s, {spec.elastic.rescale_check_s:g} s)")
     return 0

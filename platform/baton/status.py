@@ -111,7 +111,8 @@ def describe(s: dict) -> list[str]:
     if stop:
         lines.append(f"  stopped early at step {stop['step']}: {stop['why']}")
     if s.get("max_dp"):  # baton scale
-        lines.append(f"  at most {s['max_dp']} replicas (baton scale; --clear lifts it)")
+        lines.append(f"  at most {s['max_dp']} replica{'s' * (s['max_dp'] > 1)} (baton scale; "
+                     "--clear lifts it)")
     if s["state"] == "paused":  # baton run --until
         lines.append(f"  paused at step {s['step']} of {s['steps']}: run the job again to go on")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))

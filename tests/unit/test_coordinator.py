@@ -546,7 +546,7 @@ def test_baton_scale_gives_replicas_back_and_lets_the_job_grow_again(tmp_path):
     _tick_until(c, lambda c: c.step == 5)
     assert c.dims.dp == 1 and cluster.free == 1  # room, and no growth into it
     lines = describe(c.status())
-    assert "  at most 1 replicas (baton scale; --clear lifts it)" in lines
+    assert "  at most 1 replica (baton scale; --clear lifts it)" in lines
     rescale = next(e for e in c.events if e["kind"] == "rescale")
     assert (rescale["from_dp"], rescale["dp"], rescale["asked"]) == (2, 1, "baton scale")
     ceiling.ask(c.base, None)

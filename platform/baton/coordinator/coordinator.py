@@ -505,8 +505,9 @@ class Coordinator:
         if len(left) < len(everyone):
             raise WorkerLost("a worker did not leave its group for a resize", "timeout",
                              tuple(r for r in everyone if r not in left))
-        self.report.progress.note(f"step {self.step}: baton scale: at most "
-                                  f"{self.ceiling.max_dp} replicas, dp {old_dp} -> "
+        cap = self.ceiling.max_dp
+        self.report.progress.note(f"step {self.step}: baton scale: at most {cap} "
+                                  f"replica{'s' * (cap > 1)}, dp {old_dp} -> "
                                   f"{self.scale.target(len(everyone))}")
         timer.lap("reschedule")
         self._form(self.group.members())  # the replicas beyond the ceiling are let go
