@@ -402,11 +402,7 @@ class Coordinator:
         if self.scale.target(len(members)) == old_dp:  # the room went elsewhere meanwhile
             self.group.release(new)
             return State.RUNNING
-        left = self.group.leave(list(range(len(self.group.actors))), LEAVE_GRACE_S)
-        if len(left) < len(self.group.actors):
-            self.group.release(new)
-            raise WorkerLost("a worker did not leave its group for a resize", "timeout",
-                             tuple(r for r in range(len(self.group.actors)) if r not in left))
+        self._leave_all("a resize", new)
         timer.lap("reschedule")
         self._form(members, keep_state=share)  # the old workers first: rank 0 is one of them
         timer.lap("group_init")
@@ -466,12 +462,8 @@ class Coordinator:
             return State.RUNNING
         self.report.progress.note(f"step {self.step}: node {where} is draining: moving worker "
                                   f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} off")
-        old_dp, everyone = self.dims.dp, list(range(len(self.group.actors)))
-        left = self.group.leave(everyone, LEAVE_GRACE_S)
-        if len(left) < len(everyone):
-            self.group.release(new)
-            raise WorkerLost("a worker did not leave its group for a move", "timeout",
-                             tuple(r for r in everyone if r not in left))
+        old_dp = self.dims.dp
+        self._leave_all("a move", new)
         self.group.kill(ranks)  # their node can go now
         self.placement.moved()
         timer.lap("reschedule")
@@ -500,15 +492,11 @@ class Coordinator:
             self._checkpoint_now()
         self.commits.drain(self.group)
         timer.lap("checkpoint")
-        everyone = list(range(len(self.group.actors)))
-        left = self.group.leave(everyone, LEAVE_GRACE_S)
-        if len(left) < len(everyone):
-            raise WorkerLost("a worker did not leave its group for a resize", "timeout",
-                             tuple(r for r in everyone if r not in left))
+        self._leave_all("a resize")
         cap = self.ceiling.max_dp
         self.report.progress.note(f"step {self.step}: baton scale: at most {cap} "
                                   f"replica{'s' * (cap > 1)}, dp {old_dp} -> "
-                                  f"{self.scale.target(len(everyone))}")
+                                  f"{self.scale.target(len(self.group.actors))}")
         timer.lap("reschedule")
         self._form(self.group.members())  # the replicas beyond the ceiling are let go
         timer.lap("group_init")
@@ -518,6 +506,16 @@ class Coordinator:
                         "asked": "baton scale"}
         self.resumed = timer
         return State.RUNNING
+
+    def _leave_all(self, why: str, new: list = ()) -> None:
+        """Every worker leaves its group, to re-form (a growth's `new` workers wait outside);
+        one that does not within the grace is lost (a timeout), and the new ones let go."""
+        everyone = list(range(len(self.group.actors)))
+        left = self.group.leave(everyone, LEAVE_GRACE_S)
+        if len(left) < len(everyone):
+            self.group.release(list(new))
+            raise WorkerLost(f"a worker did not leave its group for {why}", "timeout",
+                             tuple(r for r in everyone if r not in left))
 
     def _cap(self) -> None:
         """Place, grow and recover within the ceiling (none: the job's own max_dp); a ceiling
