@@ -11,6 +11,7 @@ From Python (a notebook, a script), without the CLI:
     baton.evaluate(spec, step="best").eval  # a checkpoint on the held-out data, no training
     baton.sweep(spec, {"train.lr": [1e-3, 3e-3]})  # a trial per value, ranked
     baton.fork("decay.yaml", spec)        # a new job starting at spec's newest checkpoint
+    baton.scale(spec, 1)                  # a running elastic job: at most 1 replica
     baton.export(spec, "model-out")       # its newest verified checkpoint, as safetensors
     model = baton.load_model("model-out") # the trained nn.Module, on the CPU
 
@@ -83,6 +84,14 @@ def fork(job, source, step=None, overrides=()):
     from baton.checkpoint.fork import fork as forking
 
     return forking(_spec(job, overrides), _spec(source, ()), step)
+
+
+def scale(job, max_dp, overrides=()):
+    """`baton scale`: the running elastic job `job` keeps to at most `max_dp` replicas from
+    its next check (None: its own elastic.max_dp again)."""
+    from baton.coordinator.ceiling import ask
+
+    ask(_spec(job, overrides), max_dp)
 
 
 def load_model(folder):

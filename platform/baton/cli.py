@@ -562,18 +562,11 @@ def _scale(args: argparse.Namespace) -> int:
     from baton.spec import load_spec
 
     spec = load_spec(args.job, args.set)
-    low, high = spec.dp_range
     if (args.max_dp is None) == (not args.clear):
         raise SpecError(f"{args.job}: give --max-dp N, or --clear")
-    if low == high:
-        raise SpecError(f"{args.job}: job {spec.name!r} is not elastic (elastic.min_dp and max_dp "
-                        f"are both {low}): its world does not change size")
-    if args.max_dp is not None and not low <= args.max_dp <= high:
-        raise SpecError(f"{args.job}: --max-dp {args.max_dp}: give {low} (elastic.min_dp) to "
-                        f"{high} (elastic.max_dp)")
-    ceiling.ask(spec, args.max_dp)
+    ceiling.ask(spec, args.max_dp, args.job)
     print(f"{spec.name}: " + (f"at most {args.max_dp} replica{'s' * (args.max_dp > 1)}" if args.max_dp else
-                             f"back to elastic.max_dp ({high})")
+                             f"back to elastic.max_dp ({spec.dp_range[1]})")
           + f", from its next check (within elastic.rescale_check_s, {spec.elastic.rescale_check_s:g} s)")
     return 0
 

@@ -532,13 +532,13 @@ def test_baton_scale_gives_replicas_back_and_lets_the_job_grow_again(tmp_path):
     commits a checkpoint of the step, re-forms at dp 1 from it and lets the other worker go
     (its room is free); it does not grow back while the ceiling holds, though there is room;
     `--clear` lets it grow again. Every sample is trained once per epoch."""
-    from baton.coordinator import ceiling
+    import baton
     from baton.status import describe
 
     cluster = FakeCluster(free=2)
     c = _coordinator(tmp_path, cluster, min_dp=1, rescale_check_s=1e-9)
     _tick_until(c, lambda c: c.step == 2)
-    ceiling.ask(c.base, 1)
+    baton.scale(c.base, 1)  # what `baton scale JOB --max-dp 1` writes
     states = _tick_until(c, lambda c: c.state is State.RUNNING and c.dims.dp == 1)
     # step 3 was queued behind step 2: trained, then the checkpoint of step 3 re-formed from
     assert State.SHRINKING in states and c.step == 3 and cluster.free == 1
@@ -549,7 +549,7 @@ def test_baton_scale_gives_replicas_back_and_lets_the_job_grow_again(tmp_path):
     assert "  at most 1 replica (baton scale; --clear lifts it)" in lines
     rescale = next(e for e in c.events if e["kind"] == "rescale")
     assert (rescale["from_dp"], rescale["dp"], rescale["asked"]) == (2, 1, "baton scale")
-    ceiling.ask(c.base, None)
+    baton.scale(c.base, None)  # --clear
     _tick_until(c, lambda c: c.state is State.FINISHED)
     assert [dp for _, dp in c.dp_history] == [2, 1, 2] and c.step == 8
     ids = [i for step, _, part in sorted(c.samples.ledger) for i in part]

@@ -20,13 +20,22 @@ from typing import Optional
 
 from baton import storage
 from baton.checkpoint import CheckpointStore
+from baton.errors import SpecError
 from baton.spec import JobSpec
 
 FILE = "scale.json"
 
 
-def ask(spec: JobSpec, max_dp: Optional[int]) -> None:
-    """Set the ceiling of `spec`'s job to `max_dp` replicas (None: the job's own max_dp)."""
+def ask(spec: JobSpec, max_dp: Optional[int], source: str = "<spec>") -> None:
+    """Set the ceiling of `spec`'s job to `max_dp` replicas (None: the job's own max_dp);
+    SpecError (one line) for a job that is not elastic or a ceiling outside its range."""
+    low, high = spec.dp_range
+    if low == high:
+        raise SpecError(f"{source}: job {spec.name!r} is not elastic (elastic.min_dp and max_dp "
+                        f"are both {low}): its world does not change size")
+    if max_dp is not None and not low <= max_dp <= high:
+        raise SpecError(f"{source}: --max-dp {max_dp}: give {low} (elastic.min_dp) to "
+                        f"{high} (elastic.max_dp)")
     store = CheckpointStore(spec.checkpoint_dir)
     path = f"{store.path}/{FILE}"
     if max_dp is None:
