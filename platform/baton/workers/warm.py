@@ -64,19 +64,17 @@ def keep(spec: JobSpec, actors: list) -> None:
 
 
 def claim(spec: JobSpec) -> list:
-    """The kept workers that can serve `spec` (as many as its largest world takes), renewed
-    for it; the rest of their kind stay kept (a sweep's concurrent trial takes them), and
+    """The kept workers that can serve `spec`, renewed for it (those beyond what its world
+    takes are let go as it starts: kept, they would hold room its spares or growth need);
     every other kept worker is let go (its room freed before this returns)."""
     if not ray.is_initialized():
         return []
-    key, now, most = _key(spec), time.monotonic(), spec.dp_range[1] * spec.per_replica
+    key, now = _key(spec), time.monotonic()
     with _lock:
-        fits = [entry for entry in _kept if entry[0] == key and entry[2] > now]
-        mine = [actor for _, actor, _ in fits[:most]]
+        mine = [actor for k, actor, until in _kept if k == key and until > now]
         others = [(actor, k[1]) for k, actor, until in _kept
                   if k[0] == key[0] and (k != key or until <= now)]
-        # those of an earlier Ray connection went with it
-        _kept[:] = fits[most:]
+        _kept.clear()  # those of an earlier Ray connection went with it
     let_go([actor for actor, _ in others], sum(cpus for _, cpus in others))
     if not mine:
         return []
