@@ -301,8 +301,6 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     already skipped; with `halving` (ETA), by successive halving from step `first_rung`
     (`sweeps.halve`). Returns the trials (`sweeps.Trial`) ranked best first
     (`sweeps.ranked_by`)."""
-    import threading
-
     import ray
 
     from baton import sweeps
