@@ -3,6 +3,7 @@
     pending --(the data's manifest and order ready, MLflow run open)--> scheduling
     scheduling --(workers placed, group formed, checkpoint loaded)--> running
     running --(one optimizer step; a checkpoint when due)--> running | finished
+    running --(step `until` done: a checkpoint here)--> paused (`baton run --until`)
     running --(eval.patience evaluations without improvement: a checkpoint here)--> finished
     running --(room for more replicas, seen every elastic.rescale_check_s)--> rescaling
     rescaling --(checkpoint here, world re-formed larger, checkpoint loaded)--> running
@@ -16,7 +17,8 @@
 
 It decides (which samples, which learning rate, when to checkpoint, what world size); the
 workers execute. The decisions about failures and world sizes come from the pure policies in
-`policy.py`; its collaborators place workers (`placement.py`), commit checkpoints
+`policy.py`; its collaborators place workers (`placement.py`) within the ceiling `baton
+scale` sets (`ceiling.py`), commit checkpoints
 (`commits.py`), stop early (`stopping.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
 through `data/feed.py`), and report (`report.py`: MLflow, live metrics, the progress line,
 the status file). It is the only writer to MLflow, through them.
