@@ -9,6 +9,8 @@ from the sweep's start to its table (each starts its own embedded Ray), the step
 ranking (1: the same trial).
 
     python benchmarks/sweeps.py --trials 9
+    python benchmarks/sweeps.py --trials 9 --set train.schedule=wsd --ways full,halving \
+        --out benchmarks/results/sweeps_wsd_cpu.json
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from results_io import write_result  # noqa: E402
 AXES = {"train.lr": "loguniform(1e-4, 1e-2)", "model.width": [32, 64, 128]}
 
 
-def sweep(root: Path, way: str, trials: int, seed: int, halving, concurrent: int) -> dict:
+def sweep(root: Path, way: str, trials: int, seed: int, halving, concurrent: int,
+          extra: list[str]) -> dict:
     from baton import api
 
     sets = [f"checkpoint.path={root / way}", "checkpoint.best=eval_loss", f"data.path={root / 'digits'}",
-            f"tracking.uri=sqlite:///{root / way}.db", "resources.cpus_per_worker=0.5"]
+            f"tracking.uri=sqlite:///{root / way}.db", "resources.cpus_per_worker=0.5", *extra]
     t0 = time.perf_counter()
     ranked = api.sweep(str(ROOT / ".." / "jobs" / "digits.yaml"), AXES, sets, trials=trials, seed=seed,
                        halving=halving, concurrent=concurrent, show_progress=False,
@@ -48,6 +51,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=9)
     p.add_argument("--eta", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a job setting for every row (e.g. train.schedule=wsd)")
+    p.add_argument("--ways", default="full,full-2,halving,halving-2",
+                   help="the rows to run, of full, full-2, halving, halving-2")
     p.add_argument("--out", default=str(ROOT / "results" / "sweeps_cpu.json"))
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -55,14 +62,16 @@ def main() -> None:
             "every trial, 2 at once": ("full-2", None, 2),
             f"--halving {args.eta}": ("halving", args.eta, 1),
             f"--halving {args.eta}, 2 at once": ("halving-2", args.eta, 2)}
+    ways = {label: w for label, w in ways.items() if w[0] in args.ways.split(",")}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, (way, halving, concurrent) in ways.items():
-            rows[label] = sweep(Path(tmp), way, args.trials, args.seed, halving, concurrent)
+            rows[label] = sweep(Path(tmp), way, args.trials, args.seed, halving, concurrent, args.set)
             rows[label]["way"] = way
     base = next(iter(rows.values()))
     order = [r["trial"] for r in base["ranked"]]
-    print(f"{args.trials} trials of jobs/digits.yaml (seed {args.seed}), ranked by eval_loss:")
+    print(f"{args.trials} trials of jobs/digits.yaml (seed {args.seed}"
+          + "".join(f", {o}" for o in args.set) + "), ranked by eval_loss:")
     print(f"{'search':<28}{'seconds':>9}{'x time':>8}{'steps':>8}  best trial (eval_loss), its place")
     for label, r in rows.items():
         best = r["ranked"][0]
@@ -72,7 +81,7 @@ def main() -> None:
         print(f"{label:<28}{r['seconds']:>9.1f}{r['time_ratio']:>8.2f}{r['steps']:>8}  "
               f"{best['trial']} ({best['eval_loss']:.4f}), {r['pick_place_in_full']} of {args.trials}")
     write_result(args.out, {"trials": args.trials, "eta": args.eta, "seed": args.seed, "axes": AXES,
-                            "rows": rows})
+                            "set": args.set, "rows": rows})
 
 
 if __name__ == "__main__":
