@@ -6,11 +6,14 @@ trained its 200 steps or with `--halving 3`, each a trial at a time and 2 at onc
 0.5`), so that two trials of 2 workers fit the 2-core machine together. Measured: seconds
 from the sweep's start to its table (each starts its own embedded Ray), the steps trained
 (each trial's last step, summed), and where the trial each picks stands in the first row's
-ranking (1: the same trial).
+ranking (1: the same trial), and when the third trial began (the first two's starts: two
+at once start twice the worker processes).
 
     python benchmarks/sweeps.py --trials 9
     python benchmarks/sweeps.py --trials 9 --set train.schedule=wsd --ways full,halving \
         --out benchmarks/results/sweeps_wsd_cpu.json
+    python benchmarks/sweeps.py --trials 9 --ways halving,halving-2 \
+        --out benchmarks/results/sweeps_starts_cpu.json
 """
 
 from __future__ import annotations
@@ -36,12 +39,16 @@ def sweep(root: Path, way: str, trials: int, seed: int, halving, concurrent: int
 
     sets = [f"checkpoint.path={root / way}", "checkpoint.best=eval_loss", f"data.path={root / 'digits'}",
             f"tracking.uri=sqlite:///{root / way}.db", "resources.cpus_per_worker=0.5", *extra]
-    t0 = time.perf_counter()
+    t0, log = time.perf_counter(), []
     ranked = api.sweep(str(ROOT / ".." / "jobs" / "digits.yaml"), AXES, sets, trials=trials, seed=seed,
                        halving=halving, concurrent=concurrent, show_progress=False,
-                       log=lambda line: None)
+                       log=lambda line: log.append([round(time.perf_counter() - t0, 2), line]))
     seconds = time.perf_counter() - t0
+    # how long the trials took to start: from the sweep's start to the third trial's header
+    # (two at once: the first two trials' start and run; one at a time: the first two's)
+    third = [at for at, line in log if line.startswith("trial 3 of ")]
     return {"seconds": round(seconds, 1), "steps": sum(t.step for t in ranked),
+            "third_trial_at_s": third[0] if third else None, "log": log,
             "ranked": [{"trial": t.name, "state": t.state, "step": t.step, "eval_loss": t.metric}
                        for t in ranked]}
 
@@ -72,13 +79,15 @@ def main() -> None:
     order = [r["trial"] for r in base["ranked"]]
     print(f"{args.trials} trials of jobs/digits.yaml (seed {args.seed}"
           + "".join(f", {o}" for o in args.set) + "), ranked by eval_loss:")
-    print(f"{'search':<28}{'seconds':>9}{'x time':>8}{'steps':>8}  best trial (eval_loss), its place")
+    print(f"{'search':<28}{'seconds':>9}{'x time':>8}{'steps':>8}{'trial 3 at':>11}  "
+          "best trial (eval_loss), its place")
     for label, r in rows.items():
         best = r["ranked"][0]
         r["pick_place_in_full"] = order.index(best["trial"]) + 1
         r["time_ratio"] = round(r["seconds"] / base["seconds"], 3)
         r["steps_ratio"] = round(r["steps"] / base["steps"], 3)
-        print(f"{label:<28}{r['seconds']:>9.1f}{r['time_ratio']:>8.2f}{r['steps']:>8}  "
+        print(f"{label:<28}{r['seconds']:>9.1f}{r['time_ratio']:>8.2f}{r['steps']:>8}"
+              f"{r['third_trial_at_s'] or 0:>10.1f}s  "
               f"{best['trial']} ({best['eval_loss']:.4f}), {r['pick_place_in_full']} of {args.trials}")
     write_result(args.out, {"trials": args.trials, "eta": args.eta, "seed": args.seed, "axes": AXES,
                             "set": args.set, "rows": rows})

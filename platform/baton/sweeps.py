@@ -199,9 +199,9 @@ def train(t: Trial, run: Callable[[JobSpec, Optional[int]], object], log: Callab
           until: Optional[int] = None) -> None:
     """Train trial `t` by `run(spec, until)` (api.run) to its end, or to step `until` (a
     rung), unless it is there already; record where it got to."""
-    metric, _ = ranked_by(t.spec)
     from baton import api
 
+    metric, _ = ranked_by(t.spec)
     meta = done(t.spec, until)
     if meta is not None:
         t.state = "done before" if api.finished_why(t.spec, meta) is not None else "paused"
@@ -399,8 +399,8 @@ def halve(trials: list[Trial], eta: int, first: Optional[int],
             return
         ahead = [t for t in alive if t.step > end]  # trained past this rung before
         judged = rank([t for t in alive if t not in ahead], metric, lowest)
-        kept = ahead + [t for t in judged[:max(0, max(1, len(alive) // eta) - len(ahead))]
-                        if t.metric is not None]
+        places = max(0, max(1, len(alive) // eta) - len(ahead))  # those ahead hold theirs
+        kept = ahead + [t for t in judged[:places] if t.metric is not None]
         for place, t in enumerate(judged, 1):
             if t not in kept and t.state == "paused":
                 t.state = "cut"

@@ -117,7 +117,7 @@ def test_workers_kept_by_an_earlier_ray_are_not_offered_to_the_next(tmp_path):
     ray.shutdown and ray.init) must not be offered the first Ray's kept workers: they went
     with it. Ray derives the driver's worker id from the job's id, which a new cluster
     numbers from 1 again, so that id alone matched, and the next run called a dead actor
-    ("Can't find actor ..."; found by benchmarks/halving.py)."""
+    ("Can't find actor ..."; found by benchmarks/sweeps.py)."""
     code = """
 import ray
 from baton.api import start_local_ray

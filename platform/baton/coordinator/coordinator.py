@@ -495,13 +495,12 @@ class Coordinator:
         self.commits.drain(self.group)
         timer.lap("checkpoint")
         self._leave_all("a resize")
-        cap = self.ceiling.max_dp
-        self.report.progress.note(f"step {self.step}: baton scale: at most {cap} "
-                                  f"replica{'s' * (cap > 1)}, dp {old_dp} -> "
-                                  f"{self.scale.target(len(self.group.actors))}")
         timer.lap("reschedule")
         self._form(self.group.members())  # the replicas beyond the ceiling are let go
         timer.lap("group_init")
+        cap = self.ceiling.max_dp
+        self.report.progress.note(f"step {self.step}: baton scale: at most {cap} "
+                                  f"replica{'s' * (cap > 1)}, dp {old_dp} -> {self.dims.dp}")
         self._load_latest()
         timer.lap("checkpoint_load")
         timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,

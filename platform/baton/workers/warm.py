@@ -38,7 +38,7 @@ def _connection() -> str:
     """This Ray connection: a new `ray.init` has new actors. The driver's worker id alone does
     not tell two apart: Ray derives it from the job's id, and a new local cluster numbers its
     jobs from 1 again (a second sweep in one process found the first's workers, gone with
-    its cluster: benchmarks/halving.py); its node is new."""
+    its cluster: benchmarks/sweeps.py); its node is new."""
     context = ray.get_runtime_context()
     return f"{context.get_worker_id()}@{context.get_node_id()}"
 
