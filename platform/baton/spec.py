@@ -184,6 +184,9 @@ class ResourcesSpec:
     # after a run that finishes, keep its workers (and their resources) this long for the
     # next run of the same driver, which then starts no new processes (a sweep, a notebook)
     keep_warm_s: float = 0.0
+    # on a cluster shared with other jobs: room this job lacks is taken from running elastic
+    # jobs of lower priority, which shrink toward their min_dp while it runs (0: takes none)
+    priority: int = 0
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,7 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(r.gpus_per_worker >= 0, "resources.gpus_per_worker", r.gpus_per_worker, "must be >= 0")
     need(r.wait_for_nodes_s >= 0, "resources.wait_for_nodes_s", r.wait_for_nodes_s, "must be >= 0 seconds")
     need(r.keep_warm_s >= 0, "resources.keep_warm_s", r.keep_warm_s, "must be >= 0 seconds")
+    need(r.priority >= 0, "resources.priority", r.priority, "must be >= 0 (0: takes no room from other jobs)")
     need(r.threads_per_worker >= 1, "resources.threads_per_worker", r.threads_per_worker,
          "must be at least 1")
 
@@ -175,6 +176,7 @@ MOST: dict[str, tuple[float, str]] = {
     "resources.threads_per_worker": (2**10, "threads"),
     "resources.wait_for_nodes_s": _SECONDS,
     "resources.keep_warm_s": _SECONDS,
+    "resources.priority": (10**6, "a priority"),
     "checkpoint.every_steps": (10**12, "steps"),
     "checkpoint.keep": (10**6, "checkpoints"),
     "checkpoint.timeout_s": _SECONDS,

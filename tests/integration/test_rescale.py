@@ -95,3 +95,70 @@ def test_baton_scale_gives_a_worker_back_mid_run_with_every_sample_once(tmp_path
     assert ceiling.asked(CheckpointStore(spec.checkpoint_dir)) == 1  # kept for a resume
     assert cli.main(["scale", str(job), "--clear"]) == 0
     assert ceiling.asked(CheckpointStore(spec.checkpoint_dir)) is None
+
+
+def test_a_job_of_higher_priority_takes_room_from_a_lower_one_which_grows_back(tmp_path, local_ray):
+    """`lo` (elastic 1-2, one CPU a worker) holds both of the local Ray's CPUs when `hi`
+    (resources.priority 1, dp 1) starts: hi claims one of lo's replicas, lo shrinks to dp 1 at
+    its next check from a checkpoint of the step it reached (no failure counted), hi trains on
+    the CPU it let go and ends, its claim withdrawn, and lo grows back to dp 2 and finishes with
+    every sample once per epoch. The cluster's list is empty afterwards. (lo sleeps 0.1 s a
+    step while it waits for each of these, so that it does not finish first.)"""
+    import threading
+    from collections import Counter
+
+    from baton import api
+    from baton.coordinator import priorities
+
+    data = write_dataset(tmp_path / "data", 40, 32)
+    lo = spec_from_dict(tiny_spec(
+        tmp_path, data, name="lo", train={"steps": 400, "global_batch": 8, "micro_batch": None},
+        resources={"cpus_per_worker": 1}, checkpoint={"every_steps": 100, "keep": 2},
+        elastic={"min_dp": 1, "max_dp": 2, "rescale_check_s": 0.2}))
+    hi = spec_from_dict(tiny_spec(
+        tmp_path / "hi", data, name="hi", train={"steps": 4, "global_batch": 8, "micro_batch": None},
+        parallel={"dp": 1, "timeout_s": 60}, resources={"cpus_per_worker": 1, "priority": 1}))
+    ran: list = []
+    hi_run = threading.Thread(target=lambda: ran.append(api.run(hi, show_progress=False)))
+
+    def on_step(c):
+        if c.step == 2:
+            hi_run.start()
+        elif c.step > 2 and c.dims.dp == 1 and hi_run.is_alive():
+            hi_run.join(timeout=120)  # hi trains on the CPU lo let go
+        elif c.step > 2 and (hi_run.is_alive() or c.dims.dp < 2):
+            time.sleep(0.1)
+
+    result = api.run(lo, record_samples=True, show_progress=False, on_step=on_step)
+    hi_run.join(timeout=120)
+    assert ran and ran[0].state == "finished" and ran[0].step == 4
+    assert result.state == "finished" and result.step == 400
+    assert [dp for _, dp in result.dp_history] == [2, 1, 2], result.events
+    rescales = [e for e in result.events if e["kind"] == "rescale"]
+    assert [(e["from_dp"], e["dp"], e.get("asked")) for e in rescales] == [
+        (2, 1, "priority: hi"), (1, 2, None)]
+    assert not [e for e in result.events if e["kind"] == "failure"]
+    by_epoch: dict = {}
+    for step, _, ids in result.ledger:  # 5 steps an epoch
+        by_epoch.setdefault(step // 5, Counter()).update(ids)
+    assert len(by_epoch) == 80
+    assert all(sorted(seen) == list(range(1000, 1040)) and set(seen.values()) == {1}
+               for seen in by_epoch.values())
+    assert priorities._keys("") == []
+
+
+def test_a_claim_whose_job_is_gone_is_dropped(tmp_path, local_ray):
+    """A claim left by a driver Ray marks dead (or one that does not read) holds nothing: the
+    job it was on reads no ceiling from it and deletes it."""
+    from baton.coordinator import priorities
+
+    spec = spec_from_dict(tiny_spec(tmp_path, tmp_path, name="claimed",
+                                    elastic={"min_dp": 1, "max_dp": 2}))
+    mine = priorities.Priorities(spec)
+    live = local_ray.get_runtime_context().get_job_id()
+    priorities._put(f"claim/{mine.key}/gone", {"max_dp": 1, "by": "gone", "priority": 3, "driver": "ffff0000"})
+    priorities._put(f"claim/{mine.key}/broken", {"max_dp": "one"})
+    assert mine.ceiling() is None and priorities._keys(f"claim/{mine.key}/") == []
+    priorities._put(f"claim/{mine.key}/here", {"max_dp": 1, "by": "here", "priority": 3, "driver": live})
+    assert mine.ceiling() == 1 and mine.holding == [{"by": "here", "priority": 3, "max_dp": 1}]
+    priorities._delete(f"claim/{mine.key}/here")

@@ -147,6 +147,57 @@ def test_elastic_spec_checks_its_range_against_the_batch():
     assert scaled.at_dp(5).fingerprint() != scaled.fingerprint()  # the coordinator keeps the base's
 
 
+def _job(key, priority, dp, min_dp=1, per_replica=1, cpus=1.0, gpus=0.0, started_at=0.0):
+    from baton.coordinator.priorities import Entry
+
+    return Entry(key, f"job-{key}", priority, dp, min_dp, per_replica, cpus, gpus, started_at, "d")
+
+
+def test_room_is_taken_from_the_lowest_priority_first_and_the_newest_among_equals():
+    """A job of priority 5 short of 3 one-CPU workers: the priority-0 jobs give first, the one
+    that started last before the older one, each down to its min_dp; a job of equal priority
+    and one of higher give nothing."""
+    from baton.coordinator.priorities import plan
+
+    me = _job("me", 5, 0)
+    others = [_job("old", 0, 3, started_at=1.0), _job("new", 0, 2, started_at=2.0),
+              _job("mid", 3, 4), _job("peer", 5, 4), _job("boss", 9, 4)]
+    assert plan(me, 3, others, {}) == ({"new": 1, "old": 1}, 3)
+    assert plan(me, 1, others, {}) == ({"new": 1}, 1)
+    # more than the priority-0 jobs can give: the priority-3 job next; then all there is
+    assert plan(me, 5, others, {}) == ({"new": 1, "old": 1, "mid": 2}, 5)
+    assert plan(me, 99, others, {}) == ({"new": 1, "old": 1, "mid": 1}, 6)
+
+
+def test_a_claim_counts_its_room_coming_and_others_claims_hold_a_job_lower():
+    """Asked again before the job it claimed from has shrunk, a job does not claim twice;
+    after it has shrunk, the room is free (the caller counts it) and the claim stays; a job
+    another claim already holds lower gives from there."""
+    from baton.coordinator.priorities import plan
+
+    me = _job("me", 5, 0)
+    lo = _job("lo", 0, 4)
+    assert plan(me, 2, [lo], {"lo": {"me": 2}}) == ({"lo": 2}, 2)  # not yet shrunk: coming
+    assert plan(me, 3, [lo], {"lo": {"me": 2}}) == ({"lo": 1}, 3)  # one more
+    shrunk = _job("lo", 0, 2)
+    assert plan(me, 0, [shrunk], {"lo": {"me": 2}}) == ({"lo": 2}, 0)  # kept, nothing coming
+    # another job of higher priority holds it to 3: two more from there, not from 4
+    assert plan(me, 2, [lo], {"lo": {"other": 3}}) == ({"lo": 1}, 2)
+
+
+def test_room_is_pooled_by_what_a_worker_takes():
+    """A replica of pp 2 at 0.5 CPU a worker frees one CPU; a GPU job takes only from jobs
+    with GPUs; a worker of 2 CPUs needs two of a 1-CPU job's replicas."""
+    from baton.coordinator.priorities import plan
+
+    halves = _job("pp", 0, 3, per_replica=2, cpus=0.5)
+    assert plan(_job("me", 1, 0), 2, [halves], {}) == ({"pp": 1}, 2)
+    gpu_me = _job("me", 1, 0, gpus=1.0)
+    cpu_only, gpus = _job("cpu", 0, 4), _job("gpu", 0, 3, gpus=1.0, started_at=-1.0)
+    assert plan(gpu_me, 1, [cpu_only, gpus], {}) == ({"gpu": 2}, 1)
+    assert plan(_job("me", 1, 0, cpus=2.0), 1, [_job("lo", 0, 4)], {}) == ({"lo": 2}, 1)
+
+
 # -- the state machine against a fake group ---------------------------------------------------
 
 class FakeCluster:

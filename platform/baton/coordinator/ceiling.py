@@ -8,7 +8,8 @@ storage, wherever the job writes). The coordinator looks for it as often as it l
 (`elastic.rescale_check_s`): above the ceiling, it gives the workers of the replicas beyond it
 back at the next step boundary (a checkpoint of that step, and the world re-formed smaller
 from it: nothing is trained twice or lost); below it, it grows as far as the ceiling allows.
-The file stays until `baton scale JOB.yaml --clear`, so a resumed run keeps to it.
+The file stays until `baton scale JOB.yaml --clear`, so a resumed run keeps to it. A job of
+higher priority that needs room sets a ceiling of its own while it runs (`priorities.py`).
 """
 
 from __future__ import annotations
@@ -61,12 +62,16 @@ def asked(store: CheckpointStore) -> Optional[int]:
 
 
 class Ceiling:
-    """What the coordinator knows of the ceiling: read at the start, then every `check_s`."""
+    """What the coordinator knows of the ceiling: `baton scale`'s and the claims of jobs of
+    higher priority on this one (`priorities.py`), the lowest of them; read at the start, then
+    every `check_s`."""
 
-    def __init__(self, store: CheckpointStore, spec: JobSpec):
-        self.store, self.check_s = store, spec.elastic.rescale_check_s
+    def __init__(self, store: CheckpointStore, spec: JobSpec, priorities=None):
+        self.store, self.check_s, self.priorities = store, spec.elastic.rescale_check_s, priorities
         self.elastic = spec.dp_range[0] < spec.dp_range[1]
-        self.max_dp: Optional[int] = asked(store) if self.elastic else None
+        self.scaled: Optional[int] = None  # baton scale's
+        self.max_dp: Optional[int] = None  # the lowest
+        self._read()
         self.next_check = time.monotonic() + self.check_s
 
     def changed(self) -> bool:
@@ -75,8 +80,21 @@ class Ceiling:
         if not self.elastic or now < self.next_check:
             return False
         self.next_check = now + self.check_s
-        value = asked(self.store)
-        if value == self.max_dp:
-            return False
-        self.max_dp = value
-        return True
+        before = self.max_dp
+        self._read()
+        return self.max_dp != before
+
+    @property
+    def why(self) -> str:
+        """Who set the ceiling: `baton scale`, or the job of higher priority whose claim is lowest."""
+        held = self.priorities.holding if self.priorities else []
+        if held and (self.scaled is None or held[0]["max_dp"] < self.scaled):
+            return f"priority: {held[0]['by']}"
+        return "baton scale"
+
+    def _read(self) -> None:
+        if not self.elastic:
+            return
+        self.scaled = asked(self.store)
+        claimed = self.priorities.ceiling() if self.priorities else None
+        self.max_dp = min((v for v in (self.scaled, claimed) if v is not None), default=None)

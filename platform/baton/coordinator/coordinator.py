@@ -49,6 +49,7 @@ from baton.coordinator.steps import StepStats
 from baton.coordinator.phases import Phases
 from baton.coordinator.placement import START_WAIT_S, Placement, together
 from baton.coordinator.policy import Failure, FailurePolicy, ScalePolicy
+from baton.coordinator.priorities import Priorities
 from baton.coordinator.report import Report
 from baton.coordinator.result import RunResult
 from baton.coordinator.samples import Samples
@@ -133,7 +134,10 @@ class Coordinator:
         # the start's phases, from here to the first step (finished and kept in the result then)
         self.start: dict = {}  # the start's phases, once its first step is done
         self.store = CheckpointStore(spec.checkpoint_dir)
-        self.ceiling = Ceiling(self.store, spec)  # the largest world `baton scale` allows
+        # this job in the cluster's list, its claims on jobs of lower priority and theirs on it
+        self.priorities = None if evaluate_only else Priorities(spec)
+        # the largest world `baton scale` and the claims of jobs of higher priority allow
+        self.ceiling = Ceiling(self.store, spec, self.priorities)
         self.resume_meta = resume_meta
         self.data = data  # checked before Ray started (api.run), or in _prepare
         self.manifest: Optional[Manifest] = None
@@ -191,6 +195,8 @@ class Coordinator:
                 if reads is not None:
                     reads.close()
             self.store.settle()  # the old checkpoints retention is deleting
+            if self.priorities is not None:
+                self.priorities.close()  # the room it claimed goes back
         return self._result()
 
     def tick(self) -> None:
@@ -256,7 +262,7 @@ class Coordinator:
     def _launch(self) -> None:
         """The workers' processes start: as many as the cluster has room for, up to max_dp."""
         self.group = self.group_factory(self.base, self.dims)
-        self.placement = Placement(self.group, self.base, self.scale)
+        self.placement = Placement(self.group, self.base, self.scale, self._ask_room)
         if self.ceiling.max_dp:
             self._cap()
         self.first_workers = self.placement.first_workers()
@@ -333,7 +339,7 @@ class Coordinator:
                       "message": f.message, "at": self.failure_at, "recover": decision.recover,
                       "since_last_step_s": (round(time.perf_counter() - self.last_done_at, 3)
                                             if self.last_done_at else None)})  # None: no step yet
-        self.report.progress.note(f"step {f.step}: {f.cause}: {f.message}")
+        self.report.note(f"step {f.step}: {f.cause}: {f.message}")
         self.live.failure(f.cause, alive=len(self.group.actors) - len(f.ranks))
         if not decision.recover:
             raise WorkerError(decision.reason)
@@ -457,12 +463,12 @@ class Coordinator:
         if not moved:
             self.group.keep_as_spares(new)  # started for this move: ready for the next try
             self.placement.moved(stay=True)
-            self.report.progress.note(
+            self.report.note(
                 f"step {self.step}: node {where} is draining, and the cluster has no room "
                 f"elsewhere for {self.scale.min_workers} workers: training goes on there, "
                 f"checkpoint {self.step} committed")
             return State.RUNNING
-        self.report.progress.note(f"step {self.step}: node {where} is draining: moving worker "
+        self.report.note(f"step {self.step}: node {where} is draining: moving worker "
                                   f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} off")
         old_dp = self.dims.dp
         self._leave_all("a move", new)
@@ -498,13 +504,13 @@ class Coordinator:
         timer.lap("reschedule")
         self._form(self.group.members())  # the replicas beyond the ceiling are let go
         timer.lap("group_init")
-        cap = self.ceiling.max_dp
-        self.report.progress.note(f"step {self.step}: baton scale: at most {cap} "
-                                  f"replica{'s' * (cap > 1)}, dp {old_dp} -> {self.dims.dp}")
+        cap, why = self.ceiling.max_dp, self.ceiling.why
+        self.report.note(f"step {self.step}: {why}: at most {cap} "
+                         f"replica{'s' * (cap > 1)}, dp {old_dp} -> {self.dims.dp}")
         self._load_latest()
         timer.lap("checkpoint_load")
         timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
-                        "asked": "baton scale"}
+                        "asked": why}
         self.resumed = timer
         return State.RUNNING
 
@@ -517,6 +523,17 @@ class Coordinator:
             self.group.release(list(new))
             raise WorkerLost(f"a worker did not leave its group for {why}", "timeout",
                              tuple(r for r in everyone if r not in left))
+
+    def _ask_room(self, short: int) -> int:
+        """Room for `short` more workers from running jobs of lower priority
+        (resources.priority): how many of them the room claimed fits (`Priorities.ask`)."""
+        if self.priorities is None:
+            return 0
+        coming, taken = self.priorities.ask(short)
+        for name, at in taken.items():
+            self.report.note(f"step {self.step}: priority {self.priorities.priority}: job {name} "
+                             f"keeps at most {at} replica{'s' * (at > 1)} while this one runs")
+        return coming
 
     def _cap(self) -> None:
         """Place, grow and recover within the ceiling (none: the job's own max_dp); a ceiling
@@ -546,6 +563,8 @@ class Coordinator:
         self.spec = self.base.at_dp(dp)
         self.dims = self.spec.dims()
         self.group.form(members[:dp * self.per_replica], self.spec, self.dims)
+        if self.priorities is not None:
+            self.priorities.listed(dp)
         if self.samples:
             self.samples.new_world()
         if self.stage_layers is None:
@@ -618,7 +637,7 @@ class Coordinator:
         due = self.placement.growth_due(self.dims.dp)
         if self.placement.joining and not joining:  # a growth's workers started: say so
             n = self.placement.joining
-            self.report.progress.note(f"step {self.step}: room to grow: {n} new worker{'s' * (n > 1)} "
+            self.report.note(f"step {self.step}: room to grow: {n} new worker{'s' * (n > 1)} "
                                       f"starting, training goes on at dp={self.dims.dp}")
         return due
 
@@ -758,7 +777,10 @@ class Coordinator:
                 **({"best_checkpoint": {"step": best[0], self.spec.checkpoint.best: best[1]}}
                    if (best := self.commits.best_found) else {}),
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
-                **({"max_dp": self.ceiling.max_dp} if self.ceiling.max_dp else {}),
+                **({"max_dp": self.ceiling.max_dp, "max_dp_by": self.ceiling.why}
+                   if self.ceiling.max_dp else {}),
+                **({"room_from": {self.priorities.names[k]: at for k, at in self.priorities.claimed.items()}}
+                   if self.priorities and self.priorities.claimed else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}

@@ -5,7 +5,7 @@ cluster cannot hold enough."""
 from __future__ import annotations
 
 import time
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from baton.coordinator.policy import ScalePolicy
 from baton.errors import WorkerError
@@ -43,8 +43,11 @@ def together(members: list, tp: int) -> list:
 
 
 class Placement:
-    def __init__(self, group, base: JobSpec, scale: ScalePolicy):
+    def __init__(self, group, base: JobSpec, scale: ScalePolicy,
+                 ask: Callable[[int], int] = lambda short: 0):
         self.group, self.base, self.scale = group, base, scale
+        # room for this many more workers from jobs of lower priority: how many it will fit
+        self.ask = ask
         self.most = base.dp_range[1] * base.per_replica  # workers at max_dp
         self.next_check = 0.0  # when `growth_due` looks for room again (monotonic)
         self.joining = 0  # workers started for a growth, which it waits for (`growth_due`)
@@ -55,9 +58,11 @@ class Placement:
         self.replacing = 0  # the spares started for it
 
     def first_workers(self) -> int:
-        """As many workers as the cluster has room for, up to max_dp replicas; at least min_dp
-        (start waits up to parallel.timeout_s for room, as an autoscaler would make)."""
-        n = max(self.scale.min_workers, min(self.most, self.group.free_workers()))
+        """As many workers as the cluster has room for, up to max_dp replicas, with the room
+        jobs of lower priority give; at least min_dp (start waits up to parallel.timeout_s for
+        room, as an autoscaler would make, or those jobs free)."""
+        free = self.group.free_workers()
+        n = max(self.scale.min_workers, min(self.most, free + self.ask(self.most - free)))
         if self.base.dp_range[0] < self.base.dp_range[1]:
             # after counting: the job starts on the room there is now, and an autoscaler adds
             # nodes for the rest, which the coordinator grows onto
@@ -78,6 +83,7 @@ class Placement:
         parallel.timeout_s while fewer than min_dp replicas fit."""
         deadline = time.monotonic() + self.base.parallel.timeout_s
         new: list = []
+        self.ask(self.most - have - self.group.free_workers())
         while True:
             want = self.most - have - len(new)
             new += self.group.start(want, START_WAIT_S, need=self.group.free_workers(),
@@ -119,6 +125,7 @@ class Placement:
         self.next_check = now + self.base.elastic.rescale_check_s
         if dp < most:
             self.group.request_capacity(self.most)  # renewed while short
+            self.ask(self.most - dp * self.base.per_replica - self.group.free_workers())
             grow_to = self.scale.grow_to(dp, self.group.free_workers())
             if grow_to is not None:
                 self.joining = (grow_to - dp) * self.base.per_replica

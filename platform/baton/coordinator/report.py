@@ -21,10 +21,20 @@ class Report:
         self.live = LiveMetrics(name)
         self.events: list[dict] = []
         self.progress: Optional[Progress] = None  # from `opened`, with the MLflow run
+        self._early: list[str] = []  # notes from before it
 
     def opened(self, steps: int, start: int, unit: str) -> None:
         """The MLflow run is open: the progress line starts, at step `start` of `steps`."""
         self.progress = Progress(steps, start=start, enabled=self.show_progress, unit=unit)
+        for text in self._early:
+            self.progress.note(text)
+
+    def note(self, text: str) -> None:
+        """A line on the console between progress lines (held until the run is open)."""
+        if self.progress is None:
+            self._early.append(text)
+        else:
+            self.progress.note(text)
 
     def record(self, event: dict, tags: dict) -> None:
         """An event for the run record (RunResult.events and MLflow's events.json)."""

@@ -1,0 +1,216 @@
+"""Priorities between jobs on one Ray cluster (`resources.priority`).
+
+A job the cluster has too little room for takes room from running elastic jobs of lower
+priority: each of them keeps to a ceiling on its replicas while the job that asked runs, and
+shrinks to it at its next check as `baton scale` makes it (a checkpoint of the step it reached,
+the world re-formed smaller from it, the rest of its workers let go: nothing is trained twice
+or lost), never below its elastic.min_dp; once that job ends, it grows back. Lowest priority
+gives first, and among equals the job that started last.
+
+Every running job is listed in the cluster's key-value store (Ray's GCS, namespace `baton`):
+`job/<key>` holds its priority, world and what a worker takes; `claim/<theirs>/<mine>` is a
+claim, the most replicas job `theirs` may keep while job `mine` runs. A job reads the claims on
+it where it reads its `baton scale` ceiling and keeps to the lowest of them all. A run that
+ends withdraws its entry and claims; one whose driver died (Ray marks its driver's job dead)
+is dropped by whoever reads it next. The store lives as long as the cluster: nothing outlives
+it, and a job resumed on another cluster starts free of claims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import ray
+
+from baton.spec import JobSpec
+
+NAMESPACE = "baton"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A running job, as the cluster's list holds it."""
+
+    key: str
+    name: str
+    priority: int
+    dp: int  # its world now
+    min_dp: int
+    per_replica: int  # workers a replica takes
+    cpus: float  # one worker's
+    gpus: float
+    started_at: float
+    driver: str  # the Ray job id of its driver (dead: the entry and its claims are stale)
+
+
+def job_key(spec: JobSpec) -> str:
+    """One job's key: its checkpoint folder's (one run of a job at a time holds its lease)."""
+    return hashlib.sha256(spec.checkpoint_dir.encode()).hexdigest()[:16]
+
+
+def plan(me: Entry, short: int, others: list[Entry],
+         claims: dict[str, dict[str, int]]) -> tuple[dict[str, int], int]:
+    """The claims `me` should hold for `short` more of its workers to fit, and how many of
+    them the room those claims free fits (at most `short`). `claims`: the live claims, job
+    key -> claimant's key -> the most replicas it may keep, `me`'s included. Room a claim
+    frees is pooled over the cluster (CPUs and GPUs counted, not which node they are on); a
+    claim not yet kept to (the job still larger) counts as room coming; a job another claim
+    holds lower gives from there."""
+
+    def fit(cpus: float, gpus: float) -> int:
+        n = math.floor((cpus + 1e-9) / me.cpus)
+        return min(n, math.floor((gpus + 1e-9) / me.gpus)) if me.gpus else n
+
+    def keeps(o: Entry) -> int:  # what `o` is held to by the claims of others
+        return min([o.dp, *(v for k, v in claims.get(o.key, {}).items() if k != me.key)])
+
+    givers = sorted((o for o in others if o.priority < me.priority and o.key != me.key
+                     and (o.gpus or not me.gpus)), key=lambda o: (o.priority, -o.started_at))
+    mine: dict[str, int] = {}
+    cpus = gpus = 0.0
+    for o in givers:  # room already coming
+        held = claims.get(o.key, {}).get(me.key)
+        if held is not None:
+            mine[o.key] = held
+            coming = max(0, keeps(o) - held) * o.per_replica
+            cpus, gpus = cpus + coming * o.cpus, gpus + coming * o.gpus
+    for o in givers:
+        at = mine.get(o.key, keeps(o))
+        while at > o.min_dp and fit(cpus, gpus) < short:
+            at -= 1
+            cpus, gpus = cpus + o.per_replica * o.cpus, gpus + o.per_replica * o.gpus
+        if at < keeps(o) or o.key in mine:
+            mine[o.key] = at
+    return mine, min(short, fit(cpus, gpus))
+
+
+class Priorities:
+    """A coordinator's part in the cluster's list: its own entry, its claims on others, and
+    the claims on it. Without Ray (the unit tests' fake group) it does nothing."""
+
+    def __init__(self, spec: JobSpec):
+        self.spec, self.key = spec, job_key(spec)
+        self.priority = spec.resources.priority
+        self.on = ray.is_initialized()
+        self.driver = ray.get_runtime_context().get_job_id() if self.on else ""
+        self.started_at = time.time()
+        self.claimed: dict[str, int] = {}  # my claims: job key -> its ceiling
+        self.names: dict[str, str] = {}  # job key -> name, of those I claimed from
+        self.holding: list[dict] = []  # the claims on me, as last read (`ceiling`)
+
+    def listed(self, dp: int) -> None:
+        """Put this job in the list (again), at `dp` replicas."""
+        if not self.on:
+            return
+        r = self.spec.resources
+        entry = Entry(self.key, self.spec.name, self.priority, dp, self.spec.dp_range[0],
+                      self.spec.per_replica, r.cpus_per_worker, r.gpus_per_worker,
+                      self.started_at, self.driver)
+        _put(f"job/{self.key}", asdict(entry))
+
+    def ask(self, short: int) -> tuple[int, dict[str, int]]:
+        """Claim room for `short` more workers from jobs of lower priority. Returns how many
+        of them the room claimed fits (coming or free already), and the claims made or
+        lowered now (job name -> its ceiling)."""
+        if not self.on or self.priority <= 0 or short <= 0:
+            return 0, {}
+        others, claims = self._read()
+        me = Entry(self.key, self.spec.name, self.priority, 0, 0, 1,
+                   self.spec.resources.cpus_per_worker, self.spec.resources.gpus_per_worker,
+                   self.started_at, self.driver)
+        mine, coming = plan(me, short, others, claims)
+        names = {o.key: o.name for o in others}
+        changed = {}
+        for key, at in mine.items():
+            if self.claimed.get(key) != at:
+                _put(f"claim/{key}/{self.key}", {"max_dp": at, "by": self.spec.name,
+                                                 "priority": self.priority, "driver": self.driver})
+                changed[names[key]] = at
+        self.claimed, self.names = mine, {k: names[k] for k in mine}
+        return coming, changed
+
+    def ceiling(self) -> Optional[int]:
+        """The lowest ceiling a live claim on this job sets (None: none), dropping the claims
+        of drivers that are gone; `holding` says whose they are."""
+        if not self.on:
+            return None
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        live, held = _live_drivers(), []
+        for key in _keys(f"claim/{self.key}/"):
+            raw = _internal_kv_get(key, namespace=NAMESPACE)
+            try:
+                claim = json.loads(raw)
+                at, driver = int(claim["max_dp"]), str(claim["driver"])
+            except (TypeError, ValueError, KeyError):
+                claim, at, driver = {}, 0, ""
+            if driver not in live or at < 1:
+                _delete(key)
+                continue
+            held.append({"by": str(claim.get("by")), "priority": claim.get("priority"), "max_dp": at})
+        self.holding = sorted(held, key=lambda c: c["max_dp"])
+        return self.holding[0]["max_dp"] if held else None
+
+    def close(self) -> None:
+        """The run ends: out of the list, its claims withdrawn (those jobs may grow back)."""
+        if not self.on or not ray.is_initialized():
+            return
+        for key in self.claimed:
+            _delete(f"claim/{key}/{self.key}")
+        _delete(f"job/{self.key}")
+        self.claimed = {}
+
+    def _read(self) -> tuple[list[Entry], dict[str, dict[str, int]]]:
+        """The live jobs of the list and the claims on them (those of dead drivers dropped)."""
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        live, entries, claims = _live_drivers(), [], {}
+        for key in _keys("job/"):
+            try:
+                entry = Entry(**json.loads(_internal_kv_get(key, namespace=NAMESPACE)))
+            except (TypeError, ValueError):
+                entry = None
+            if entry is None or entry.driver not in live:
+                _delete(key)
+                continue
+            entries.append(entry)
+        for key in _keys("claim/"):
+            _, on, by = key.split("/")
+            try:
+                claim = json.loads(_internal_kv_get(key, namespace=NAMESPACE))
+                if claim["driver"] in live:
+                    claims.setdefault(on, {})[by] = int(claim["max_dp"])
+                    continue
+            except (TypeError, ValueError, KeyError):
+                pass
+            _delete(key)
+        return entries, claims
+
+
+def _live_drivers() -> set[str]:
+    from ray._private import state
+
+    return {job["JobID"] for job in state.jobs() if not job["IsDead"]}
+
+
+def _keys(prefix: str) -> list[str]:
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    return [k.decode() for k in _internal_kv_list(prefix, namespace=NAMESPACE)]
+
+
+def _put(key: str, value: dict) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, json.dumps(value), namespace=NAMESPACE)
+
+
+def _delete(key: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(key, namespace=NAMESPACE)
