@@ -525,11 +525,18 @@ def probe_cluster(address: str, wait_s: Optional[float] = None) -> None:
 
 def join_cluster(address: str) -> None:
     """Connect this process to the running Ray cluster at `address` (`probe_cluster` it
-    first: Ray waits minutes on an address where nothing answers)."""
+    first: Ray waits minutes on an address where nothing answers). The job's relative local
+    paths (checkpoint.path, model.init_from) are this process's (`storage.local_root`): its
+    workers, whose working folder is the one their node's `ray start` ran in, are handed it
+    as $BATON_STORAGE (they wrote checkpoints to a folder of their own before, which the
+    driver never read). A submitted job's entrypoint keeps the job's: its package folder on
+    every node, or `baton submit --storage`."""
     import ray
 
+    submitted = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ  # Ray's, for a job's entrypoint
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
-             configure_logging=True)
+             configure_logging=True, **({} if submitted else {"runtime_env": {
+                 "env_vars": {storage.STORAGE_ENV: storage.local_root()}}}))
 
 
 def cluster_address_from_env() -> Optional[str]:

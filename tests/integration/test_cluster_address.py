@@ -20,12 +20,18 @@ def cluster():
 
 
 def test_run_joins_the_cluster(tmp_path, cluster):
+    """The job's relative checkpoint folder is the driver's (its working folder), not the one
+    the cluster's nodes were started in, which the workers wrote to before (and the run
+    failed at its first save: the driver had made the step's folder in its own)."""
     data = write_dataset(tmp_path / "data", 64, 32)
-    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="joined"))
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="joined",
+                                                      checkpoint={"path": "ckpt"}))
     proc = start_baton(["run", str(job), "--address", cluster.address, "--quiet"], tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     assert "joined: finished at step 3" in out
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "joined").glob("step_*")) == [
+        "step_00000002", "step_00000003"]
 
 
 def test_a_layout_the_cluster_cannot_place_is_refused(tmp_path, cluster):

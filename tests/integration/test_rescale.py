@@ -44,6 +44,7 @@ def test_growing_before_the_first_step_keeps_the_maths(tmp_path, local_ray):
     finally:
         if c.group is not None:
             c.group.shutdown()
+        c.priorities.close()  # (as run() does)
     assert c.state is State.FINISHED and c.dp_history == [(0, 1), (0, 2)]
     assert [e["kind"] for e in c.events] == ["rescale"] and c.events[0]["resumed_from_step"] == 0
     assert "state_copy" in c.events[0]["phases_s"]  # rank 0's state, sent to the new worker
@@ -109,6 +110,7 @@ def test_a_job_of_higher_priority_takes_room_from_a_lower_one_which_grows_back(t
 
     from baton import api
     from baton.coordinator import priorities
+    from baton.status import describe
 
     data = write_dataset(tmp_path / "data", 40, 32)
     lo = spec_from_dict(tiny_spec(
@@ -118,13 +120,18 @@ def test_a_job_of_higher_priority_takes_room_from_a_lower_one_which_grows_back(t
     hi = spec_from_dict(tiny_spec(
         tmp_path / "hi", data, name="hi", train={"steps": 4, "global_batch": 8, "micro_batch": None},
         parallel={"dp": 1, "timeout_s": 60}, resources={"cpus_per_worker": 1, "priority": 1}))
-    ran: list = []
-    hi_run = threading.Thread(target=lambda: ran.append(api.run(hi, show_progress=False)))
+    ran, said = [], {}
+
+    def hi_step(c):
+        said.setdefault("hi", describe(c.status()))
+
+    hi_run = threading.Thread(target=lambda: ran.append(api.run(hi, show_progress=False, on_step=hi_step)))
 
     def on_step(c):
         if c.step == 2:
             hi_run.start()
         elif c.step > 2 and c.dims.dp == 1 and hi_run.is_alive():
+            said["lo"] = describe(c.status())
             hi_run.join(timeout=120)  # hi trains on the CPU lo let go
         elif c.step > 2 and (hi_run.is_alive() or c.dims.dp < 2):
             time.sleep(0.1)
@@ -132,6 +139,8 @@ def test_a_job_of_higher_priority_takes_room_from_a_lower_one_which_grows_back(t
     result = api.run(lo, record_samples=True, show_progress=False, on_step=on_step)
     hi_run.join(timeout=120)
     assert ran and ran[0].state == "finished" and ran[0].step == 4
+    assert "  at most 1 replica (room given to job hi, of higher priority, while it runs)" in said["lo"]
+    assert "  room taken from: lo (at most 1 replica)" in said["hi"]
     assert result.state == "finished" and result.step == 400
     assert [dp for _, dp in result.dp_history] == [2, 1, 2], result.events
     rescales = [e for e in result.events if e["kind"] == "rescale"]

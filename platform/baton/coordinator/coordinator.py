@@ -505,7 +505,8 @@ class Coordinator:
         self._form(self.group.members())  # the replicas beyond the ceiling are let go
         timer.lap("group_init")
         cap, why = self.ceiling.max_dp, self.ceiling.why
-        self.report.note(f"step {self.step}: {why}: at most {cap} "
+        by = why if why == "baton scale" else f"room for job {why.removeprefix('priority: ')}, of higher priority"
+        self.report.note(f"step {self.step}: {by}: at most {cap} "
                          f"replica{'s' * (cap > 1)}, dp {old_dp} -> {self.dims.dp}")
         self._load_latest()
         timer.lap("checkpoint_load")
