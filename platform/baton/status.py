@@ -110,14 +110,19 @@ def describe(s: dict) -> list[str]:
     stop = s.get("stopped_early")  # eval.patience, once it ended the run
     if stop:
         lines.append(f"  stopped early at step {stop['step']}: {stop['why']}")
-    if s.get("max_dp"):  # baton scale, or a job of higher priority (resources.priority)
+    if s["state"] == "suspended":  # its workers given to a job of higher priority
+        lines.append(f"  suspended at step {s['step']}: its workers given to job "
+                     f"{s.get('max_dp_by', '').removeprefix('priority: ')}, of higher priority; "
+                     "it goes on from there once that job ends")
+    elif s.get("max_dp"):  # baton scale, or a job of higher priority (resources.priority)
         by = s.get("max_dp_by", "baton scale")
         lines.append(f"  at most {s['max_dp']} replica{'s' * (s['max_dp'] > 1)} " + (
             "(baton scale; --clear lifts it)" if by == "baton scale" else
             f"(room given to job {by.removeprefix('priority: ')}, of higher priority, while it runs)"))
     if s.get("room_from"):  # the claims this job holds on jobs of lower priority
         lines.append("  room taken from: " + ", ".join(
-            f"{name} (at most {at} replica{'s' * (at > 1)})" for name, at in s["room_from"].items()))
+            f"{name} ({f'at most {at} replica' + 's' * (at > 1) if at else 'suspended'})"
+            for name, at in s["room_from"].items()))
     if s["state"] == "paused":  # baton run --until
         lines.append(f"  paused at step {s['step']} of {s['steps']}: run the job again to go on")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))

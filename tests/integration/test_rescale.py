@@ -171,3 +171,59 @@ def test_a_claim_whose_job_is_gone_is_dropped(tmp_path, local_ray):
     priorities._put(f"claim/{mine.key}/here", {"max_dp": 1, "by": "here", "priority": 3, "driver": live})
     assert mine.ceiling() == 1 and mine.holding == [{"by": "here", "priority": 3, "max_dp": 1}]
     priorities._delete(f"claim/{mine.key}/here")
+
+
+def test_a_job_that_cannot_shrink_is_suspended_and_goes_on_bitwise(tmp_path, local_ray):
+    """`lo` (dp 2, not elastic, one CPU a worker) holds the local Ray's CPUs when `hi`
+    (priority 1, dp 1) starts: lo cannot shrink, so it is suspended (a checkpoint of the step it
+    reached, every worker let go), hi trains and ends, and lo starts again from that
+    checkpoint in the same run and ends bit for bit where a run of its own ends."""
+    import threading
+
+    import torch
+
+    from baton import api
+    from baton.coordinator import priorities
+    from baton.status import describe
+
+    data = write_dataset(tmp_path / "data", 40, 32)
+
+    def lo_spec(where):
+        return spec_from_dict(tiny_spec(
+            where, data, name="lo", train={"steps": 100, "global_batch": 8, "micro_batch": None},
+            resources={"cpus_per_worker": 1}, checkpoint={"every_steps": 50, "keep": 2},
+            elastic={"rescale_check_s": 0.2}))
+
+    hi = spec_from_dict(tiny_spec(
+        tmp_path / "hi", data, name="hi", train={"steps": 4, "global_batch": 8, "micro_batch": None},
+        parallel={"dp": 1, "timeout_s": 60}, resources={"cpus_per_worker": 1, "priority": 1}))
+    ran, said = [], {}
+
+    def hi_step(c):
+        if c.step == 1:
+            status = c.status()
+            said["hi"] = describe(status)
+    hi_run = threading.Thread(target=lambda: ran.append(api.run(hi, show_progress=False, on_step=hi_step)))
+
+    def on_step(c):
+        if c.step == 2:
+            hi_run.start()
+        elif c.step > 2 and hi_run.is_alive():
+            time.sleep(0.1)
+
+    lo = lo_spec(tmp_path)
+    result = api.run(lo, show_progress=False, on_step=on_step)
+    hi_run.join(timeout=120)
+    assert ran and ran[0].state == "finished" and ran[0].step == 4
+    assert "  room taken from: lo (suspended)" in said["hi"]
+    assert result.state == "finished" and result.step == 100
+    [suspend] = [e for e in result.events if e["kind"] == "suspend"]
+    [resume] = [e for e in result.events if e["kind"] == "resume"]
+    assert suspend["for"] == "hi" and resume["resumed_from_step"] == suspend["step"] > 2
+    assert resume["dp"] == 2 and not [e for e in result.events if e["kind"] == "failure"]
+    alone = api.run(lo_spec(tmp_path / "alone"), show_progress=False)
+    assert alone.step == 100
+    got = CheckpointStore(lo.checkpoint_dir).read_model(100)
+    want = CheckpointStore(lo_spec(tmp_path / "alone").checkpoint_dir).read_model(100)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert priorities._keys("") == []

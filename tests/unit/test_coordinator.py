@@ -185,6 +185,21 @@ def test_a_claim_counts_its_room_coming_and_others_claims_hold_a_job_lower():
     assert plan(me, 2, [lo], {"lo": {"other": 3}}) == ({"lo": 1}, 2)
 
 
+def test_whole_jobs_are_suspended_only_where_shrinking_leaves_the_smallest_world_short():
+    """Jobs shrink toward their min_dp for all the room asked; a job is suspended (a claim of
+    0) only while the asking job's smallest world (`need`) still does not fit, lowest priority
+    and newest first; a job that is not elastic can only be suspended."""
+    from baton.coordinator.priorities import plan
+
+    me = _job("me", 5, 0)
+    fixed, elastic = _job("fixed", 0, 2, min_dp=2, started_at=1.0), _job("el", 0, 3)
+    assert plan(me, 4, [fixed, elastic], {}, need=2) == ({"el": 1}, 2)  # shrinking serves need
+    assert plan(me, 4, [fixed, elastic], {}, need=3) == ({"el": 1, "fixed": 0}, 4)
+    assert plan(me, 5, [fixed, elastic], {}, need=5) == ({"el": 0, "fixed": 0}, 5)
+    # a job already suspended for me gives nothing more, and its room counts as coming
+    assert plan(me, 2, [fixed], {"fixed": {"me": 0}}, need=2) == ({"fixed": 0}, 2)
+
+
 def test_room_is_pooled_by_what_a_worker_takes():
     """A replica of pp 2 at 0.5 CPU a worker frees one CPU; a GPU job takes only from jobs
     with GPUs; a worker of 2 CPUs needs two of a 1-CPU job's replicas."""

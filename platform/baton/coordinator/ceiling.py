@@ -63,8 +63,8 @@ def asked(store: CheckpointStore) -> Optional[int]:
 
 class Ceiling:
     """What the coordinator knows of the ceiling: `baton scale`'s and the claims of jobs of
-    higher priority on this one (`priorities.py`), the lowest of them; read at the start, then
-    every `check_s`."""
+    higher priority on this one (`priorities.py`), the lowest of them (0: suspended); read at
+    the start, then every `check_s`."""
 
     def __init__(self, store: CheckpointStore, spec: JobSpec, priorities=None):
         self.store, self.check_s, self.priorities = store, spec.elastic.rescale_check_s, priorities
@@ -77,7 +77,7 @@ class Ceiling:
     def changed(self) -> bool:
         """Whether the ceiling changed since it was last read (read when due)."""
         now = time.monotonic()
-        if not self.elastic or now < self.next_check:
+        if (not self.elastic and not self.priorities) or now < self.next_check:
             return False
         self.next_check = now + self.check_s
         before = self.max_dp
@@ -93,8 +93,7 @@ class Ceiling:
         return "baton scale"
 
     def _read(self) -> None:
-        if not self.elastic:
-            return
-        self.scaled = asked(self.store)
+        # a job that is not elastic keeps to one claim only: 0, suspended
+        self.scaled = asked(self.store) if self.elastic else None
         claimed = self.priorities.ceiling() if self.priorities else None
         self.max_dp = min((v for v in (self.scaled, claimed) if v is not None), default=None)

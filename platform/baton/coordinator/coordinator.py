@@ -7,8 +7,13 @@
     running --(eval.patience evaluations without improvement: a checkpoint here)--> finished
     running --(room for more replicas, seen every elastic.rescale_check_s)--> rescaling
     rescaling --(checkpoint here, world re-formed larger, checkpoint loaded)--> running
-    running --(`baton scale` set a ceiling below the world: seen every rescale_check_s)--> shrinking
+    running --(`baton scale`, or a job of higher priority, set a ceiling below the world: seen
+               every rescale_check_s)--> shrinking
     shrinking --(checkpoint here, world re-formed smaller, the rest let go)--> running
+    running --(a job of higher priority needs every worker: a ceiling of 0)--> suspended
+               (a checkpoint here, every worker let go)
+    suspended --(that job ended, room for min_dp replicas: workers started, checkpoint
+                 loaded)--> running
     any --(a worker lost: dead, frozen, failed)--> recovering
     recovering --(survivors kept, workers topped up, world re-formed, latest checkpoint
                   loaded, data cursor rewound with it)--> running
@@ -18,7 +23,7 @@
 It decides (which samples, which learning rate, when to checkpoint, what world size); the
 workers execute. The decisions about failures and world sizes come from the pure policies in
 `policy.py`; its collaborators place workers (`placement.py`) within the ceiling `baton
-scale` sets (`ceiling.py`), commit checkpoints
+scale` and jobs of higher priority set (`ceiling.py`, `priorities.py`), commit checkpoints
 (`commits.py`), stop early (`stopping.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
 through `data/feed.py`), and report (`report.py`: MLflow, live metrics, the progress line,
 the status file). It is the only writer to MLflow, through them.
@@ -102,7 +107,8 @@ class State(enum.Enum):
     RECOVERING = "recovering"
     RESCALING = "rescaling"
     MOVING = "moving"  # off nodes Ray is draining
-    SHRINKING = "shrinking"  # to the ceiling `baton scale` set
+    SHRINKING = "shrinking"  # to the ceiling `baton scale` or a job of higher priority set
+    SUSPENDED = "suspended"  # every worker given to a job of higher priority, until it ends
     EVALUATING = "evaluating"  # a checkpoint, without training (`baton eval`)
     FINISHED = "finished"
     PAUSED = "paused"  # at `until`, before train.steps, on a checkpoint: a run again goes on
@@ -178,6 +184,7 @@ class Coordinator:
         self.run_id: Optional[str] = None
         self.prepared = False  # data read and the MLflow run open: from here on, a status
         self.started_at = time.time()
+        self.suspended_at = 0.0  # when a job of higher priority took every worker (monotonic)
 
     def run(self) -> RunResult:
         try:
@@ -203,7 +210,7 @@ class Coordinator:
         handler = {State.PENDING: self._prepare, State.SCHEDULING: self._schedule,
                    State.RUNNING: self._run_step, State.RECOVERING: self._recover,
                    State.RESCALING: self._rescale, State.MOVING: self._move,
-                   State.SHRINKING: self._shrink,
+                   State.SHRINKING: self._shrink, State.SUSPENDED: self._wait_for_room,
                    State.EVALUATING: self._evaluate}[self.state]
         before = self.state
         try:
@@ -302,6 +309,8 @@ class Coordinator:
             self._cap()
             if self.dims.dp > max(self.scale.valid_dps):
                 return State.SHRINKING
+        if self.resumed is None and self.ceiling.max_dp == 0 and self.step < self.end:
+            return self._suspend()
         if self._rescale_due():
             return State.RESCALING
         # Keep the next step queued on the workers while this one runs, so that no worker
@@ -515,6 +524,50 @@ class Coordinator:
         self.resumed = timer
         return State.RUNNING
 
+    def _suspend(self) -> State:
+        """Give every worker to a job of higher priority whose smallest world needs them (a
+        claim of 0 replicas): finish the queued steps, commit a checkpoint of this step, and let
+        every worker go. The run waits (`_wait_for_room`) and goes on from that checkpoint, in
+        the same MLflow run, once that job has ended and there is room again."""
+        while self.inflight:
+            self._complete_next()
+        if self.step >= self.end or self.stopped_early:
+            return State.RUNNING  # (it finishes now)
+        if self.store.latest() != self.step:
+            self._checkpoint_now()
+        self.commits.drain(self.group)
+        self._leave_all("a suspension")
+        self.group.shutdown()
+        self.priorities.listed(0)
+        self.live.world(alive=0, world_size=0, dp=0)
+        self.suspended_at = time.perf_counter()
+        by = self.ceiling.why.removeprefix("priority: ")
+        self._record({"kind": "suspend", "step": self.step, "for": by})
+        self.report.note(f"step {self.step}: suspended: every worker given to job {by}, of higher "
+                         f"priority; training goes on from checkpoint {self.step} once it ends")
+        return State.SUSPENDED
+
+    def _wait_for_room(self) -> State:
+        """Suspended: once no claim holds the job at 0 and the cluster has room for its
+        smallest world, start its workers again and load the checkpoint it left off at."""
+        time.sleep(min(1.0, self.spec.elastic.rescale_check_s))
+        self.ceiling.changed()
+        if self.ceiling.max_dp == 0 or self.group.free_workers() < self.scale.min_workers:
+            return State.SUSPENDED
+        timer = Phases("resume")
+        self.placement = Placement(self.group, self.base, self.scale, self._ask_room)
+        self._cap()
+        members = self.placement.start(self.placement.first_workers())
+        timer.lap("workers")
+        self._form(members)
+        timer.lap("group_init")
+        self._load_latest()
+        timer.lap("checkpoint_load")
+        timer.fields = {"dp": self.dims.dp, "resumed_from_step": self.step,
+                        "suspended_s": round(time.perf_counter() - self.suspended_at, 3)}
+        self.resumed = timer
+        return State.RUNNING
+
     def _leave_all(self, why: str, new: list = ()) -> None:
         """Every worker leaves its group, to re-form (a growth's `new` workers wait outside);
         one that does not within the grace is lost (a timeout), and the new ones let go."""
@@ -525,15 +578,17 @@ class Coordinator:
             raise WorkerLost(f"a worker did not leave its group for {why}", "timeout",
                              tuple(r for r in everyone if r not in left))
 
-    def _ask_room(self, short: int) -> int:
+    def _ask_room(self, short: int, need: int) -> int:
         """Room for `short` more workers from running jobs of lower priority
-        (resources.priority): how many of them the room claimed fits (`Priorities.ask`)."""
+        (resources.priority), `need` of them for the smallest world: how many of them the
+        room claimed fits (`Priorities.ask`)."""
         if self.priorities is None:
             return 0
-        coming, taken = self.priorities.ask(short)
+        coming, taken = self.priorities.ask(short, need)
         for name, at in taken.items():
             self.report.note(f"step {self.step}: priority {self.priorities.priority}: job {name} "
-                             f"keeps at most {at} replica{'s' * (at > 1)} while this one runs")
+                             + (f"keeps at most {at} replica{'s' * (at > 1)}" if at else "is suspended")
+                             + " while this one runs")
         return coming
 
     def _cap(self) -> None:
@@ -779,7 +834,7 @@ class Coordinator:
                    if (best := self.commits.best_found) else {}),
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
                 **({"max_dp": self.ceiling.max_dp, "max_dp_by": self.ceiling.why}
-                   if self.ceiling.max_dp else {}),
+                   if self.ceiling.max_dp is not None else {}),
                 **({"room_from": {self.priorities.names[k]: at for k, at in self.priorities.claimed.items()}}
                    if self.priorities and self.priorities.claimed else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),

@@ -44,9 +44,10 @@ def together(members: list, tp: int) -> list:
 
 class Placement:
     def __init__(self, group, base: JobSpec, scale: ScalePolicy,
-                 ask: Callable[[int], int] = lambda short: 0):
+                 ask: Callable[[int, int], int] = lambda short, need: 0):
         self.group, self.base, self.scale = group, base, scale
-        # room for this many more workers from jobs of lower priority: how many it will fit
+        # room for `short` more workers from jobs of lower priority, `need` of them for the
+        # smallest world (suspending whole jobs if it must): how many of them it will fit
         self.ask = ask
         self.most = base.dp_range[1] * base.per_replica  # workers at max_dp
         self.next_check = 0.0  # when `growth_due` looks for room again (monotonic)
@@ -62,7 +63,8 @@ class Placement:
         jobs of lower priority give; at least min_dp (start waits up to parallel.timeout_s for
         room, as an autoscaler would make, or those jobs free)."""
         free = self.group.free_workers()
-        n = max(self.scale.min_workers, min(self.most, free + self.ask(self.most - free)))
+        coming = self.ask(self.most - free, self.scale.min_workers - free)
+        n = max(self.scale.min_workers, min(self.most, free + coming))
         if self.base.dp_range[0] < self.base.dp_range[1]:
             # after counting: the job starts on the room there is now, and an autoscaler adds
             # nodes for the rest, which the coordinator grows onto
@@ -83,7 +85,8 @@ class Placement:
         parallel.timeout_s while fewer than min_dp replicas fit."""
         deadline = time.monotonic() + self.base.parallel.timeout_s
         new: list = []
-        self.ask(self.most - have - self.group.free_workers())
+        free = self.group.free_workers()
+        self.ask(self.most - have - free, self.scale.min_workers - have - free)
         while True:
             want = self.most - have - len(new)
             new += self.group.start(want, START_WAIT_S, need=self.group.free_workers(),
@@ -125,7 +128,7 @@ class Placement:
         self.next_check = now + self.base.elastic.rescale_check_s
         if dp < most:
             self.group.request_capacity(self.most)  # renewed while short
-            self.ask(self.most - dp * self.base.per_replica - self.group.free_workers())
+            self.ask(self.most - dp * self.base.per_replica - self.group.free_workers(), 0)
             grow_to = self.scale.grow_to(dp, self.group.free_workers())
             if grow_to is not None:
                 self.joining = (grow_to - dp) * self.base.per_replica

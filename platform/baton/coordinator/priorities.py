@@ -1,11 +1,14 @@
 """Priorities between jobs on one Ray cluster (`resources.priority`).
 
-A job the cluster has too little room for takes room from running elastic jobs of lower
-priority: each of them keeps to a ceiling on its replicas while the job that asked runs, and
-shrinks to it at its next check as `baton scale` makes it (a checkpoint of the step it reached,
-the world re-formed smaller from it, the rest of its workers let go: nothing is trained twice
-or lost), never below its elastic.min_dp; once that job ends, it grows back. Lowest priority
-gives first, and among equals the job that started last.
+A job the cluster has too little room for takes room from running jobs of lower priority:
+each of them keeps to a ceiling on its replicas while the job that asked runs, and shrinks to
+it at its next check as `baton scale` makes it (a checkpoint of the step it reached, the world
+re-formed smaller from it, the rest of its workers let go: nothing is trained twice or lost),
+never below its elastic.min_dp; once that job ends, it grows back. Where that is not enough for
+the asking job's smallest world (its min_dp), whole jobs are suspended (a ceiling of 0): a
+checkpoint of the step reached, every worker let go, and the job starts again from that
+checkpoint once the job that asked has ended and there is room. Lowest priority gives first,
+and among equals the job that started last.
 
 Every running job is listed in the cluster's key-value store (Ray's GCS, namespace `baton`):
 `job/<key>` holds its priority, world and what a worker takes; `claim/<theirs>/<mine>` is a
@@ -53,14 +56,16 @@ def job_key(spec: JobSpec) -> str:
     return hashlib.sha256(spec.checkpoint_dir.encode()).hexdigest()[:16]
 
 
-def plan(me: Entry, short: int, others: list[Entry],
-         claims: dict[str, dict[str, int]]) -> tuple[dict[str, int], int]:
+def plan(me: Entry, short: int, others: list[Entry], claims: dict[str, dict[str, int]],
+         need: int = 0) -> tuple[dict[str, int], int]:
     """The claims `me` should hold for `short` more of its workers to fit, and how many of
-    them the room those claims free fits (at most `short`). `claims`: the live claims, job
-    key -> claimant's key -> the most replicas it may keep, `me`'s included. Room a claim
-    frees is pooled over the cluster (CPUs and GPUs counted, not which node they are on); a
-    claim not yet kept to (the job still larger) counts as room coming; a job another claim
-    holds lower gives from there."""
+    them the room those claims free fits (at most `short`): jobs shrink toward their min_dp
+    for `short`; where that leaves fewer than `need` (what `me`'s smallest world lacks), whole
+    jobs are suspended (a claim of 0) until `need` fits. `claims`: the live claims, job key
+    -> claimant's key -> the most replicas it may keep, `me`'s included. Room a claim frees
+    is pooled over the cluster (CPUs and GPUs counted, not which node they are on); a claim
+    not yet kept to (the job still larger) counts as room coming; a job another claim holds
+    lower gives from there."""
 
     def fit(cpus: float, gpus: float) -> int:
         n = math.floor((cpus + 1e-9) / me.cpus)
@@ -86,6 +91,13 @@ def plan(me: Entry, short: int, others: list[Entry],
             cpus, gpus = cpus + o.per_replica * o.cpus, gpus + o.per_replica * o.gpus
         if at < keeps(o) or o.key in mine:
             mine[o.key] = at
+    for o in givers:  # not enough for the smallest world: suspend whole jobs
+        at = mine.get(o.key, keeps(o))
+        if fit(cpus, gpus) >= need:
+            break
+        if at > 0:
+            mine[o.key] = 0
+            cpus, gpus = cpus + at * o.per_replica * o.cpus, gpus + at * o.per_replica * o.gpus
     return mine, min(short, fit(cpus, gpus))
 
 
@@ -113,17 +125,19 @@ class Priorities:
                       self.started_at, self.driver)
         _put(f"job/{self.key}", asdict(entry))
 
-    def ask(self, short: int) -> tuple[int, dict[str, int]]:
-        """Claim room for `short` more workers from jobs of lower priority. Returns how many
-        of them the room claimed fits (coming or free already), and the claims made or
-        lowered now (job name -> its ceiling)."""
+    def ask(self, short: int, need: int = 0) -> tuple[int, dict[str, int]]:
+        """Claim room for `short` more workers from jobs of lower priority, suspending whole
+        jobs where the room for `need` (this job's smallest world) takes it (`plan`). Returns
+        how many of them the room claimed fits (coming or free already), and the claims made
+        or lowered now (job name -> its ceiling, 0: suspended)."""
+        short = max(short, need)
         if not self.on or self.priority <= 0 or short <= 0:
             return 0, {}
         others, claims = self._read()
         me = Entry(self.key, self.spec.name, self.priority, 0, 0, 1,
                    self.spec.resources.cpus_per_worker, self.spec.resources.gpus_per_worker,
                    self.started_at, self.driver)
-        mine, coming = plan(me, short, others, claims)
+        mine, coming = plan(me, short, others, claims, need)
         names = {o.key: o.name for o in others}
         changed = {}
         for key, at in mine.items():
@@ -135,8 +149,8 @@ class Priorities:
         return coming, changed
 
     def ceiling(self) -> Optional[int]:
-        """The lowest ceiling a live claim on this job sets (None: none), dropping the claims
-        of drivers that are gone; `holding` says whose they are."""
+        """The lowest ceiling a live claim on this job sets (None: none; 0: suspend), dropping
+        the claims of drivers that are gone; `holding` says whose they are."""
         if not self.on:
             return None
         from ray.experimental.internal_kv import _internal_kv_get
@@ -149,7 +163,7 @@ class Priorities:
                 at, driver = int(claim["max_dp"]), str(claim["driver"])
             except (TypeError, ValueError, KeyError):
                 claim, at, driver = {}, 0, ""
-            if driver not in live or at < 1:
+            if driver not in live or at < 0:
                 _delete(key)
                 continue
             held.append({"by": str(claim.get("by")), "priority": claim.get("priority"), "max_dp": at})
