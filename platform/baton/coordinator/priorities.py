@@ -174,8 +174,9 @@ class Priorities:
         """The run ends: out of the list, its claims withdrawn (those jobs may grow back)."""
         if not self.on or not ray.is_initialized():
             return
-        for key in self.claimed:
-            _delete(f"claim/{key}/{self.key}")
+        for key in _keys("claim/"):  # those on jobs that have ended since too
+            if key.endswith(f"/{self.key}"):
+                _delete(key)
         _delete(f"job/{self.key}")
         self.claimed = {}
 
