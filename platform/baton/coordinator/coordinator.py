@@ -401,18 +401,12 @@ class Coordinator:
         the world loads the newest whole one: that one, verified as every load's is (the
         previous one if it fails)."""
         timer = Phases("rescale")
-        while self.inflight:  # training, not waiting: steps queued before the growth was due
-            self._complete_next()
-        timer.lap("queued_steps")
+        self._finish_queued(timer)  # training, not waiting: steps queued before the growth was due
         grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
         if grow_to is None or self.step >= self.end:
             return State.RUNNING
         share = self.per_replica == 1 and self.base.parallel.shard == "none"
-        if share:
-            self.commits.drain(self.group)  # a background save in flight commits first
-        elif self.store.latest() != self.step:
-            self._checkpoint_now()
-        timer.lap("checkpoint")
+        self._commit_here(timer, write=not share)  # shared: a background save in flight commits first
         old_dp = self.dims.dp
         new = self.group.start((grow_to - old_dp) * self.per_replica, START_WAIT_S)
         members = self.group.members() + new
@@ -421,18 +415,8 @@ class Coordinator:
             return State.RUNNING
         self._leave_all("a resize", new)
         timer.lap("reschedule")
-        self._form(members, keep_state=share)  # the old workers first: rank 0 is one of them
-        timer.lap("group_init")
-        if share:
-            self.group.call("share_state", self.step, what="sharing the state with the new workers")
-            timer.lap("state_copy")
-        else:
-            self._load_latest()
-            timer.lap("checkpoint_load")
-        timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
-                        "workers_new": len(new)}
-        self.resumed = timer
-        return State.RUNNING
+        # the old workers first: rank 0 is one of them
+        return self._reform(timer, members, {"from_dp": old_dp, "workers_new": len(new)}, share)
 
     def _move(self) -> State:
         """Nodes that hold workers are draining: Ray marks a node so when it is about to go (a
@@ -448,17 +432,12 @@ class Coordinator:
         and asks again later; if the node goes first, that is a failure like any other."""
         timer = Phases("move")
         nodes = self.placement.drains
-        while self.inflight:  # steps queued before the notice: trained, not thrown away
-            self._complete_next()
-        timer.lap("queued_steps")
+        self._finish_queued(timer)  # steps queued before the notice
         ranks = self.group.on_nodes(set(nodes))  # the world may have changed meanwhile
         if not ranks or self.step >= self.end:
             self.placement.moved()
             return State.RUNNING
-        if self.store.latest() != self.step:
-            self._checkpoint_now()
-        self.commits.drain(self.group)  # committed before any worker goes
-        timer.lap("checkpoint")
+        self._commit_here(timer)
         stay = [r for r in range(len(self.group.actors)) if r not in ranks]
         want = min(len(ranks), self.group.free_workers())  # free: on nodes not draining
         new = self.group.start(want, START_WAIT_S) if want else []
@@ -484,14 +463,8 @@ class Coordinator:
         self.group.kill(ranks)  # their node can go now
         self.placement.moved()
         timer.lap("reschedule")
-        self._form(members)
-        timer.lap("group_init")
-        self._load_latest()
-        timer.lap("checkpoint_load")
-        timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
-                        "workers_moved": len(ranks), "workers_new": len(new)}
-        self.resumed = timer
-        return State.RUNNING
+        return self._reform(timer, members, {"from_dp": old_dp, "workers_moved": len(ranks),
+                                             "workers_new": len(new)})
 
     def _shrink(self) -> State:
         """Give room back (`baton scale --max-dp`): finish the queued steps, commit a
@@ -499,43 +472,31 @@ class Coordinator:
         allows from the workers there are, the rest let go (their room is free once they
         are), from that checkpoint. Nothing is trained twice; nothing counts as a failure."""
         timer = Phases("rescale")
-        while self.inflight:
-            self._complete_next()
-        timer.lap("queued_steps")
+        self._finish_queued(timer)
         old_dp = self.dims.dp
         if old_dp <= max(self.scale.valid_dps) or self.step >= self.end:
             return State.RUNNING
-        if self.store.latest() != self.step:
-            self._checkpoint_now()
-        self.commits.drain(self.group)
-        timer.lap("checkpoint")
+        self._commit_here(timer)
         self._leave_all("a resize")
         timer.lap("reschedule")
-        self._form(self.group.members())  # the replicas beyond the ceiling are let go
-        timer.lap("group_init")
-        cap, why = self.ceiling.max_dp, self.ceiling.why
-        by = why if why == "baton scale" else f"room for job {why.removeprefix('priority: ')}, of higher priority"
+        why = self.ceiling.why
+        # the replicas beyond the ceiling are let go
+        state = self._reform(timer, self.group.members(), {"from_dp": old_dp, "asked": why})
+        cap, by = self.ceiling.max_dp, (why if why == "baton scale" else
+                                        f"room for job {why.removeprefix('priority: ')}, of higher priority")
         self.report.note(f"step {self.step}: {by}: at most {cap} "
                          f"replica{'s' * (cap > 1)}, dp {old_dp} -> {self.dims.dp}")
-        self._load_latest()
-        timer.lap("checkpoint_load")
-        timer.fields = {"from_dp": old_dp, "dp": self.dims.dp, "resumed_from_step": self.step,
-                        "asked": why}
-        self.resumed = timer
-        return State.RUNNING
+        return state
 
     def _suspend(self) -> State:
         """Give every worker to a job of higher priority whose smallest world needs them (a
         claim of 0 replicas): finish the queued steps, commit a checkpoint of this step, and let
         every worker go. The run waits (`_wait_for_room`) and goes on from that checkpoint, in
         the same MLflow run, once that job has ended and there is room again."""
-        while self.inflight:
-            self._complete_next()
+        self._finish_queued()
         if self.step >= self.end or self.stopped_early:
             return State.RUNNING  # (it finishes now)
-        if self.store.latest() != self.step:
-            self._checkpoint_now()
-        self.commits.drain(self.group)
+        self._commit_here()
         self._leave_all("a suspension")
         self.group.shutdown()
         self.priorities.listed(0)
@@ -559,12 +520,39 @@ class Coordinator:
         self._cap()
         members = self.placement.start(self.placement.first_workers())
         timer.lap("workers")
-        self._form(members)
+        return self._reform(timer, members,
+                            {"suspended_s": round(time.perf_counter() - self.suspended_at, 3)})
+
+    def _finish_queued(self, timer: Optional[Phases] = None) -> None:
+        """Train the steps queued on the workers (not thrown away) before the world changes."""
+        while self.inflight:
+            self._complete_next()
+        if timer:
+            timer.lap("queued_steps")
+
+    def _commit_here(self, timer: Optional[Phases] = None, write: bool = True) -> None:
+        """A committed checkpoint of the step reached, before any worker goes (`write`: one
+        written now if the newest is older; a background save in flight commits first)."""
+        if write and self.store.latest() != self.step:
+            self._checkpoint_now()
+        self.commits.drain(self.group)
+        if timer:
+            timer.lap("checkpoint")
+
+    def _reform(self, timer: Phases, members: list, fields: dict, share: bool = False) -> State:
+        """Make `members` the world and give it the state of this step: rank 0's, sent over
+        the new group (`share`: each worker of the world before holds all of it), or the
+        newest whole checkpoint's. The first step after it finishes `timer` (an event with
+        `fields`)."""
+        self._form(members, keep_state=share)
         timer.lap("group_init")
-        self._load_latest()
-        timer.lap("checkpoint_load")
-        timer.fields = {"dp": self.dims.dp, "resumed_from_step": self.step,
-                        "suspended_s": round(time.perf_counter() - self.suspended_at, 3)}
+        if share:
+            self.group.call("share_state", self.step, what="sharing the state with the new workers")
+            timer.lap("state_copy")
+        else:
+            self._load_latest()
+            timer.lap("checkpoint_load")
+        timer.fields = {**fields, "dp": self.dims.dp, "resumed_from_step": self.step}
         self.resumed = timer
         return State.RUNNING
 
