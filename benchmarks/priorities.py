@@ -52,24 +52,24 @@ def job(tmp: str, name: str, steps: int, **sections) -> dict:
 
 
 def measure(tmp: str, way: str, r: int) -> dict:
-    hi = spec_from_dict(job(tmp, f"hi-{r}-{way[:4]}", 20, parallel={"dp": 1},
+    hi = spec_from_dict(job(tmp, f"hi-{r}-{way.split()[-1]}", 20, parallel={"dp": 1},
                             resources={"priority": 1}))
     if way == "free cluster":
         result = api.run(hi, show_progress=False)
         return {"hi_start_s": result.start["total_s"], "hi_phases_s": result.start["phases_s"]}
     elastic = {"min_dp": 1, "max_dp": 2} if way == "lo shrinks" else {}
-    lo = spec_from_dict(job(tmp, f"lo-{r}-{way[:4]}", 2000,
+    lo = spec_from_dict(job(tmp, f"lo-{r}-{way.split()[-1]}", 2000,
                             elastic={**elastic, "rescale_check_s": 1.0}))
     ran, events = [], []
     hi_run = threading.Thread(target=lambda: ran.append(api.run(hi, show_progress=False)))
 
     def on_step(c):
         events[:] = c.events
-        if c.step == 20:
+        if not hi_run.ident and c.step >= 20 and c.dims.dp == 2:  # lo holds both CPUs
             hi_run.start()
-        if c.step >= 20 and (hi_run.is_alive() or c.dims.dp < 2):
+        if hi_run.ident and (hi_run.is_alive() or c.dims.dp < 2):
             time.sleep(0.05)  # lo at a known pace until hi has ended and lo has its CPUs back
-        if c.step >= 20 and not hi_run.is_alive() and c.dims.dp == 2 and ran:
+        if hi_run.ident and not hi_run.is_alive() and c.dims.dp == 2 and ran:
             raise _Done
 
     try:
