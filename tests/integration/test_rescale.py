@@ -200,9 +200,10 @@ def test_a_job_that_cannot_shrink_is_suspended_and_goes_on_bitwise(tmp_path, loc
     ran, said = [], {}
 
     def hi_step(c):
-        if c.step == 1:
-            status = c.status()
-            said["hi"] = describe(status)
+        if c.step == 1:  # lo has given its workers: what `baton status` says of each
+            said["hi"] = describe(c.status())
+            said["lo"] = describe(CheckpointStore(lo.checkpoint_dir).read_status())
+
     hi_run = threading.Thread(target=lambda: ran.append(api.run(hi, show_progress=False, on_step=hi_step)))
 
     def on_step(c):
@@ -216,6 +217,9 @@ def test_a_job_that_cannot_shrink_is_suspended_and_goes_on_bitwise(tmp_path, loc
     hi_run.join(timeout=120)
     assert ran and ran[0].state == "finished" and ran[0].step == 4
     assert "  room taken from: lo (suspended)" in said["hi"]
+    assert said["lo"][0].startswith("lo: suspended") and any(
+        line.startswith("  suspended at step ") and "given to job hi, of higher priority" in line
+        for line in said["lo"])
     assert result.state == "finished" and result.step == 100
     [suspend] = [e for e in result.events if e["kind"] == "suspend"]
     [resume] = [e for e in result.events if e["kind"] == "resume"]
