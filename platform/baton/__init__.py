@@ -88,7 +88,7 @@ def fork(job, source, step=None, overrides=()):
 
 def scale(job, max_dp, overrides=()):
     """`baton scale`: the running elastic job `job` keeps to at most `max_dp` replicas from
-    its next check (None: its own elastic.max_dp again)."""
+    its next check (None: its own elastic.max_dp again; 0: any job is suspended until then)."""
     from baton.coordinator.ceiling import ask
 
     ask(_spec(job, overrides), max_dp)

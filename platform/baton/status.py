@@ -110,10 +110,12 @@ def describe(s: dict) -> list[str]:
     stop = s.get("stopped_early")  # eval.patience, once it ended the run
     if stop:
         lines.append(f"  stopped early at step {stop['step']}: {stop['why']}")
-    if s["state"] == "suspended":  # its workers given to a job of higher priority
-        lines.append(f"  suspended at step {s['step']}: its workers given to job "
-                     f"{s.get('max_dp_by', '').removeprefix('priority: ')}, of higher priority; "
-                     "it goes on from there once that job ends")
+    if s["state"] == "suspended":  # its workers given to a job of higher priority, or back
+        by = s.get("max_dp_by", "baton scale")
+        lines.append(f"  suspended at step {s['step']}: " + (
+            "baton scale --max-dp 0; --clear goes on from there" if by == "baton scale" else
+            f"its workers given to job {by.removeprefix('priority: ')}, of higher priority; "
+            "it goes on from there once that job ends"))
     elif s.get("max_dp"):  # baton scale, or a job of higher priority (resources.priority)
         by = s.get("max_dp_by", "baton scale")
         lines.append(f"  at most {s['max_dp']} replica{'s' * (s['max_dp'] > 1)} " + (

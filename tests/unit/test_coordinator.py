@@ -622,12 +622,40 @@ def test_baton_scale_gives_replicas_back_and_lets_the_job_grow_again(tmp_path):
     assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
 
 
+def test_baton_scale_to_0_suspends_any_job_until_cleared(tmp_path):
+    """`baton scale --max-dp 0` on a job that is not elastic: at its next check it commits a
+    checkpoint of the step, lets every worker go (their room free) and waits, its status
+    saying so; `--clear` and it starts its workers again and goes on from that checkpoint in
+    the same run. Every sample is trained once per epoch."""
+    import baton
+    from baton.status import describe
+
+    cluster = FakeCluster(free=2)
+    c = _coordinator(tmp_path, cluster, rescale_check_s=1e-9)
+    _tick_until(c, lambda c: c.step == 2)
+    baton.scale(c.base, 0)
+    _tick_until(c, lambda c: c.state is State.SUSPENDED)
+    assert c.step == 3 and cluster.free == 2 and CheckpointStore(c.store.root).latest() == 3
+    c.tick()  # a check: still suspended
+    assert c.state is State.SUSPENDED
+    lines = describe(c.status())
+    assert lines[0].startswith("fake: suspended") and \
+        "  suspended at step 3: baton scale --max-dp 0; --clear goes on from there" in lines
+    baton.scale(c.base, None)
+    _tick_until(c, lambda c: c.state is State.FINISHED)
+    assert c.step == 8 and [e["kind"] for e in c.events] == ["suspend", "resume"]
+    assert c.events[1]["resumed_from_step"] == 3 and c.events[1]["dp"] == 2
+    ids = [i for step, _, part in sorted(c.samples.ledger) for i in part]
+    assert sorted(ids[:12]) == list(range(12)) and sorted(ids[12:24]) == list(range(12))
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--max-dp", "3"], "--max-dp 3: give 1 (elastic.min_dp) to 2 (elastic.max_dp)"),
+    (["--max-dp", "3"], "--max-dp 3: give 1 (elastic.min_dp) to 2 (elastic.max_dp), or 0 to suspend it"),
     ([], "give --max-dp N, or --clear"),
     (["--max-dp", "1", "--clear"], "give --max-dp N, or --clear"),
     (["--max-dp", "1", "--set", "elastic.min_dp=2"], "job 'fake' is not elastic (elastic.min_dp "
                                                      "and max_dp are both 2)"),
+    (["--max-dp", "-1"], "--max-dp -1: give 1 (elastic.min_dp) to 2 (elastic.max_dp), or 0"),
 ])
 def test_baton_scale_refuses_a_ceiling_the_job_cannot_keep_in_one_line(tmp_path, capsys, args, message):
     from baton import cli

@@ -8,7 +8,9 @@ storage, wherever the job writes). The coordinator looks for it as often as it l
 (`elastic.rescale_check_s`): above the ceiling, it gives the workers of the replicas beyond it
 back at the next step boundary (a checkpoint of that step, and the world re-formed smaller
 from it: nothing is trained twice or lost); below it, it grows as far as the ceiling allows.
-The file stays until `baton scale JOB.yaml --clear`, so a resumed run keeps to it. A job of
+The file stays until `baton scale JOB.yaml --clear`, so a resumed run keeps to it. `--max-dp
+0` suspends any job, elastic or not: a checkpoint of the step it reached, every worker let go,
+and its driver waits until `--clear` to go on from there. A job of
 higher priority that needs room sets a ceiling of its own while it runs (`priorities.py`).
 """
 
@@ -28,15 +30,17 @@ FILE = "scale.json"
 
 
 def ask(spec: JobSpec, max_dp: Optional[int], source: str = "<spec>") -> None:
-    """Set the ceiling of `spec`'s job to `max_dp` replicas (None: the job's own max_dp);
-    SpecError (one line) for a job that is not elastic or a ceiling outside its range."""
+    """Set the ceiling of `spec`'s job to `max_dp` replicas (None: the job's own max_dp; 0:
+    suspended, any job); SpecError (one line) for a job that is not elastic or a ceiling
+    outside its range."""
     low, high = spec.dp_range
-    if low == high:
+    if low == high and max_dp not in (0, None):  # --clear: any job
         raise SpecError(f"{source}: job {spec.name!r} is not elastic (elastic.min_dp and max_dp "
-                        f"are both {low}): its world does not change size")
-    if max_dp is not None and not low <= max_dp <= high:
+                        f"are both {low}): its world does not change size (--max-dp 0 "
+                        "suspends it)")
+    if max_dp is not None and max_dp != 0 and not low <= max_dp <= high:
         raise SpecError(f"{source}: --max-dp {max_dp}: give {low} (elastic.min_dp) to "
-                        f"{high} (elastic.max_dp)")
+                        f"{high} (elastic.max_dp), or 0 to suspend it")
     store = CheckpointStore(spec.checkpoint_dir)
     path = f"{store.path}/{FILE}"
     if max_dp is None:
@@ -49,8 +53,8 @@ def ask(spec: JobSpec, max_dp: Optional[int], source: str = "<spec>") -> None:
 
 
 def asked(store: CheckpointStore) -> Optional[int]:
-    """The ceiling in the job's folder, or None (none set, or a file that does not read as one:
-    a ceiling is a wish, and a broken one is not obeyed)."""
+    """The ceiling in the job's folder (0: suspended), or None (none set, or a file that does
+    not read as one: a ceiling is a wish, and a broken one is not obeyed)."""
     path = f"{store.path}/{FILE}"
     try:
         if not storage.exists(store.fs, path):
@@ -58,7 +62,7 @@ def asked(store: CheckpointStore) -> Optional[int]:
         value = json.loads(storage.read_bytes(store.fs, path)).get("max_dp")
     except (OSError, ValueError, AttributeError):
         return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 class Ceiling:
@@ -77,7 +81,7 @@ class Ceiling:
     def changed(self) -> bool:
         """Whether the ceiling changed since it was last read (read when due)."""
         now = time.monotonic()
-        if (not self.elastic and not self.priorities) or now < self.next_check:
+        if now < self.next_check:
             return False
         self.next_check = now + self.check_s
         before = self.max_dp
@@ -93,7 +97,9 @@ class Ceiling:
         return "baton scale"
 
     def _read(self) -> None:
-        # a job that is not elastic keeps to one claim only: 0, suspended
-        self.scaled = asked(self.store) if self.elastic else None
+        # a job that is not elastic keeps to one ceiling only: 0, suspended
+        self.scaled = asked(self.store)
+        if not self.elastic and self.scaled:
+            self.scaled = None
         claimed = self.priorities.ceiling() if self.priorities else None
         self.max_dp = min((v for v in (self.scaled, claimed) if v is not None), default=None)

@@ -490,9 +490,10 @@ class Coordinator:
 
     def _suspend(self) -> State:
         """Give every worker to a job of higher priority whose smallest world needs them (a
-        claim of 0 replicas): finish the queued steps, commit a checkpoint of this step, and let
+        claim of 0 replicas), or back (`baton scale --max-dp 0`): finish the queued steps, commit a checkpoint of this step, and let
         every worker go. The run waits (`_wait_for_room`) and goes on from that checkpoint, in
-        the same MLflow run, once that job has ended and there is room again."""
+        the same MLflow run, once that job has ended (or the ceiling is cleared) and there is
+        room again."""
         self._finish_queued()
         if self.step >= self.end or self.stopped_early:
             return State.RUNNING  # (it finishes now)
@@ -504,8 +505,11 @@ class Coordinator:
         self.suspended_at = time.perf_counter()
         by = self.ceiling.why.removeprefix("priority: ")
         self._record({"kind": "suspend", "step": self.step, "for": by})
-        self.report.note(f"step {self.step}: suspended: every worker given to job {by}, of higher "
-                         f"priority; training goes on from checkpoint {self.step} once it ends")
+        self.report.note(f"step {self.step}: suspended: every worker " + (
+            f"let go (baton scale --max-dp 0); training goes on from checkpoint {self.step} "
+            "after --clear" if by == "baton scale" else
+            f"given to job {by}, of higher priority; training goes on from checkpoint "
+            f"{self.step} once it ends"))
         return State.SUSPENDED
 
     def _wait_for_room(self) -> State:
