@@ -231,3 +231,36 @@ def test_a_job_that_cannot_shrink_is_suspended_and_goes_on_bitwise(tmp_path, loc
     want = CheckpointStore(lo_spec(tmp_path / "alone").checkpoint_dir).read_model(100)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     assert priorities._keys("") == []
+
+
+def test_two_jobs_claiming_at_once_do_not_count_the_same_replica(tmp_path, local_ray, monkeypatch):
+    """Two jobs of priority 1, each short of one worker, claim from a job of priority 0 at dp 3
+    at the same moment (each one's planning slowed to 0.3 s, so that without the list's lock
+    both would read it before either wrote): between them they take two replicas, not the
+    same one twice."""
+    import threading
+
+    from baton.coordinator import priorities
+
+    live = local_ray.get_runtime_context().get_job_id()
+    lo = priorities.Entry("victim", "lo", 0, 3, 1, 1, 1.0, 0.0, 0.0, live)
+    priorities._put("job/victim", vars(lo))
+    planned = priorities.plan
+
+    def slow_plan(*args, **kwargs):
+        time.sleep(0.3)
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(priorities, "plan", slow_plan)
+    askers = [priorities.Priorities(spec_from_dict(tiny_spec(
+        tmp_path / name, tmp_path, name=name, resources={"priority": 1}))) for name in ("a", "b")]
+    threads = [threading.Thread(target=asker.ask, args=(1,)) for asker in askers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(asker.claimed["victim"] for asker in askers) == [1, 2]
+    for asker in askers:
+        asker.close()
+    priorities._delete("job/victim")
+    assert priorities._keys("") == []

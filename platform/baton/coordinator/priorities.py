@@ -21,10 +21,12 @@ it, and a job resumed on another cluster starts free of claims.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -33,6 +35,7 @@ import ray
 from baton.spec import JobSpec
 
 NAMESPACE = "baton"
+LOCK_S = 10.0  # the longest a claimant holds the list's lock (it reads and writes a few keys)
 
 
 @dataclass(frozen=True)
@@ -133,18 +136,19 @@ class Priorities:
         short = max(short, need)
         if not self.on or self.priority <= 0 or short <= 0:
             return 0, {}
-        others, claims = self._read()
         me = Entry(self.key, self.spec.name, self.priority, 0, 0, 1,
                    self.spec.resources.cpus_per_worker, self.spec.resources.gpus_per_worker,
                    self.started_at, self.driver)
-        mine, coming = plan(me, short, others, claims, need)
-        names = {o.key: o.name for o in others}
         changed = {}
-        for key, at in mine.items():
-            if self.claimed.get(key) != at:
-                _put(f"claim/{key}/{self.key}", {"max_dp": at, "by": self.spec.name,
-                                                 "priority": self.priority, "driver": self.driver})
-                changed[names[key]] = at
+        with _one_claimant():
+            others, claims = self._read()
+            mine, coming = plan(me, short, others, claims, need)
+            names = {o.key: o.name for o in others}
+            for key, at in mine.items():
+                if self.claimed.get(key) != at:
+                    _put(f"claim/{key}/{self.key}", {"max_dp": at, "by": self.spec.name,
+                                                     "priority": self.priority, "driver": self.driver})
+                    changed[names[key]] = at
         self.claimed, self.names = mine, {k: names[k] for k in mine}
         return coming, changed
 
@@ -205,6 +209,29 @@ class Priorities:
                 pass
             _delete(key)
         return entries, claims
+
+
+@contextlib.contextmanager
+def _one_claimant():
+    """One job at a time reads the list and writes its claims: two at once could each count
+    the same replica of a third as theirs. The lock is a key put only where there is none,
+    holding its taker's time; one older than LOCK_S (its taker died holding it) is taken over."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
+    token = json.dumps({"at": time.time(), "id": uuid.uuid4().hex})
+    while _internal_kv_put("lock", token, overwrite=False, namespace=NAMESPACE):  # True: taken
+        try:
+            at = float(json.loads(_internal_kv_get("lock", namespace=NAMESPACE))["at"])
+        except (TypeError, ValueError, KeyError):
+            continue  # let go meanwhile
+        if time.time() - at > LOCK_S:
+            _delete("lock")
+        time.sleep(0.02)
+    try:
+        yield
+    finally:
+        if _internal_kv_get("lock", namespace=NAMESPACE) == token.encode():
+            _delete("lock")
 
 
 def _live_drivers() -> set[str]:
