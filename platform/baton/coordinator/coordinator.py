@@ -381,17 +381,11 @@ class Coordinator:
         timer.lap("reschedule")
         if self.group.spares_taken > spares_before:
             self.placement.check_soon()  # its replacement starts at the first step after
-        self._form(members, rest_as_spares=going_on)
-        timer.lap("group_init")
-        self._load_latest()
-        timer.lap("checkpoint_load")
-        timer.fields = {"after_failure_at_step": f.step, "cause": f.cause,
-                        "resumed_from_step": self.step, "dp": self.dims.dp,
-                        "state_from": "survivors" if from_survivors else "checkpoint",
-                        "workers_reused": len(survivors), "workers_new": len(members) - len(survivors),
-                        "workers_from_spares": self.group.spares_taken - spares_before}
-        self.resumed = timer
-        return State.RUNNING
+        return self._reform(timer, members, {
+            "after_failure_at_step": f.step, "cause": f.cause,
+            "state_from": "survivors" if from_survivors else "checkpoint",
+            "workers_reused": len(survivors), "workers_new": len(members) - len(survivors),
+            "workers_from_spares": self.group.spares_taken - spares_before}, spares=going_on)
 
     def _rescale(self) -> State:
         """Grow at a step boundary: finish the queued steps, take the new workers, re-form the
@@ -543,12 +537,13 @@ class Coordinator:
         if timer:
             timer.lap("checkpoint")
 
-    def _reform(self, timer: Phases, members: list, fields: dict, share: bool = False) -> State:
-        """Make `members` the world and give it the state of this step: rank 0's, sent over
-        the new group (`share`: each worker of the world before holds all of it), or the
-        newest whole checkpoint's. The first step after it finishes `timer` (an event with
-        `fields`)."""
-        self._form(members, keep_state=share)
+    def _reform(self, timer: Phases, members: list, fields: dict, share: bool = False,
+                spares: bool = False) -> State:
+        """Make `members` the world (`spares`: those beyond it kept as spares) and give it the
+        state of this step: rank 0's, sent over the new group (`share`: each worker of the
+        world before holds all of it), or the newest whole checkpoint's. The first step after
+        it finishes `timer` (an event with `fields`)."""
+        self._form(members, rest_as_spares=spares, keep_state=share)
         timer.lap("group_init")
         if share:
             self.group.call("share_state", self.step, what="sharing the state with the new workers")
