@@ -264,3 +264,72 @@ def test_two_jobs_claiming_at_once_do_not_count_the_same_replica(tmp_path, local
         asker.close()
     priorities._delete("job/victim")
     assert priorities._keys("") == []
+
+
+def test_a_suspended_job_takes_its_room_back_from_a_lower_one_that_started_meanwhile(tmp_path, local_ray):
+    """`b` (priority 1, dp 2) is suspended for `c` (priority 2); `d` (priority 0, dp 1) starts
+    while c runs and takes the CPU c lets go first. b does not wait for d to end: it claims
+    d's worker back (d is suspended), goes on from its checkpoint and finishes; then d goes
+    on and finishes. (Each job sleeps 0.05 s a step until it has been suspended, so that none
+    finishes before the others reach it.)"""
+    import threading
+
+    from baton import api
+    from baton.coordinator import priorities
+
+    data = write_dataset(tmp_path / "data", 40, 32)
+
+    def spec(name, priority, dp, steps):
+        return spec_from_dict(tiny_spec(
+            tmp_path / name, data, name=name, train={"steps": steps, "global_batch": 8, "micro_batch": None},
+            parallel={"dp": dp, "timeout_s": 60}, resources={"cpus_per_worker": 1, "priority": priority},
+            checkpoint={"every_steps": 1000, "keep": 2}, elastic={"rescale_check_s": 0.2}))
+
+    results: dict = {}
+
+    def run(name, s, on_step=None):
+        results[name] = api.run(s, show_progress=False, on_step=on_step)
+
+    def paced(c):
+        if not any(e["kind"] == "suspend" for e in c.events):
+            time.sleep(0.05)
+
+    d = threading.Thread(target=run, args=("d", spec("d", 0, 1, 200), paced))
+
+    def c_step(c):
+        if c.step == 1:
+            d.start()  # waits for room: c's, when c ends
+
+    c = threading.Thread(target=run, args=("c", spec("c", 2, 2, 6), c_step))
+
+    def b_step(b):
+        if b.step == 2:
+            c.start()
+        paced(b)
+
+    run("b", spec("b", 1, 2, 150), b_step)
+    c.join(timeout=120)
+    d.join(timeout=120)
+    assert {name: (r.state, r.step) for name, r in results.items()} == {
+        "b": ("finished", 150), "c": ("finished", 6), "d": ("finished", 200)}
+    assert [(e["kind"], e.get("for")) for e in results["b"].events] == [
+        ("suspend", "c"), ("resume", None)]
+    assert [(e["kind"], e.get("for")) for e in results["d"].events] == [
+        ("suspend", "b"), ("resume", None)]
+    assert priorities._keys("") == []
+
+
+def test_a_job_claims_nothing_where_lower_jobs_cannot_give_its_smallest_world(tmp_path, local_ray):
+    """Short of two workers with one to be had (a job of priority 0 at dp 1): no claim is
+    written, so that job is not suspended for nothing; with one short, it is."""
+    from baton.coordinator import priorities
+
+    live = local_ray.get_runtime_context().get_job_id()
+    priorities._put("job/small", vars(priorities.Entry("small", "lo", 0, 1, 1, 1, 1.0, 0.0, 0.0, live)))
+    asker = priorities.Priorities(spec_from_dict(tiny_spec(tmp_path, tmp_path, name="hi",
+                                                           resources={"priority": 1, "cpus_per_worker": 1})))
+    assert asker.ask(2, 2) == (0, {}) and priorities._keys("claim/") == []
+    assert asker.ask(1, 1) == (1, {"lo": 0}) and priorities._keys("claim/") == [f"claim/small/{asker.key}"]
+    asker.close()
+    priorities._delete("job/small")
+    assert priorities._keys("") == []

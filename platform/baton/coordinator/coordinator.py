@@ -507,11 +507,15 @@ class Coordinator:
         return State.SUSPENDED
 
     def _wait_for_room(self) -> State:
-        """Suspended: once no claim holds the job at 0 and the cluster has room for its
-        smallest world, start its workers again and load the checkpoint it left off at."""
+        """Suspended: once no claim holds the job at 0, no suspended job of higher priority
+        waits, and the cluster has room for its smallest world (free, or given by jobs of
+        lower priority), start its workers again and load the checkpoint it left off at."""
         time.sleep(min(1.0, self.spec.elastic.rescale_check_s))
         self.ceiling.changed()
-        if self.ceiling.max_dp == 0 or self.group.free_workers() < self.scale.min_workers:
+        if self.ceiling.max_dp == 0 or not self.priorities.first_in_line():
+            return State.SUSPENDED
+        short = self.scale.min_workers - self.group.free_workers()
+        if short > 0 and self._ask_room(short, short) < short:
             return State.SUSPENDED
         timer = Phases("resume")
         self.placement = Placement(self.group, self.base, self.scale, self._ask_room)

@@ -130,9 +130,10 @@ class Priorities:
 
     def ask(self, short: int, need: int = 0) -> tuple[int, dict[str, int]]:
         """Claim room for `short` more workers from jobs of lower priority, suspending whole
-        jobs where the room for `need` (this job's smallest world) takes it (`plan`). Returns
-        how many of them the room claimed fits (coming or free already), and the claims made
-        or lowered now (job name -> its ceiling, 0: suspended)."""
+        jobs where the room for `need` (this job's smallest world) takes it (`plan`); nothing
+        where what they can give does not reach `need` (they would give it for nothing).
+        Returns how many of them the room claimed fits (coming or free already), and the
+        claims made or lowered now (job name -> its ceiling, 0: suspended)."""
         short = max(short, need)
         if not self.on or self.priority <= 0 or short <= 0:
             return 0, {}
@@ -143,6 +144,8 @@ class Priorities:
         with _one_claimant():
             others, claims = self._read()
             mine, coming = plan(me, short, others, claims, need)
+            if coming < need:
+                return 0, {}
             names = {o.key: o.name for o in others}
             for key, at in mine.items():
                 if self.claimed.get(key) != at:
@@ -151,6 +154,14 @@ class Priorities:
                     changed[names[key]] = at
         self.claimed, self.names = mine, {k: names[k] for k in mine}
         return coming, changed
+
+    def first_in_line(self) -> bool:
+        """Whether no suspended job of higher priority (listed at dp 0) waits for room too:
+        that one goes on first (it would take the room back at once)."""
+        if not self.on:
+            return True
+        others, _ = self._read()
+        return not any(o.dp == 0 and o.priority > self.priority for o in others if o.key != self.key)
 
     def ceiling(self) -> Optional[int]:
         """The lowest ceiling a live claim on this job sets (None: none; 0: suspend), dropping
