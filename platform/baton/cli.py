@@ -202,7 +202,8 @@ def _remote_parsers(sub) -> None:
     sc = sub.add_parser("scale", help="set the largest world of a running elastic job (it gives "
                         "workers back, or grows, at its next check)")
     sc.add_argument("job", help="the job's YAML file")
-    sc.add_argument("--max-dp", type=int, metavar="N", help="at most N data-parallel replicas (0: suspend the job until --clear)")
+    sc.add_argument("--max-dp", type=int, metavar="N",
+                    help="at most N data-parallel replicas (0: suspend the job until --clear)")
     sc.add_argument("--clear", action="store_true", help="back to the job's own elastic.max_dp")
     sc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec value, as the run was given (repeatable)")
@@ -565,11 +566,16 @@ def _scale(args: argparse.Namespace) -> int:
     if (args.max_dp is None) == (not args.clear):
         raise SpecError(f"{args.job}: give --max-dp N, or --clear")
     ceiling.ask(spec, args.max_dp, args.job)
-    print(f"{spec.name}: " + (f"at most {args.max_dp} replica{'s' * (args.max_dp > 1)}" if args.max_dp else
-                             "suspended (every worker let go; --clear goes on)" if args.max_dp == 0 else
-                             f"back to elastic.max_dp ({spec.dp_range[1]})" if spec.dp_range[0] < spec.dp_range[1] else
-                             "no longer suspended")
-          + f", from its next check (within elastic.rescale_check_s, {spec.elastic.rescale_check_s:g} s)")
+    if args.max_dp:
+        now = f"at most {args.max_dp} replica{'s' * (args.max_dp > 1)}"
+    elif args.max_dp == 0:
+        now = "suspended (every worker let go; --clear goes on)"
+    elif spec.dp_range[0] < spec.dp_range[1]:
+        now = f"back to elastic.max_dp ({spec.dp_range[1]})"
+    else:
+        now = "no longer suspended"
+    print(f"{spec.name}: {now}, from its next check (within elastic.rescale_check_s, "
+          f"{spec.elastic.rescale_check_s:g} s)")
     return 0
 
 

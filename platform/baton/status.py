@@ -110,17 +110,17 @@ def describe(s: dict) -> list[str]:
     stop = s.get("stopped_early")  # eval.patience, once it ended the run
     if stop:
         lines.append(f"  stopped early at step {stop['step']}: {stop['why']}")
+    # the ceiling's: baton scale's, or a job of higher priority's ("priority: NAME")
+    by = s.get("max_dp_by", "baton scale")
+    job = None if by == "baton scale" else by.removeprefix("priority: ")
     if s["state"] == "suspended":  # its workers given to a job of higher priority, or back
-        by = s.get("max_dp_by", "baton scale")
         lines.append(f"  suspended at step {s['step']}: " + (
-            "baton scale --max-dp 0; --clear goes on from there" if by == "baton scale" else
-            f"its workers given to job {by.removeprefix('priority: ')}, of higher priority; "
-            "it goes on from there once that job ends"))
-    elif s.get("max_dp"):  # baton scale, or a job of higher priority (resources.priority)
-        by = s.get("max_dp_by", "baton scale")
+            f"its workers given to job {job}, of higher priority; it goes on from there once "
+            "that job ends" if job else "baton scale --max-dp 0; --clear goes on from there"))
+    elif s.get("max_dp"):
         lines.append(f"  at most {s['max_dp']} replica{'s' * (s['max_dp'] > 1)} " + (
-            "(baton scale; --clear lifts it)" if by == "baton scale" else
-            f"(room given to job {by.removeprefix('priority: ')}, of higher priority, while it runs)"))
+            f"(room given to job {job}, of higher priority, while it runs)" if job else
+            "(baton scale; --clear lifts it)"))
     if s.get("room_from"):  # the claims this job holds on jobs of lower priority
         lines.append("  room taken from: " + ", ".join(
             f"{name} ({f'at most {at} replica' + 's' * (at > 1) if at else 'suspended'})"

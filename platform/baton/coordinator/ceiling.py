@@ -89,12 +89,17 @@ class Ceiling:
         return self.max_dp != before
 
     @property
-    def why(self) -> str:
-        """Who set the ceiling: `baton scale`, or the job of higher priority whose claim is lowest."""
+    def claimant(self) -> Optional[str]:
+        """The job of higher priority whose claim sets the ceiling (None: `baton scale`'s)."""
         held = self.priorities.holding if self.priorities else []
         if held and (self.scaled is None or held[0]["max_dp"] < self.scaled):
-            return f"priority: {held[0]['by']}"
-        return "baton scale"
+            return held[0]["by"]
+        return None
+
+    @property
+    def why(self) -> str:
+        """Who set the ceiling, as the run record and the status file say it."""
+        return f"priority: {self.claimant}" if self.claimant else "baton scale"
 
     def _read(self) -> None:
         # a job that is not elastic keeps to one ceiling only: 0, suspended

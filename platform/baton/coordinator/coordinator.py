@@ -473,19 +473,18 @@ class Coordinator:
         self._commit_here(timer)
         self._leave_all("a resize")
         timer.lap("reschedule")
-        why = self.ceiling.why
         # the replicas beyond the ceiling are let go
-        state = self._reform(timer, self.group.members(), {"from_dp": old_dp, "asked": why})
-        cap, by = self.ceiling.max_dp, (why if why == "baton scale" else
-                                        f"room for job {why.removeprefix('priority: ')}, of higher priority")
+        state = self._reform(timer, self.group.members(), {"from_dp": old_dp, "asked": self.ceiling.why})
+        cap, job = self.ceiling.max_dp, self.ceiling.claimant
+        by = f"room for job {job}, of higher priority" if job else "baton scale"
         self.report.note(f"step {self.step}: {by}: at most {cap} "
                          f"replica{'s' * (cap > 1)}, dp {old_dp} -> {self.dims.dp}")
         return state
 
     def _suspend(self) -> State:
         """Give every worker to a job of higher priority whose smallest world needs them (a
-        claim of 0 replicas), or back (`baton scale --max-dp 0`): finish the queued steps, commit a checkpoint of this step, and let
-        every worker go. The run waits (`_wait_for_room`) and goes on from that checkpoint, in
+        claim of 0 replicas), or back (`baton scale --max-dp 0`): finish the queued steps,
+        commit a checkpoint of this step, and let every worker go. The run waits (`_wait_for_room`) and goes on from that checkpoint, in
         the same MLflow run, once that job has ended (or the ceiling is cleared) and there is
         room again."""
         self._finish_queued()
@@ -497,13 +496,13 @@ class Coordinator:
         self.priorities.listed(0)
         self.live.world(alive=0, world_size=0, dp=0)
         self.suspended_at = time.perf_counter()
-        by = self.ceiling.why.removeprefix("priority: ")
-        self._record({"kind": "suspend", "step": self.step, "for": by})
+        job = self.ceiling.claimant
+        self._record({"kind": "suspend", "step": self.step, "for": job or "baton scale"})
         self.report.note(f"step {self.step}: suspended: every worker " + (
+            f"given to job {job}, of higher priority; training goes on from checkpoint "
+            f"{self.step} once it ends" if job else
             f"let go (baton scale --max-dp 0); training goes on from checkpoint {self.step} "
-            "after --clear" if by == "baton scale" else
-            f"given to job {by}, of higher priority; training goes on from checkpoint "
-            f"{self.step} once it ends"))
+            "after --clear"))
         return State.SUSPENDED
 
     def _wait_for_room(self) -> State:
