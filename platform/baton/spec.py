@@ -187,6 +187,9 @@ class ResourcesSpec:
     # on a cluster shared with other jobs: room this job lacks is taken from running elastic
     # jobs of lower priority, which shrink toward their min_dp while it runs (0: takes none)
     priority: int = 0
+    # no room for the job's smallest world because other baton jobs hold it: how long it waits
+    # in line (priority first, then the time it came) before it stops; null: as long as it takes
+    queue_timeout_s: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(r.wait_for_nodes_s >= 0, "resources.wait_for_nodes_s", r.wait_for_nodes_s, "must be >= 0 seconds")
     need(r.keep_warm_s >= 0, "resources.keep_warm_s", r.keep_warm_s, "must be >= 0 seconds")
     need(r.priority >= 0, "resources.priority", r.priority, "must be >= 0 (0: takes no room from other jobs)")
+    need(r.queue_timeout_s is None or r.queue_timeout_s > 0, "resources.queue_timeout_s",
+         r.queue_timeout_s, "must be > 0 seconds, or null to wait as long as it takes")
     need(r.threads_per_worker >= 1, "resources.threads_per_worker", r.threads_per_worker,
          "must be at least 1")
 
@@ -177,6 +179,7 @@ MOST: dict[str, tuple[float, str]] = {
     "resources.wait_for_nodes_s": _SECONDS,
     "resources.keep_warm_s": _SECONDS,
     "resources.priority": (10**6, "a priority"),
+    "resources.queue_timeout_s": _SECONDS,
     "checkpoint.every_steps": (10**12, "steps"),
     "checkpoint.keep": (10**6, "checkpoints"),
     "checkpoint.timeout_s": _SECONDS,

@@ -125,6 +125,12 @@ def describe(s: dict) -> list[str]:
         lines.append("  room taken from: " + ", ".join(
             f"{name} ({f'at most {at} replica' + 's' * (at > 1) if at else 'suspended'})"
             for name, at in s["room_from"].items()))
+    line = s.get("in_line")  # waiting for room other jobs hold (queued, or suspended)
+    if line:
+        ahead = line["ahead"]
+        lines.append(f"  in line for room for {_ago(time.time() - line['since'])}: " + (
+            f"{_ordinal(len(ahead) + 1)}, behind {', '.join(ahead)}" if ahead else "first")
+            + f"; held by {', '.join(line['room_held_by']) or 'no job of baton'}")
     if s["state"] == "paused":  # baton run --until
         lines.append(f"  paused at step {s['step']} of {s['steps']}: run the job again to go on")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
@@ -157,6 +163,10 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _ago(seconds: float) -> str:

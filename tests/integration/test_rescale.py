@@ -266,56 +266,116 @@ def test_two_jobs_claiming_at_once_do_not_count_the_same_replica(tmp_path, local
     assert priorities._keys("") == []
 
 
-def test_a_suspended_job_takes_its_room_back_from_a_lower_one_that_started_meanwhile(tmp_path, local_ray):
+def _queue_spec(tmp_path, data, name, priority, dp, steps, **resources):
+    return spec_from_dict(tiny_spec(
+        tmp_path / name, data, name=name, train={"steps": steps, "global_batch": 8, "micro_batch": None},
+        parallel={"dp": dp, "timeout_s": 60}, resources={"cpus_per_worker": 1, "priority": priority, **resources},
+        checkpoint={"every_steps": 1000, "keep": 2}, elastic={"rescale_check_s": 0.2}))
+
+
+def test_a_suspended_job_goes_on_before_a_lower_one_that_queued_meanwhile(tmp_path, local_ray):
     """`b` (priority 1, dp 2) is suspended for `c` (priority 2); `d` (priority 0, dp 1) starts
-    while c runs and takes the CPU c lets go first. b does not wait for d to end: it claims
-    d's worker back (d is suspended), goes on from its checkpoint and finishes; then d goes
-    on and finishes. (Each job sleeps 0.05 s a step until it has been suspended, so that none
-    finishes before the others reach it.)"""
+    while c runs, finds the room held and waits in line. When c ends, b goes on first (its
+    place: priority 1, in line from its suspension) and d waits on (it neither takes the CPU c
+    lets go first nor is suspended for b); once b ends, d starts. (b sleeps 0.05 s a step until
+    it has been suspended, so that it does not finish before c reaches it.)"""
     import threading
 
     from baton import api
     from baton.coordinator import priorities
+    from baton.status import describe
 
     data = write_dataset(tmp_path / "data", 40, 32)
-
-    def spec(name, priority, dp, steps):
-        return spec_from_dict(tiny_spec(
-            tmp_path / name, data, name=name, train={"steps": steps, "global_batch": 8, "micro_batch": None},
-            parallel={"dp": dp, "timeout_s": 60}, resources={"cpus_per_worker": 1, "priority": priority},
-            checkpoint={"every_steps": 1000, "keep": 2}, elastic={"rescale_check_s": 0.2}))
-
     results: dict = {}
+    said: list = []
 
     def run(name, s, on_step=None):
         results[name] = api.run(s, show_progress=False, on_step=on_step)
 
-    def paced(c):
-        if not any(e["kind"] == "suspend" for e in c.events):
-            time.sleep(0.05)
-
-    d = threading.Thread(target=run, args=("d", spec("d", 0, 1, 200), paced))
+    d_spec = _queue_spec(tmp_path, data, "d", 0, 1, 20)
+    d = threading.Thread(target=run, args=("d", d_spec))
 
     def c_step(c):
         if c.step == 1:
-            d.start()  # waits for room: c's, when c ends
+            d.start()  # no room: c holds it
+        elif c.step == 4:
+            _until_queued(d_spec)
 
-    c = threading.Thread(target=run, args=("c", spec("c", 2, 2, 6), c_step))
+    c = threading.Thread(target=run, args=("c", _queue_spec(tmp_path, data, "c", 2, 2, 6), c_step))
 
     def b_step(b):
+        suspended = any(e["kind"] == "suspend" for e in b.events)
         if b.step == 2:
             c.start()
-        paced(b)
+        elif suspended and not said:  # gone on: what `baton status` says of d
+            said.extend(describe(CheckpointStore(d_spec.checkpoint_dir).read_status()))
+        if not suspended:
+            time.sleep(0.05)
 
-    run("b", spec("b", 1, 2, 150), b_step)
+    run("b", _queue_spec(tmp_path, data, "b", 1, 2, 150), b_step)
     c.join(timeout=120)
     d.join(timeout=120)
     assert {name: (r.state, r.step) for name, r in results.items()} == {
-        "b": ("finished", 150), "c": ("finished", 6), "d": ("finished", 200)}
+        "b": ("finished", 150), "c": ("finished", 6), "d": ("finished", 20)}
     assert [(e["kind"], e.get("for")) for e in results["b"].events] == [
         ("suspend", "c"), ("resume", None)]
-    assert [(e["kind"], e.get("for")) for e in results["d"].events] == [
-        ("suspend", "b"), ("resume", None)]
+    assert results["d"].events == [] and results["d"].start["phases_s"]["queued"] > 0
+    assert said[0].startswith("d: queued") and any(
+        line.startswith("  in line for room for ") and line.endswith(": first; held by b")
+        for line in said), said
+    assert priorities._keys("") == []
+
+
+def _until_queued(spec, timeout_s=60.0):
+    """Wait until the job's status says it is in line."""
+    deadline = time.monotonic() + timeout_s
+    while (CheckpointStore(spec.checkpoint_dir).read_status() or {}).get("state") != "queued":
+        assert time.monotonic() < deadline, f"{spec.name} never queued"
+        time.sleep(0.1)
+
+
+def test_jobs_waiting_for_room_start_by_priority_then_arrival(tmp_path, local_ray):
+    """`a` (priority 2, dp 2) holds the local Ray's two CPUs. `x` (priority 0, dp 2) comes
+    and waits in line; `y` (priority 1, dp 2) comes after it and goes ahead of it; `z`
+    (resources.queue_timeout_s 1) stops after a second in line, naming who is ahead and who
+    holds the room. When a ends, y starts and x waits on; x starts when y ends."""
+    import threading
+
+    import pytest
+
+    from baton import api
+    from baton.coordinator import priorities
+    from baton.errors import WorkerError
+
+    data = write_dataset(tmp_path / "data", 40, 32)
+    specs = {name: _queue_spec(tmp_path, data, name, priority, 2, 4)
+             for name, priority in (("x", 0), ("y", 1))}
+    results, first_step = {}, {}
+
+    def run(name):
+        results[name] = api.run(specs[name], show_progress=False,
+                                on_step=lambda c: first_step.setdefault(name, time.monotonic()))
+
+    threads = {name: threading.Thread(target=run, args=(name,)) for name in specs}
+
+    def a_step(a):
+        if a.step == 1:
+            for name in ("x", "y"):
+                threads[name].start()
+                _until_queued(specs[name])
+            z = _queue_spec(tmp_path, data, "z", 0, 1, 4, queue_timeout_s=1)
+            with pytest.raises(WorkerError, match=r"waited \d+ s in line for room for 1 workers "
+                               r"\(resources.queue_timeout_s: 1\): 2 jobs ahead of it \(y, x\); "
+                               r"the room is held by a$"):
+                api.run(z, show_progress=False)
+
+    a = api.run(_queue_spec(tmp_path, data, "a", 2, 2, 4), show_progress=False, on_step=a_step)
+    for t in threads.values():
+        t.join(timeout=120)
+    assert a.state == "finished"
+    assert {name: (r.state, r.step) for name, r in results.items()} == {"x": ("finished", 4), "y": ("finished", 4)}
+    assert first_step["y"] < first_step["x"]
+    assert results["x"].start["phases_s"]["queued"] > results["y"].start["phases_s"]["queued"] > 0
     assert priorities._keys("") == []
 
 

@@ -200,6 +200,36 @@ def test_whole_jobs_are_suspended_only_where_shrinking_leaves_the_smallest_world
     assert plan(me, 2, [fixed], {"fixed": {"me": 0}}, need=2) == ({"fixed": 0}, 2)
 
 
+def test_the_line_goes_by_priority_then_arrival_and_holds_room_for_those_ahead():
+    """Waiting jobs get room highest priority first, then longest waiting (a suspended job
+    from its suspension); one a ceiling of 0 holds (baton scale's, or a live claim) is out of
+    line meanwhile. What free room a job may take leaves the smallest worlds of those ahead of
+    it (all of the line, for a running job that would grow) and the workers of jobs starting."""
+    from dataclasses import replace
+
+    from baton.coordinator.priorities import held_by_others, line, spoken_for
+
+    def waiting(key, priority, since, **kw):
+        return replace(_job(key, priority, 0, **kw), waiting_since=since)
+
+    first, second = waiting("a", 0, 5.0, min_dp=2), waiting("b", 0, 7.0)
+    boss, held = waiting("c", 3, 9.0, per_replica=2), replace(waiting("d", 9, 1.0), held=True)
+    claimed, running = waiting("e", 9, 1.0), _job("r", 0, 2)
+    starting = replace(_job("s", 0, 0, cpus=0.5), starting=3)
+    every = [first, second, boss, held, claimed, running, starting]
+    claims = {"e": {"hi": 0}, "r": {"hi": 1}}
+    assert [e.key for e in line(every, claims)] == ["c", "a", "b"]
+    assert [e.key for e in line(every, {})] == ["e", "c", "a", "b"]  # d: held by baton scale
+    # b waits behind c (2 workers) and a (2); s's 3 half-CPU workers take 1.5 CPUs: 6 CPUs' worth
+    assert spoken_for(second, every, claims) == 6
+    assert spoken_for(boss, every, claims) == 2  # first in line: only what is starting
+    assert spoken_for(running, every, claims) == 7  # the whole line, before it grows
+    assert spoken_for(_job("g", 0, 1, cpus=2.0), every, claims) == 4  # 7 CPUs in 2-CPU workers
+    # what the others hold, in b's workers: r's 2 and s's 1.5 CPUs starting
+    assert held_by_others(second, every) == 3
+    assert held_by_others(_job("gpu", 0, 0, gpus=1.0), every) == 0
+
+
 def test_room_is_pooled_by_what_a_worker_takes():
     """A replica of pp 2 at 0.5 CPU a worker frees one CPU; a GPU job takes only from jobs
     with GPUs; a worker of 2 CPUs needs two of a 1-CPU job's replicas."""

@@ -1,6 +1,8 @@
 """The coordinator owns a run: a state machine that makes one transition per `tick()`.
 
     pending --(the data's manifest and order ready, MLflow run open)--> scheduling
+    pending --(other baton jobs hold the room its smallest world needs)--> queued
+    queued --(its turn in line: priority, then arrival; room for min_dp replicas)--> scheduling
     scheduling --(workers placed, group formed, checkpoint loaded)--> running
     running --(one optimizer step; a checkpoint when due)--> running | finished
     running --(step `until` done: a checkpoint here)--> paused (`baton run --until`)
@@ -77,6 +79,7 @@ PIPELINE_DEPTH = 2  # steps queued on the workers at once
 # in its own compute: the grace alone (it held the stop phase 15 s under `parallel.timeout_s:
 # 5`, and would hold it 130 s under the default). `leave` returns once every survivor has left.
 LEAVE_GRACE_S = 10.0
+LINE_CHECK_S = 1.0  # how often a job waiting for room (queued, suspended) looks for its turn
 
 
 @dataclass
@@ -102,6 +105,7 @@ class _Pending:
 
 class State(enum.Enum):
     PENDING = "pending"
+    QUEUED = "queued"  # in line for room that other jobs hold (priority, then arrival)
     SCHEDULING = "scheduling"
     RUNNING = "running"
     RECOVERING = "recovering"
@@ -211,7 +215,7 @@ class Coordinator:
                    State.RUNNING: self._run_step, State.RECOVERING: self._recover,
                    State.RESCALING: self._rescale, State.MOVING: self._move,
                    State.SHRINKING: self._shrink, State.SUSPENDED: self._wait_for_room,
-                   State.EVALUATING: self._evaluate}[self.state]
+                   State.QUEUED: self._wait_in_line, State.EVALUATING: self._evaluate}[self.state]
         before = self.state
         try:
             self.state = handler()
@@ -264,16 +268,67 @@ class Coordinator:
                            "tok" if self.spec.task == "language_model" else "samples")
         self.prepared = True
         timer.lap("tracking")
-        return State.SCHEDULING
+        return State.SCHEDULING if self.first_workers else State.QUEUED
 
     def _launch(self) -> None:
-        """The workers' processes start: as many as the cluster has room for, up to max_dp."""
+        """The workers' processes start: as many as the cluster has room for, up to max_dp;
+        none yet where other jobs hold the room (`_turn`)."""
         self.group = self.group_factory(self.base, self.dims)
-        self.placement = Placement(self.group, self.base, self.scale, self._ask_room)
-        if self.ceiling.max_dp:
-            self._cap()
-        self.first_workers = self.placement.first_workers()
-        self.group.launch(self.first_workers)
+        self._place()
+        if self._turn():
+            self.group.launch(self.first_workers)
+        else:
+            self.report.note(f"waiting in line for room for {self.scale.min_workers} workers "
+                             f"(elastic.min_dp x pp x tp): {self._line()}")
+
+    def _place(self) -> None:
+        self.placement = Placement(self.group, self.base, self.scale, self._ask_room,
+                                   self.priorities.spoken_for if self.priorities else lambda: 0)
+        self._cap()
+
+    def _turn(self, suspended: bool = False) -> bool:
+        """Whether the job starts now (`first_workers` set, and counted as taken in the
+        cluster's list until they form a world): its smallest world fits the room no job ahead
+        of it in line has spoken for, with what jobs of lower priority give. Where it does not
+        and other baton jobs hold the room it lacks, it waits in line (priority first, then
+        arrival; a suspended job keeps the place it had). Where they do not hold it (nodes an
+        autoscaler is to add, or room no job will free), it starts and waits for that room as
+        a lone job does (`Placement.start`); a suspended job waits on (its checkpoint is safe)."""
+        p = self.priorities
+        if p is None:  # `baton eval`
+            self.first_workers = self.placement.first_workers()
+            return True
+        seen = (p.ahead, p.holders)
+        with p.deciding():
+            p.waits()
+            room, need = self.placement.room(), self.scale.min_workers
+            if room >= need or not suspended and self.group.free_workers() + p.held_by_others() < need:
+                self.first_workers = self.placement.first_workers(room)
+                p.starts(self.first_workers)
+                return True
+        if (p.ahead, p.holders) != seen:  # the line moved: `baton status` says so now
+            self._publish_status()
+        return False
+
+    def _wait_in_line(self) -> State:
+        """Queued: start once it is this job's turn (`_turn`, every LINE_CHECK_S), or stop
+        after resources.queue_timeout_s in line."""
+        time.sleep(LINE_CHECK_S)
+        if self._turn():
+            self.starting.lap("queued")
+            self.group.launch(self.first_workers)
+            return State.SCHEDULING
+        waited_s, limit_s = time.time() - self.priorities.waiting_since, self.base.resources.queue_timeout_s
+        if limit_s is not None and waited_s > limit_s:
+            raise WorkerError(f"waited {waited_s:.0f} s in line for room for {self.scale.min_workers} "
+                              f"workers (resources.queue_timeout_s: {limit_s:g}): {self._line()}")
+        return State.QUEUED
+
+    def _line(self) -> str:
+        p = self.priorities
+        return (f"{len(p.ahead)} job{'s' * (len(p.ahead) != 1)} ahead of it"
+                + (f" ({', '.join(p.ahead)})" if p.ahead else "")
+                + f"; the room is held by {', '.join(p.holders) or 'no job of the list'}")
 
     def _schedule(self) -> State:
         timer = self.starting
@@ -493,7 +548,7 @@ class Coordinator:
         self._commit_here()
         self._leave_all("a suspension")
         self.group.shutdown()
-        self.priorities.listed(0)
+        self.priorities.waits(held=self.ceiling.scaled == 0)  # its place in line kept
         self.live.world(alive=0, world_size=0, dp=0)
         self.suspended_at = time.perf_counter()
         job = self.ceiling.claimant
@@ -506,20 +561,19 @@ class Coordinator:
         return State.SUSPENDED
 
     def _wait_for_room(self) -> State:
-        """Suspended: once no claim holds the job at 0, no suspended job of higher priority
-        waits, and the cluster has room for its smallest world (free, or given by jobs of
-        lower priority), start its workers again and load the checkpoint it left off at."""
-        time.sleep(min(1.0, self.spec.elastic.rescale_check_s))
+        """Suspended: once no ceiling holds the job at 0 and it is its turn in line (`_turn`:
+        the place it took when suspended), start its workers again and load the checkpoint it
+        left off at."""
+        time.sleep(min(LINE_CHECK_S, self.spec.elastic.rescale_check_s))
         self.ceiling.changed()
-        if self.ceiling.max_dp == 0 or not self.priorities.first_in_line():
+        if self.ceiling.max_dp == 0:
+            self.priorities.waits(held=self.ceiling.scaled == 0)
             return State.SUSPENDED
-        short = self.scale.min_workers - self.group.free_workers()
-        if short > 0 and self._ask_room(short, short) < short:
+        self._place()
+        if not self._turn(suspended=True):
             return State.SUSPENDED
         timer = Phases("resume")
-        self.placement = Placement(self.group, self.base, self.scale, self._ask_room)
-        self._cap()
-        members = self.placement.start(self.placement.first_workers())
+        members = self.placement.start(self.first_workers)
         timer.lap("workers")
         return self._reform(timer, members,
                             {"suspended_s": round(time.perf_counter() - self.suspended_at, 3)})
@@ -827,6 +881,9 @@ class Coordinator:
                    if self.ceiling.max_dp is not None else {}),
                 **({"room_from": {self.priorities.names[k]: at for k, at in self.priorities.claimed.items()}}
                    if self.priorities and self.priorities.claimed else {}),
+                **({"in_line": {"since": round(self.priorities.waiting_since, 3),
+                                "ahead": self.priorities.ahead, "room_held_by": self.priorities.holders}}
+                   if self.state in (State.QUEUED, State.SUSPENDED) and self.ceiling.max_dp != 0 else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}

@@ -5,7 +5,7 @@ cluster cannot hold enough."""
 from __future__ import annotations
 
 import time
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional
 
 from baton.coordinator.policy import ScalePolicy
 from baton.errors import WorkerError
@@ -44,11 +44,15 @@ def together(members: list, tp: int) -> list:
 
 class Placement:
     def __init__(self, group, base: JobSpec, scale: ScalePolicy,
-                 ask: Callable[[int, int], int] = lambda short, need: 0):
+                 ask: Callable[[int, int], int] = lambda short, need: 0,
+                 owed: Callable[[], int] = lambda: 0):
         self.group, self.base, self.scale = group, base, scale
         # room for `short` more workers from jobs of lower priority, `need` of them for the
         # smallest world (suspending whole jobs if it must): how many of them it will fit
         self.ask = ask
+        # workers' worth of the free room spoken for by jobs waiting in line ahead of this one
+        # (all of them, once it runs: a job starts before another grows) and jobs starting
+        self.owed = owed
         self.most = base.dp_range[1] * base.per_replica  # workers at max_dp
         self.next_check = 0.0  # when `growth_due` looks for room again (monotonic)
         self.joining = 0  # workers started for a growth, which it waits for (`growth_due`)
@@ -58,13 +62,21 @@ class Placement:
         self.move_by = 0.0  # ...which waits for its replacements up to then (monotonic)
         self.replacing = 0  # the spares started for it
 
-    def first_workers(self) -> int:
-        """As many workers as the cluster has room for, up to max_dp replicas, with the room
-        jobs of lower priority give; at least min_dp (start waits up to parallel.timeout_s for
-        room, as an autoscaler would make, or those jobs free)."""
-        free = self.group.free_workers()
-        coming = self.ask(self.most - free, self.scale.min_workers - free)
-        n = max(self.scale.min_workers, min(self.most, free + coming))
+    def free(self) -> int:
+        """Workers the cluster has room for now that no one else has spoken for."""
+        return max(0, self.group.free_workers() - self.owed())
+
+    def room(self) -> int:
+        """Workers the job could start with now, up to max_dp replicas: free room, and room
+        jobs of lower priority give (claimed here)."""
+        free = self.free()
+        return min(self.most, free + self.ask(self.most - free, self.scale.min_workers - free))
+
+    def first_workers(self, room: Optional[int] = None) -> int:
+        """As many workers as the cluster has room for (`room`, counted already), up to max_dp
+        replicas, with the room jobs of lower priority give; at least min_dp (start waits up to
+        parallel.timeout_s for room, as an autoscaler would make, or those jobs free)."""
+        n = max(self.scale.min_workers, self.room() if room is None else room)
         if self.base.dp_range[0] < self.base.dp_range[1]:
             # after counting: the job starts on the room there is now, and an autoscaler adds
             # nodes for the rest, which the coordinator grows onto
@@ -128,8 +140,9 @@ class Placement:
         self.next_check = now + self.base.elastic.rescale_check_s
         if dp < most:
             self.group.request_capacity(self.most)  # renewed while short
-            self.ask(self.most - dp * self.base.per_replica - self.group.free_workers(), 0)
-            grow_to = self.scale.grow_to(dp, self.group.free_workers())
+            free = self.free()
+            self.ask(self.most - dp * self.base.per_replica - free, 0)
+            grow_to = self.scale.grow_to(dp, self.free())
             if grow_to is not None:
                 self.joining = (grow_to - dp) * self.base.per_replica
                 self.joining_until = now + START_WAIT_S

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import math
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -52,6 +53,14 @@ class Entry:
     gpus: float
     started_at: float
     driver: str  # the Ray job id of its driver (dead: the entry and its claims are stale)
+    waiting_since: float = 0.0  # in line for room since then (time.time()); 0: not in line
+    held: bool = False  # suspended and held there (a ceiling of 0): out of line until it lifts
+    starting: int = 0  # workers started from the line and not in a world yet: room taken
+
+    @property
+    def need(self) -> int:
+        """Workers its smallest world takes."""
+        return self.min_dp * self.per_replica
 
 
 def job_key(spec: JobSpec) -> str:
@@ -104,6 +113,39 @@ def plan(me: Entry, short: int, others: list[Entry], claims: dict[str, dict[str,
     return mine, min(short, fit(cpus, gpus))
 
 
+def line(entries: list[Entry], claims: dict[str, dict[str, int]]) -> list[Entry]:
+    """The jobs waiting for room, in the order they get it: the highest priority first, and
+    among equals the one that has waited longest (a suspended job from its suspension). A job
+    a ceiling of 0 holds (`baton scale --max-dp 0`, or a live claim) is out of it meanwhile."""
+    return sorted((e for e in entries if e.waiting_since and not e.held
+                   and 0 not in claims.get(e.key, {}).values()),
+                  key=lambda e: (-e.priority, e.waiting_since))
+
+
+def spoken_for(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]]) -> int:
+    """Workers of `me`'s size that room spoken for takes from what is free now: the smallest
+    worlds of the jobs ahead of `me` in line (all of the line, for a job not in it), and the
+    workers of jobs that have left it and are starting. Counted over the cluster's CPUs and
+    GPUs, not node by node (as `plan` counts)."""
+    waiting = line(entries, claims)
+    keys = [e.key for e in waiting]
+    ahead = waiting[:keys.index(me.key)] if me.key in keys else waiting
+    cpus = sum(e.need * e.cpus for e in ahead) + sum(e.starting * e.cpus for e in entries if e.key != me.key)
+    gpus = sum(e.need * e.gpus for e in ahead) + sum(e.starting * e.gpus for e in entries if e.key != me.key)
+    n = math.ceil(cpus / me.cpus - 1e-9)
+    return max(n, math.ceil(gpus / me.gpus - 1e-9)) if me.gpus else n
+
+
+def held_by_others(me: Entry, entries: list[Entry]) -> int:
+    """Workers of `me`'s size that the other jobs of the list hold (running, or starting):
+    room that comes free as they end."""
+    others = [e for e in entries if e.key != me.key]
+    cpus = sum((e.dp * e.per_replica + e.starting) * e.cpus for e in others)
+    gpus = sum((e.dp * e.per_replica + e.starting) * e.gpus for e in others)
+    n = math.floor((cpus + 1e-9) / me.cpus)
+    return min(n, math.floor((gpus + 1e-9) / me.gpus)) if me.gpus else n
+
+
 class Priorities:
     """A coordinator's part in the cluster's list: its own entry, its claims on others, and
     the claims on it. Without Ray (the unit tests' fake group) it does nothing."""
@@ -117,16 +159,59 @@ class Priorities:
         self.claimed: dict[str, int] = {}  # my claims: job key -> its ceiling
         self.names: dict[str, str] = {}  # job key -> name, of those I claimed from
         self.holding: list[dict] = []  # the claims on me, as last read (`ceiling`)
+        self.waiting_since = 0.0  # in line for room since then (0: not in line)
+        self.held = False  # suspended with a ceiling of 0: out of line
+        self.starting = 0  # workers started from the line, until the world forms
+        self.dp = 0  # the world, as listed
+        self.ahead: list[str] = []  # the jobs ahead of it in line, as `spoken_for` last read
+        self.holders: list[str] = []  # ...and the jobs that hold room (running, starting)
 
     def listed(self, dp: int) -> None:
-        """Put this job in the list (again), at `dp` replicas."""
+        """Put this job in the list (again), at `dp` replicas (a world: out of the line)."""
+        if dp:
+            self.waiting_since, self.held, self.starting = 0.0, False, 0
+        self.dp = dp
+        if self.on:
+            _put(f"job/{self.key}", asdict(self._entry()))
+
+    def waits(self, held: bool = False) -> None:
+        """In line for room (from now, unless it is already), or (`held`: a ceiling of 0 holds
+        it suspended) out of it, its place kept for when the ceiling lifts."""
+        self.waiting_since = self.waiting_since or time.time()
+        self.held = held
+        self.listed(0)
+
+    def starts(self, workers: int) -> None:
+        """Out of line: `workers` start, and their room counts as taken until they form a
+        world (`listed`), which Ray's free resources say only once their processes hold it."""
+        self.waiting_since, self.held, self.starting = 0.0, False, workers
+        self.listed(self.dp)
+
+    def deciding(self):
+        """Hold the list while this job decides whether it starts (one job at a time: two
+        could each count the same free room as theirs); `ask` may be called inside."""
+        return _one_claimant() if self.on else contextlib.nullcontext()
+
+    def spoken_for(self) -> int:
+        """Workers of this job's size that the free room owes others (`spoken_for`)."""
         if not self.on:
-            return
+            return 0
+        others, claims = self._read()
+        waiting = line(others, claims)
+        keys = [e.key for e in waiting]
+        self.ahead = [e.name for e in waiting[:keys.index(self.key) if self.key in keys else None]]
+        self.holders = [e.name for e in others if e.key != self.key and (e.dp or e.starting)]
+        return spoken_for(self._entry(), others, claims)
+
+    def held_by_others(self) -> int:
+        """Workers of this job's size the other jobs of the list hold (`held_by_others`)."""
+        return held_by_others(self._entry(), self._read()[0]) if self.on else 0
+
+    def _entry(self) -> Entry:
         r = self.spec.resources
-        entry = Entry(self.key, self.spec.name, self.priority, dp, self.spec.dp_range[0],
-                      self.spec.per_replica, r.cpus_per_worker, r.gpus_per_worker,
-                      self.started_at, self.driver)
-        _put(f"job/{self.key}", asdict(entry))
+        return Entry(self.key, self.spec.name, self.priority, self.dp, self.spec.dp_range[0],
+                     self.spec.per_replica, r.cpus_per_worker, r.gpus_per_worker,
+                     self.started_at, self.driver, self.waiting_since, self.held, self.starting)
 
     def ask(self, short: int, need: int = 0) -> tuple[int, dict[str, int]]:
         """Claim room for `short` more workers from jobs of lower priority, suspending whole
@@ -154,14 +239,6 @@ class Priorities:
                     changed[names[key]] = at
         self.claimed, self.names = mine, {k: names[k] for k in mine}
         return coming, changed
-
-    def first_in_line(self) -> bool:
-        """Whether no suspended job of higher priority (listed at dp 0) waits for room too:
-        that one goes on first (it would take the room back at once)."""
-        if not self.on:
-            return True
-        others, _ = self._read()
-        return not any(o.dp == 0 and o.priority > self.priority for o in others if o.key != self.key)
 
     def ceiling(self) -> Optional[int]:
         """The lowest ceiling a live claim on this job sets (None: none; 0: suspend), dropping
@@ -222,13 +299,24 @@ class Priorities:
         return entries, claims
 
 
+_holding = threading.local()  # how deep this thread is in `_one_claimant`
+
+
 @contextlib.contextmanager
 def _one_claimant():
     """One job at a time reads the list and writes its claims: two at once could each count
     the same replica of a third as theirs. The lock is a key put only where there is none,
-    holding its taker's time; one older than LOCK_S (its taker died holding it) is taken over."""
+    holding its taker's time; one older than LOCK_S (its taker died holding it) is taken over.
+    A thread that holds it already goes on (a start's decision asks for room inside it)."""
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
+    if getattr(_holding, "depth", 0):
+        _holding.depth += 1
+        try:
+            yield
+        finally:
+            _holding.depth -= 1
+        return
     token = json.dumps({"at": time.time(), "id": uuid.uuid4().hex})
     while _internal_kv_put("lock", token, overwrite=False, namespace=NAMESPACE):  # True: taken
         try:
@@ -238,9 +326,11 @@ def _one_claimant():
         if time.time() - at > LOCK_S:
             _delete("lock")
         time.sleep(0.02)
+    _holding.depth = 1
     try:
         yield
     finally:
+        _holding.depth = 0
         if _internal_kv_get("lock", namespace=NAMESPACE) == token.encode():
             _delete("lock")
 
