@@ -8,6 +8,10 @@ first completed step (its phases), and what it costs lo: the stall of its shrink
 `rescale` event, from the check that saw the claim to lo's next step), and how long it was
 suspended and took to go on (its `resume` event). lo checks for claims every
 `elastic.rescale_check_s` (1 s here; 10 s by default, which adds up to that to hi's wait).
+A fourth way: hi at priority 0, which takes nothing, waits in line while lo (not elastic)
+holds the CPUs, and starts when lo ends: measured from lo's last step to hi's first (the
+hand-off: lo's last checkpoint and shutdown, hi's next look at the line, every second, and its
+workers' start), beside hi's own start on a free cluster from its workers to its first step.
 
     python benchmarks/priorities.py --rounds 2
 """
@@ -32,7 +36,7 @@ from baton.data.corpus import prepare_stdlib  # noqa: E402
 from baton.spec import spec_from_dict  # noqa: E402
 from results_io import write_result  # noqa: E402
 
-WAYS = ("free cluster", "lo shrinks", "lo suspended")
+WAYS = ("free cluster", "lo shrinks", "lo suspended", "hi queued")
 
 
 def job(tmp: str, name: str, steps: int, **sections) -> dict:
@@ -51,12 +55,20 @@ def job(tmp: str, name: str, steps: int, **sections) -> dict:
     return spec
 
 
+def after_tracking(start: dict) -> float:
+    """A start's seconds from its workers to its first step (no data read, no MLflow)."""
+    return sum(v for k, v in start["phases_s"].items() if k not in ("data", "tracking", "queued"))
+
+
 def measure(tmp: str, way: str, r: int) -> dict:
     hi = spec_from_dict(job(tmp, f"hi-{r}-{way.split()[-1]}", 20, parallel={"dp": 1},
-                            resources={"priority": 1}))
+                            resources={"priority": 0 if way == "hi queued" else 1}))
     if way == "free cluster":
         result = api.run(hi, show_progress=False)
-        return {"hi_start_s": result.start["total_s"], "hi_phases_s": result.start["phases_s"]}
+        return {"hi_start_s": result.start["total_s"], "hi_phases_s": result.start["phases_s"],
+                "hi_workers_to_step_s": round(after_tracking(result.start), 3)}
+    if way == "hi queued":
+        return queued(tmp, hi, r)
     elastic = {"min_dp": 1, "max_dp": 2} if way == "lo shrinks" else {}
     lo = spec_from_dict(job(tmp, f"lo-{r}-{way.split()[-1]}", 2000,
                             elastic={**elastic, "rescale_check_s": 1.0}))
@@ -88,6 +100,32 @@ def measure(tmp: str, way: str, r: int) -> dict:
     return row
 
 
+def queued(tmp: str, hi, r: int) -> dict:
+    """lo (dp 2, 60 steps) holds both CPUs; hi starts at lo's step 20 and waits in line; lo
+    goes on once hi is in line, and ends."""
+    from baton.checkpoint import CheckpointStore
+
+    lo = spec_from_dict(job(tmp, f"lo-{r}-queued", 60))
+    ran, at = [], {}
+
+    def hi_step(c):
+        at.setdefault("hi_first_step", time.monotonic())
+
+    hi_run = threading.Thread(target=lambda: ran.append(api.run(hi, show_progress=False, on_step=hi_step)))
+
+    def on_step(c):
+        if c.step == 20:
+            hi_run.start()
+            while (CheckpointStore(hi.checkpoint_dir).read_status() or {}).get("state") != "queued":
+                time.sleep(0.05)
+        at["lo_last_step"] = time.monotonic()
+
+    api.run(lo, show_progress=False, on_step=on_step)
+    hi_run.join()
+    return {"hi_start_s": ran[0].start["total_s"], "hi_phases_s": ran[0].start["phases_s"],
+            "handoff_s": round(at["hi_first_step"] - at["lo_last_step"], 3)}
+
+
 class _Done(Exception):
     """lo has its CPUs back: the measurement is over (its checkpoint and run are left)."""
 
@@ -116,15 +154,19 @@ def main() -> None:
     print("\nhi (dp 1, priority 1) on a 2-CPU Ray held by lo; medians of "
           f"{args.rounds} round{'s' * (args.rounds > 1)}")
     print(f"{'':14s}{'hi: run to first step':>23s}{'lo: shrink stall':>18s}"
-          f"{'lo: suspended':>15s}{'lo: resume':>12s}")
+          f"{'lo: suspended':>15s}{'lo: resume':>12s}{'hand-off':>10s}")
     table = {}
     for way in WAYS:
-        table[way] = {k: med(way, k) for k in ("hi_start_s", "lo_stall_s", "lo_suspended_s", "lo_resume_s")}
+        table[way] = {k: med(way, k) for k in ("hi_start_s", "lo_stall_s", "lo_suspended_s", "lo_resume_s",
+                                               "handoff_s", "hi_workers_to_step_s")}
         cells = [f"{v:.2f} s" if v is not None else "-" for v in table[way].values()]
-        print(f"{way:14s}{cells[0]:>23s}{cells[1]:>18s}{cells[2]:>15s}{cells[3]:>12s}")
+        print(f"{way:14s}{cells[0]:>23s}{cells[1]:>18s}{cells[2]:>15s}{cells[3]:>12s}{cells[4]:>10s}")
     free = table["free cluster"]["hi_start_s"]
-    for way in WAYS[1:]:
+    for way in WAYS[1:3]:
         print(f"hi's start, {way} / free cluster: {table[way]['hi_start_s'] / free:.2f}x")
+    print(f"hand-off from lo's last step to hi's first: {table['hi queued']['handoff_s']:.2f} s; "
+          f"hi's own start on a free cluster, workers to first step: "
+          f"{table['free cluster']['hi_workers_to_step_s']:.2f} s")
     write_result(args.out, {"rounds": rows, "medians": table, "rescale_check_s": 1.0})
 
 

@@ -127,10 +127,8 @@ def describe(s: dict) -> list[str]:
             for name, at in s["room_from"].items()))
     line = s.get("in_line")  # waiting for room other jobs hold (queued, or suspended)
     if line:
-        ahead = line["ahead"]
-        lines.append(f"  in line for room for {_ago(time.time() - line['since'])}: " + (
-            f"{_ordinal(len(ahead) + 1)}, behind {', '.join(ahead)}" if ahead else "first")
-            + f"; held by {', '.join(line['room_held_by']) or 'no job of baton'}")
+        lines.append(f"  in line for room for {_ago(time.time() - line['since'])}: "
+                     + place_in_line(line["ahead"], line["room_held_by"]))
     if s["state"] == "paused":  # baton run --until
         lines.append(f"  paused at step {s['step']} of {s['steps']}: run the job again to go on")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(s["failures_by_cause"].items()))
@@ -165,8 +163,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _ordinal(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+def place_in_line(ahead: list[str], holders: list[str]) -> str:
+    """A waiting job's place: `first; held by a` or `3rd, behind c, b; held by a`."""
+    n = len(ahead) + 1
+    nth = f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+    return (f"{nth}, behind {', '.join(ahead)}" if ahead else "first") + \
+        f"; held by {', '.join(holders) or 'no job of baton'}"
 
 
 def _ago(seconds: float) -> str:

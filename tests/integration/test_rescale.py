@@ -365,8 +365,7 @@ def test_jobs_waiting_for_room_start_by_priority_then_arrival(tmp_path, local_ra
                 _until_queued(specs[name])
             z = _queue_spec(tmp_path, data, "z", 0, 1, 4, queue_timeout_s=1)
             with pytest.raises(WorkerError, match=r"waited \d+ s in line for room for 1 workers "
-                               r"\(resources.queue_timeout_s: 1\): 2 jobs ahead of it \(y, x\); "
-                               r"the room is held by a$"):
+                               r"\(resources.queue_timeout_s: 1\): 3rd, behind y, x; held by a$"):
                 api.run(z, show_progress=False)
 
     a = api.run(_queue_spec(tmp_path, data, "a", 2, 2, 4), show_progress=False, on_step=a_step)

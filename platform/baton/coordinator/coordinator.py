@@ -63,7 +63,7 @@ from baton.coordinator.samples import Samples
 from baton.errors import CheckpointError, WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
 from baton.spec import JobSpec
-from baton.status import StatusBoard
+from baton.status import StatusBoard, place_in_line
 from baton.storage import redact
 from baton.workers import WorkerGroup
 
@@ -308,6 +308,8 @@ class Coordinator:
                 return True
         if (p.ahead, p.holders) != seen:  # the line moved: `baton status` says so now
             self._publish_status()
+            if p.ahead != seen[0] and self.prepared:
+                self.report.note(f"in line: {self._line()}")
         return False
 
     def _wait_in_line(self) -> State:
@@ -316,6 +318,7 @@ class Coordinator:
         time.sleep(LINE_CHECK_S)
         if self._turn():
             self.starting.lap("queued")
+            self.report.waited(self.starting.phases_s["queued"])
             self.group.launch(self.first_workers)
             return State.SCHEDULING
         waited_s, limit_s = time.time() - self.priorities.waiting_since, self.base.resources.queue_timeout_s
@@ -325,10 +328,7 @@ class Coordinator:
         return State.QUEUED
 
     def _line(self) -> str:
-        p = self.priorities
-        return (f"{len(p.ahead)} job{'s' * (len(p.ahead) != 1)} ahead of it"
-                + (f" ({', '.join(p.ahead)})" if p.ahead else "")
-                + f"; the room is held by {', '.join(p.holders) or 'no job of the list'}")
+        return place_in_line(self.priorities.ahead, self.priorities.holders)
 
     def _schedule(self) -> State:
         timer = self.starting
@@ -573,6 +573,7 @@ class Coordinator:
         if not self._turn(suspended=True):
             return State.SUSPENDED
         timer = Phases("resume")
+        self.report.waited(time.perf_counter() - self.suspended_at)
         members = self.placement.start(self.first_workers)
         timer.lap("workers")
         return self._reform(timer, members,

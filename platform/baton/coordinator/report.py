@@ -29,6 +29,12 @@ class Report:
         for text in self._early:
             self.progress.note(text)
 
+    def waited(self, seconds: float) -> None:
+        """The run waited `seconds` for room (in line, suspended): the progress line's
+        elapsed time and its estimate leave them out."""
+        if self.progress is not None:
+            self.progress.t0 += seconds
+
     def note(self, text: str) -> None:
         """A line on the console between progress lines (held until the run is open)."""
         if self.progress is None:
