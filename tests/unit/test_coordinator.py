@@ -230,6 +230,21 @@ def test_the_line_goes_by_priority_then_arrival_and_holds_room_for_those_ahead()
     assert held_by_others(_job("gpu", 0, 0, gpus=1.0), every) == 0
 
 
+def test_a_job_waits_in_line_only_for_room_other_jobs_hold_on_a_cluster_that_cannot_grow():
+    """Room for its smallest world (2 workers): it starts. Short, with the rest held by jobs of
+    the list: it waits in line. Short with room no job holds (another application's, or
+    nothing), or an autoscaler to add nodes: it starts and its workers wait for the room, as a
+    lone job's do. A suspended job waits for room however it comes."""
+    from baton.coordinator.priorities import waits_in_line
+
+    assert not waits_in_line(2, 2, free=2, held=0, suspended=False, autoscaled=False)
+    assert waits_in_line(1, 2, free=1, held=1, suspended=False, autoscaled=False)
+    assert waits_in_line(0, 2, free=2, held=4, suspended=False, autoscaled=False)  # spoken for
+    assert not waits_in_line(1, 2, free=1, held=0, suspended=False, autoscaled=False)
+    assert not waits_in_line(0, 2, free=0, held=4, suspended=False, autoscaled=True)
+    assert waits_in_line(0, 2, free=0, held=0, suspended=True, autoscaled=True)
+
+
 def test_room_is_pooled_by_what_a_worker_takes():
     """A replica of pp 2 at 0.5 CPU a worker frees one CPU; a GPU job takes only from jobs
     with GPUs; a worker of 2 CPUs needs two of a 1-CPU job's replicas."""

@@ -287,30 +287,21 @@ class Coordinator:
         self._cap()
 
     def _turn(self, suspended: bool = False) -> bool:
-        """Whether the job starts now (`first_workers` set, and counted as taken in the
-        cluster's list until they form a world): its smallest world fits the room no job ahead
-        of it in line has spoken for, with what jobs of lower priority give. Where it does not
-        and other baton jobs hold the room it lacks, it waits in line (priority first, then
-        arrival; a suspended job keeps the place it had). Where they do not hold it (nodes an
-        autoscaler is to add, or room no job will free), it starts and waits for that room as
-        a lone job does (`Placement.start`); a suspended job waits on (its checkpoint is safe)."""
+        """Whether the job starts now (`first_workers` set): its smallest world fits the room
+        no job ahead of it in line has spoken for, with what jobs of lower priority give.
+        Otherwise, where other baton jobs hold the room it lacks, it waits in line: priority
+        first, then arrival (a suspended job keeps the place it had); `Priorities.turn`."""
         p = self.priorities
         if p is None:  # `baton eval`
             self.first_workers = self.placement.first_workers()
             return True
         seen = (p.ahead, p.holders)
-        with p.deciding():
-            p.waits()
-            room, need = self.placement.room(), self.scale.min_workers
-            if room >= need or not suspended and self.group.free_workers() + p.held_by_others() < need:
-                self.first_workers = self.placement.first_workers(room)
-                p.starts(self.first_workers)
-                return True
-        if (p.ahead, p.holders) != seen:  # the line moved: `baton status` says so now
-            self._publish_status()
+        self.first_workers = p.turn(self.placement, suspended)
+        if not self.first_workers and (p.ahead, p.holders) != seen:  # the line moved
+            self._publish_status()  # `baton status` says so now
             if p.ahead != seen[0] and self.prepared:
                 self.report.note(f"in line: {self._line()}")
-        return False
+        return bool(self.first_workers)
 
     def _wait_in_line(self) -> State:
         """Queued: start once it is this job's turn (`_turn`, every LINE_CHECK_S), or stop

@@ -22,6 +22,7 @@ it, and a job resumed on another cluster starts free of claims.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -29,11 +30,14 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import ray
 
 from baton.spec import JobSpec
+
+if TYPE_CHECKING:
+    from baton.coordinator.placement import Placement
 
 NAMESPACE = "baton"
 LOCK_S = 10.0  # the longest a claimant holds the list's lock (it reads and writes a few keys)
@@ -146,6 +150,18 @@ def held_by_others(me: Entry, entries: list[Entry]) -> int:
     return min(n, math.floor((gpus + 1e-9) / me.gpus)) if me.gpus else n
 
 
+def waits_in_line(room: int, need: int, free: int, held: int, suspended: bool, autoscaled: bool) -> bool:
+    """Whether a job whose smallest world takes `need` workers waits in line instead of
+    starting, with `room` workers' worth for it now (free, less what those ahead of it spoke
+    for, plus what jobs of lower priority give), `free` on the cluster and `held` by the other
+    jobs of the list. A suspended job waits for its room however long (its checkpoint is
+    safe). Any other waits only for room those jobs hold (they will end), and not where an
+    autoscaler can add nodes: there it starts, and its workers waiting for room ask for them."""
+    if room >= need:
+        return False
+    return suspended or (not autoscaled and free + held >= need)
+
+
 class Priorities:
     """A coordinator's part in the cluster's list: its own entry, its claims on others, and
     the claims on it. Without Ray (the unit tests' fake group) it does nothing."""
@@ -181,16 +197,32 @@ class Priorities:
         self.held = held
         self.listed(0)
 
-    def starts(self, workers: int) -> None:
+    def _starts(self, workers: int) -> None:
         """Out of line: `workers` start, and their room counts as taken until they form a
         world (`listed`), which Ray's free resources say only once their processes hold it."""
         self.waiting_since, self.held, self.starting = 0.0, False, workers
         self.listed(self.dp)
 
-    def deciding(self):
-        """Hold the list while this job decides whether it starts (one job at a time: two
-        could each count the same free room as theirs); `ask` may be called inside."""
-        return _one_claimant() if self.on else contextlib.nullcontext()
+    def turn(self, placement: "Placement", suspended: bool = False) -> int:
+        """The workers this job starts with now, counted as taken in the list until they form
+        a world; 0: it waits in line (`waits_in_line`). Decided under the list's lock, so that
+        two jobs never count the same free room as theirs."""
+        with _one_claimant() if self.on else contextlib.nullcontext():
+            self.waits()
+            room = placement.room()  # claims from jobs of lower priority, under the same lock
+            if waits_in_line(room, placement.scale.min_workers, placement.group.free_workers(),
+                             self.held_by_others(), suspended, self.autoscaled):
+                return 0
+            workers = placement.first_workers(room)
+            self._starts(workers)
+            return workers
+
+    @functools.cached_property
+    def autoscaled(self) -> bool:
+        """Whether an autoscaler can add nodes to the cluster (asked once a run)."""
+        from baton.workers.capacity import autoscaler_present
+
+        return self.on and autoscaler_present()
 
     def spoken_for(self) -> int:
         """Workers of this job's size that the free room owes others (`spoken_for`)."""
