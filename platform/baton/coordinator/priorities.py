@@ -10,10 +10,17 @@ checkpoint of the step reached, every worker let go, and the job starts again fr
 checkpoint once the job that asked has ended and there is room. Lowest priority gives first,
 and among equals the job that started last.
 
-Every running job is listed in the cluster's key-value store (Ray's GCS, namespace `baton`):
-`job/<key>` holds its priority, world and what a worker takes; `claim/<theirs>/<mine>` is a
-claim, the most replicas job `theirs` may keep while job `mine` runs. A job reads the claims on
-it where it reads its `baton scale` ceiling and keeps to the lowest of them all. A run that
+A job whose smallest world does not fit because other jobs of the list hold the room (even
+after what jobs of lower priority give) waits in line: the highest priority first, then the
+job that came first (a suspended job from its suspension). A job starts when the room no one
+ahead of it has spoken for fits its smallest world; running jobs grow only into room the line
+leaves (`spoken_for`), so that growth never starves a job in line.
+
+Every job is listed in the cluster's key-value store (Ray's GCS, namespace `baton`):
+`job/<key>` holds its priority, world, what a worker takes, since when it waits in line and
+the workers it is starting; `claim/<theirs>/<mine>` is a claim, the most replicas job
+`theirs` may keep while job `mine` runs. A job reads the claims on it where it reads its
+`baton scale` ceiling and keeps to the lowest of them all. A run that
 ends withdraws its entry and claims; one whose driver died (Ray marks its driver's job dead)
 is dropped by whoever reads it next. The store lives as long as the cluster: nothing outlives
 it, and a job resumed on another cluster starts free of claims.
