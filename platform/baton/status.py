@@ -168,7 +168,7 @@ def place_in_line(ahead: list[str], holders: list[str]) -> str:
     n = len(ahead) + 1
     nth = f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
     return (f"{nth}, behind {', '.join(ahead)}" if ahead else "first") + \
-        f"; held by {', '.join(holders) or 'no job of baton'}"
+        (f"; held by {', '.join(holders)}" if holders else "")
 
 
 def _ago(seconds: float) -> str:

@@ -286,6 +286,12 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
     assert status.describe({**s, "dp": 1, "world_size": 1, "workers_starting": 1})[2] == (
         "  world: dp 1 x pp 1 = 1 worker, 1 alive; 1 more starting, to grow into")
     assert status.describe({**s, "spares": 2})[2] == "  world: dp 2 x pp 1 = 2 workers, 1 alive; 2 spares"
+    queued = {**s, "state": "queued", "pid": os.getpid(), "in_line": {
+        "since": time.time() - 150, "ahead": [f"j{i}" for i in range(11)], "room_held_by": ["big"]}}
+    assert status.describe(queued)[4] == "  in line for room for 2 min: 12th, behind " + ", ".join(
+        f"j{i}" for i in range(11)) + "; held by big"
+    assert status.place_in_line(["a", "b"], []) == "3rd, behind a, b"
+    assert status.place_in_line([], ["x", "y"]) == "first; held by x, y"
     lag = {"rank": 1, "node": "9c4dce4247f6ddada74a", "pid": 3573, "ratio": 2.5,
            "compute_s": 0.25, "peers_s": 0.1}
     assert status.describe({**s, "best_checkpoint": {"step": 350, "eval_loss": 0.14031}})[4] == (
