@@ -1,0 +1,5 @@
+import sys
+
+from baton.cli import console
+
+sys.exit(console())

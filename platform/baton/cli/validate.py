@@ -1,0 +1,128 @@
+"""`baton validate`: a job file checked, with its data, and what it would do said without
+training (the world, the data, the layout each worker holds)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def validate(args: argparse.Namespace) -> int:
+    """Check a job file (and its data) without training; say what it would do."""
+    from baton import api
+
+    spec, data = api.validate(args.job, args.set)
+    d = spec.parallel
+    task = f"{spec.task}, " if spec.task != "language_model" else ""
+    print(f"{args.job}: ok ({spec.name}: {task}{spec.model.name}, dp={d.dp} pp={d.pp}"
+          f"{f' tp={d.tp}' if d.tp > 1 else ''}, "
+          f"{spec.train.steps} steps of {spec.train.global_batch} samples)")
+    if data is not None:
+        m = data.manifest.summary()
+        for line in _data_lines(m, spec.data.shuffle_block, [s.path for s in spec.data.mix]):
+            print(line)
+        if spec.task != "language_model":
+            print("  columns: " + ", ".join(
+                f"{f.name} <- {'+'.join(f.sources)} ({f.dtype}{list(f.shape) if f.shape else ''})"
+                for f in data.columns.fields))
+        if data.eval_sets:
+            e = spec.eval
+            held = sum(len(s.uids) for s in data.eval_sets) if e.fraction else 0
+            print(f"  eval: {data.eval_samples:,} held-out samples "
+                  + (f"({held} of {m['row_groups']} row groups"
+                     f"{', some of each source' if spec.data.mix else ''}, eval.seed {e.seed})"
+                     if e.fraction else f"from {e.path}")
+                  + (f", every {e.every_steps} steps and" if e.every_steps else "") + " at the end"
+                  + (f"; the best checkpoint by {spec.checkpoint.best} "
+                     f"({'lowest' if spec.checkpoint.best_lowest else 'highest'}) kept"
+                     if spec.checkpoint.best else "")
+                  + (f"; stops after {e.patience} evaluation{'s' * (e.patience > 1)} without "
+                     f"an improvement" + (f" larger than {e.min_delta:g}" if e.min_delta else "")
+                     if e.patience else ""))
+    from baton.checkpoint.export import is_export, read_about
+    from baton.storage import redact
+
+    if spec.model.init_from and is_export(spec.model.init_from):
+        about = read_about(spec.model.init_from)
+        print(f"  starts from {redact(spec.model.init_from)}: step {about.get('step')} of "
+              f"{about.get('job')} ({about.get('parameters', 0):,} parameters)")
+        if spec.model.init_fresh:
+            print(f"  fresh (its own initialization): {api.fresh_names(spec)}")
+        if spec.model.init_grow:
+            print(f"  grown (the export's rows first): {api.grown_names(spec)}")
+    if d.pp > 1:
+        print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
+              f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
+              f"stage {api.stage_plan(spec)}")
+    if d.shard != "none" and d.tp == 1:
+        print(f"  {_sharding_line(spec)}")
+    if d.tp > 1:
+        print(f"  {_tensor_line(spec)}")
+    lo, hi = spec.dp_range
+    e = spec.elastic
+    if lo < hi or e.max_failures:
+        print(f"  elastic: dp {spec.valid_dps()} ({spec.batch_policy}), recovers from up to "
+              f"{e.max_failures} failures, looks for room every {e.rescale_check_s:g} s, a "
+              f"worker silent for {e.hang_timeout_s:g} s is dead"
+              + ("; after a loss it goes on with the survivors" if e.recovery == "continue" else ""))
+    return 0
+
+
+def _sharding_line(spec) -> str:
+    """The layout of a sharded job and the state each worker holds, next to DDP's."""
+    from baton.models import layer_params
+    from baton.parallel.partition import bounds, plan_stages
+    from baton.parallel.schedule import stage_of
+    from baton.parallel.sharding import NAMES, estimate_bytes
+
+    d, shards = spec.parallel, spec.dp_shard
+    counts = layer_params(spec.model)
+    n = sum(counts)
+    if d.pp > 1:  # the pipeline rank with the most parameters (partition: time, estimated so)
+        spans = bounds(plan_stages(spec, lambda: counts))
+        n = max(sum(sum(counts[slice(*spans[stage_of(r, c, d.pp)])]) for c in range(spec.chunks))
+                for r in range(d.pp))
+    mine, ddp = estimate_bytes(n, d.shard, shards), estimate_bytes(n, "none", 1)
+    groups = d.dp // shards
+    layout = (f"{groups} replica groups of {shards} (hybrid)" if groups > 1 else f"{shards} workers")
+    if d.pp > 1:
+        layout += f" in each of {d.pp} pipeline stages (the largest stage's share)"
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    return (f"sharding: {d.shard} ({NAMES[d.shard]}) over {layout}; per worker: "
+            + ", ".join(f"{k} {mib(v)}" for k, v in mine.items())
+            + f" = {mib(sum(mine.values()))} (DDP: {mib(sum(ddp.values()))})")
+
+
+def _tensor_line(spec) -> str:
+    """What each tensor-parallel worker holds of the model (and of that, under sharding, its
+    shard), next to a whole replica."""
+    from baton.models import _on_meta
+    from baton.parallel.sharding import NAMES, estimate_bytes
+    from baton.parallel.tensor import split_layers
+
+    d = spec.parallel
+    whole = sum(q.numel() for q in _on_meta(spec.model).parameters())
+    model = _on_meta(spec.model)
+    splits = split_layers(model, 0, d.tp, None)
+    mine = sum(q.numel() for q in model.parameters())
+    held = sum(estimate_bytes(mine, d.shard, spec.dp_shard).values())
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731 (fp32 parameters, gradients, AdamW's two moments)
+    sharded = (f", {d.shard} ({NAMES[d.shard]}) over the {spec.dp_shard} workers holding each share"
+               if d.shard != "none" else "")
+    return (f"tensor parallel: {len({n.rsplit('.', 1)[0] for n in splits})} layers split "
+            f"over {d.tp} workers{sharded}; per worker {mine:,} of the {whole:,} "
+            f"parameters: {mib(held)} of parameters, gradients and optimizer state (whole: {mib(whole * 16)})")
+
+
+def _data_lines(m: dict, shuffle_block: int, mixed: list[str]) -> list[str]:
+    """`baton validate`'s lines about the training corpus, or each source of a mix."""
+    def shape(m: dict) -> str:
+        blocks = -(-m["samples"] // shuffle_block)
+        return (f"{m['samples']:,} samples in {m['row_groups']} row groups of {m['files']} files "
+                f"({m['bytes'] / 2**20:,.1f} MiB), manifest {m['digest']}; "
+                + ("a full permutation each epoch" if blocks == 1 else
+                   f"shuffled in {blocks} blocks of {shuffle_block:,} samples"))
+    if not mixed:
+        return [f"  data: {shape(m)}"]
+    return [f"  data: a mix of {len(mixed)} sources, manifest {m['digest']}"] + [
+        f"    {s['weight']:.1%} of the samples from {path}: {shape(s)}"
+        for path, s in zip(mixed, m["sources"])]
