@@ -307,8 +307,13 @@ def test_a_suspended_job_goes_on_before_a_lower_one_that_queued_meanwhile(tmp_pa
         suspended = any(e["kind"] == "suspend" for e in b.events)
         if b.step == 2:
             c.start()
-        elif suspended and not said:  # gone on: what `baton status` says of d
-            said.extend(describe(CheckpointStore(d_spec.checkpoint_dir).read_status()))
+        elif suspended and not said:  # gone on: what `baton status` says of d once it
+            deadline = time.monotonic() + 10  # has looked at the line again (every second)
+            status = CheckpointStore(d_spec.checkpoint_dir).read_status()
+            while "b" not in status.get("in_line", {}).get("room_held_by", []) and time.monotonic() < deadline:
+                time.sleep(0.1)
+                status = CheckpointStore(d_spec.checkpoint_dir).read_status()
+            said.extend(describe(status))
         if not suspended:
             time.sleep(0.05)
 
