@@ -163,12 +163,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def brief(s: dict) -> str:
+    """A status in a few words, for `baton list`: `running, step 120/600, dp 2`, `queued, 2nd
+    in line`, `suspended at step 106`."""
+    state, line = s["state"], s.get("in_line")
+    if state == "queued" and line:
+        return f"queued, {_nth(len(line['ahead']) + 1)} in line"
+    if state in ("suspended", "paused"):
+        return f"{state} at step {s['step']}"
+    return f"{state}, step {s['step']}/{s['steps']}" + (f", dp {s['dp']}" if state == "running" else "")
+
+
 def place_in_line(ahead: list[str], holders: list[str]) -> str:
     """A waiting job's place: `first; held by a` or `3rd, behind c, b; held by a`."""
-    n = len(ahead) + 1
-    nth = f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
-    return (f"{nth}, behind {', '.join(ahead)}" if ahead else "first") + \
+    return (f"{_nth(len(ahead) + 1)}, behind {', '.join(ahead)}" if ahead else "first") + \
         (f"; held by {', '.join(holders)}" if holders else "")
+
+
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _ago(seconds: float) -> str:

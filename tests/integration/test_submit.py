@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -187,9 +188,13 @@ def test_a_long_job_is_stopped_and_listed(as_user, capsys, tmp_path):
     assert out.splitlines()[-1] == "follow it with: baton logs long-1 --follow"
     cluster = submit.Cluster(as_user.address)
     deadline = time.time() + 180
-    while "joining the Ray cluster" not in cluster.logs("long-1"):  # training has begun
+    while "baton-status: " not in cluster.logs("long-1"):  # its coordinator has said where it is
         assert cluster.status("long-1") in ("PENDING", "RUNNING") and time.time() < deadline
         time.sleep(1)
+    code, out, _ = _baton(capsys, "list")
+    [row] = [line for line in out.splitlines() if line.startswith("long-1 ")]
+    assert out.splitlines()[0].split() == ["ID", "STATUS", "JOB", "STARTED", "DURATION", "STATE"]
+    assert re.search(r"  (scheduling|running), step \d+/100000", row), row
     code, out, _ = _baton(capsys, "stop", "long-1")
     assert code == 0 and out == "long-1: stopping\n"
     assert _wait_status(as_user, "long-1", {"STOPPED", "FAILED", "SUCCEEDED"}) == "STOPPED"
@@ -197,6 +202,5 @@ def test_a_long_job_is_stopped_and_listed(as_user, capsys, tmp_path):
     assert out == "long-1: not running (STOPPED)\n"
 
     code, out, _ = _baton(capsys, "list")
-    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines()[1:]}
-    assert out.splitlines()[0].split() == ["ID", "STATUS", "JOB", "STARTED", "DURATION"]
-    assert rows["long-1"] == ["STOPPED", "quickstart"]
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert rows["long-1"].split()[1:3] == ["STOPPED", "quickstart"] and rows["long-1"].endswith("  -")

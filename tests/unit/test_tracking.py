@@ -292,6 +292,10 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
         f"j{i}" for i in range(11)) + "; held by big"
     assert status.place_in_line(["a", "b"], []) == "3rd, behind a, b"
     assert status.place_in_line([], ["x", "y"]) == "first; held by x, y"
+    assert status.brief(queued) == "queued, 12th in line"
+    assert status.brief(s) == "running, step 3/10, dp 2"
+    assert status.brief({**s, "state": "suspended"}) == "suspended at step 3"
+    assert status.brief({**s, "state": "finished", "step": 10}) == "finished, step 10/10"
     lag = {"rank": 1, "node": "9c4dce4247f6ddada74a", "pid": 3573, "ratio": 2.5,
            "compute_s": 0.25, "peers_s": 0.1}
     assert status.describe({**s, "best_checkpoint": {"step": 350, "eval_loss": 0.14031}})[4] == (

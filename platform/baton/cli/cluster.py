@@ -157,13 +157,19 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    jobs = sorted(_cluster(args).list(), key=lambda j: j.start_time or 0)
-    rows = [("ID", "STATUS", "JOB", "STARTED", "DURATION")]
+    """The cluster's jobs, and of each running one what its coordinator last said (its
+    state, step and world, or its place in line: `baton.status.brief`)."""
+    from baton import status
+
+    cluster = _cluster(args)
+    jobs = sorted(cluster.list(), key=lambda j: j.start_time or 0)
+    rows = [("ID", "STATUS", "JOB", "STARTED", "DURATION", "STATE")]
     for j in jobs:
-        meta = j.metadata or {}
-        rows.append((j.submission_id or j.job_id or "-", j.status.value,
-                     meta.get("baton.job", j.entrypoint[:40]),
-                     _when(j.start_time) if j.start_time else "-", _duration(j)))
+        meta, job_id = j.metadata or {}, j.submission_id or j.job_id or "-"
+        said = status.from_logs(cluster.logs(job_id)) if j.status.value == "RUNNING" else None
+        rows.append((job_id, j.status.value, meta.get("baton.job", j.entrypoint[:40]),
+                     _when(j.start_time) if j.start_time else "-", _duration(j),
+                     status.brief(said) if said else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
