@@ -65,7 +65,7 @@ class Entry:
     started_at: float
     driver: str  # the Ray job id of its driver (dead: the entry and its claims are stale)
     waiting_since: float = 0.0  # in line for room since then (time.time()); 0: not in line
-    held: bool = False  # suspended and held there (a ceiling of 0): out of line until it lifts
+    held: bool = False  # suspended by `baton scale --max-dp 0`: out of line until --clear
     starting: int = 0  # workers started from the line and not in a world yet: room taken
 
     @property
@@ -183,7 +183,7 @@ class Priorities:
         self.names: dict[str, str] = {}  # job key -> name, of those I claimed from
         self.holding: list[dict] = []  # the claims on me, as last read (`ceiling`)
         self.waiting_since = 0.0  # in line for room since then (0: not in line)
-        self.held = False  # suspended with a ceiling of 0: out of line
+        self.held = False  # suspended by `baton scale --max-dp 0`: out of line
         self.starting = 0  # workers started from the line, until the world forms
         self.dp = 0  # the world, as listed
         self.ahead: list[str] = []  # the jobs ahead of it in line, as `spoken_for` last read
@@ -198,8 +198,9 @@ class Priorities:
             _put(f"job/{self.key}", asdict(self._entry()))
 
     def waits(self, held: bool = False) -> None:
-        """In line for room (from now, unless it is already), or (`held`: a ceiling of 0 holds
-        it suspended) out of it, its place kept for when the ceiling lifts."""
+        """In line for room (from now, unless it is already), or (`held`: `baton scale
+        --max-dp 0` holds it suspended; a claim's hold is read from the claims) out of it, its
+        place kept for when the hold lifts."""
         self.waiting_since = self.waiting_since or time.time()
         self.held = held
         self.listed(0)
