@@ -273,17 +273,28 @@ def _queue_spec(tmp_path, data, name, priority, dp, steps, **resources):
         checkpoint={"every_steps": 1000, "keep": 2}, elastic={"rescale_check_s": 0.2}))
 
 
-def test_a_suspended_job_goes_on_before_a_lower_one_that_queued_meanwhile(tmp_path, local_ray):
+def test_a_suspended_job_goes_on_before_a_lower_one_that_queued_meanwhile(tmp_path, local_ray, monkeypatch):
     """`b` (priority 1, dp 2) is suspended for `c` (priority 2); `d` (priority 0, dp 1) starts
     while c runs, finds the room held and waits in line. When c ends, b goes on first (its
     place: priority 1, in line from its suspension) and d waits on (it neither takes the CPU c
     lets go first nor is suspended for b); once b ends, d starts. (b sleeps 0.05 s a step until
-    it has been suspended, so that it does not finish before c reaches it.)"""
+    it has been suspended, so that it does not finish before c reaches it.) A run's end is
+    slowed by 2 s after its workers have gone: c's claim on b must be withdrawn before then, or
+    d, first in line while the claim holds b out of it, takes the room (it did, in CI)."""
     import threading
 
     from baton import api
+    from baton.checkpoint import store
     from baton.coordinator import priorities
     from baton.status import describe
+
+    settle = store.CheckpointStore.settle
+
+    def slow_settle(self, folder=None):
+        time.sleep(2.0)
+        settle(self, folder)
+
+    monkeypatch.setattr(store.CheckpointStore, "settle", slow_settle)
 
     data = write_dataset(tmp_path / "data", 40, 32)
     results: dict = {}

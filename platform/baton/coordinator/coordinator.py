@@ -200,6 +200,8 @@ class Coordinator:
             self.report.failed(e, self.step, killed=isinstance(e, KeyboardInterrupt))
             raise
         finally:
+            if self.priorities is not None:
+                self.priorities.withdraw()  # first: a job suspended for it is in line again
             if self.group is not None:
                 self.group.shutdown(finished=self.state in (State.FINISHED, State.PAUSED))
             for reads in (self.samples, self.evaluation):

@@ -302,15 +302,22 @@ class Priorities:
         self.holding = sorted(held, key=lambda c: c["max_dp"])
         return self.holding[0]["max_dp"] if held else None
 
-    def close(self) -> None:
-        """The run ends: out of the list, its claims withdrawn (those jobs may grow back)."""
+    def withdraw(self) -> None:
+        """The run is ending: its claims go (those jobs may grow back, and a job suspended
+        for it is in line again) while its entry still holds its room: freed before, that room
+        would go to whoever looked first, not to the job its claim held out of the line."""
         if not self.on or not ray.is_initialized():
             return
         for key in _keys("claim/"):  # those on jobs that have ended since too
             if key.endswith(f"/{self.key}"):
                 _delete(key)
-        _delete(f"job/{self.key}")
         self.claimed = {}
+
+    def close(self) -> None:
+        """The run has ended and its workers are gone: out of the list, its claims withdrawn."""
+        self.withdraw()
+        if self.on and ray.is_initialized():
+            _delete(f"job/{self.key}")
 
     def _read(self) -> tuple[list[Entry], dict[str, dict[str, int]]]:
         """The live jobs of the list and the claims on them (those of dead drivers dropped)."""
