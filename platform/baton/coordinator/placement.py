@@ -142,7 +142,7 @@ class Placement:
             self.group.request_capacity(self.most)  # renewed while short
             free = self.free()
             self.ask(self.most - dp * self.base.per_replica - free, 0)
-            grow_to = self.scale.grow_to(dp, self.free())
+            grow_to = self.scale.grow_to(dp, free)  # (room claimed comes at a later check)
             if grow_to is not None:
                 self.joining = (grow_to - dp) * self.base.per_replica
                 self.joining_until = now + START_WAIT_S

@@ -74,6 +74,12 @@ class Entry:
         return self.min_dp * self.per_replica
 
 
+def _fit(me: Entry, cpus: float, gpus: float) -> int:
+    """How many of `me`'s workers `cpus` and `gpus` hold."""
+    n = math.floor((cpus + 1e-9) / me.cpus)
+    return min(n, math.floor((gpus + 1e-9) / me.gpus)) if me.gpus else n
+
+
 def job_key(spec: JobSpec) -> str:
     """One job's key: its checkpoint folder's (one run of a job at a time holds its lease)."""
     return hashlib.sha256(spec.checkpoint_dir.encode()).hexdigest()[:16]
@@ -90,10 +96,6 @@ def plan(me: Entry, short: int, others: list[Entry], claims: dict[str, dict[str,
     not yet kept to (the job still larger) counts as room coming; a job another claim holds
     lower gives from there."""
 
-    def fit(cpus: float, gpus: float) -> int:
-        n = math.floor((cpus + 1e-9) / me.cpus)
-        return min(n, math.floor((gpus + 1e-9) / me.gpus)) if me.gpus else n
-
     def keeps(o: Entry) -> int:  # what `o` is held to by the claims of others
         return min([o.dp, *(v for k, v in claims.get(o.key, {}).items() if k != me.key)])
 
@@ -109,19 +111,19 @@ def plan(me: Entry, short: int, others: list[Entry], claims: dict[str, dict[str,
             cpus, gpus = cpus + coming * o.cpus, gpus + coming * o.gpus
     for o in givers:
         at = mine.get(o.key, keeps(o))
-        while at > o.min_dp and fit(cpus, gpus) < short:
+        while at > o.min_dp and _fit(me, cpus, gpus) < short:
             at -= 1
             cpus, gpus = cpus + o.per_replica * o.cpus, gpus + o.per_replica * o.gpus
         if at < keeps(o) or o.key in mine:
             mine[o.key] = at
     for o in givers:  # not enough for the smallest world: suspend whole jobs
         at = mine.get(o.key, keeps(o))
-        if fit(cpus, gpus) >= need:
+        if _fit(me, cpus, gpus) >= need:
             break
         if at > 0:
             mine[o.key] = 0
             cpus, gpus = cpus + at * o.per_replica * o.cpus, gpus + at * o.per_replica * o.gpus
-    return mine, min(short, fit(cpus, gpus))
+    return mine, min(short, _fit(me, cpus, gpus))
 
 
 def line(entries: list[Entry], claims: dict[str, dict[str, int]]) -> list[Entry]:
@@ -133,14 +135,19 @@ def line(entries: list[Entry], claims: dict[str, dict[str, int]]) -> list[Entry]
                   key=lambda e: (-e.priority, e.waiting_since))
 
 
+def ahead_of(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]]) -> list[Entry]:
+    """The jobs ahead of `me` in line (all of it, for a job not in it)."""
+    waiting = line(entries, claims)
+    keys = [e.key for e in waiting]
+    return waiting[:keys.index(me.key)] if me.key in keys else waiting
+
+
 def spoken_for(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]]) -> int:
     """Workers of `me`'s size that room spoken for takes from what is free now: the smallest
     worlds of the jobs ahead of `me` in line (all of the line, for a job not in it), and the
     workers of jobs that have left it and are starting. Counted over the cluster's CPUs and
     GPUs, not node by node (as `plan` counts)."""
-    waiting = line(entries, claims)
-    keys = [e.key for e in waiting]
-    ahead = waiting[:keys.index(me.key)] if me.key in keys else waiting
+    ahead = ahead_of(me, entries, claims)
     cpus = sum(e.need * e.cpus for e in ahead) + sum(e.starting * e.cpus for e in entries if e.key != me.key)
     gpus = sum(e.need * e.gpus for e in ahead) + sum(e.starting * e.gpus for e in entries if e.key != me.key)
     n = math.ceil(cpus / me.cpus - 1e-9)
@@ -151,10 +158,8 @@ def held_by_others(me: Entry, entries: list[Entry]) -> int:
     """Workers of `me`'s size that the other jobs of the list hold (running, or starting):
     room that comes free as they end."""
     others = [e for e in entries if e.key != me.key]
-    cpus = sum((e.dp * e.per_replica + e.starting) * e.cpus for e in others)
-    gpus = sum((e.dp * e.per_replica + e.starting) * e.gpus for e in others)
-    n = math.floor((cpus + 1e-9) / me.cpus)
-    return min(n, math.floor((gpus + 1e-9) / me.gpus)) if me.gpus else n
+    return _fit(me, sum((e.dp * e.per_replica + e.starting) * e.cpus for e in others),
+                sum((e.dp * e.per_replica + e.starting) * e.gpus for e in others))
 
 
 def waits_in_line(room: int, need: int, free: int, held: int, suspended: bool, autoscaled: bool) -> bool:
@@ -237,9 +242,7 @@ class Priorities:
         if not self.on:
             return 0
         others, claims = self._read()
-        waiting = line(others, claims)
-        keys = [e.key for e in waiting]
-        self.ahead = [e.name for e in waiting[:keys.index(self.key) if self.key in keys else None]]
+        self.ahead = [e.name for e in ahead_of(self._entry(), others, claims)]
         self.holders = [e.name for e in others if e.key != self.key and (e.dp or e.starting)]
         return spoken_for(self._entry(), others, claims)
 
@@ -262,13 +265,10 @@ class Priorities:
         short = max(short, need)
         if not self.on or self.priority <= 0 or short <= 0:
             return 0, {}
-        me = Entry(self.key, self.spec.name, self.priority, 0, 0, 1,
-                   self.spec.resources.cpus_per_worker, self.spec.resources.gpus_per_worker,
-                   self.started_at, self.driver)
         changed = {}
         with _one_claimant():
             others, claims = self._read()
-            mine, coming = plan(me, short, others, claims, need)
+            mine, coming = plan(self._entry(), short, others, claims, need)
             if coming < need:
                 return 0, {}
             names = {o.key: o.name for o in others}
