@@ -110,17 +110,27 @@ def describe(s: dict) -> list[str]:
     stop = s.get("stopped_early")  # eval.patience, once it ended the run
     if stop:
         lines.append(f"  stopped early at step {stop['step']}: {stop['why']}")
-    # the ceiling's: baton scale's, or a job of higher priority's ("priority: NAME")
+    # the ceiling's: baton scale's, a job of higher priority's ("priority: NAME"), or that of
+    # a job ahead in line taking back room it lent ("line: NAME")
     by = s.get("max_dp_by", "baton scale")
-    job = None if by == "baton scale" else by.removeprefix("priority: ")
-    if s["state"] == "suspended":  # its workers given to a job of higher priority, or back
+    lent, job = by.startswith("line: "), None if by == "baton scale" else by.partition(": ")[2]
+    if s["state"] == "suspended" and "max_dp" not in s:  # held no more: in line
+        lines.append(f"  suspended at step {s['step']}: it goes on from there when its turn in line comes")
+    elif s["state"] == "suspended":  # its workers given to a job of higher priority, or back
         lines.append(f"  suspended at step {s['step']}: " + (
+            f"its workers given back to job {job}, ahead of it in line; it goes on from there "
+            "when its turn comes" if lent else
             f"its workers given to job {job}, of higher priority; it goes on from there once "
             "that job ends" if job else "baton scale --max-dp 0; --clear goes on from there"))
     elif s.get("max_dp"):
         lines.append(f"  at most {s['max_dp']} replica{'s' * (s['max_dp'] > 1)} " + (
+            f"(room given back to job {job}, ahead of it in line, until it has started)" if lent else
             f"(room given to job {job}, of higher priority, while it runs)" if job else
             "(baton scale; --clear lifts it)"))
+    if s.get("lent_by"):  # started out of turn on room jobs ahead of it in line cannot use yet
+        lenders = s["lent_by"]
+        lines.append(f"  out of turn: on room lent by {', '.join(lenders)} (ahead of it in line), "
+                     f"given back when {'it' if len(lenders) == 1 else 'one of them'} can start")
     if s.get("room_from"):  # the claims this job holds on jobs of lower priority
         lines.append("  room taken from: " + ", ".join(
             f"{name} ({f'at most {at} replica' + 's' * (at > 1) if at else 'suspended'})"

@@ -396,7 +396,7 @@ def test_jobs_waiting_for_room_start_by_priority_then_arrival(tmp_path, local_ra
                 threads[name].start()
                 _until_queued(specs[name])
             z = _queue_spec(tmp_path, data, "z", 0, 1, 4, queue_timeout_s=1)
-            with pytest.raises(WorkerError, match=r"waited \d+ s in line for room for 1 workers "
+            with pytest.raises(WorkerError, match=r"waited \d+ s in line for room for 1 worker "
                                r"\(resources.queue_timeout_s: 1\): 3rd, behind y, x; held by a$"):
                 api.run(z, show_progress=False)
 
@@ -423,4 +423,71 @@ def test_a_job_claims_nothing_where_lower_jobs_cannot_give_its_smallest_world(tm
     assert asker.ask(1, 1) == (1, {"lo": 0}) and priorities._keys("claim/") == [f"claim/small/{asker.key}"]
     asker.close()
     priorities._delete("job/small")
+    assert priorities._keys("") == []
+
+
+def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp_path, local_ray):
+    """`a` (dp 1) holds one of the local Ray's two CPUs. `x` (dp 2) comes and waits in line:
+    one CPU is too little for it. `y` (dp 1, of the same priority) comes after x and, the
+    free CPU having been too little for x for 3 s, starts on it out of turn. When a ends, x
+    claims the lent CPU back: y is suspended from a checkpoint of the step it reached, x
+    trains (its claim lapses once its world has formed: y waits in line, first, not held
+    by it), and y goes on once x ends. (y sleeps 0.05 s a step until it has been suspended,
+    so that it does not finish first; a's steps wait for y's first.)"""
+    import threading
+
+    from baton import api
+    from baton.coordinator import priorities
+    from baton.status import describe
+
+    data = write_dataset(tmp_path / "data", 40, 32)
+    specs = {"x": _queue_spec(tmp_path, data, "x", 0, 2, 4), "y": _queue_spec(tmp_path, data, "y", 0, 1, 150)}
+    results, said = {}, {}
+
+    def y_step(c):
+        if c.step == 1:
+            said.setdefault("y", describe(c.status()))
+        if not any(e["kind"] == "suspend" for e in c.events):
+            time.sleep(0.05)
+
+    def x_step(c):  # x's world has formed: its claim lapses, and y is in line behind nobody
+        deadline, status = time.monotonic() + 10, {}  # (y looks at the line every second)
+        while c.step == 1 and "x" not in status.get("in_line", {}).get("room_held_by", []):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+            status = CheckpointStore(specs["y"].checkpoint_dir).read_status()
+            said["y suspended"] = describe(status)
+
+    steps = {"x": x_step, "y": y_step}
+
+    def run(name):
+        results[name] = api.run(specs[name], show_progress=False, on_step=steps[name])
+
+    threads = {name: threading.Thread(target=run, args=(name,)) for name in specs}
+
+    def a_step(a):
+        if a.step == 1:
+            threads["x"].start()
+            _until_queued(specs["x"])
+            threads["y"].start()
+            deadline = time.monotonic() + 90
+            while "y" not in said:  # y starts out of turn while a holds the other CPU
+                assert time.monotonic() < deadline, "y never started"
+                time.sleep(0.2)
+
+    a = api.run(_queue_spec(tmp_path, data, "a", 0, 1, 4), show_progress=False, on_step=a_step)
+    for t in threads.values():
+        t.join(timeout=120)
+    assert a.state == "finished"
+    assert {name: (r.state, r.step) for name, r in results.items()} == {"x": ("finished", 4), "y": ("finished", 150)}
+    assert said["y"][0].startswith("y: running") and \
+        "  out of turn: on room lent by x (ahead of it in line), given back when it can start" in said["y"]
+    assert said["y suspended"][0].startswith("y: suspended") and any(
+        line.startswith("  in line for room for ") and line.endswith(": first; held by x")
+        for line in said["y suspended"]), said["y suspended"]
+    y = results["y"].events
+    assert [(e["kind"], e.get("lent_by") or e.get("for")) for e in y] == [
+        ("backfill", ["x"]), ("suspend", "x"), ("resume", None)]
+    assert y[1]["step"] == y[2]["resumed_from_step"] > 1
+    assert results["x"].events == [] and results["x"].start["phases_s"]["queued"] > 0
     assert priorities._keys("") == []

@@ -245,6 +245,43 @@ def test_a_job_waits_in_line_only_for_room_other_jobs_hold_on_a_cluster_that_can
     assert waits_in_line(0, 2, free=0, held=0, suspended=True, autoscaled=True)
 
 
+def test_room_the_line_cannot_use_yet_is_lent_behind_it_and_claimed_back():
+    """Two free CPUs, and `head` (priority 0, min_dp 4) first in line: it cannot start, so
+    `small` (min_dp 2) behind it borrows them. Not where the head could start on them, nor
+    with what it could claim from a job of lower priority, nor where the room is starting for
+    another job. Once 2 more CPUs are free the head claims the lent room back (whole, as from
+    a job of lower priority, though of its own priority); only the jobs it was lent by, and
+    only while they have waited since."""
+    from dataclasses import replace
+
+    from baton.coordinator.priorities import backfills, could_start, lends, plan
+
+    head = replace(_job("head", 0, 0, min_dp=4), waiting_since=5.0)
+    small = replace(_job("small", 0, 0, min_dp=2), waiting_since=7.0)
+    runs = _job("runs", 0, 2)  # holds 2 CPUs
+    every = [head, small, runs]
+    assert [e.key for e in backfills(small, 2, 2.0, 0.0, every, {})] == ["head"]
+    assert backfills(small, 1, 1.0, 0.0, every, {}) == []  # too little for small's smallest world
+    assert backfills(head, 4, 2.0, 0.0, every, {}) == []  # first in line: nobody lends it room
+    assert backfills(small, 2, 4.0, 0.0, every, {}) == []  # the head could start: it goes first
+    starting = replace(_job("new", 0, 0), starting=2)
+    assert backfills(small, 2, 4.0, 0.0, [*every, starting], {}) != []  # 2 of the 4 are taken
+    boss = replace(head, priority=1)  # could claim the 2 CPUs of a priority-0 job: it starts
+    assert could_start(boss, 2.0, 0.0, [boss, small, runs], {})
+    assert backfills(replace(small, priority=1), 2, 2.0, 0.0, [boss, replace(small, priority=1), runs], {}) == []
+    # small started on the lent room: the head claims it back when that makes its world
+    borrowed = replace(small, waiting_since=0.0, dp=2, borrows=("head",), borrowed_at=8.0)
+    every = [head, borrowed, runs]
+    assert lends(head, borrowed) and not lends(replace(head, key="other"), borrowed)
+    assert plan(head, 4, every, {}, need=4) == ({"small": 0}, 2)  # too little: not claimed (ask)
+    assert plan(head, 2, every, {}, need=2) == ({"small": 0}, 2)  # with 2 free CPUs: claimed
+    assert could_start(head, 2.0, 0.0, every, {}) and not could_start(head, 1.0, 0.0, every, {})
+    # a head that started after and came back to the line is owed nothing; nor a running one
+    assert not lends(replace(head, waiting_since=9.0), borrowed)
+    assert not lends(replace(head, waiting_since=0.0), borrowed)
+    assert plan(replace(head, waiting_since=9.0), 2, every, {}, need=2) == ({}, 0)
+
+
 def test_room_is_pooled_by_what_a_worker_takes():
     """A replica of pp 2 at 0.5 CPU a worker frees one CPU; a GPU job takes only from jobs
     with GPUs; a worker of 2 CPUs needs two of a 1-CPU job's replicas."""

@@ -296,6 +296,19 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
     assert status.brief(s) == "running, step 3/10, dp 2"
     assert status.brief({**s, "state": "suspended"}) == "suspended at step 3"
     assert status.brief({**s, "state": "finished", "step": 10}) == "finished, step 10/10"
+    # room lent out of turn, claimed back (resources.priority's lines are the integration tests')
+    said = status.describe({**s, "lent_by": ["big"]})
+    assert "  out of turn: on room lent by big (ahead of it in line), given back when it can start" in said
+    assert "  out of turn: on room lent by a, b (ahead of it in line), given back when one of them " \
+        "can start" in status.describe({**s, "lent_by": ["a", "b"]})
+    suspended = {**s, "state": "suspended", "max_dp": 0, "max_dp_by": "line: big"}
+    assert "  suspended at step 3: its workers given back to job big, ahead of it in line; it goes " \
+        "on from there when its turn comes" in status.describe(suspended)
+    assert "  at most 1 replica (room given back to job big, ahead of it in line, until it has " \
+        "started)" in status.describe({**suspended, "state": "running", "max_dp": 1})
+    # held no more (the claim lapsed, or its job ended): in line, not by baton scale
+    assert "  suspended at step 3: it goes on from there when its turn in line comes" in \
+        status.describe({**s, "state": "suspended"})
     lag = {"rank": 1, "node": "9c4dce4247f6ddada74a", "pid": 3573, "ratio": 2.5,
            "compute_s": 0.25, "peers_s": 0.1}
     assert status.describe({**s, "best_checkpoint": {"step": 350, "eval_loss": 0.14031}})[4] == (

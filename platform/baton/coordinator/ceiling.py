@@ -97,9 +97,25 @@ class Ceiling:
         return None
 
     @property
+    def lent_back(self) -> bool:
+        """Whether the claim that sets the ceiling takes back room its job lent this one while
+        it waited ahead of it in line (`priorities.backfills`), not room of a job of higher
+        priority."""
+        held = self.priorities.holding if self.priorities else []
+        return bool(self.claimant) and held[0]["priority"] <= self.priorities.priority
+
+    @property
     def why(self) -> str:
         """Who set the ceiling, as the run record and the status file say it."""
-        return f"priority: {self.claimant}" if self.claimant else "baton scale"
+        if not self.claimant:
+            return "baton scale"
+        return f"{'line' if self.lent_back else 'priority'}: {self.claimant}"
+
+    @property
+    def given(self) -> str:
+        """To whom the room goes, as the console says it."""
+        return (f"given back to job {self.claimant}, ahead of it in line" if self.lent_back
+                else f"given to job {self.claimant}, of higher priority")
 
     def _read(self) -> None:
         # a job that is not elastic keeps to one ceiling only: 0, suspended

@@ -119,6 +119,14 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
+WORKING = (State.SCHEDULING, State.RUNNING, State.RECOVERING, State.RESCALING, State.MOVING,
+           State.SHRINKING)  # states with workers
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' * (n != 1)}"
+
+
 class Coordinator:
     def __init__(self, spec: JobSpec, tracker, *, resume_meta: Optional[dict] = None,
                  record_samples: bool = False, show_progress: bool = True,
@@ -280,7 +288,7 @@ class Coordinator:
         if self._turn():
             self.group.launch(self.first_workers)
         else:
-            self.report.note(f"waiting in line for room for {self.scale.min_workers} workers "
+            self.report.note(f"waiting in line for room for {_workers(self.scale.min_workers)} "
                              f"(elastic.min_dp x pp x tp): {self._line()}")
 
     def _place(self) -> None:
@@ -303,6 +311,13 @@ class Coordinator:
             self._publish_status()  # `baton status` says so now
             if p.ahead != seen[0] and self.prepared:
                 self.report.note(f"in line: {self._line()}")
+        if self.first_workers and p.lenders:  # out of turn, on room those ahead cannot use yet
+            names = ", ".join(p.lenders)
+            self._record({"kind": "backfill", "step": self.step, "workers": self.first_workers,
+                          "lent_by": list(p.lenders)})
+            self.report.note(f"starting out of turn: room for {_workers(self.first_workers)} that "
+                             f"{names} (ahead in line) cannot use yet, given back when "
+                             f"{'it' if len(p.lenders) == 1 else 'one of them'} can start")
         return bool(self.first_workers)
 
     def _wait_in_line(self) -> State:
@@ -316,8 +331,8 @@ class Coordinator:
             return State.SCHEDULING
         waited_s, limit_s = time.time() - self.priorities.waiting_since, self.base.resources.queue_timeout_s
         if limit_s is not None and waited_s > limit_s:
-            raise WorkerError(f"waited {waited_s:.0f} s in line for room for {self.scale.min_workers} "
-                              f"workers (resources.queue_timeout_s: {limit_s:g}): {self._line()}")
+            raise WorkerError(f"waited {waited_s:.0f} s in line for room for {_workers(self.scale.min_workers)} "
+                              f"(resources.queue_timeout_s: {limit_s:g}): {self._line()}")
         return State.QUEUED
 
     def _line(self) -> str:
@@ -495,7 +510,7 @@ class Coordinator:
             self.placement.moved(stay=True)
             self.report.note(
                 f"step {self.step}: node {where} is draining, and the cluster has no room "
-                f"elsewhere for {self.scale.min_workers} workers: training goes on there, "
+                f"elsewhere for {_workers(self.scale.min_workers)}: training goes on there, "
                 f"checkpoint {self.step} committed")
             return State.RUNNING
         self.report.note(f"step {self.step}: node {where} is draining: moving worker "
@@ -524,7 +539,8 @@ class Coordinator:
         # the replicas beyond the ceiling are let go
         state = self._reform(timer, self.group.members(), {"from_dp": old_dp, "asked": self.ceiling.why})
         cap, job = self.ceiling.max_dp, self.ceiling.claimant
-        by = f"room for job {job}, of higher priority" if job else "baton scale"
+        by = (f"room {self.ceiling.given}" if self.ceiling.lent_back else
+              f"room for job {job}, of higher priority" if job else "baton scale")
         self.report.note(f"step {self.step}: {by}: at most {cap} "
                          f"replica{'s' * (cap > 1)}, dp {old_dp} -> {self.dims.dp}")
         return state
@@ -547,8 +563,8 @@ class Coordinator:
         job = self.ceiling.claimant
         self._record({"kind": "suspend", "step": self.step, "for": job or "baton scale"})
         self.report.note(f"step {self.step}: suspended: every worker " + (
-            f"given to job {job}, of higher priority; training goes on from checkpoint "
-            f"{self.step} once it ends" if job else
+            f"{self.ceiling.given}; training goes on from checkpoint {self.step} "
+            + ("when its turn in line comes" if self.ceiling.lent_back else "once it ends") if job else
             f"let go (baton scale --max-dp 0); training goes on from checkpoint {self.step} "
             "after --clear"))
         return State.SUSPENDED
@@ -622,11 +638,14 @@ class Coordinator:
         room claimed fits (`Priorities.ask`)."""
         if self.priorities is None:
             return 0
-        coming, taken = self.priorities.ask(short, need)
+        p = self.priorities
+        coming, taken = p.ask(short, need)
+        lent = {p.names[key] for key in p.lent}
         for name, at in taken.items():
-            self.report.note(f"step {self.step}: priority {self.priorities.priority}: job {name} "
-                             + (f"keeps at most {at} replica{'s' * (at > 1)}" if at else "is suspended")
-                             + " while this one runs")
+            keeps = f"keeps at most {at} replica{'s' * (at > 1)}" if at else "is suspended"
+            self.report.note(f"step {self.step}: room lent to job {name} taken back: it {keeps} "
+                             "until this one has started" if name in lent else
+                             f"step {self.step}: priority {p.priority}: job {name} {keeps} while this one runs")
         return coming
 
     def _cap(self) -> None:
@@ -875,6 +894,8 @@ class Coordinator:
                    if self.ceiling.max_dp is not None else {}),
                 **({"room_from": {self.priorities.names[k]: at for k, at in self.priorities.claimed.items()}}
                    if self.priorities and self.priorities.claimed else {}),
+                **({"lent_by": self.priorities.lenders}  # started out of turn on their room
+                   if self.priorities and self.priorities.lenders and self.state in WORKING else {}),
                 **({"in_line": {"since": round(self.priorities.waiting_since, 3),
                                 "ahead": self.priorities.ahead, "room_held_by": self.priorities.holders}}
                    if self.state in (State.QUEUED, State.SUSPENDED) and self.ceiling.max_dp != 0 else {}),

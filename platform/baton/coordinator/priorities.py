@@ -16,6 +16,15 @@ job that came first (a suspended job from its suspension). A job starts when the
 ahead of it has spoken for fits its smallest world; running jobs grow only into room the line
 leaves (`spoken_for`), so that growth never starves a job in line.
 
+Room that the jobs ahead in line cannot use yet (free, but too little for each of their
+smallest worlds, even with what they could claim) is lent to a job behind them whose smallest
+world it fits, once it has stayed so for BACKFILL_AFTER_S (`backfills`): that job starts out of
+turn, and its entry names the jobs it borrowed from. The moment one of them could start with
+the room lent back, it claims it as a job of higher priority claims room (`plan`: the
+borrower shrinks toward its min_dp, or is suspended from a checkpoint of the step it reached,
+nothing lost), and the claim lapses once that job's world has formed: the borrower is in line
+again, or grows back where there is room.
+
 Every job is listed in the cluster's key-value store (Ray's GCS, namespace `baton`):
 `job/<key>` holds its priority, world, what a worker takes, since when it waits in line and
 the workers it is starting; `claim/<theirs>/<mine>` is a claim, the most replicas job
@@ -48,6 +57,11 @@ if TYPE_CHECKING:
 
 NAMESPACE = "baton"
 LOCK_S = 10.0  # the longest a claimant holds the list's lock (it reads and writes a few keys)
+# How long room must stay lendable before a job behind in line starts on it: a job that ends
+# frees its workers' room one at a time, and the job first in line takes it at its next look
+# (every second); lent in between, it would be claimed back at once (a start and a suspension
+# for nothing)
+BACKFILL_AFTER_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,8 @@ class Entry:
     waiting_since: float = 0.0  # in line for room since then (time.time()); 0: not in line
     held: bool = False  # suspended by `baton scale --max-dp 0`: out of line until --clear
     starting: int = 0  # workers started from the line and not in a world yet: room taken
+    borrows: tuple = ()  # started out of turn: the keys of the jobs then ahead of it in line
+    borrowed_at: float = 0.0  # ...and when (time.time()): what they owe it ends if they leave the line
 
     @property
     def need(self) -> int:
@@ -85,6 +101,12 @@ def job_key(spec: JobSpec) -> str:
     return hashlib.sha256(spec.checkpoint_dir.encode()).hexdigest()[:16]
 
 
+def lends(me: Entry, o: Entry) -> bool:
+    """Whether `o` runs on room lent by `me`: it started out of turn while `me` waited ahead
+    of it in line, and `me` has waited since."""
+    return 0 < me.waiting_since <= o.borrowed_at and me.key in o.borrows
+
+
 def plan(me: Entry, short: int, others: list[Entry], claims: dict[str, dict[str, int]],
          need: int = 0) -> tuple[dict[str, int], int]:
     """The claims `me` should hold for `short` more of its workers to fit, and how many of
@@ -94,13 +116,15 @@ def plan(me: Entry, short: int, others: list[Entry], claims: dict[str, dict[str,
     -> claimant's key -> the most replicas it may keep, `me`'s included. Room a claim frees
     is pooled over the cluster (CPUs and GPUs counted, not which node they are on); a claim
     not yet kept to (the job still larger) counts as room coming; a job another claim holds
-    lower gives from there."""
+    lower gives from there. A job that runs on room `me` lent it (`lends`) gives first,
+    whatever its priority."""
 
     def keeps(o: Entry) -> int:  # what `o` is held to by the claims of others
         return min([o.dp, *(v for k, v in claims.get(o.key, {}).items() if k != me.key)])
 
-    givers = sorted((o for o in others if o.priority < me.priority and o.key != me.key
-                     and (o.gpus or not me.gpus)), key=lambda o: (o.priority, -o.started_at))
+    givers = sorted((o for o in others if o.key != me.key and (
+        lends(me, o) or o.priority < me.priority and (o.gpus or not me.gpus))),
+        key=lambda o: (not lends(me, o), o.priority, -o.started_at))
     mine: dict[str, int] = {}
     cpus = gpus = 0.0
     for o in givers:  # room already coming
@@ -142,16 +166,45 @@ def ahead_of(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]])
     return waiting[:keys.index(me.key)] if me.key in keys else waiting
 
 
-def spoken_for(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]]) -> int:
+def spoken_for(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]],
+               line_too: bool = True) -> int:
     """Workers of `me`'s size that room spoken for takes from what is free now: the smallest
-    worlds of the jobs ahead of `me` in line (all of the line, for a job not in it), and the
-    workers of jobs that have left it and are starting. Counted over the cluster's CPUs and
-    GPUs, not node by node (as `plan` counts)."""
-    ahead = ahead_of(me, entries, claims)
-    cpus = sum(e.need * e.cpus for e in ahead) + sum(e.starting * e.cpus for e in entries if e.key != me.key)
-    gpus = sum(e.need * e.gpus for e in ahead) + sum(e.starting * e.gpus for e in entries if e.key != me.key)
+    worlds of the jobs ahead of `me` in line (all of the line, for a job not in it; none
+    without `line_too`), and the workers of jobs that have left it and are starting. Counted
+    over the cluster's CPUs and GPUs, not node by node (as `plan` counts)."""
+    ahead = ahead_of(me, entries, claims) if line_too else []
+    cpus, gpus = _starting(me, entries)
+    cpus, gpus = cpus + sum(e.need * e.cpus for e in ahead), gpus + sum(e.need * e.gpus for e in ahead)
     n = math.ceil(cpus / me.cpus - 1e-9)
     return max(n, math.ceil(gpus / me.gpus - 1e-9)) if me.gpus else n
+
+
+def _starting(me: Entry, entries: list[Entry]) -> tuple[float, float]:
+    """The CPUs and GPUs of the workers the other jobs are starting."""
+    return (sum(e.starting * e.cpus for e in entries if e.key != me.key),
+            sum(e.starting * e.gpus for e in entries if e.key != me.key))
+
+
+def could_start(a: Entry, cpus: float, gpus: float, entries: list[Entry],
+                claims: dict[str, dict[str, int]]) -> bool:
+    """Whether job `a` could start its smallest world on `cpus` and `gpus` free, with what it
+    could claim (`plan`: room lent, and jobs of lower priority)."""
+    free = _fit(a, cpus, gpus)
+    return free >= a.need or plan(a, a.need - free, entries, claims, a.need - free)[1] >= a.need - free
+
+
+def backfills(me: Entry, room: int, cpus: float, gpus: float, entries: list[Entry],
+              claims: dict[str, dict[str, int]]) -> list[Entry]:
+    """The jobs ahead of `me` in line that lend it room, where `me` starts out of turn on
+    `room` workers' worth (free room, less what jobs are starting), the cluster having `cpus`
+    and `gpus` free: those jobs wait, and none of them could start on what is free (less
+    what is starting), even with what it could claim. Empty: `me` does not."""
+    ahead = ahead_of(me, entries, claims)
+    if not ahead or room < me.need:
+        return []
+    taken = _starting(me, entries)
+    cpus, gpus = cpus - taken[0], gpus - taken[1]
+    return [] if any(could_start(a, cpus, gpus, entries, claims) for a in ahead) else ahead
 
 
 def held_by_others(me: Entry, entries: list[Entry]) -> int:
@@ -193,14 +246,25 @@ class Priorities:
         self.dp = 0  # the world, as listed
         self.ahead: list[str] = []  # the jobs ahead of it in line, as `spoken_for` last read
         self.holders: list[str] = []  # ...and the jobs that hold room (running, starting)
+        self.borrows: list[str] = []  # started out of turn: the keys of the jobs it borrowed from
+        self.borrowed_at = 0.0  # ...when (time.time())
+        self.lenders: list[str] = []  # ...their names, while they wait (`spoken_for` reads it)
+        self.lendable_since = 0.0  # room it could borrow, seen at each look since (monotonic)
+        self.lent: set[str] = set()  # the keys of jobs it claimed lent room back from
 
     def listed(self, dp: int) -> None:
-        """Put this job in the list (again), at `dp` replicas (a world: out of the line)."""
+        """Put this job in the list (again), at `dp` replicas (a world: out of the line, and
+        the claims on room it had lent lapse)."""
         if dp:
             self.waiting_since, self.held, self.starting = 0.0, False, 0
         self.dp = dp
         if self.on:
             _put(f"job/{self.key}", asdict(self._entry()))
+            for key in self.lent if dp else ():
+                _delete(f"claim/{key}/{self.key}")
+                self.claimed.pop(key, None)
+                self.names.pop(key, None)
+            self.lent = self.lent if not dp else set()
 
     def waits(self, held: bool = False) -> None:
         """In line for room (from now, unless it is already), or (`held`: `baton scale
@@ -208,12 +272,17 @@ class Priorities:
         place kept for when the hold lifts."""
         self.waiting_since = self.waiting_since or time.time()
         self.held = held
+        self.borrows, self.lenders, self.borrowed_at = [], [], 0.0  # it holds no room now
         self.listed(0)
 
-    def _starts(self, workers: int) -> None:
+    def _starts(self, workers: int, lenders: list[Entry] = ()) -> None:
         """Out of line: `workers` start, and their room counts as taken until they form a
-        world (`listed`), which Ray's free resources say only once their processes hold it."""
+        world (`listed`), which Ray's free resources say only once their processes hold it;
+        out of turn on room `lenders` lent (`backfills`), which they may claim back."""
         self.waiting_since, self.held, self.starting = 0.0, False, workers
+        self.borrows, self.lenders = [e.key for e in lenders], [e.name for e in lenders]
+        self.borrowed_at = time.time() if lenders else 0.0
+        self.lendable_since = 0.0
         self.listed(self.dp)
 
     def turn(self, placement: "Placement", suspended: bool = False) -> int:
@@ -223,12 +292,33 @@ class Priorities:
         with _one_claimant() if self.on else contextlib.nullcontext():
             self.waits()
             room = placement.room()  # claims from jobs of lower priority, under the same lock
-            if waits_in_line(room, placement.scale.min_workers, placement.group.free_workers(),
-                             self.held_by_others(), suspended, self.autoscaled):
-                return 0
+            free, lenders = placement.group.free_workers(), []
+            if waits_in_line(room, placement.scale.min_workers, free, self.held_by_others(),
+                             suspended, self.autoscaled):
+                room, lenders = self._lendable(placement, free)
+                if not lenders:
+                    return 0
             workers = placement.first_workers(room)
-            self._starts(workers)
+            self._starts(workers, lenders)
             return workers
+
+    def _lendable(self, placement: "Placement", free: int) -> tuple[int, list[Entry]]:
+        """The room this job, waiting in line, may start on out of turn (up to its max_dp),
+        and the jobs ahead of it that lend it (`backfills`), once it has been so at every
+        look for BACKFILL_AFTER_S; (0, []) until then."""
+        if not self.on:
+            return 0, []
+        others, claims = self._read()
+        me = self._entry()
+        room = min(placement.most, free - spoken_for(me, others, claims, line_too=False))
+        cpus, gpus = placement.group.free_room()
+        lenders = backfills(me, room, cpus, gpus, others, claims)
+        now = time.monotonic()
+        if not lenders:
+            self.lendable_since = 0.0
+            return 0, []
+        self.lendable_since = self.lendable_since or now
+        return (room, lenders) if now - self.lendable_since >= BACKFILL_AFTER_S else (0, [])
 
     @functools.cached_property
     def autoscaled(self) -> bool:
@@ -244,6 +334,7 @@ class Priorities:
         others, claims = self._read()
         self.ahead = [e.name for e in ahead_of(self._entry(), others, claims)]
         self.holders = [e.name for e in others if e.key != self.key and (e.dp or e.starting)]
+        self.lenders = [e.name for e in others if lends(e, self._entry())]
         return spoken_for(self._entry(), others, claims)
 
     def held_by_others(self) -> int:
@@ -254,24 +345,30 @@ class Priorities:
         r = self.spec.resources
         return Entry(self.key, self.spec.name, self.priority, self.dp, self.spec.dp_range[0],
                      self.spec.per_replica, r.cpus_per_worker, r.gpus_per_worker,
-                     self.started_at, self.driver, self.waiting_since, self.held, self.starting)
+                     self.started_at, self.driver, self.waiting_since, self.held, self.starting,
+                     tuple(self.borrows), self.borrowed_at)
 
     def ask(self, short: int, need: int = 0) -> tuple[int, dict[str, int]]:
-        """Claim room for `short` more workers from jobs of lower priority, suspending whole
-        jobs where the room for `need` (this job's smallest world) takes it (`plan`); nothing
-        where what they can give does not reach `need` (they would give it for nothing).
-        Returns how many of them the room claimed fits (coming or free already), and the
-        claims made or lowered now (job name -> its ceiling, 0: suspended)."""
+        """Claim room for `short` more workers from jobs of lower priority (and, in line, room
+        it lent), suspending whole jobs where the room for `need` (this job's smallest world)
+        takes it (`plan`); nothing where what they can give does not reach `need` (they would
+        give it for nothing). Returns how many of them the room claimed fits (coming or free
+        already), and the claims made or lowered now (job name -> its ceiling, 0: suspended)."""
         short = max(short, need)
-        if not self.on or self.priority <= 0 or short <= 0:
+        if not self.on or short <= 0 or (self.priority <= 0 and not self.waiting_since):
             return 0, {}
         changed = {}
         with _one_claimant():
             others, claims = self._read()
-            mine, coming = plan(self._entry(), short, others, claims, need)
+            me = self._entry()
+            mine, coming = plan(me, short, others, claims, need)
             if coming < need:
                 return 0, {}
             names = {o.key: o.name for o in others}
+            # room lent to a job of equal priority is claimed until this one's world forms; a
+            # job of lower priority keeps to a claim while this one runs, lent or not
+            self.lent |= {o.key for o in others if o.key in mine and lends(me, o)
+                          and o.priority >= me.priority}
             for key, at in mine.items():
                 if self.claimed.get(key) != at:
                     _put(f"claim/{key}/{self.key}", {"max_dp": at, "by": self.spec.name,
@@ -282,7 +379,8 @@ class Priorities:
 
     def ceiling(self) -> Optional[int]:
         """The lowest ceiling a live claim on this job sets (None: none; 0: suspend), dropping
-        the claims of drivers that are gone; `holding` says whose they are."""
+        the claims of drivers that are gone; `holding` says whose they are, `lenders` which of
+        the jobs that lent it room still wait."""
         if not self.on:
             return None
         from ray.experimental.internal_kv import _internal_kv_get
@@ -300,6 +398,8 @@ class Priorities:
                 continue
             held.append({"by": str(claim.get("by")), "priority": claim.get("priority"), "max_dp": at})
         self.holding = sorted(held, key=lambda c: c["max_dp"])
+        if self.lenders:  # those that lent it room and still wait (`baton status` names them)
+            self.lenders = [e.name for e in self._read()[0] if lends(e, self._entry())]
         return self.holding[0]["max_dp"] if held else None
 
     def withdraw(self) -> None:

@@ -173,6 +173,11 @@ class WorkerGroup:
             n += fit
         return n + len(self.spares) + len(self.warm)
 
+    def free_room(self) -> tuple[float, float]:
+        """The CPUs and GPUs free on the cluster, all nodes together."""
+        free = ray.available_resources()
+        return free.get("CPU", 0.0), free.get("GPU", 0.0)
+
     def draining_nodes(self) -> dict[str, float]:
         return draining_nodes()
 
