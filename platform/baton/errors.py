@@ -36,6 +36,11 @@ class WorkerError(BatonError):
     """A worker failed while training; the message names the rank and the step."""
 
 
+class NoRoom(WorkerError):
+    """Too few of a world's workers found room on the cluster in time (they started nowhere,
+    rather than failing to start)."""
+
+
 class OutOfMemory(WorkerError):
     """A worker's allocation failed (device or host memory): the message says which, how much
     was asked for, and what lowers it."""

@@ -153,3 +153,38 @@ def test_the_job_asks_the_autoscaler_for_room_and_trains_on_the_nodes_it_adds(tm
     # PyTorch's pipelining tests' bound, as elsewhere; measured here: 1.07e-5 at most after 8
     # steps grown from dp 1 to 4 (gloo sums four partial gradients; one process sums one)
     assert_params_close(got, want, rtol=1e-5, atol=4e-5)
+
+
+def test_a_job_the_autoscaler_at_its_maximum_cannot_place_waits_in_line(tmp_path, autoscaling):
+    """`full` (dp 4, workers of 2 CPUs) holds the cluster at its autoscaler's maximum (4 nodes
+    of 2 CPUs). `late` (dp 1) starts, as a job does where an autoscaler runs, and its worker
+    finds no room in parallel.timeout_s (5 s, and the start's 5-s grace): rather than failing,
+    it waits in line for the room full holds, and starts once full ends."""
+    import threading
+
+    from baton.checkpoint import CheckpointStore
+    from baton.status import describe
+
+    data = write_dataset(tmp_path / "data", NUM_SAMPLES, 32)
+    full = _spec(tmp_path, data, "full", parallel={"dp": 4}, resources={"cpus_per_worker": 2},
+                 elastic={"hang_timeout_s": 60})  # its step 1 waits for late
+    late = _spec(tmp_path, data, "late", parallel={"dp": 1, "timeout_s": 5}, resources={"cpus_per_worker": 2})
+    ran, said = [], []
+    late_run = threading.Thread(target=lambda: ran.append(api.run(late, show_progress=False)))
+
+    def on_step(c):
+        if c.step == 1:
+            late_run.start()
+            deadline, status = time.monotonic() + 120, {}
+            while status.get("state") != "queued":
+                assert time.monotonic() < deadline and late_run.is_alive(), "late never queued"
+                time.sleep(0.2)
+                status = CheckpointStore(late.checkpoint_dir).read_status() or {}
+            said.extend(describe(status))
+
+    result = api.run(full, show_progress=False, on_step=on_step)
+    late_run.join(timeout=180)
+    assert result.state == "finished" and ran and (ran[0].state, ran[0].step) == ("finished", STEPS)
+    assert ran[0].start["phases_s"]["queued"] >= 5
+    assert any(line.startswith("  in line for room for ") and line.endswith(": first; held by full")
+               for line in said), said

@@ -60,7 +60,7 @@ from baton.coordinator.priorities import Priorities
 from baton.coordinator.report import Report
 from baton.coordinator.result import RunResult
 from baton.coordinator.samples import Samples
-from baton.errors import CheckpointError, WorkerError, WorkerLost
+from baton.errors import CheckpointError, NoRoom, WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
 from baton.spec import JobSpec
 from baton.status import StatusBoard, place_in_line
@@ -338,9 +338,31 @@ class Coordinator:
     def _line(self) -> str:
         return place_in_line(self.priorities.ahead, self.priorities.holders)
 
+    def _line_after_nodes(self) -> bool:
+        """The workers found no room in parallel.timeout_s on a cluster whose autoscaler could
+        have added nodes: at its maximum, it will not. Where other baton jobs hold the room
+        the smallest world lacks, the job waits in line for it (as on a cluster that cannot
+        grow) rather than failing; its place from now."""
+        p = self.priorities
+        if p is None or not p.autoscaled or \
+                self.group.free_workers() + p.held_by_others() < self.scale.min_workers:
+            return False
+        p.waited_for_nodes = True
+        p.waits()
+        p.spoken_for()  # who is ahead, who holds the room
+        self.report.note(f"its autoscaler added no room for {_workers(self.scale.min_workers)} in "
+                         f"{self.base.parallel.timeout_s:g} s (parallel.timeout_s): waiting in line "
+                         f"for the room other jobs hold: {self._line()}")
+        return True
+
     def _schedule(self) -> State:
         timer = self.starting
-        members = self.placement.start(self.first_workers)
+        try:
+            members = self.placement.start(self.first_workers)
+        except NoRoom:
+            if not self._line_after_nodes():
+                raise
+            return State.QUEUED
         timer.lap("workers")
         self._form(members)
         timer.lap("form")

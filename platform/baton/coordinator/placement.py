@@ -8,7 +8,7 @@ import time
 from typing import Callable, NoReturn, Optional
 
 from baton.coordinator.policy import ScalePolicy
-from baton.errors import WorkerError
+from baton.errors import NoRoom, WorkerError
 from baton.spec import JobSpec
 from baton.workers.group import START_WAIT_S
 
@@ -218,7 +218,7 @@ class Placement:
                 f"no node can hold one worker: each needs {each} (resources.cpus_per_worker, "
                 f"gpus_per_worker) and the largest node has {big['CPU']:g} CPU"
                 + (f" and {big['GPU']:g} GPU" if r.gpus_per_worker else ""))
-        raise WorkerError(
+        raise NoRoom(
             f"could place only {placed} of the {need} workers needed "
             f"(elastic.min_dp x parallel.pp x tp; wanted up to {wanted}) of {each} each within "
             f"{self.base.parallel.timeout_s:g} s (parallel.timeout_s); the cluster "

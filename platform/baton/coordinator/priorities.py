@@ -251,6 +251,9 @@ class Priorities:
         self.lenders: list[str] = []  # ...their names, while they wait (`spoken_for` reads it)
         self.lendable_since = 0.0  # room it could borrow, seen at each look since (monotonic)
         self.lent: set[str] = set()  # the keys of jobs it claimed lent room back from
+        # its workers found no room in parallel.timeout_s although an autoscaler runs (at its
+        # maximum): it waits in line as on a cluster that cannot grow
+        self.waited_for_nodes = False
 
     def listed(self, dp: int) -> None:
         """Put this job in the list (again), at `dp` replicas (a world: out of the line, and
@@ -260,18 +263,18 @@ class Priorities:
         self.dp = dp
         if self.on:
             _put(f"job/{self.key}", asdict(self._entry()))
-            for key in self.lent if dp else ():
-                _delete(f"claim/{key}/{self.key}")
-                self.claimed.pop(key, None)
-                self.names.pop(key, None)
-            self.lent = self.lent if not dp else set()
+        for key in self.lent if dp and self.on else ():
+            _delete(f"claim/{key}/{self.key}")
+            self.claimed.pop(key, None)
+            self.names.pop(key, None)
+        self.lent = set() if dp else self.lent
 
     def waits(self, held: bool = False) -> None:
         """In line for room (from now, unless it is already), or (`held`: `baton scale
         --max-dp 0` holds it suspended; a claim's hold is read from the claims) out of it, its
         place kept for when the hold lifts."""
         self.waiting_since = self.waiting_since or time.time()
-        self.held = held
+        self.held, self.starting = held, 0
         self.borrows, self.lenders, self.borrowed_at = [], [], 0.0  # it holds no room now
         self.listed(0)
 
@@ -294,7 +297,7 @@ class Priorities:
             room = placement.room()  # claims from jobs of lower priority, under the same lock
             free, lenders = placement.group.free_workers(), []
             if waits_in_line(room, placement.scale.min_workers, free, self.held_by_others(),
-                             suspended, self.autoscaled):
+                             suspended, self.autoscaled and not self.waited_for_nodes):
                 room, lenders = self._lendable(placement, free)
                 if not lenders:
                     return 0
