@@ -175,13 +175,14 @@ def _alive(pid: int) -> bool:
 
 def brief(s: dict) -> str:
     """A status in a few words, for `baton list`: `running, step 120/600, dp 2`, `queued, 2nd
-    in line`, `suspended at step 106`."""
+    in line`, `suspended at step 106`; `..., out of turn` on room lent by jobs in line."""
     state, line = s["state"], s.get("in_line")
     if state == "queued" and line:
         return f"queued, {_nth(len(line['ahead']) + 1)} in line"
     if state in ("suspended", "paused"):
         return f"{state} at step {s['step']}"
-    return f"{state}, step {s['step']}/{s['steps']}" + (f", dp {s['dp']}" if state == "running" else "")
+    return f"{state}, step {s['step']}/{s['steps']}" + (f", dp {s['dp']}" if state == "running" else "") \
+        + (", out of turn" if s.get("lent_by") else "")
 
 
 def place_in_line(ahead: list[str], holders: list[str]) -> str:

@@ -298,6 +298,7 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
     assert status.brief({**s, "state": "finished", "step": 10}) == "finished, step 10/10"
     # room lent out of turn, claimed back (resources.priority's lines are the integration tests')
     said = status.describe({**s, "lent_by": ["big"]})
+    assert status.brief({**s, "lent_by": ["big"]}) == "running, step 3/10, dp 2, out of turn"
     assert "  out of turn: on room lent by big (ahead of it in line), given back when it can start" in said
     assert "  out of turn: on room lent by a, b (ahead of it in line), given back when one of them " \
         "can start" in status.describe({**s, "lent_by": ["a", "b"]})
