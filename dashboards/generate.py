@@ -207,6 +207,10 @@ def faults() -> dict:
                    [(gauge("baton_world_size"), "{{job_name}} world size"),
                     (gauge("baton_workers_alive"), "{{job_name}} alive"),
                     (gauge("baton_dp"), "{{job_name}} dp")]),
+        timeseries("Waiting in line", "Seconds each job has waited for room other jobs hold: "
+                   "queued, or suspended for a job of higher priority or one it borrowed room "
+                   "from; 0 while it has a world.",
+                   [(gauge("baton_waiting_seconds"), "{{job_name}}")], unit="s"),
         timeseries("Checkpoint save and load", "Mean seconds to write and commit a checkpoint "
                    "(lately), and to load one into the world (over the run so far).",
                    [(mean("baton_checkpoint_save_seconds"), "{{job_name}} save"),

@@ -174,6 +174,7 @@ def test_prometheus_shows_every_series_the_dashboards_query(run, metrics_ray):
     assert value("ray_baton_step") == STEPS
     assert value("ray_baton_world_size") == 4 and value("ray_baton_dp") == 2
     assert value("ray_baton_workers_alive") == 4
+    assert value("ray_baton_waiting_seconds") == 0  # it never waited for room
     assert value("ray_baton_failures_total", cause="actor_died") == 1
     assert value("ray_baton_recoveries_total", cause="actor_died") == 1
     assert value("ray_baton_rescales_total", direction="up") == 1
@@ -253,6 +254,7 @@ def test_a_real_prometheus_answers_every_dashboard_query_with_the_runs_values(ru
     assert one(f"max by (job_name) (ray_baton_dp{{{job}}})") == 2
     assert one(f"max by (job_name) (ray_baton_world_size{{{job}}})") == 4
     assert one(f"max by (job_name) (ray_baton_workers_alive{{{job}}})") == 4
+    assert one(f"max by (job_name) (ray_baton_waiting_seconds{{{job}}})") == 0
     assert one(f"sum by (job_name) (ray_baton_failures_total{{{job}}})") == 1
     assert one(f"sum by (job_name) (ray_baton_recoveries_total{{{job}}})") == 1
     assert one(f"sum by (job_name) (ray_baton_rescales_total{{{job}}})") == 1

@@ -426,19 +426,24 @@ def test_a_job_claims_nothing_where_lower_jobs_cannot_give_its_smallest_world(tm
     assert priorities._keys("") == []
 
 
-def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp_path, local_ray):
+def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp_path, local_ray, monkeypatch):
     """`a` (dp 1) holds one of the local Ray's two CPUs. `x` (dp 2) comes and waits in line:
     one CPU is too little for it. `y` (dp 1, of the same priority) comes after x and, the
     free CPU having been too little for x for 3 s, starts on it out of turn. When a ends, x
     claims the lent CPU back: y is suspended from a checkpoint of the step it reached, x
     trains (its claim lapses once its world has formed: y waits in line, first, not held
     by it), and y goes on once x ends. (y sleeps 0.05 s a step until it has been suspended,
-    so that it does not finish first; a's steps wait for y's first.)"""
+    so that it does not finish first; a's steps wait for y's first.) The live gauge of each
+    job's wait in line (ray_baton_waiting_seconds) is set at each look and 0 with a world."""
     import threading
 
     from baton import api
     from baton.coordinator import priorities
     from baton.status import describe
+    from baton.tracking.metrics import LiveMetrics
+
+    waits: dict = {}
+    monkeypatch.setattr(LiveMetrics, "waiting", lambda self, s: waits.setdefault(self.job, []).append(s))
 
     data = write_dataset(tmp_path / "data", 40, 32)
     specs = {"x": _queue_spec(tmp_path, data, "x", 0, 2, 4), "y": _queue_spec(tmp_path, data, "y", 0, 1, 150)}
@@ -490,4 +495,7 @@ def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp
         ("backfill", ["x"]), ("suspend", "x"), ("resume", None)]
     assert y[1]["step"] == y[2]["resumed_from_step"] > 1
     assert results["x"].events == [] and results["x"].start["phases_s"]["queued"] > 0
+    # y waited 3 s in line before it borrowed; x until a ended; y again while x ran
+    assert max(waits["y"][:waits["y"].index(0)]) >= 2.0 and max(waits["x"]) > 2.0
+    assert waits["y"].count(0) == 2 and all(w[-1] == 0 for w in waits.values())
     assert priorities._keys("") == []

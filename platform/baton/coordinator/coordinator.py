@@ -330,6 +330,7 @@ class Coordinator:
             self.group.launch(self.first_workers)
             return State.SCHEDULING
         waited_s, limit_s = time.time() - self.priorities.waiting_since, self.base.resources.queue_timeout_s
+        self.live.waiting(waited_s)
         if limit_s is not None and waited_s > limit_s:
             raise WorkerError(f"waited {waited_s:.0f} s in line for room for {_workers(self.scale.min_workers)} "
                               f"(resources.queue_timeout_s: {limit_s:g}): {self._line()}")
@@ -597,6 +598,7 @@ class Coordinator:
         left off at."""
         time.sleep(min(LINE_CHECK_S, self.spec.elastic.rescale_check_s))
         self.ceiling.changed()
+        self.live.waiting(time.perf_counter() - self.suspended_at)
         if self.ceiling.max_dp == 0:
             self.priorities.waits(held=self.ceiling.scaled == 0)
             return State.SUSPENDED
@@ -713,6 +715,7 @@ class Coordinator:
         self.stats.world(self.workers, self.spec)
         self.stragglers.world(self.workers, self.dims)
         self.live.world(alive=len(self.workers), world_size=self.dims.world_size, dp=dp)
+        self.live.waiting(0)
         if self.dp_history:
             self.live.rescaled(self.dp_history[-1][1], dp)
         if not self.dp_history or self.dp_history[-1][1] != dp:

@@ -57,6 +57,8 @@ METRICS = {m.name: m for m in [
     Metric("baton_workers_alive", "gauge", "Workers running in the job's world"),
     Metric("baton_world_size", "gauge", "Workers the current world was formed with"),
     Metric("baton_dp", "gauge", "Data-parallel replicas in the current world"),
+    Metric("baton_waiting_seconds", "gauge", "Seconds the job has waited in line for room other "
+                                             "jobs hold (queued, or suspended); 0 with a world"),
     Metric("baton_failures", "counter", "Worker failures seen, by cause", JOB + ("cause",)),
     Metric("baton_recoveries", "counter", "Failures recovered from, by cause", JOB + ("cause",)),
     Metric("baton_recovery_seconds", "histogram", "From a failure to the first step after it",
@@ -131,6 +133,9 @@ class LiveMetrics:
         self._set("baton_workers_alive", alive)
         self._set("baton_world_size", world_size)
         self._set("baton_dp", dp)
+
+    def waiting(self, seconds: float) -> None:
+        self._set("baton_waiting_seconds", seconds)
 
     def failure(self, cause: str, alive: int) -> None:
         self._inc("baton_failures", cause=cause)
