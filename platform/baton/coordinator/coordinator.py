@@ -24,8 +24,10 @@
 
 It decides (which samples, which learning rate, when to checkpoint, what world size); the
 workers execute. The decisions about failures and world sizes come from the pure policies in
-`policy.py`; its collaborators place workers (`placement.py`) within the ceiling `baton
-scale` and jobs of higher priority set (`ceiling.py`, `priorities.py`), commit checkpoints
+`policy.py`; its collaborators take the job's turn for room (`admission.py`: the line,
+room out of turn, room claimed from jobs of lower priority; `priorities.py`), place workers
+(`placement.py`) within the ceiling `baton scale` and jobs of higher priority set
+(`ceiling.py`), commit checkpoints
 (`commits.py`), stop early (`stopping.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
 through `data/feed.py`), and report (`report.py`: MLflow, live metrics, the progress line,
 the status file). It is the only writer to MLflow, through them.
@@ -47,6 +49,7 @@ from baton.checkpoint import CheckpointStore
 from baton.checkpoint.lease import Lease
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, preflight
+from baton.coordinator.admission import Admission, workers
 from baton.coordinator.ceiling import Ceiling
 from baton.coordinator.commits import Commits, Save
 from baton.coordinator.evaluation import Evaluation, Pass, evaluation
@@ -63,7 +66,7 @@ from baton.coordinator.samples import Samples
 from baton.errors import CheckpointError, NoRoom, WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
 from baton.spec import JobSpec
-from baton.status import StatusBoard, place_in_line
+from baton.status import StatusBoard
 from baton.storage import redact
 from baton.workers import WorkerGroup
 
@@ -123,10 +126,6 @@ WORKING = (State.SCHEDULING, State.RUNNING, State.RECOVERING, State.RESCALING, S
            State.SHRINKING)  # states with workers
 
 
-def _workers(n: int) -> str:
-    return f"{n} worker{'s' * (n != 1)}"
-
-
 class Coordinator:
     def __init__(self, spec: JobSpec, tracker, *, resume_meta: Optional[dict] = None,
                  record_samples: bool = False, show_progress: bool = True,
@@ -183,6 +182,7 @@ class Coordinator:
         t = spec.train
         self.trace_step = spec.tracking.trace_step or min(10, t.steps)
         self.report = Report(spec.name, tracker, StatusBoard(self.store), show_progress)
+        self.admission = Admission(self.priorities, self.report, self._record, self._publish_status)
         self.events = self.report.events  # the run record (RunResult.events, events.json)
         self.live = self.report.live
         self.stats = StepStats(spec)  # what the steps measured
@@ -288,36 +288,18 @@ class Coordinator:
         if self._turn():
             self.group.launch(self.first_workers)
         else:
-            self.report.note(f"waiting in line for room for {_workers(self.scale.min_workers)} "
-                             f"(elastic.min_dp x pp x tp): {self._line()}")
+            self.admission.queued(self.scale.min_workers)
 
     def _place(self) -> None:
-        self.placement = Placement(self.group, self.base, self.scale, self._ask_room,
+        self.placement = Placement(self.group, self.base, self.scale,
+                                   lambda short, need: self.admission.ask(short, need, self.step),
                                    self.priorities.spoken_for if self.priorities else lambda: 0)
         self._cap()
 
     def _turn(self, suspended: bool = False) -> bool:
-        """Whether the job starts now (`first_workers` set): its smallest world fits the room
-        no job ahead of it in line has spoken for, with what jobs of lower priority give.
-        Otherwise, where other baton jobs hold the room it lacks, it waits in line: priority
-        first, then arrival (a suspended job keeps the place it had); `Priorities.turn`."""
-        p = self.priorities
-        if p is None:  # `baton eval`
-            self.first_workers = self.placement.first_workers()
-            return True
-        seen = (p.ahead, p.holders)
-        self.first_workers = p.turn(self.placement, suspended)
-        if not self.first_workers and (p.ahead, p.holders) != seen:  # the line moved
-            self._publish_status()  # `baton status` says so now
-            if p.ahead != seen[0] and self.prepared:
-                self.report.note(f"in line: {self._line()}")
-        if self.first_workers and p.lenders:  # out of turn, on room those ahead cannot use yet
-            names = ", ".join(p.lenders)
-            self._record({"kind": "backfill", "step": self.step, "workers": self.first_workers,
-                          "lent_by": list(p.lenders)})
-            self.report.note(f"starting out of turn: room for {_workers(self.first_workers)} that "
-                             f"{names} (ahead in line) cannot use yet, given back when "
-                             f"{'it' if len(p.lenders) == 1 else 'one of them'} can start")
+        """Whether the job starts now, `first_workers` of them: its turn in line, or room out
+        of turn (`Admission.turn`)."""
+        self.first_workers = self.admission.turn(self.placement, self.step, self.prepared, suspended)
         return bool(self.first_workers)
 
     def _wait_in_line(self) -> State:
@@ -329,39 +311,15 @@ class Coordinator:
             self.report.waited(self.starting.phases_s["queued"])
             self.group.launch(self.first_workers)
             return State.SCHEDULING
-        waited_s, limit_s = time.time() - self.priorities.waiting_since, self.base.resources.queue_timeout_s
-        self.live.waiting(waited_s)
-        if limit_s is not None and waited_s > limit_s:
-            raise WorkerError(f"waited {waited_s:.0f} s in line for room for {_workers(self.scale.min_workers)} "
-                              f"(resources.queue_timeout_s: {limit_s:g}): {self._line()}")
+        self.live.waiting(self.admission.waited(self.scale.min_workers, self.base.resources.queue_timeout_s))
         return State.QUEUED
-
-    def _line(self) -> str:
-        return place_in_line(self.priorities.ahead, self.priorities.holders)
-
-    def _line_after_nodes(self) -> bool:
-        """The workers found no room in parallel.timeout_s on a cluster whose autoscaler could
-        have added nodes: at its maximum, it will not. Where other baton jobs hold the room
-        the smallest world lacks, the job waits in line for it (as on a cluster that cannot
-        grow) rather than failing; its place from now."""
-        p = self.priorities
-        if p is None or not p.autoscaled or \
-                self.group.free_workers() + p.held_by_others() < self.scale.min_workers:
-            return False
-        p.waited_for_nodes = True
-        p.waits()
-        p.spoken_for()  # who is ahead, who holds the room
-        self.report.note(f"its autoscaler added no room for {_workers(self.scale.min_workers)} in "
-                         f"{self.base.parallel.timeout_s:g} s (parallel.timeout_s): waiting in line "
-                         f"for the room other jobs hold: {self._line()}")
-        return True
 
     def _schedule(self) -> State:
         timer = self.starting
         try:
             members = self.placement.start(self.first_workers)
-        except NoRoom:
-            if not self._line_after_nodes():
+        except NoRoom:  # an autoscaler at its maximum, and room other jobs hold: in line
+            if not self.admission.after_nodes(self.placement, self.base.parallel.timeout_s):
                 raise
             return State.QUEUED
         timer.lap("workers")
@@ -533,7 +491,7 @@ class Coordinator:
             self.placement.moved(stay=True)
             self.report.note(
                 f"step {self.step}: node {where} is draining, and the cluster has no room "
-                f"elsewhere for {_workers(self.scale.min_workers)}: training goes on there, "
+                f"elsewhere for {workers(self.scale.min_workers)}: training goes on there, "
                 f"checkpoint {self.step} committed")
             return State.RUNNING
         self.report.note(f"step {self.step}: node {where} is draining: moving worker "
@@ -655,22 +613,6 @@ class Coordinator:
             self.group.release(list(new))
             raise WorkerLost(f"a worker did not leave its group for {why}", "timeout",
                              tuple(r for r in everyone if r not in left))
-
-    def _ask_room(self, short: int, need: int) -> int:
-        """Room for `short` more workers from running jobs of lower priority
-        (resources.priority), `need` of them for the smallest world: how many of them the
-        room claimed fits (`Priorities.ask`)."""
-        if self.priorities is None:
-            return 0
-        p = self.priorities
-        coming, taken = p.ask(short, need)
-        lent = {p.names[key] for key in p.lent}
-        for name, at in taken.items():
-            keeps = f"keeps at most {at} replica{'s' * (at > 1)}" if at else "is suspended"
-            self.report.note(f"step {self.step}: room lent to job {name} taken back: it {keeps} "
-                             "until this one has started" if name in lent else
-                             f"step {self.step}: priority {p.priority}: job {name} {keeps} while this one runs")
-        return coming
 
     def _cap(self) -> None:
         """Place, grow and recover within the ceiling (none: the job's own max_dp); a ceiling
