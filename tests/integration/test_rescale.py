@@ -499,3 +499,46 @@ def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp
     assert max(waits["y"][:waits["y"].index(0)]) >= 2.0 and max(waits["x"]) > 2.0
     assert waits["y"].count(0) == 2 and all(w[-1] == 0 for w in waits.values())
     assert priorities._keys("") == []
+
+
+def test_a_job_leaves_room_for_the_smallest_world_behind_it_and_grows_later(tmp_path, local_ray):
+    """`h` (dp 2) holds the local Ray's two CPUs; `e` (elastic, min_dp 1, max_dp 2) waits in
+    line, and `s` (dp 1) behind it. When h ends, e starts with one CPU, leaving the other to
+    s, which starts beside it instead of waiting for e to end; e grows to dp 2 once s ends.
+    (e sleeps 0.05 s a step, so that it outlasts s.)"""
+    import threading
+
+    from baton import api
+    from baton.coordinator import priorities
+
+    data = write_dataset(tmp_path / "data", 40, 32)
+    specs = {"e": _queue_spec(tmp_path, data, "e", 0, 2, 120), "s": _queue_spec(tmp_path, data, "s", 0, 1, 4)}
+    specs["e"] = spec_from_dict({**specs["e"].to_dict(), "elastic": {
+        **specs["e"].to_dict()["elastic"], "min_dp": 1, "max_dp": 2}})
+    results, at = {}, {}
+
+    def on_step(name, c):
+        at.setdefault(f"{name} first", time.monotonic())
+        if name == "e":
+            time.sleep(0.05)
+
+    def run(name):
+        results[name] = api.run(specs[name], show_progress=False, on_step=lambda c: on_step(name, c))
+        at[f"{name} done"] = time.monotonic()
+
+    threads = {name: threading.Thread(target=run, args=(name,)) for name in specs}
+
+    def h_step(h):
+        if h.step == 1:
+            for name in ("e", "s"):
+                threads[name].start()
+                _until_queued(specs[name])
+
+    h = api.run(_queue_spec(tmp_path, data, "h", 0, 2, 4), show_progress=False, on_step=h_step)
+    for t in threads.values():
+        t.join(timeout=120)
+    assert h.state == "finished"
+    assert {name: (r.state, r.step) for name, r in results.items()} == {"e": ("finished", 120), "s": ("finished", 4)}
+    assert at["s first"] < at["e done"] and at["s done"] < at["e done"]  # beside e
+    assert [dp for _, dp in results["e"].dp_history] == [1, 2]  # grew once s ended
+    assert priorities._keys("") == []

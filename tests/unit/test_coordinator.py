@@ -282,6 +282,29 @@ def test_room_the_line_cannot_use_yet_is_lent_behind_it_and_claimed_back():
     assert plan(replace(head, waiting_since=9.0), 2, every, {}, need=2) == ({}, 0)
 
 
+def test_a_job_starting_from_the_line_leaves_room_for_those_behind_that_fit_beside_it():
+    """`first` (min_dp 1) starts on 4 workers' room: of the jobs behind it, `two` (2 workers)
+    and `one` (1) fit beside its smallest world, in line order; `big` (4) does not, and is
+    left nothing. A job first in line alone takes it all."""
+    from dataclasses import replace
+
+    from baton.coordinator.priorities import left_behind
+
+    def waiting(key, since, **kw):
+        return replace(_job(key, 0, 0, **kw), waiting_since=since)
+
+    first, big, two, one = waiting("first", 1.0), waiting("big", 2.0, min_dp=4), \
+        waiting("two", 3.0, min_dp=2), waiting("one", 4.0)
+    every = [first, big, two, one]
+    assert left_behind(first, 4, every, {}) == 3  # two and one: first keeps 1
+    assert left_behind(first, 3, every, {}) == 2  # two fits; then one does not
+    assert left_behind(first, 1, every, {}) == 0
+    assert left_behind(first, 4, [first], {}) == 0
+    assert left_behind(one, 4, every, {}) == 0  # last in line
+    # counted in a 2-CPU worker's size: big's four 1-CPU workers are two, and fit first
+    assert left_behind(replace(first, cpus=2.0), 3, every, {}) == 2
+
+
 def test_room_is_pooled_by_what_a_worker_takes():
     """A replica of pp 2 at 0.5 CPU a worker frees one CPU; a GPU job takes only from jobs
     with GPUs; a worker of 2 CPUs needs two of a 1-CPU job's replicas."""

@@ -13,8 +13,9 @@ and among equals the job that started last.
 A job whose smallest world does not fit because other jobs of the list hold the room (even
 after what jobs of lower priority give) waits in line: the highest priority first, then the
 job that came first (a suspended job from its suspension). A job starts when the room no one
-ahead of it has spoken for fits its smallest world; running jobs grow only into room the line
-leaves (`spoken_for`), so that growth never starves a job in line.
+ahead of it has spoken for fits its smallest world, taking what it can use less the smallest
+worlds of the jobs behind it that fit beside its own (`left_behind`); running jobs grow only
+into room the line leaves (`spoken_for`), so that growth never starves a job in line.
 
 Room that the jobs ahead in line cannot use yet (free, but too little for each of their
 smallest worlds, even with what they could claim) is lent to a job behind them whose smallest
@@ -174,9 +175,28 @@ def spoken_for(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]
     over the cluster's CPUs and GPUs, not node by node (as `plan` counts)."""
     ahead = ahead_of(me, entries, claims) if line_too else []
     cpus, gpus = _starting(me, entries)
-    cpus, gpus = cpus + sum(e.need * e.cpus for e in ahead), gpus + sum(e.need * e.gpus for e in ahead)
+    return _as_workers(me, cpus + sum(e.need * e.cpus for e in ahead), gpus + sum(e.need * e.gpus for e in ahead))
+
+
+def _as_workers(me: Entry, cpus: float, gpus: float) -> int:
+    """How many of `me`'s workers `cpus` and `gpus` take up (rounded up)."""
     n = math.ceil(cpus / me.cpus - 1e-9)
     return max(n, math.ceil(gpus / me.gpus - 1e-9)) if me.gpus else n
+
+
+def left_behind(me: Entry, room: int, entries: list[Entry], claims: dict[str, dict[str, int]]) -> int:
+    """Workers of `me`'s size that `me`, starting on `room`, leaves to the jobs behind it in
+    line whose smallest worlds fit beside its own (in line order, each that fits): they start
+    beside it rather than wait for it to end, and it grows into what is left later, as a
+    running job grows only into room the line leaves."""
+    waiting = line(entries, claims)
+    keys = [e.key for e in waiting]
+    spare, left = room - me.need, 0
+    for e in waiting[keys.index(me.key) + 1:] if me.key in keys else []:
+        n = _as_workers(me, e.need * e.cpus, e.need * e.gpus)
+        if left + n <= spare:
+            left += n
+    return left
 
 
 def _starting(me: Entry, entries: list[Entry]) -> tuple[float, float]:
@@ -301,6 +321,8 @@ class Priorities:
                 room, lenders = self._lendable(placement, free)
                 if not lenders:
                     return 0
+            if self.on:  # room for the smallest worlds of jobs behind it that fit beside it
+                room -= left_behind(self._entry(), room, *self._read())
             workers = placement.first_workers(room)
             self._starts(workers, lenders)
             return workers
