@@ -446,7 +446,7 @@ def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp
     monkeypatch.setattr(LiveMetrics, "waiting", lambda self, s: waits.setdefault(self.job, []).append(s))
 
     data = write_dataset(tmp_path / "data", 40, 32)
-    specs = {"x": _queue_spec(tmp_path, data, "x", 0, 2, 4), "y": _queue_spec(tmp_path, data, "y", 0, 1, 150)}
+    specs = {"x": _queue_spec(tmp_path, data, "x", 0, 2, 4), "y": _queue_spec(tmp_path, data, "y", 0, 1, 300)}
     results, said = {}, {}
 
     def y_step(c):
@@ -484,7 +484,7 @@ def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp
     for t in threads.values():
         t.join(timeout=120)
     assert a.state == "finished"
-    assert {name: (r.state, r.step) for name, r in results.items()} == {"x": ("finished", 4), "y": ("finished", 150)}
+    assert {name: (r.state, r.step) for name, r in results.items()} == {"x": ("finished", 4), "y": ("finished", 300)}
     assert said["y"][0].startswith("y: running") and \
         "  out of turn: on room lent by x (ahead of it in line), given back when it can start" in said["y"]
     assert said["y suspended"][0].startswith("y: suspended") and any(
@@ -505,21 +505,21 @@ def test_a_job_leaves_room_for_the_smallest_world_behind_it_and_grows_later(tmp_
     """`h` (dp 2) holds the local Ray's two CPUs; `e` (elastic, min_dp 1, max_dp 2) waits in
     line, and `s` (dp 1) behind it. When h ends, e starts with one CPU, leaving the other to
     s, which starts beside it instead of waiting for e to end; e grows to dp 2 once s ends.
-    (e sleeps 0.05 s a step, so that it outlasts s.)"""
+    (e sleeps 0.05 s a step until it has grown, so that it outlasts s.)"""
     import threading
 
     from baton import api
     from baton.coordinator import priorities
 
     data = write_dataset(tmp_path / "data", 40, 32)
-    specs = {"e": _queue_spec(tmp_path, data, "e", 0, 2, 120), "s": _queue_spec(tmp_path, data, "s", 0, 1, 4)}
+    specs = {"e": _queue_spec(tmp_path, data, "e", 0, 2, 300), "s": _queue_spec(tmp_path, data, "s", 0, 1, 4)}
     specs["e"] = spec_from_dict({**specs["e"].to_dict(), "elastic": {
         **specs["e"].to_dict()["elastic"], "min_dp": 1, "max_dp": 2}})
     results, at = {}, {}
 
     def on_step(name, c):
         at.setdefault(f"{name} first", time.monotonic())
-        if name == "e":
+        if name == "e" and c.dims.dp < 2:
             time.sleep(0.05)
 
     def run(name):
@@ -538,7 +538,7 @@ def test_a_job_leaves_room_for_the_smallest_world_behind_it_and_grows_later(tmp_
     for t in threads.values():
         t.join(timeout=120)
     assert h.state == "finished"
-    assert {name: (r.state, r.step) for name, r in results.items()} == {"e": ("finished", 120), "s": ("finished", 4)}
+    assert {name: (r.state, r.step) for name, r in results.items()} == {"e": ("finished", 300), "s": ("finished", 4)}
     assert at["s first"] < at["e done"] and at["s done"] < at["e done"]  # beside e
     assert [dp for _, dp in results["e"].dp_history] == [1, 2]  # grew once s ended
     assert priorities._keys("") == []

@@ -6,7 +6,6 @@ workers), and what a block's first norm is given."""
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
