@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-
-import ray
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -32,9 +29,8 @@ sys.path.insert(0, str(HERE))
 from baton import api  # noqa: E402
 from baton.checkpoint import CheckpointStore  # noqa: E402
 from baton.coordinator import priorities as line  # noqa: E402
-from baton.data.corpus import prepare_stdlib  # noqa: E402
 from baton.spec import spec_from_dict  # noqa: E402
-from priorities import job  # noqa: E402
+from priorities import job, rounds  # noqa: E402
 from results_io import write_result  # noqa: E402
 
 WAYS = ("backfill", "no backfill")
@@ -97,16 +93,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "backfill_cpu.json"))
     args = parser.parse_args()
 
-    tmp = tempfile.mkdtemp(prefix="baton-bench-backfill-")
-    prepare_stdlib(f"{tmp}/data", 64)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    rows: dict[str, list[dict]] = {way: [] for way in WAYS}
-    for r in range(args.rounds):
-        for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
-            rows[way].append(measure(tmp, way, r))
-            print(f"round {r + 1} {way:12s} {rows[way][-1]}", flush=True)
-    ray.shutdown()
+    rows = rounds("backfill", WAYS, measure, args.rounds)
 
     keys = ("all_done_s", "y_done_s", "y_out_of_turn_steps", "x_handoff_s")
     table = {way: {k: round(statistics.median(row[k] for row in rows[way]), 2) for k in keys} for way in WAYS}

@@ -126,6 +126,22 @@ def queued(tmp: str, hi, r: int) -> dict:
             "handoff_s": round(at["hi_first_step"] - at["lo_last_step"], 3)}
 
 
+def rounds(name: str, ways: tuple[str, ...], measure, n: int) -> dict[str, list[dict]]:
+    """`measure(tmp, way, round)` for each way, `n` rounds, the ways alternating in order, on
+    an embedded 2-CPU Ray and the standard library's corpus in a temporary folder."""
+    tmp = tempfile.mkdtemp(prefix=f"baton-bench-{name}-")
+    prepare_stdlib(f"{tmp}/data", 64)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    rows: dict[str, list[dict]] = {way: [] for way in ways}
+    for r in range(n):
+        for way in (ways if r % 2 == 0 else ways[::-1]):
+            rows[way].append(measure(tmp, way, r))
+            print(f"round {r + 1} {way:13s} {rows[way][-1]}", flush=True)
+    ray.shutdown()
+    return rows
+
+
 class _Done(Exception):
     """lo has its CPUs back: the measurement is over (its checkpoint and run are left)."""
 
@@ -136,16 +152,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "priorities_cpu.json"))
     args = parser.parse_args()
 
-    tmp = tempfile.mkdtemp(prefix="baton-bench-priorities-")
-    prepare_stdlib(f"{tmp}/data", 64)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    rows: dict[str, list[dict]] = {way: [] for way in WAYS}
-    for r in range(args.rounds):
-        for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
-            rows[way].append(measure(tmp, way, r))
-            print(f"round {r + 1} {way:13s} {rows[way][-1]}", flush=True)
-    ray.shutdown()
+    rows = rounds("priorities", WAYS, measure, args.rounds)
 
     def med(way: str, key: str) -> float | None:
         values = [row[key] for row in rows[way] if key in row]

@@ -350,6 +350,36 @@ def _until_queued(spec, timeout_s=60.0):
         time.sleep(0.1)
 
 
+def _behind(holder, specs, on_step, after=lambda: None):
+    """Run job `holder`; at its first step, start each job of `specs` in a thread of its own,
+    in order, each once the one before is in line, then call `after()` (the holder's step
+    waits for all that). Returns the holder's result, the others' results and when each of
+    them ended (monotonic), once all have."""
+    import threading
+
+    from baton import api
+
+    results, done = {}, {}
+
+    def run(name):
+        results[name] = api.run(specs[name], show_progress=False, on_step=lambda c: on_step(name, c))
+        done[name] = time.monotonic()
+
+    threads = {name: threading.Thread(target=run, args=(name,)) for name in specs}
+
+    def holder_step(c):
+        if c.step == 1:
+            for name, thread in threads.items():
+                thread.start()
+                _until_queued(specs[name])
+            after()
+
+    held = api.run(holder, show_progress=False, on_step=holder_step)
+    for thread in threads.values():
+        thread.join(timeout=120)
+    return held, results, done
+
+
 def test_jobs_waiting_for_room_start_by_priority_then_arrival(tmp_path, local_ray, monkeypatch):
     """`a` (priority 2, dp 2) holds the local Ray's two CPUs. `x` (priority 0, dp 2) comes
     and waits in line; `y` (priority 1, dp 2) comes after it and goes ahead of it; `z`
@@ -358,8 +388,6 @@ def test_jobs_waiting_for_room_start_by_priority_then_arrival(tmp_path, local_ra
     workers are created 1.5 s after it decides to start (a busy scheduler): the free room
     Ray shows x meanwhile is y's, which y's entry in the list says (without that, x started
     beside y and one of them waited for room it could not get: checked)."""
-    import threading
-
     import pytest
 
     from baton import api
@@ -378,31 +406,20 @@ def test_jobs_waiting_for_room_start_by_priority_then_arrival(tmp_path, local_ra
     data = write_dataset(tmp_path / "data", 40, 32)
     specs = {name: _queue_spec(tmp_path, data, name, priority, 2, 4)
              for name, priority in (("x", 0), ("y", 1))}
-    results, first_step, x_while_y_runs = {}, {}, []
+    first_step, x_while_y_runs = {}, []
 
     def on_step(name, c):
         first_step.setdefault(name, time.monotonic())
         if name == "y" and c.step == 2:
             x_while_y_runs.append(CheckpointStore(specs["x"].checkpoint_dir).read_status()["state"])
 
-    def run(name):
-        results[name] = api.run(specs[name], show_progress=False, on_step=lambda c: on_step(name, c))
+    def then():  # x and y are in line
+        z = _queue_spec(tmp_path, data, "z", 0, 1, 4, queue_timeout_s=1)
+        with pytest.raises(WorkerError, match=r"waited \d+ s in line for room for 1 worker "
+                           r"\(resources.queue_timeout_s: 1\): 3rd, behind y, x; held by a$"):
+            api.run(z, show_progress=False)
 
-    threads = {name: threading.Thread(target=run, args=(name,)) for name in specs}
-
-    def a_step(a):
-        if a.step == 1:
-            for name in ("x", "y"):
-                threads[name].start()
-                _until_queued(specs[name])
-            z = _queue_spec(tmp_path, data, "z", 0, 1, 4, queue_timeout_s=1)
-            with pytest.raises(WorkerError, match=r"waited \d+ s in line for room for 1 worker "
-                               r"\(resources.queue_timeout_s: 1\): 3rd, behind y, x; held by a$"):
-                api.run(z, show_progress=False)
-
-    a = api.run(_queue_spec(tmp_path, data, "a", 2, 2, 4), show_progress=False, on_step=a_step)
-    for t in threads.values():
-        t.join(timeout=120)
+    a, results, _ = _behind(_queue_spec(tmp_path, data, "a", 2, 2, 4), specs, on_step, then)
     assert a.state == "finished"
     assert {name: (r.state, r.step) for name, r in results.items()} == {"x": ("finished", 4), "y": ("finished", 4)}
     assert first_step["y"] < first_step["x"] and x_while_y_runs == ["queued"]
@@ -435,9 +452,6 @@ def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp
     by it), and y goes on once x ends. (y sleeps 0.05 s a step until it has been suspended,
     so that it does not finish first; a's steps wait for y's first.) The live gauge of each
     job's wait in line (ray_baton_waiting_seconds) is set at each look and 0 with a world."""
-    import threading
-
-    from baton import api
     from baton.coordinator import priorities
     from baton.status import describe
     from baton.tracking.metrics import LiveMetrics
@@ -465,24 +479,14 @@ def test_room_the_line_cannot_use_yet_is_lent_to_a_job_behind_and_given_back(tmp
 
     steps = {"x": x_step, "y": y_step}
 
-    def run(name):
-        results[name] = api.run(specs[name], show_progress=False, on_step=steps[name])
+    def y_started():  # y starts out of turn while a holds the other CPU
+        deadline = time.monotonic() + 90
+        while "y" not in said:
+            assert time.monotonic() < deadline, "y never started"
+            time.sleep(0.2)
 
-    threads = {name: threading.Thread(target=run, args=(name,)) for name in specs}
-
-    def a_step(a):
-        if a.step == 1:
-            threads["x"].start()
-            _until_queued(specs["x"])
-            threads["y"].start()
-            deadline = time.monotonic() + 90
-            while "y" not in said:  # y starts out of turn while a holds the other CPU
-                assert time.monotonic() < deadline, "y never started"
-                time.sleep(0.2)
-
-    a = api.run(_queue_spec(tmp_path, data, "a", 0, 1, 4), show_progress=False, on_step=a_step)
-    for t in threads.values():
-        t.join(timeout=120)
+    a, results, _ = _behind(_queue_spec(tmp_path, data, "a", 0, 1, 4), specs,
+                            lambda name, c: steps[name](c), y_started)
     assert a.state == "finished"
     assert {name: (r.state, r.step) for name, r in results.items()} == {"x": ("finished", 4), "y": ("finished", 300)}
     assert said["y"][0].startswith("y: running") and \
@@ -506,37 +510,21 @@ def test_a_job_leaves_room_for_the_smallest_world_behind_it_and_grows_later(tmp_
     line, and `s` (dp 1) behind it. When h ends, e starts with one CPU, leaving the other to
     s, which starts beside it instead of waiting for e to end; e grows to dp 2 once s ends.
     (e sleeps 0.05 s a step until it has grown, so that it outlasts s.)"""
-    import threading
-
-    from baton import api
     from baton.coordinator import priorities
 
     data = write_dataset(tmp_path / "data", 40, 32)
     specs = {"e": _queue_spec(tmp_path, data, "e", 0, 2, 300), "s": _queue_spec(tmp_path, data, "s", 0, 1, 4)}
     specs["e"] = spec_from_dict({**specs["e"].to_dict(), "elastic": {
         **specs["e"].to_dict()["elastic"], "min_dp": 1, "max_dp": 2}})
-    results, at = {}, {}
+    at = {}
 
     def on_step(name, c):
         at.setdefault(f"{name} first", time.monotonic())
         if name == "e" and c.dims.dp < 2:
             time.sleep(0.05)
 
-    def run(name):
-        results[name] = api.run(specs[name], show_progress=False, on_step=lambda c: on_step(name, c))
-        at[f"{name} done"] = time.monotonic()
-
-    threads = {name: threading.Thread(target=run, args=(name,)) for name in specs}
-
-    def h_step(h):
-        if h.step == 1:
-            for name in ("e", "s"):
-                threads[name].start()
-                _until_queued(specs[name])
-
-    h = api.run(_queue_spec(tmp_path, data, "h", 0, 2, 4), show_progress=False, on_step=h_step)
-    for t in threads.values():
-        t.join(timeout=120)
+    h, results, done = _behind(_queue_spec(tmp_path, data, "h", 0, 2, 4), specs, on_step)
+    at.update({f"{name} done": t for name, t in done.items()})
     assert h.state == "finished"
     assert {name: (r.state, r.step) for name, r in results.items()} == {"e": ("finished", 300), "s": ("finished", 4)}
     assert at["s first"] < at["e done"] and at["s done"] < at["e done"]  # beside e

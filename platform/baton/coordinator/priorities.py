@@ -160,11 +160,18 @@ def line(entries: list[Entry], claims: dict[str, dict[str, int]]) -> list[Entry]
                   key=lambda e: (-e.priority, e.waiting_since))
 
 
-def ahead_of(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]]) -> list[Entry]:
-    """The jobs ahead of `me` in line (all of it, for a job not in it)."""
+def around(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]]) -> tuple[list[Entry], list[Entry]]:
+    """The jobs ahead of `me` in line and those behind it (all of it ahead, for a job not in
+    it)."""
     waiting = line(entries, claims)
     keys = [e.key for e in waiting]
-    return waiting[:keys.index(me.key)] if me.key in keys else waiting
+    at = keys.index(me.key) if me.key in keys else len(waiting)
+    return waiting[:at], waiting[at + 1:]
+
+
+def ahead_of(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]]) -> list[Entry]:
+    """The jobs ahead of `me` in line (all of it, for a job not in it)."""
+    return around(me, entries, claims)[0]
 
 
 def spoken_for(me: Entry, entries: list[Entry], claims: dict[str, dict[str, int]],
@@ -189,10 +196,8 @@ def left_behind(me: Entry, room: int, entries: list[Entry], claims: dict[str, di
     line whose smallest worlds fit beside its own (in line order, each that fits): they start
     beside it rather than wait for it to end, and it grows into what is left later, as a
     running job grows only into room the line leaves."""
-    waiting = line(entries, claims)
-    keys = [e.key for e in waiting]
     spare, left = room - me.need, 0
-    for e in waiting[keys.index(me.key) + 1:] if me.key in keys else []:
+    for e in around(me, entries, claims)[1]:
         n = _as_workers(me, e.need * e.cpus, e.need * e.gpus)
         if left + n <= spare:
             left += n
@@ -268,7 +273,7 @@ class Priorities:
         self.holders: list[str] = []  # ...and the jobs that hold room (running, starting)
         self.borrows: list[str] = []  # started out of turn: the keys of the jobs it borrowed from
         self.borrowed_at = 0.0  # ...when (time.time())
-        self.lenders: list[str] = []  # ...their names, while they wait (`spoken_for` reads it)
+        self.lenders: list[str] = []  # ...their names, while they wait (`ceiling` reads it)
         self.lendable_since = 0.0  # room it could borrow, seen at each look since (monotonic)
         self.lent: set[str] = set()  # the keys of jobs it claimed lent room back from
         # its workers found no room in parallel.timeout_s although an autoscaler runs (at its
@@ -283,11 +288,12 @@ class Priorities:
         self.dp = dp
         if self.on:
             _put(f"job/{self.key}", asdict(self._entry()))
-        for key in self.lent if dp and self.on else ():
-            _delete(f"claim/{key}/{self.key}")
-            self.claimed.pop(key, None)
-            self.names.pop(key, None)
-        self.lent = set() if dp else self.lent
+        if dp:  # a world: the claims on room it had lent lapse
+            for key in self.lent if self.on else ():
+                _delete(f"claim/{key}/{self.key}")
+                self.claimed.pop(key, None)
+                self.names.pop(key, None)
+            self.lent = set()
 
     def waits(self, held: bool = False) -> None:
         """In line for room (from now, unless it is already), or (`held`: `baton scale
@@ -359,7 +365,6 @@ class Priorities:
         others, claims = self._read()
         self.ahead = [e.name for e in ahead_of(self._entry(), others, claims)]
         self.holders = [e.name for e in others if e.key != self.key and (e.dp or e.starting)]
-        self.lenders = [e.name for e in others if lends(e, self._entry())]
         return spoken_for(self._entry(), others, claims)
 
     def held_by_others(self) -> int:
