@@ -1,19 +1,23 @@
-"""What a sweep's trials cost four ways, side by side in one run: the same seeded random
+"""What a sweep's trials cost, several ways side by side in one run: the same seeded random
 search (the digits job, `--trials N` over `train.lr=loguniform(1e-4, 1e-2)` and
 `model.width=[32, 64, 128]`, ranked by the best checkpoint's eval_loss), with every trial
-trained its 200 steps or with `--halving 3`, each a trial at a time and 2 at once
-(`--concurrent 2`). Every row's workers take half a CPU each (`resources.cpus_per_worker:
-0.5`), so that two trials of 2 workers fit the 2-core machine together. Measured: seconds
+trained its 200 steps, with `--halving 3` or with `--halving 3 --async` (asynchronous
+halving), each a trial at a time and 2 at once (`--concurrent 2`). Every row's workers
+take half a CPU each (`resources.cpus_per_worker: 0.5`, unless --set says otherwise), so
+that two trials of 2 workers fit the 2-core machine together. Measured: seconds
 from the sweep's start to its table (each starts its own embedded Ray), the steps trained
 (each trial's last step, summed), and where the trial each picks stands in the first row's
-ranking (1: the same trial), and when the third trial began (the first two's starts: two
-at once start twice the worker processes).
+ranking (1: the same trial), when the third trial began (the first two's starts: two at
+once start twice the worker processes), and when the first trial had trained every step.
 
     python benchmarks/sweeps.py --trials 9
     python benchmarks/sweeps.py --trials 9 --set train.schedule=wsd --ways full,halving \
         --out benchmarks/results/sweeps_wsd_cpu.json
     python benchmarks/sweeps.py --trials 9 --ways halving,halving-2 \
         --out benchmarks/results/sweeps_starts_cpu.json
+    python benchmarks/sweeps.py --trials 9 --ways full-2,halving,halving-2,async,async-2 \
+        --set parallel.dp=1 --set resources.cpus_per_worker=1 \
+        --out benchmarks/results/sweeps_async_cpu.json
 """
 
 from __future__ import annotations
@@ -34,21 +38,25 @@ AXES = {"train.lr": "loguniform(1e-4, 1e-2)", "model.width": [32, 64, 128]}
 
 
 def sweep(root: Path, way: str, trials: int, seed: int, halving, concurrent: int,
-          extra: list[str]) -> dict:
+          extra: list[str], asynchronous: bool = False) -> dict:
     from baton import api
 
     sets = [f"checkpoint.path={root / way}", "checkpoint.best=eval_loss", f"data.path={root / 'digits'}",
             f"tracking.uri=sqlite:///{root / way}.db", "resources.cpus_per_worker=0.5", *extra]
     t0, log = time.perf_counter(), []
     ranked = api.sweep(str(ROOT / ".." / "jobs" / "digits.yaml"), AXES, sets, trials=trials, seed=seed,
-                       halving=halving, concurrent=concurrent, show_progress=False,
+                       halving=halving, concurrent=concurrent, asynchronous=asynchronous,
+                       show_progress=False,
                        log=lambda line: log.append([round(time.perf_counter() - t0, 2), line]))
     seconds = time.perf_counter() - t0
     # how long the trials took to start: from the sweep's start to the third trial's header
     # (two at once: the first two trials' start and run; one at a time: the first two's)
     third = [at for at, line in log if line.startswith("trial 3 of ")]
+    # when the first trial had trained every step: a model to use, before the sweep ends
+    first_done = [at for at, line in log if ": finished at step " in line]
     return {"seconds": round(seconds, 1), "steps": sum(t.step for t in ranked),
-            "third_trial_at_s": third[0] if third else None, "log": log,
+            "third_trial_at_s": third[0] if third else None,
+            "first_finished_at_s": first_done[0] if first_done else None, "log": log,
             "ranked": [{"trial": t.name, "state": t.state, "step": t.step, "eval_loss": t.metric}
                        for t in ranked]}
 
@@ -61,33 +69,36 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a job setting for every row (e.g. train.schedule=wsd)")
     p.add_argument("--ways", default="full,full-2,halving,halving-2",
-                   help="the rows to run, of full, full-2, halving, halving-2")
+                   help="the rows to run, of full, full-2, halving, halving-2, async, async-2")
     p.add_argument("--out", default=str(ROOT / "results" / "sweeps_cpu.json"))
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ways = {"every trial to the end": ("full", None, 1),
-            "every trial, 2 at once": ("full-2", None, 2),
-            f"--halving {args.eta}": ("halving", args.eta, 1),
-            f"--halving {args.eta}, 2 at once": ("halving-2", args.eta, 2)}
+    ways = {"every trial to the end": ("full", None, 1, False),
+            "every trial, 2 at once": ("full-2", None, 2, False),
+            f"--halving {args.eta}": ("halving", args.eta, 1, False),
+            f"--halving {args.eta}, 2 at once": ("halving-2", args.eta, 2, False),
+            f"--halving {args.eta} --async": ("async", args.eta, 1, True),
+            f"--halving {args.eta} --async, 2 at once": ("async-2", args.eta, 2, True)}
     ways = {label: w for label, w in ways.items() if w[0] in args.ways.split(",")}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, (way, halving, concurrent) in ways.items():
-            rows[label] = sweep(Path(tmp), way, args.trials, args.seed, halving, concurrent, args.set)
+        for label, (way, halving, concurrent, asynchronous) in ways.items():
+            rows[label] = sweep(Path(tmp), way, args.trials, args.seed, halving, concurrent, args.set,
+                                asynchronous)
             rows[label]["way"] = way
     base = next(iter(rows.values()))
     order = [r["trial"] for r in base["ranked"]]
     print(f"{args.trials} trials of jobs/digits.yaml (seed {args.seed}"
           + "".join(f", {o}" for o in args.set) + "), ranked by eval_loss:")
-    print(f"{'search':<28}{'seconds':>9}{'x time':>8}{'steps':>8}{'trial 3 at':>11}  "
+    print(f"{'search':<36}{'seconds':>9}{'x time':>8}{'steps':>8}{'trial 3 at':>11}{'1st done':>10}  "
           "best trial (eval_loss), its place")
     for label, r in rows.items():
         best = r["ranked"][0]
         r["pick_place_in_full"] = order.index(best["trial"]) + 1
         r["time_ratio"] = round(r["seconds"] / base["seconds"], 3)
         r["steps_ratio"] = round(r["steps"] / base["steps"], 3)
-        print(f"{label:<28}{r['seconds']:>9.1f}{r['time_ratio']:>8.2f}{r['steps']:>8}"
-              f"{r['third_trial_at_s'] or 0:>10.1f}s  "
+        print(f"{label:<36}{r['seconds']:>9.1f}{r['time_ratio']:>8.2f}{r['steps']:>8}"
+              f"{r['third_trial_at_s'] or 0:>10.1f}s{r['first_finished_at_s'] or 0:>9.1f}s  "
               f"{best['trial']} ({best['eval_loss']:.4f}), {r['pick_place_in_full']} of {args.trials}")
     write_result(args.out, {"trials": args.trials, "eta": args.eta, "seed": args.seed, "axes": AXES,
                             "set": args.set, "rows": rows})

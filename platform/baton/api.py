@@ -292,14 +292,15 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
 
 def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] = None,
           seed: int = 0, halving: Optional[int] = None, first_rung: Optional[int] = None,
-          concurrent: int = 1, address: Optional[str] = None, show_progress: bool = True,
-          log: Callable[[str], None] = print) -> list:
+          concurrent: int = 1, asynchronous: bool = False, address: Optional[str] = None,
+          show_progress: bool = True, log: Callable[[str], None] = print) -> list:
     """`baton sweep`: the job (a YAML file's path, a dict or a JobSpec) trained for every
     combination of `axes` (key -> values), or for `trials` random draws from them (a value a
     list or a `sweeps.Draw`; seeded by `seed`), on one Ray, a trial after another or up to
     `concurrent` at once where the cluster holds them (`sweeps.train_each`), those done
     already skipped; with `halving` (ETA), by successive halving from step `first_rung`
-    (`sweeps.halve`). Returns the trials (`sweeps.Trial`) ranked best first
+    (`sweeps.halve`), or `asynchronous` halving (`sweeps.promote`: no rung waits for its
+    slowest trial). Returns the trials (`sweeps.Trial`) ranked best first
     (`sweeps.ranked_by`)."""
     import ray
 
@@ -307,10 +308,7 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
 
     trials = sweeps.plan(job, axes, list(overrides), trials, seed)
     source = job if isinstance(job, str) else "<spec>"
-    if halving is not None:
-        sweeps.check_halving(trials, halving, first_rung, source)
-    elif first_rung is not None:
-        raise SpecError(f"{source}: --first-rung is where --halving first judges the trials: give --halving too")
+    sweeps.check_halving(trials, halving, first_rung, source, asynchronous)
     if concurrent < 1:
         raise SpecError(f"{source}: --concurrent {concurrent}: give 1 or more")
     if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
@@ -333,7 +331,10 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
         sweeps.train_each(batch, train, log, until, concurrent, ray.cluster_resources())
 
     with ray_session(address, log):
-        if halving is not None:
+        if halving is not None and asynchronous:
+            sweeps.promote(trials, halving, first_rung, lambda lineup: sweeps.drive(
+                lineup, train, log, concurrent, ray.cluster_resources()), log)
+        elif halving is not None:
             sweeps.halve(trials, halving, first_rung, each, log)
         else:
             each(trials, None)

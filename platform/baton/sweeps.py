@@ -23,7 +23,9 @@ halving: Jamieson and Talwalkar, 2016; Li et al., 2018): every trial trains to a
 of steps, the best 1/ETA of them on to ETA times as far, and so on until the few left train
 to train.steps; the others stop there ("cut"). A trial stops at a rung as `baton run --until`
 does, on a checkpoint, its learning-rate schedule still train.steps's, so one that goes on
-trains exactly as if it had never stopped. The rungs: `rungs`.
+trains exactly as if it had never stopped. The rungs: `rungs`. With `asynchronous`
+(`--async`), no rung waits for its slowest trial: a trial goes on as soon as it stands among
+the best 1/ETA of those judged at its rung so far (`Promotions`).
 
 At the end a table ranks the trials by a metric: `checkpoint.best`'s where the job keeps a
 best checkpoint (that checkpoint's value), else the last held-out loss, else the last
@@ -273,8 +275,17 @@ def rungs(trials: int, steps: int, eta: int, first: Optional[int] = None) -> lis
     return out + [steps]
 
 
-def check_halving(trials: list[Trial], eta: int, first: Optional[int], where: str) -> None:
-    """Refuse, in one line, a halving that cannot judge these trials."""
+def check_halving(trials: list[Trial], eta: Optional[int], first: Optional[int], where: str,
+                  asynchronous: bool = False) -> None:
+    """Refuse, in one line, a halving that cannot judge these trials (or its options given
+    without `--halving ETA`)."""
+    if eta is None:
+        for given, flag, what in ((first, "--first-rung", "is where --halving first judges the trials"),
+                                  (asynchronous, "--async", "promotes the trials of a --halving as "
+                                                            "soon as they stand among the best")):
+            if given:
+                raise SpecError(f"{where}: {flag} {what}: give --halving too")
+        return
     if eta < 2:
         raise SpecError(f"{where}: --halving {eta}: give 2 or more (the best 1/ETA of the trials "
                         "go on at each rung; 3 is usual)")
@@ -305,22 +316,50 @@ def fit_together(specs: list[JobSpec], total: dict) -> bool:
     return all(amount <= total.get(key, 0.0) + 1e-9 for key, amount in held.items())
 
 
+class Listed:
+    """The trials in order, each to step `until` (None: to train.steps): what `drive` trains
+    for a plain sweep or one rung of a synchronous halving."""
+
+    def __init__(self, trials: list[Trial], until: Optional[int], log: Callable[[str], None]):
+        self.pending, self.until, self.log, self.n = list(enumerate(trials, 1)), until, log, len(trials)
+
+    def peek(self) -> Optional[tuple[Trial, Optional[int]]]:
+        return (self.pending[0][1], self.until) if self.pending else None
+
+    def take(self) -> tuple[Trial, Optional[int]]:
+        k, t = self.pending.pop(0)
+        self.log(f"trial {k} of {self.n}: {t.name} ({_values(t)})")
+        return t, self.until
+
+    def ended(self, t: Trial) -> None:
+        pass
+
+
+def _values(t: Trial) -> str:
+    return ", ".join(f"{key}={v}" for key, v in t.values.items())
+
+
 def train_each(trials: list[Trial], run: Callable[..., object], log: Callable[[str], None],
                until: Optional[int] = None, concurrent: int = 1, total: Optional[dict] = None) -> None:
-    """Train each trial (`train`), a trial after another, or with `concurrent` > 1 up to that
-    many at once where their largest worlds fit in the cluster's `total` resources together
-    (one always runs), each on a thread of this driver, in order as room frees. A trial that
-    fails is reported and the rest go on; an error of another kind, or Ctrl-C, stops every
-    trial running (each at a step's end, its MLflow run marked KILLED, its checkpoints kept)
-    and is raised. `run(spec, until, on_step)` is api.run's."""
-    def header(k: int, t: Trial) -> None:
-        log(f"trial {k} of {len(trials)}: {t.name} "
-            f"({', '.join(f'{key}={v}' for key, v in t.values.items())})")
+    """Train each trial (`train`) to step `until`, a trial after another or up to
+    `concurrent` at once (`drive`)."""
+    drive(Listed(trials, until, log), run, log, concurrent, total)
 
+
+def drive(lineup, run: Callable[..., object], log: Callable[[str], None], concurrent: int = 1,
+          total: Optional[dict] = None) -> None:
+    """Train what `lineup` hands out (`peek()` the next trial and the step to train it to, or
+    None while there is nothing; `take()` it; told each one that `ended(t)`), a trial after
+    another, or with `concurrent` > 1 up to that many at once where their largest worlds fit
+    in the cluster's `total` resources together (one always runs), each on a thread of this
+    driver. A trial that fails is reported and the rest go on; an error of another kind, or
+    Ctrl-C, stops every trial running (each at a step's end, its MLflow run marked KILLED, its
+    checkpoints kept) and is raised. `run(spec, until, on_step)` is api.run's."""
     if concurrent <= 1:
-        for k, t in enumerate(trials, 1):
-            header(k, t)
+        while lineup.peek() is not None:
+            t, until = lineup.take()
             train(t, lambda spec, end: run(spec, end, None), log, until)
+            lineup.ended(t)
         return
     stop, ended = threading.Event(), queue.Queue()
 
@@ -328,7 +367,7 @@ def train_each(trials: list[Trial], run: Callable[..., object], log: Callable[[s
         if stop.is_set():
             raise KeyboardInterrupt(signal.SIGINT)
 
-    def work(t: Trial) -> None:
+    def work(t: Trial, until: Optional[int]) -> None:
         try:
             train(t, lambda spec, end: run(spec, end, on_step), log, until)
         except BaseException as e:
@@ -336,16 +375,18 @@ def train_each(trials: list[Trial], run: Callable[..., object], log: Callable[[s
             return
         ended.put((t, None))
 
-    pending, running, errors = list(enumerate(trials, 1)), [], []
+    running, errors = [], []
     try:
-        while pending or running:
-            while (pending and len(running) < concurrent and not errors and (
-                    not running or fit_together([*(t.spec for t in running), pending[0][1].spec],
-                                                total or {}))):
-                k, t = pending.pop(0)
-                header(k, t)
+        while True:
+            while len(running) < concurrent and not errors:
+                nxt = lineup.peek()
+                if nxt is None or (running and not fit_together(
+                        [*(t.spec for t in running), nxt[0].spec], total or {})):
+                    break
+                t, until = lineup.take()
                 running.append(t)
-                threading.Thread(target=work, args=(t,), name=f"baton-trial-{k}", daemon=True).start()
+                threading.Thread(target=work, args=(t, until), name=f"baton-trial-{t.name}",
+                                 daemon=True).start()
             if not running:
                 break
             try:
@@ -356,6 +397,8 @@ def train_each(trials: list[Trial], run: Callable[..., object], log: Callable[[s
             if error is not None and not errors:
                 errors.append(error)
                 stop.set()
+            elif error is None:
+                lineup.ended(t)
     except KeyboardInterrupt:
         stop.set()
         _wait_out(running, ended, STOP_WAIT_S)
@@ -408,6 +451,104 @@ def halve(trials: list[Trial], eta: int, first: Optional[int],
                     f"{metric} {t.metric:.4g}, {place} of {len(judged)}" if t.metric is not None
                     else f"no {metric} to judge it by"))
         alive = kept
+
+
+class Promotions:
+    """Asynchronous successive halving (ASHA: Li et al., 2020): whenever there is room, a
+    trial among the best 1/ETA of those judged so far at its rung (the highest rung first)
+    goes on to the next rung, else the next trial not begun trains to the first; no rung
+    waits for its slowest trial. What `drive` trains; `cut()` marks the rest at the end.
+
+    A trial is judged at a rung by its metric there, kept with it (it changes as the trial
+    trains on). One that ended (stopped early) and stands among the best goes on without
+    training; one that trained past a rung before (a sweep run again) is judged at the
+    furthest rung it reached and holds a place at those below it."""
+
+    def __init__(self, trials: list[Trial], eta: int, ends: list[int], log: Callable[[str], None]):
+        self.fresh, self.n = list(enumerate(trials, 1)), len(trials)
+        self.eta, self.ends, self.log = eta, ends, log
+        self.metric, self.lowest = ranked_by(trials[0].spec)
+        self.judged: list[list[tuple[Trial, Optional[float]]]] = [[] for _ in ends]
+        self.promoted: list[set] = [set() for _ in ends]  # the trials gone on from each rung
+
+    def _until(self, rung: int) -> Optional[int]:
+        return None if rung == len(self.ends) - 1 else self.ends[rung]
+
+    def _best(self, rung: int) -> list[tuple[Trial, float]]:
+        """The best 1/ETA of those judged at `rung` so far (a place each), with their metrics."""
+        pairs = sorted((p for p in self.judged[rung] if p[1] is not None),
+                       key=lambda p: p[1] if self.lowest else -p[1])
+        return pairs[:len(self.judged[rung]) // self.eta]
+
+    def _next(self) -> Optional[tuple[Trial, int, int]]:
+        """A trial to go on (the trial, the rung it goes on from, its place there), from the
+        highest rung that has one; trials that ended go on at once, without training."""
+        for k in reversed(range(len(self.ends) - 1)):
+            for place, (t, _) in enumerate(self._best(k), 1):
+                if t in self.promoted[k]:
+                    continue
+                if not t.ended:
+                    return t, k, place
+                self._judge(t, k + 1, t.metric)  # stopped early: holds its place further on
+                self.promoted[k].add(t)
+                return self._next()
+        return None
+
+    def _judge(self, t: Trial, rung: int, metric: Optional[float]) -> None:
+        self.judged[rung].append((t, metric))
+        t.rung = rung
+
+    def peek(self) -> Optional[tuple[Trial, Optional[int]]]:
+        found = self._next()
+        if found is not None:
+            return found[0], self._until(found[1] + 1)
+        return (self.fresh[0][1], self._until(0)) if self.fresh else None
+
+    def take(self) -> tuple[Trial, Optional[int]]:
+        found = self._next()
+        if found is None:
+            k, t = self.fresh.pop(0)
+            t.rung = 0
+            self.log(f"trial {k} of {self.n}: {t.name} ({_values(t)}) to step {self.ends[0]}")
+            return t, self._until(0)
+        t, k, place = found
+        self.promoted[k].add(t)
+        t.rung = k + 1
+        self.log(f"  {t.name} goes on to step {self.ends[k + 1]} (rung {k + 2} of {len(self.ends)}): "
+                 f"{self.metric} {dict(self.judged[k])[t]:.4g} at step {self.ends[k]}, {place} of "
+                 f"{len(self.judged[k])} judged there so far")
+        return t, self._until(k + 1)
+
+    def ended(self, t: Trial) -> None:
+        """Judge `t` at the furthest rung its step reached (where it was sent, or beyond)."""
+        k = t.rung
+        while k + 1 < len(self.ends) and self.ends[k + 1] <= t.step:
+            self._judge(t, k, t.metric)  # trained past it before: holds a place there
+            self.promoted[k].add(t)
+            k += 1
+        self._judge(t, k, None if t.state == "failed" else t.metric)
+
+    def cut(self) -> None:
+        """Mark the trials left paused at a rung as cut, each with its place there."""
+        for k, pairs in enumerate(self.judged):
+            order = sorted(pairs, key=lambda p: (p[1] is None, 0.0 if p[1] is None else
+                                                 p[1] if self.lowest else -p[1]))
+            for place, (t, m) in enumerate(order, 1):
+                if t.rung == k and t.state == "paused":
+                    t.state = "cut"
+                    self.log(f"  {t.name}: cut at step {t.step}: " + (
+                        f"{self.metric} {m:.4g}, {place} of {len(pairs)}" if m is not None
+                        else f"no {self.metric} to judge it by"))
+
+
+def promote(trials: list[Trial], eta: int, first: Optional[int],
+            drive_: Callable[["Promotions"], None], log: Callable[[str], None]) -> None:
+    """Asynchronous successive halving (`Promotions`) of `trials` at the rungs `rungs` gives;
+    `drive_(lineup)` trains what it hands out (`drive`)."""
+    ends = rungs(len(trials), trials[0].spec.train.steps, eta, first)
+    lineup = Promotions(trials, eta, ends, log)
+    drive_(lineup)
+    lineup.cut()
 
 
 def _best_value(spec: JobSpec) -> Optional[float]:

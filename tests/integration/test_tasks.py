@@ -377,7 +377,7 @@ def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straig
     checkpoint there, evaluated), the best by its best eval_loss on to step 4, the other two
     cut at step 1. The winner paused and resumed, yet its final parameters equal a run of
     its job straight to step 4, bitwise, and its MLflow run holds each step once. Run again,
-    nothing trains."""
+    synchronous or not (--async), nothing trains."""
     from baton import cli
     from helpers import write_spec
 
@@ -421,10 +421,11 @@ def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straig
     assert sorted(_history(spec, run_id, "loss")) == [1, 2, 3, 4]
     assert sorted(_history(spec, run_id, "eval_loss")) == [1, 2, 4]  # every 2 steps, and the pause
 
-    assert cli.main(argv) == 0
-    again = capsys.readouterr().out
-    assert again.count(": trained before, at step 1") == 2 and again.count(": done before, at step 4") == 1
-    assert [line.split()[0] for line in again.splitlines()[-3:]] == [r[0] for r in rows]
+    for asynchronous in ([], ["--async"]):  # asynchronous halving keeps the same places
+        assert cli.main(argv + asynchronous) == 0
+        again = capsys.readouterr().out
+        assert again.count(": trained before, at step 1") == 2 and again.count(": done before, at step 4") == 1
+        assert [line.split()[0] for line in again.splitlines()[-3:]] == [r[0] for r in rows]
 
     assert cli.main([*argv[:-1], "--list"]) == 0  # where each trial is, from its status file
     listed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines()[:3])

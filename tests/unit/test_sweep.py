@@ -180,6 +180,90 @@ def test_halving_trains_the_best_third_on_at_each_rung_and_cuts_the_rest(tmp_pat
                for line in log), log
 
 
+def test_asynchronous_halving_promotes_a_trial_as_soon_as_it_stands_among_the_best(tmp_path):
+    """The 9 trials of the test above under --async, a trial at a time: the best of the first
+    three (3e-3) goes on to step 30 before the fourth begins, and on to the end once three
+    are judged at step 30; the same trials go as far as under synchronous halving, here."""
+    from baton.sweeps import drive, promote
+
+    lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
+    trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": lrs})
+    run, calls = _losses()
+    log = []
+    promote(trials, 3, None, lambda lineup: drive(
+        lineup, lambda spec, end, on_step: run(spec, end), log.append), log.append)
+    name = {t.spec.train.lr: t.name for t in trials}
+    assert calls == [(name[1e-3], 10), (name[2e-3], 10), (name[3e-3], 10), (name[3e-3], 30),
+                     (name[4.5e-3], 10), (name[5e-3], 10), (name[6e-3], 10), (name[2e-3], 30),
+                     (name[8e-3], 10), (name[1e-2], 10), (name[1.0], 10), (name[4.5e-3], 30),
+                     (name[3e-3], None)]
+    state = {t.spec.train.lr: (t.state, t.step, t.rung) for t in trials}
+    assert state[3e-3] == ("finished", 90, 2)
+    assert state[2e-3] == state[4.5e-3] == ("cut", 30, 1)
+    assert all(state[lr] == ("cut", 10, 0) for lr in (1e-3, 5e-3, 6e-3, 8e-3, 1e-2))
+    assert state[1.0] == ("failed", 0, 0)
+    assert [t.spec.train.lr for t in rank(trials, "loss", True)][:3] == [3e-3, 2e-3, 4.5e-3]
+    assert log[0] == f"trial 1 of 9: {name[1e-3]} (train.lr=0.001) to step 10"
+    assert f"  {name[3e-3]} goes on to step 30 (rung 2 of 3): loss 1 at step 10, 1 of 3 judged there so far" in log
+    assert f"  {name[2e-3]}: cut at step 30: loss 1.003, 2 of 3" in log, log
+    assert any(line.startswith(f"  {name[1e-2]}: cut at step 10: loss ") and line.endswith(", 8 of 9")
+               for line in log), log
+
+
+def test_asynchronous_halving_keeps_the_places_of_trials_that_ended_or_went_further_before(tmp_path):
+    """6 trials, --halving 3 --async over 90 steps (the best 2 of 6 on from step 30): one
+    finished before (a sweep run again: judged at the end, it holds a place at step 30) and
+    one stopped early at step 20 (eval.patience) with the second best loss, which holds the
+    other place without training; the 4 others are cut, and no trial trains twice."""
+    from types import SimpleNamespace
+
+    from baton.sweeps import drive, promote
+
+    trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]})
+    calls = []
+
+    def run(spec, until, on_step):
+        calls.append(spec.train.lr)
+        step = {1e-3: 90, 2e-3: 20}.get(spec.train.lr, until)
+        return SimpleNamespace(state="finished" if step == 90 else "paused", step=step,
+                               loss=spec.train.lr * 1000, run_id="r", eval={}, best=None,
+                               stopped_early="no better eval_loss" if step == 20 else None)
+
+    promote(trials, 3, None, lambda lineup: drive(lineup, run, lambda line: None), lambda line: None)
+    assert calls == [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
+    assert [(t.state, t.step, t.rung) for t in trials] == [
+        ("finished", 90, 1), ("stopped early", 20, 1), *[("cut", 30, 0)] * 4]
+
+
+def test_asynchronous_halving_does_not_wait_for_a_rungs_slowest_trial(tmp_path):
+    """4 trials, 2 at once, --halving 3 --async over 9 steps (judged at step 3): the first
+    trial trains to the end while the second, slow one is still on its way to step 3 (the
+    slow one waits until then, or 30 s); the slow one, judged last, is cut."""
+    import threading
+    from types import SimpleNamespace
+
+    from baton.sweeps import drive, promote
+
+    trials = plan(_job(tmp_path, train={"steps": 9}), {"train.lr": [1e-3, 2e-3, 3e-3, 4e-3]})
+    fast_one_at_the_end, waited = threading.Event(), []
+
+    def run(spec, until, on_step):
+        if until is None:
+            fast_one_at_the_end.set()
+        if spec.train.lr == 2e-3:
+            waited.append(fast_one_at_the_end.wait(timeout=30))
+        step = until or spec.train.steps
+        return SimpleNamespace(state="paused" if until else "finished", step=step,
+                               loss=spec.train.lr * 1000 / step, run_id="r", eval={}, best=None,
+                               stopped_early=None)
+
+    log = []
+    promote(trials, 3, None, lambda lineup: drive(lineup, run, log.append, concurrent=2,
+                                                  total={"CPU": 2.0}), log.append)
+    assert waited == [True]
+    assert [(t.state, t.step) for t in trials] == [("finished", 9), ("cut", 3), ("cut", 3), ("cut", 3)]
+
+
 def test_a_halving_that_cannot_judge_its_trials_is_one_line(tmp_path, capsys):
     from baton.sweeps import check_halving
 
@@ -195,6 +279,14 @@ def test_a_halving_that_cannot_judge_its_trials_is_one_line(tmp_path, capsys):
             check_halving(*args, job)
     assert cli.main(["sweep", job, "--grid", "train.lr=[1e-3, 2e-3]", "--first-rung", "2"]) == 2
     assert "--first-rung is where --halving first judges the trials: give --halving too" in capsys.readouterr().err
+    assert cli.main(["sweep", job, "--grid", "train.lr=[1e-3, 2e-3]", "--async", "--list"]) == 2
+    assert ("--async promotes the trials of a --halving as soon as they stand among the best: "
+            "give --halving too") in capsys.readouterr().err
+    assert cli.main(["sweep", job, "--grid", "train.lr=[1e-3, 2e-3, 3e-3, 4e-3]", "--halving", "2",
+                     "--async", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "asynchronous halving: judged at steps 2, 4; the best 1/2 go on as they are judged, the "
+        "last to step 8")
     assert cli.main(["sweep", job, "--grid", "train.lr=[1e-3, 2e-3, 3e-3, 4e-3]", "--halving", "2",
                      "--list"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (

@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--first-rung", type=int, metavar="STEP",
                     help="with --halving, the step the trials are first judged at (default: "
                          "train.steps / ETA^k, for as many rungs as the trials allow)")
+    sw.add_argument("--async", action="store_true", dest="asynchronous",
+                    help="with --halving, asynchronous halving (ASHA): a trial goes on as soon as "
+                         "it stands among the best 1/ETA of those judged at its rung so far, and "
+                         "no rung waits for its slowest trial (for --concurrent sweeps)")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec value for every trial (repeatable)")
     sw.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
@@ -379,14 +383,17 @@ def _sweep(args: argparse.Namespace) -> int:
             where = sweeps.progress(t.spec)
             print(f"{t.name}: " + ", ".join(f"{k}={v}" for k, v in t.values.items())
                   + (f"; {where}" if where else ""))
+        sweeps.check_halving(trials, args.halving, args.first_rung, args.job, args.asynchronous)
         if args.halving is not None:
-            sweeps.check_halving(trials, args.halving, args.first_rung, args.job)
             ends = sweeps.rungs(len(trials), trials[0].spec.train.steps, args.halving, args.first_rung)
-            print("halving: judged at steps " + ", ".join(map(str, ends[:-1])) + "; the best "
-                  f"1/{args.halving} go on each time, the last to step {ends[-1]}")
+            print(("asynchronous " if args.asynchronous else "") + "halving: judged at steps "
+                  + ", ".join(map(str, ends[:-1])) + f"; the best 1/{args.halving} go on "
+                  + ("as they are judged" if args.asynchronous else "each time")
+                  + f", the last to step {ends[-1]}")
         return 0
     trials = api.sweep(args.job, axes, args.set, trials=args.trials, seed=args.seed,
                        halving=args.halving, first_rung=args.first_rung, concurrent=args.concurrent,
+                       asynchronous=args.asynchronous,
                        address=args.address, show_progress=not args.quiet)
     metric, lowest = sweeps.ranked_by(trials[0].spec)
     print(f"{args.job}: {len(trials)} trials, best first by {metric} "
