@@ -60,6 +60,13 @@ class MixSource:
 
 
 @dataclass(frozen=True)
+class MixPhase:
+    """data.mix's weights from a step on (an annealing phase on other proportions)."""
+    after_step: int  # they hold for the steps after this one (step after_step + 1 on)
+    weights: list[float]  # one per data.mix source, in its order; 0: none of that source's samples
+
+
+@dataclass(frozen=True)
 class DataSpec:
     # stdlib and digits: built-in data, prepared into data.path on first run
     source: Literal["stdlib", "digits", "parquet"] = "stdlib"
@@ -82,6 +89,9 @@ class DataSpec:
     # several Parquet datasets trained on as one stream, each sample drawn from a source in
     # proportion to its weight (data.path is then not read): [{path: web, weight: 3}, ...]
     mix: list[MixSource] = field(default_factory=list)
+    # the mix's weights from steps on: [{after_step: 900, weights: [1, 9]}, ...] (the schedule
+    # starts again at each, as a resume with --rebase-data onto new weights does)
+    mix_phases: list[MixPhase] = field(default_factory=list)
 
     @property
     def paths(self) -> list[str]:
@@ -348,9 +358,11 @@ class JobSpec:
                  if k not in ("steps", "decay_steps", "micro_batch", "activation_checkpointing",
                               "compile")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
-        data = {k: v for k, v in d["data"].items() if k not in ("columns", "pad", "mix") or v}
+        data = {k: v for k, v in d["data"].items()
+                if k != "mix_phases" and (k not in ("columns", "pad", "mix") or v)}
         if "mix" in data:  # its sources; their weights are pinned with their files (a change
-            # is resumed with --rebase-data: api.check_corpus), their names label metrics
+            # is resumed with --rebase-data: api.check_corpus), their names label metrics, and
+            # the phases that have begun are pinned with them (Mixture.trained)
             data["mix"] = [m["path"] for m in data["mix"]]
         # the task and the held-out split only where set: v0.5's checkpoints keep their recipe
         extra = {**({"task": self.task} if self.task != "language_model" else {}),

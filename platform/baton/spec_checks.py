@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Optional
 
 from baton.errors import SpecError
@@ -79,6 +80,9 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
     if d.mix:
         _check_mix(spec, need)
+    else:
+        need(not d.mix_phases, "data.mix_phases", [asdict(p) for p in d.mix_phases],
+             "changes the weights of data.mix: give data.mix too")
     _check_task(spec, need)
     if c.best is not None or c.best_mode is not None:  # (after the task's checks: it names it)
         _check_best(spec, need)
@@ -198,6 +202,7 @@ MOST: dict[str, tuple[float, str]] = {
 }
 MOST_WORKERS = 2**16  # replicas x pipeline stages
 MOST_SOURCES = 256  # datasets in data.mix: each has a feed reading ahead in the driver
+MOST_PHASES = 1024  # data.mix_phases: each checkpoint's metadata lists them
 MOST_PASSES = 2**16  # micro-batches x pipeline stages of one step: a schedule is built from them
 _SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
 
@@ -305,6 +310,19 @@ def _check_mix(spec: JobSpec, need) -> None:
              problem or "give a folder or URI")
         need(0 < m.weight <= 10**6, f"data.mix[{k}].weight", m.weight,
              "must be > 0 and at most 1,000,000 (its share is weight / the sum of the weights)")
+    need(len(d.mix_phases) <= MOST_PHASES, "data.mix_phases", f"{len(d.mix_phases)} phases",
+         f"at most {MOST_PHASES:,}")
+    after = 0
+    for k, p in enumerate(d.mix_phases):
+        need(p.after_step > after, f"data.mix_phases[{k}].after_step", p.after_step,
+             "must be at least 1" if k == 0 else
+             f"must be after the phase before it (data.mix_phases[{k - 1}].after_step: {after})")
+        after = p.after_step
+        need(len(p.weights) == len(d.mix), f"data.mix_phases[{k}].weights", p.weights,
+             f"give one weight for each of the {len(d.mix)} sources of data.mix, in its order")
+        need(all(0 <= w <= 10**6 for w in p.weights) and sum(p.weights) > 0,
+             f"data.mix_phases[{k}].weights", p.weights,
+             "each must be 0 to 1,000,000 (0: none of that source's samples), and one above 0")
     labels = [m.label for m in d.mix]
     for k, m in enumerate(d.mix):
         need(m.name is None or re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", m.name), f"data.mix[{k}].name",

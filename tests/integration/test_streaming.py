@@ -572,7 +572,8 @@ def test_a_mix_of_two_corpora_trains_on_their_weighted_stream_across_a_resume(tm
     first and 5 from the second in every step, so the small source's epoch ends inside step 6.
     5 steps at dp 2, then resumed at dp 1 to step 10: each step trains exactly the samples of
     the stream worked out here from the sources' own orders, every sample of the small source
-    once in its first epoch, and the parameters are one process's on that stream."""
+    once in its first epoch, and the parameters are one process's on that stream. New
+    weights go on with --rebase-data, and a phase planned after the checkpoint without it."""
     from baton.data.manifest import Manifest
     from baton.data.mix import Mixture, due
     from baton.data.order import Cursor
@@ -641,6 +642,25 @@ def test_a_mix_of_two_corpora_trains_on_their_weighted_stream_across_a_resume(tm
     meta = CheckpointStore(spec.checkpoint_dir).read_meta(12)
     assert meta["cursor"]["sources"] == [{"epoch": 2, "consumed": 6}, {"epoch": 0, "consumed": 58}]
     assert meta["cursor"]["since"] == [30, 50]
+
+    # a phase planned after the checkpoint's step (data.mix_phases) needs no --rebase-data: step
+    # 13 goes on at 4 and 4, steps 14 to 16 take none of the small source (its weight 0), and
+    # the schedule starts again there; moving a phase that has begun is refused
+    sections["data"]["mix_phases"] = [{"after_step": 13, "weights": [0, 1]}]
+    sections["train"]["steps"] = 16
+    phased = api.run(spec_from_dict(tiny_spec(tmp_path, small, name="mixed", **sections)),
+                     show_progress=False, record_samples=True)
+    assert phased.resumed_from == 12 and phased.step == 16
+    small_per_step = [sum(i < 5000 for s, _, got in phased.ledger if s == step for i in got)
+                      for step in range(12, 16)]
+    assert small_per_step == [4, 0, 0, 0]
+    meta = CheckpointStore(spec.checkpoint_dir).read_meta(16)
+    assert meta["cursor"]["phase"] == 1 and meta["cursor"]["since"] == [42, 62]
+    assert meta["data"]["phases"] == [{"after_step": 13, "weights": [0.0, 1.0]}]
+    sections["data"]["mix_phases"] = [{"after_step": 14, "weights": [0, 1]}]
+    sections["train"]["steps"] = 18
+    with pytest.raises(CheckpointError, match=r"data.mix_phases changed before step 16 \(after steps 13 \| 14\)"):
+        api.run(spec_from_dict(tiny_spec(tmp_path, small, name="mixed", **sections)), show_progress=False)
 
 
 def test_a_mix_holds_out_row_groups_of_each_source_and_reports_each(tmp_path):

@@ -515,7 +515,8 @@ def written_parts(store, step, names):
 class OrderOnlyFeed:
     """The data feed without Ray Data: the order's positions, no units to read."""
 
-    cursor, rebased = staticmethod(DataFeed.cursor), staticmethod(DataFeed.rebased)  # one corpus
+    cursor, rebased, enter = (staticmethod(DataFeed.cursor), staticmethod(DataFeed.rebased),
+                              staticmethod(DataFeed.enter))  # one corpus
 
     def __init__(self, order):
         self.order = order

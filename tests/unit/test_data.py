@@ -159,7 +159,7 @@ def test_a_mix_cursor_keeps_each_sources_place_and_rebases_each(tmp_path):
 
     sources = [manifest("a", (16,)), manifest("b", (100,))]
     before = Mixture(["a", "b"], sources, [3, 5])
-    meta = {"cursor": state, "data": before.summary()}
+    meta = {"step": 10, "cursor": state, "data": before.summary()}
     feeds = [SimpleNamespace(order=SimpleNamespace(num_samples=n)) for n in (16, 100)]
     after = MixedFeed(Mixture(["a", "b"], sources, [1, 1]), feeds)
     assert after.rebased(meta) == {"epoch": 0, "consumed": 80, "since": [30, 50], "sources": [
@@ -167,8 +167,55 @@ def test_a_mix_cursor_keeps_each_sources_place_and_rebases_each(tmp_path):
     grown = MixedFeed(Mixture(["a", "b"], [sources[0], manifest("b", (100, 20))], [1, 1]), feeds)
     assert grown.rebased(meta)["sources"] == [{"epoch": 1, "consumed": 14}, {"epoch": 1, "consumed": 0}]
     # from a checkpoint of one corpus (--rebase-data onto a mix): the epoch after its own
-    one = {"cursor": {"epoch": 3, "consumed": 5}, "data": sources[0].summary()}
+    one = {"step": 4, "cursor": {"epoch": 3, "consumed": 5}, "data": sources[0].summary()}
     assert after.rebased(one)["sources"] == [{"epoch": 4, "consumed": 0}] * 2
+
+
+def test_a_mix_phase_changes_the_weights_from_its_step_and_a_checkpoint_pins_only_begun_phases(tmp_path):
+    """data.mix_phases: from the step after `after_step` the batches follow the phase's weights
+    (a weight of 0 takes none of that source), the schedule starting again there, whatever
+    the batch sizes; the cursor's state holds the phase. A checkpoint pins the phases that had
+    begun by its step: those after it may be added or changed, an earlier one is named."""
+    from types import SimpleNamespace
+
+    from baton.data.manifest import FileEntry, Manifest
+    from baton.data.mix import MixedFeed, Mixture, due
+
+    zero = due([4, 0, 4], np.array([0.5, 0.0, 0.5]), 40)
+    assert (zero == 1).sum() == 0 and np.bincount(zero, minlength=3).tolist() == [20, 0, 20]
+
+    def manifest(path, rows):
+        return Manifest(str(tmp_path / path), [FileEntry("part-0.parquet", 100, rows)])
+
+    sources = [manifest("a", (16,)), manifest("b", (100,))]
+    mixture = Mixture(["a", "b"], sources, [1, 1], ["a", "b"], [(3, [0, 1]), (5, [1, 3])])
+    assert [mixture.phase_at(s) for s in range(7)] == [0, 0, 0, 1, 1, 2, 2]
+    feed = MixedFeed(mixture, [SimpleNamespace(order=SimpleNamespace(num_samples=n)) for n in (16, 100)])
+    cursor, drawn, said = feed.cursor(), [], []
+    for step in range(7):
+        said.append(feed.enter(cursor, step))
+        sources_of = due(cursor.scheduled(), mixture.weights_in(cursor.phase), 8)
+        drawn.append(np.bincount(sources_of, minlength=2).tolist())
+        for k, c in enumerate(cursor.sources):  # what next_batch's feeds would take
+            c.consumed += int((sources_of == k).sum())
+    assert drawn == [[4, 4], [4, 4], [4, 4], [0, 8], [0, 8], [2, 6], [2, 6]]
+    assert said == [None, None, None, "step 4: the mix's weights now a 0.0%, b 100.0% (data.mix_phases[0])",
+                    None, "step 6: the mix's weights now a 25.0%, b 75.0% (data.mix_phases[1])", None]
+    state = cursor.state_dict()
+    assert state["phase"] == 2 and state["since"] == [12, 28]
+    again = feed.cursor()
+    again.load_state_dict(state)
+    assert (again.phase, again.since) == (2, [12, 28])
+
+    meta = {"step": 4, "cursor": state, "data": mixture.summary()}
+    later = Mixture(["a", "b"], sources, [1, 1], phases=[(3, [0, 1]), (6, [1, 1]), (9, [2, 1])])
+    assert later.trained(meta)  # the phase after step 5 moved and one added: after the checkpoint
+    moved = Mixture(["a", "b"], sources, [1, 1], phases=[(2, [0, 1])])
+    assert not moved.trained(meta)
+    assert moved.changed_since(meta) == ("data.mix_phases changed before step 4 (after steps 3 | 2): "
+                                         "only phases after the checkpoint's step may change")
+    assert not Mixture(["a", "b"], sources, [1, 1]).trained(meta)
+    assert MixedFeed(later, feed.feeds).rebased({**meta, "step": 7})["phase"] == 2
 
 
 @pytest.mark.parametrize("dp_before,dp_after", [(2, 2), (2, 3), (4, 1)])

@@ -77,6 +77,9 @@ def test_fingerprint_ignores_steps_and_layout_but_not_the_model(tmp_path):
         mix, [dict(mix[0], name="web"), mix[1]], [mix[0], dict(mix[1], weight=2)],
         [mix[0], dict(mix[1], path="c")])]
     assert mixed[0].fingerprint() == mixed[1].fingerprint() == mixed[2].fingerprint() != mixed[3].fingerprint()
+    phased = spec_from_dict({**base, "data": {**base["data"], "mix": mix,
+                                              "mix_phases": [{"after_step": 5, "weights": [0, 1]}]}})
+    assert phased.fingerprint() == mixed[0].fingerprint()  # pinned with the files, as weights are
     assert a.fingerprint() != mixed[0].fingerprint()
 
 
@@ -119,6 +122,18 @@ BROKEN = [
      "data.mix[0].name: None is invalid; 'data' names two sources; give each a name of its own"),
     ({"data": {"mix": [{"path": "../data", "name": "a/b"}, {"path": "../data"}]}},
      "data.mix[0].name: 'a/b' is invalid; names its held-out metrics (eval_loss/NAME)"),
+    ({"data": {"mix_phases": [{"after_step": 2, "weights": [1]}]}},
+     "data.mix_phases: [{'after_step': 2, 'weights': [1.0]}] is invalid; changes the weights of data.mix: give data.mix too"),
+    ({"data": {"mix": [{"path": "../data"}, {"path": "../data", "name": "b"}], "mix_phases": [{"after_step": 0, "weights": [1, 1]}]}},
+     "data.mix_phases[0].after_step: 0 is invalid; must be at least 1"),
+    ({"data": {"mix": [{"path": "../data"}, {"path": "../data", "name": "b"}], "mix_phases": [{"after_step": 5, "weights": [1, 1]}, {"after_step": 5, "weights": [1, 2]}]}},
+     "data.mix_phases[1].after_step: 5 is invalid; must be after the phase before it (data.mix_phases[0].after_step: 5)"),
+    ({"data": {"mix": [{"path": "../data"}, {"path": "../data", "name": "b"}], "mix_phases": [{"after_step": 5, "weights": [1]}]}},
+     "data.mix_phases[0].weights: [1.0] is invalid; give one weight for each of the 2 sources of data.mix"),
+    ({"data": {"mix": [{"path": "../data"}, {"path": "../data", "name": "b"}], "mix_phases": [{"after_step": 5, "weights": [0, 0]}]}},
+     "data.mix_phases[0].weights: [0.0, 0.0] is invalid; each must be 0 to 1,000,000 (0: none of that source's samples), and one above 0"),
+    ({"data": {"mix": [{"path": "../data"}, {"path": "../data", "name": "b"}], "mix_phases": [{"after_step": 5}]}},
+     "data.mix_phases[0].weights: required key is missing"),
     ({"model": {"name": "nosuchmodule:build"}}, "model.name: 'nosuchmodule:build' is invalid; cannot load the builder"),
     ("name: x\ntrain: {steps: 3\n", "not valid YAML at line"),
     ("- just\n- a list\n", "the top level must be a mapping of sections, got a list"),

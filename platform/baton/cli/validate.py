@@ -125,4 +125,6 @@ def _data_lines(m: dict, shuffle_block: int, mixed: list[str]) -> list[str]:
         return [f"  data: {shape(m)}"]
     return [f"  data: a mix of {len(mixed)} sources, manifest {m['digest']}"] + [
         f"    {s['weight']:.1%} of the samples from {path}: {shape(s)}"
-        for path, s in zip(mixed, m["sources"])]
+        for path, s in zip(mixed, m["sources"])] + [
+        f"    after step {p['after_step']}: " + ", ".join(f"{w:.1%}" for w in p["weights"])
+        + f" (data.mix_phases[{k}], in the sources' order)" for k, p in enumerate(m.get("phases", []))]

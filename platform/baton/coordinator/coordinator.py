@@ -249,7 +249,7 @@ class Coordinator:
             self.data = preflight(self.spec, self.spec.name)
         self.manifest = self.data.manifest
         if not self.evaluate_only:
-            self.samples = Samples(self.data.feed(self.spec), self.manifest)
+            self.samples = Samples(self.data.feed(self.spec), self.manifest, self.report.note)
         self.evaluation = evaluation(self.spec, self.data, self.end)
         meta = self.resume_meta
         if meta:
@@ -257,7 +257,7 @@ class Coordinator:
         if self.samples:
             if meta:
                 self.samples.seek(meta)
-            self.samples.prime(self.spec.train.global_batch)
+            self.samples.prime(self.spec.train.global_batch, self.step)
         timer.lap("data")
         # (an evaluation's run is named apart: `baton report JOB` draws the job's training)
         run_id = self.tracker.start(
@@ -743,7 +743,7 @@ class Coordinator:
 
     def _submit(self, step: int) -> "_Pending":
         t = self.spec.train
-        batch, cursor = self.samples.next_batch(t.global_batch)
+        batch, cursor = self.samples.next_batch(t.global_batch, step)
         lr = t.lr_at(step)
         # a pipeline's timeline by default; a data-parallel profile only when asked for, since
         # profiling slows the step it profiles

@@ -3,7 +3,7 @@ workers, and which worker trained which samples."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from baton.data.feed import Batch, DataFeed, UnitsSent
 from baton.data.manifest import Manifest
@@ -16,12 +16,13 @@ class Samples:
     ledger, (step, rank, sample ids) of every completed step when the run records samples.
     The cursor runs ahead of the completed steps by the steps queued on the workers."""
 
-    def __init__(self, feed: DataFeed, manifest: Manifest):
+    def __init__(self, feed: DataFeed, manifest: Manifest, note: Callable[[str], None] = print):
         self.feed, self.manifest = feed, manifest  # a DataFeed, or a MixedFeed (data/mix.py)
         self.cursor = feed.cursor()
         self.done = self.cursor.state_dict()
         self.sent = UnitsSent()
         self.ledger: list = []
+        self.note = note  # a mix's new phase, as its first batch is drawn
 
     def seek(self, meta: Optional[dict]) -> None:
         """Go back (or on) to a checkpoint's place, `meta`, or to the start with None. A
@@ -36,14 +37,23 @@ class Samples:
         self.done = self.cursor.state_dict()
         self.ledger = [entry for entry in self.ledger if entry[0] < step]
 
-    def prime(self, global_batch: int) -> None:
-        """Read the first batch's units now: bad rows are refused before anything is written."""
+    def prime(self, global_batch: int, step: int) -> None:
+        """Read the first batch's units (after `step` steps) now: bad rows are refused before
+        anything is written."""
+        self._enter(step)
         self.feed.prime(self.cursor, global_batch)
 
-    def next_batch(self, global_batch: int) -> tuple[Batch, dict]:
-        """The next global batch, and the cursor after it."""
+    def next_batch(self, global_batch: int, step: int) -> tuple[Batch, dict]:
+        """The global batch after `step` steps (in the mix's phase there), and the cursor
+        after it."""
+        self._enter(step)
         batch = self.sent.strip(self.feed.next_batch(self.cursor, global_batch))
         return batch, self.cursor.state_dict()
+
+    def _enter(self, step: int) -> None:
+        said = self.feed.enter(self.cursor, step)
+        if said:
+            self.note(said)
 
     def completed(self, cursor: dict, entries: list) -> None:
         """A step is done: `cursor` is where it left the data, `entries` each rank's ledger."""

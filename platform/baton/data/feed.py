@@ -439,6 +439,11 @@ class DataFeed:
         """The cursor of checkpoint `meta` moved onto another corpus (order.rebased)."""
         return rebased(meta["cursor"])
 
+    @staticmethod
+    def enter(cursor: Cursor, step: int) -> None:
+        """One corpus has no phases (a mix's do: `MixedFeed.enter`)."""
+        return None
+
     @property
     def rows_read(self) -> int:
         """Rows of the units read so far by the current reads: what a seek costs."""

@@ -7,10 +7,11 @@ scheduling): the i-th sample of source k is due at time (i + 1/2) / w_k, and the
 samples in the order of those times (ties by source index). After n samples every source has
 given w_k n of them, within one; and the choice for sample n depends only on how many each
 source has given before it, so a batch split at any size, a resume and a resize continue the
-same stream. The weights may change on a resume (`--rebase-data`: an annealing phase on
-other proportions): each source goes on from its place, and the schedule starts again from
-there (counting from the samples each had given then, `since`), so the new weights hold
-from that step on rather than making up for the old ones. Each source keeps its own epoch order and cursor (`order.py`: every sample of a
+same stream. The weights change at the steps `data.mix_phases` names (an annealing phase on
+other proportions), or on a resume (`--rebase-data`): each source goes on from its place, and
+the schedule starts again from there (counting from the samples each had given then, `since`),
+so the new weights hold from that step on rather than making up for the old ones. A weight of
+0 in a phase takes none of that source's samples meanwhile. Each source keeps its own epoch order and cursor (`order.py`: every sample of a
 source once per epoch of that source) and its own feed (`feed.py`), unchanged; a batch merges
 their batches into one position space, sources one after another (source k's positions and
 row groups offset by the sizes of the sources before it), so the workers read it as they read
@@ -31,18 +32,21 @@ from baton.data.order import Cursor, EpochOrder, rebased
 
 
 def due(taken: Sequence[int], weights: np.ndarray, count: int) -> np.ndarray:
-    """The source of each of the next `count` samples, after source k has given `taken[k]`."""
+    """The source of each of the next `count` samples, after source k has given `taken[k]`
+    (a source of weight 0 none)."""
     k = len(weights)
     i = np.asarray(taken, dtype=np.float64)[:, None] + np.arange(count, dtype=np.float64)[None, :]
-    times = (i + 0.5) / weights[:, None]
+    w = weights[:, None]
+    times = np.divide(i + 0.5, w, out=np.full(i.shape, np.inf), where=w > 0)
     sources = np.broadcast_to(np.arange(k)[:, None], times.shape)
     order = np.lexsort((sources.ravel(), times.ravel()))[:count]
     return sources.ravel()[order]
 
 
 class MixCursor:
-    """Where the stream stands: each source's cursor in its own epochs, and the samples each
-    had given when the current weights took effect (`since`). Its state holds them, the
+    """Where the stream stands: each source's cursor in its own epochs, the samples each had
+    given when the current weights took effect (`since`), and which weights those are
+    (`phase`: 0 data.mix's own, k data.mix_phases[k - 1]'s). Its state holds them, the
     samples taken in all (`consumed`) and the fewest epochs any source has finished (`epoch`,
     the run's epoch metric: every sample of every source seen that many times)."""
 
@@ -50,6 +54,7 @@ class MixCursor:
         self.sizes = list(sizes)  # samples of each source's order (an epoch), for `taken`
         self.sources = [Cursor() for _ in sizes]
         self.since: list[int] = [0] * len(sizes)
+        self.phase = 0
 
     @property
     def epoch(self) -> int:
@@ -64,7 +69,8 @@ class MixCursor:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": sum(self.taken()),
-                "sources": [c.state_dict() for c in self.sources], "since": list(self.since)}
+                "sources": [c.state_dict() for c in self.sources], "since": list(self.since),
+                **({"phase": self.phase} if self.phase else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state.get("sources", ())) != len(self.sources):
@@ -73,6 +79,7 @@ class MixCursor:
         for cursor, s in zip(self.sources, state["sources"]):
             cursor.load_state_dict(s)
         self.since = [int(n) for n in state.get("since", [0] * len(self.sources))]
+        self.phase = int(state.get("phase", 0))
 
 
 class Mixture:
@@ -80,13 +87,15 @@ class Mixture:
     weights, a digest that pins every source and its weight, and a summary."""
 
     def __init__(self, paths: Sequence[str], manifests: Sequence[Manifest], weights: Sequence[float],
-                 names: Optional[Sequence[str]] = None):
+                 names: Optional[Sequence[str]] = None,
+                 phases: Sequence[tuple[int, Sequence[float]]] = ()):
         self.paths, self.manifests = list(paths), list(manifests)
         self.names = list(names or (str(k) for k in range(len(paths))))  # its eval metrics' suffix
         # each source's training row groups (None: all): eval.fraction holds some out
         self.train_uids: list[Optional[np.ndarray]] = [None] * len(manifests)
-        total = float(sum(weights))
-        self.weights = np.array([w / total for w in weights], dtype=np.float64)
+        self.weights = _shares(weights)
+        # data.mix_phases: (after_step, its weights as shares), the weights from step after_step + 1 on
+        self.phases = [(int(after), _shares(w)) for after, w in phases]
         sizes = [m.num_samples for m in self.manifests]
         self.bases = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)  # positions
         counts = [len(m.units) for m in self.manifests]
@@ -114,10 +123,32 @@ class Mixture:
                 "row_groups": sum(len(m.units) for m in self.manifests),
                 "samples": self.num_samples, "bytes": self.bytes, "digest": self.digest(),
                 "sources": [{"weight": round(float(w), 6), **m.summary()}
-                            for w, m in zip(self.weights, self.manifests)]}
+                            for w, m in zip(self.weights, self.manifests)],
+                **({"phases": self._phases_json()} if self.phases else {})}
+
+    def weights_in(self, phase: int) -> np.ndarray:
+        """The shares of phase `phase` (0: data.mix's own weights)."""
+        return self.phases[phase - 1][1] if phase else self.weights
+
+    def phase_at(self, step: int) -> int:
+        """The phase the batch after `step` steps is drawn in."""
+        return sum(after <= step for after, _ in self.phases)
+
+    def _begun(self, phases: list, step: int) -> list:
+        """The phases of `phases` (summary's form) that had begun by step `step`."""
+        return [p for p in phases if p["after_step"] < step]
 
     def trained(self, meta: dict) -> bool:
-        return meta.get("data", {}).get("digest") == self.digest()
+        """Whether checkpoint `meta` was trained on this mix: these sources at these weights,
+        and the same phases so far (those after its step may be added or changed freely)."""
+        data = meta.get("data", {})
+        return (data.get("digest") == self.digest()
+                and self._begun(data.get("phases", []), meta["step"])
+                == self._begun(self._phases_json(), meta["step"]))
+
+    def _phases_json(self) -> list[dict]:
+        return [{"after_step": after, "weights": [round(float(w), 6) for w in shares]}
+                for after, shares in self.phases]
 
     def changed_since(self, meta: dict) -> str:
         """Which sources differ from those checkpoint `meta` was trained on, in one line."""
@@ -130,8 +161,15 @@ class Mixture:
                    if o.get("digest") != m.digest()]
         if changed:
             return ", ".join(changed) + " changed"
-        before = ", ".join(f"{o.get('weight', 0):.3g}" for o in old)
-        return f"the weights changed ({before} -> {', '.join(f'{w:.3g}' for w in self.weights)})"
+        then = ", ".join(f"{o.get('weight', 0):.3g}" for o in old)
+        now = ", ".join(f"{w:.3g}" for w in self.weights)
+        if then != now or meta.get("data", {}).get("digest") != self.digest():
+            return f"the weights changed ({then} -> {now})"
+        step = meta["step"]
+        begun = [self._begun(p, step) for p in (meta.get("data", {}).get("phases", []), self._phases_json())]
+        return (f"data.mix_phases changed before step {step} (after steps "
+                + " | ".join(", ".join(str(p["after_step"]) for p in b) or "none" for b in begun)
+                + "): only phases after the checkpoint's step may change")
 
     def orders(self, seed: int, shuffle_block: int) -> list[EpochOrder]:
         """Each source's epoch order over its training row groups, by a seed of its own (drawn
@@ -166,11 +204,23 @@ class MixedFeed:
                        for s, o, m in zip(sources, old, self.mixture.manifests)]
         cursor = self.cursor()
         cursor.load_state_dict({"sources": sources})
-        cursor.since = cursor.taken()
+        cursor.since, cursor.phase = cursor.taken(), self.mixture.phase_at(meta["step"])
         return cursor.state_dict()
 
+    def enter(self, cursor: MixCursor, step: int) -> Optional[str]:
+        """Draw the batch after `step` steps in its phase: where that is a new one, the
+        schedule starts again there under its weights; says so."""
+        phase = self.mixture.phase_at(step)
+        if phase == cursor.phase:
+            return None
+        cursor.phase, cursor.since = phase, cursor.taken()
+        shares = self.mixture.weights_in(phase)
+        return (f"step {step + 1}: the mix's weights now " + ", ".join(
+            f"{name} {w:.1%}" for name, w in zip(self.mixture.names, shares))
+            + (f" (data.mix_phases[{phase - 1}])" if phase else " (data.mix)"))
+
     def prime(self, cursor: MixCursor, global_batch: int) -> None:
-        sources = due(cursor.scheduled(), self.mixture.weights, global_batch)
+        sources = due(cursor.scheduled(), self.mixture.weights_in(cursor.phase), global_batch)
         for k, feed in enumerate(self.feeds):
             c = cursor.sources[k]
             count = min(int((sources == k).sum()), feed.order.num_samples - c.consumed)
@@ -178,7 +228,7 @@ class MixedFeed:
                 feed.prime(c, count)
 
     def next_batch(self, cursor: MixCursor, global_batch: int) -> Batch:
-        sources = due(cursor.scheduled(), self.mixture.weights, global_batch)
+        sources = due(cursor.scheduled(), self.mixture.weights_in(cursor.phase), global_batch)
         positions = np.empty(global_batch, dtype=np.int64)
         units: dict = {}
         window: set = set()
@@ -204,6 +254,11 @@ class MixedFeed:
     def close(self, wait: bool = True) -> None:
         for feed in self.feeds:
             feed.close(wait)
+
+
+def _shares(weights: Sequence[float]) -> np.ndarray:
+    total = float(sum(weights))
+    return np.array([w / total for w in weights], dtype=np.float64)
 
 
 def mixed_feed(mixture: Mixture, columns, seed: int, shuffle_block: int, spread: bool) -> MixedFeed:

@@ -158,7 +158,8 @@ def _mixed(spec: JobSpec, source: str) -> JobData:
                         f"tokenised by {other[1]}, data.mix[{known[0][0]}].path by {known[0][1]}; a "
                         "model reads one vocabulary: prepare every source with one tokenizer")
     return JobData(Mixture([m.path for m in spec.data.mix], manifests,
-                           [m.weight for m in spec.data.mix], [m.label for m in spec.data.mix]),
+                           [m.weight for m in spec.data.mix], [m.label for m in spec.data.mix],
+                           [(p.after_step, p.weights) for p in spec.data.mix_phases]),
                    columns)
 
 
