@@ -690,6 +690,14 @@ def read_columns(folder: Path, columns: dict) -> tuple[np.ndarray, dict]:
     return table.column("sample_id").to_numpy(), out
 
 
+def log_regression(output, batch):
+    """A user task with a bug a bad row finds (`helpers:log_regression`): the squared error of
+    a scalar output against log(target), NaN for a target below 0 (and its gradient too)."""
+    valid = batch["valid"].float()
+    err = output.squeeze(-1).float() - torch.log(batch["target"])
+    return {"loss": (err ** 2 * valid).sum()}
+
+
 def regression(output, batch):
     """A user task (`helpers:regression`): squared error of a scalar output against `target`,
     summed over the valid rows; the absolute error as a metric (a mean over rows), and the

@@ -121,6 +121,10 @@ class TrainSpec:
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # 0 turns clipping off
+    # steps in a row whose gradient is not finite (a NaN or an infinity: a bad batch, a
+    # spike) that are skipped, their update not applied, before the run fails; 0: the first
+    # such step fails it (its last checkpoint kept)
+    skip_nonfinite: int = 0
     seed: int = 0
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast matmuls; weights stay fp32
     # lamb: AdamW's direction scaled per tensor by ||x|| / ||update|| (large batches)
@@ -356,7 +360,7 @@ class JobSpec:
         d = self.to_dict()
         train = {k: v for k, v in d["train"].items()  # (decay_steps: like steps, a length)
                  if k not in ("steps", "decay_steps", "micro_batch", "activation_checkpointing",
-                              "compile")
+                              "compile", "skip_nonfinite")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items()
                 if k != "mix_phases" and (k not in ("columns", "pad", "mix") or v)}

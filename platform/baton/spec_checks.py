@@ -103,6 +103,9 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", t.betas,
          "give two numbers in [0, 1), e.g. [0.9, 0.95]")
     need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 turns clipping off)")
+    need(0 <= t.skip_nonfinite <= 10**6, "train.skip_nonfinite", t.skip_nonfinite,
+         "must be 0 (a step whose gradient is not finite fails the run) to 1,000,000 (steps in a "
+         "row skipped before it fails)")
     ac = t.activation_checkpointing
     need(isinstance(ac, str) or 1 <= ac.every <= MOST["model.layers"][0],
          "train.activation_checkpointing.every", getattr(ac, "every", ac),

@@ -102,6 +102,11 @@ def describe(s: dict) -> list[str]:
         lines.append(f"  straggler: rank {lag['rank']} (node {str(lag['node'])[:12]}, pid {lag['pid']}) "
                      f"computes {lag['ratio']:.1f}x as long as its peers "
                      f"({lag['compute_s']:.3f} s a step against {lag['peers_s']:.3f} s)")
+    skipped = s.get("skipped_steps")  # train.skip_nonfinite's, in this run
+    if skipped:
+        shown = ", ".join(map(str, skipped[-5:]))
+        lines.append(f"  updates skipped (gradient not finite): {len(skipped)}, at step"
+                     f"{'s' * (len(skipped) > 1)} {'..., ' * (len(skipped) > 5)}{shown}")
     lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
     best = s.get("best_checkpoint")  # checkpoint.best's, once one is kept
     if best:

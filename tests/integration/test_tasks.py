@@ -501,3 +501,57 @@ def test_a_step_that_runs_out_of_memory_is_one_line_that_says_what_lowers_it(tmp
         "worker rank 0 failed while training step 1: OutOfMemory: out of host memory (tried to "
         "allocate 1,048,576.00 GiB); lower train.micro_batch, set train.activation_checkpointing: "
         "blocks, or shard the model's state (parallel.shard)")
+
+
+def test_a_step_whose_gradient_is_not_finite_fails_or_is_skipped_and_training_goes_on(tmp_path):
+    """A user task that takes the log of its target meets a row whose target is below 0 in
+    the third step: its loss and gradient are NaN. By default the run fails in one line
+    naming the step, its checkpoint of step 2 kept; resumed with train.skip_nonfinite (not
+    part of the recipe), that step's update is skipped: the parameters and optimizer state
+    after it are those before it, bitwise, the run record and the status say so, and
+    training goes on to the end, finite."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from baton.errors import WorkerError
+
+    columns = {"inputs": ["vec", "a", "b"], "target": "y"}
+    data = write_table(tmp_path / "data")
+
+    def job(**train):
+        return spec_from_dict(tiny_spec(
+            tmp_path, data, name="spike", task="helpers:log_regression",
+            model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
+            data={"source": "parquet", "path": str(data), "columns": columns},
+            train={"steps": 6, "global_batch": 16, "micro_batch": 4, "schedule": "constant", **train},
+            checkpoint={"every_steps": 1, "keep": 6}))
+
+    spec = job()
+    table = pq.read_table(data / "table.parquet")
+    y = np.abs(table.column("y").to_numpy()) + 0.5  # every target's log is finite...
+    order, cursor = job_order(spec, str(data)), Cursor()
+    third = [order.next_batch(cursor, 16) for _ in range(3)][2]
+    y[int(third[0])] = -1.0  # ...but that of a row of the third step (one file: a position is its row)
+    table = table.set_column(table.schema.get_field_index("y"), "y", pa.array(y.astype(np.float32)))
+    pq.write_table(table, data / "table.parquet", row_group_size=8)
+
+    with pytest.raises(WorkerError, match=r"^the loss is nan at step 3; lower train.lr or set "
+                                          r"train.grad_clip, or skip such steps \(train.skip_nonfinite\)"):
+        api.run(spec, show_progress=False)
+    store = CheckpointStore(spec.checkpoint_dir)
+    assert store.latest() == 2
+
+    result = api.run(job(skip_nonfinite=2), show_progress=False)
+    assert result.state == "finished" and result.resumed_from == 2 and result.step == 6
+    assert [(e["kind"], e["step"], e["grad_norm"]) for e in result.events if e["kind"] == "skipped"] == [
+        ("skipped", 3, "nan")]
+    before, after = store.read_model(2), store.read_model(3)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no update, not even decay
+    optim = [torch.utils._pytree.tree_flatten(store.read_tensors(step, "optim-0000.pt"))[0]
+             for step in (2, 3)]
+    assert len(optim[0]) == len(optim[1]) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(*optim))
+    end = store.read_model(6)
+    assert all(torch.isfinite(t).all() for t in end.values())
+    assert any(not torch.equal(end[k], after[k]) for k in end)  # steps 4 to 6 trained
+    assert store.read_status()["skipped_steps"] == [3]

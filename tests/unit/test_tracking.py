@@ -385,3 +385,40 @@ def test_each_step_reports_its_largest_workers_memory(tmp_path):
          "rescales": 0, "memory_mib": {"host": 900, "device": 7168}}
     assert status.describe(s)[3] == "  memory of the largest worker: host 900 MiB, device peak 7,168 MiB"
     assert "memory" not in "".join(status.describe({**s, "memory_mib": {}}))  # before the first step
+
+
+def test_steps_whose_gradient_is_not_finite_are_skipped_up_to_the_limit_in_a_row(tmp_path):
+    """train.skip_nonfinite: 2: a step the workers skipped is measured with a `skipped` metric
+    and its NaN loss kept from the run's last loss; a finite step between resets the count;
+    the third skipped step in a row fails the run in one line; `baton status` lists them.
+    Without it a NaN loss fails at once, saying what to set."""
+    import math
+
+    from baton import status
+    from baton.coordinator.steps import StepStats
+    from baton.errors import WorkerError
+    from baton.spec import spec_from_dict
+    from helpers import tiny_spec
+
+    def result(loss, skipped=False):
+        return {"tokens": 10, "loss_sum": loss * 10, "grad_norm": 1.0 if math.isfinite(loss) else float("nan"),
+                **({"skipped": True} if skipped else {})}
+
+    base = tiny_spec(tmp_path, tmp_path)
+    spec = spec_from_dict({**base, "train": {**base["train"], "skip_nonfinite": 2}})
+    stats, dims = StepStats(spec), spec.dims()
+    steps = [result(2.0), result(math.nan, True), result(math.nan, True), result(1.5),
+             result(math.nan, True), result(math.nan, True)]
+    measured = [stats.measure(k, [r], 0.1, 4, 1e-3, 0, dims) for k, r in enumerate(steps, 1)]
+    assert [m.get("skipped") for m in measured] == [None, 1, 1, None, 1, 1]
+    assert stats.last_loss == 1.5 and stats.skipped == [2, 3, 5, 6]
+    with pytest.raises(WorkerError, match=r"^the gradient is nan at step 7, 3 steps in a row, more than "
+                                          r"train.skip_nonfinite \(2\) skips; lower train.lr"):
+        stats.measure(7, [result(math.nan, True)], 0.1, 4, 1e-3, 0, dims)
+    s = {"job": "j", "state": "running", "updated_at": __import__("time").time(), "pid": 1,
+         "host": "elsewhere", "step": 6, "steps": 9, "dp": 2, "pp": 1, "world_size": 2,
+         "workers_alive": 2, "last_checkpoint": None, "failures": 0, "failures_by_cause": {},
+         "rescales": 0, "skipped_steps": [2, 3, 5, 6, 8, 9]}
+    assert "  updates skipped (gradient not finite): 6, at steps ..., 3, 5, 6, 8, 9" in status.describe(s)
+    with pytest.raises(WorkerError, match=r"the loss is nan at step 1; .* or skip such steps \(train.skip_nonfinite\)"):
+        StepStats(spec_from_dict(base)).measure(1, [result(math.nan)], 0.1, 4, 1e-3, 0, dims)

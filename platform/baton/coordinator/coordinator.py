@@ -782,6 +782,9 @@ class Coordinator:
         self.last_done_at = now
         metrics = self.stats.measure(p.step + 1, results, step_time_s, p.samples, p.lr,
                                      p.cursor["epoch"], self.dims)  # raises on a NaN loss
+        if metrics.get("skipped"):
+            self.report.skipped(p.step + 1, metrics["grad_norm"], self.stats.skipped_in_a_row,
+                                self.stats.skip_limit, self._tags())
         spread, lagging = self.stragglers.step(results, step_time_s)
         metrics.update(spread)
         if lagging:
@@ -854,6 +857,7 @@ class Coordinator:
                 "failures_by_cause": dict(causes), "rescales": sum(
                     e["kind"] == "rescale" for e in self.events),
                 **({"straggler": self.stragglers.named} if self.stragglers.named else {}),
+                **({"skipped_steps": self.stats.skipped} if self.stats.skipped else {}),
                 **({"best_checkpoint": {"step": best[0], self.spec.checkpoint.best: best[1]}}
                    if (best := self.commits.best_found) else {}),
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),

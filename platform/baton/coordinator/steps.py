@@ -32,6 +32,9 @@ class StepStats:
         # "device" (the step's peak allocated)
         self.memory: dict[str, int] = {}
         self.flops_per_token = model_flops_per_token(spec.model)
+        self.skip_limit = spec.train.skip_nonfinite  # steps in a row whose update may be skipped
+        self.skipped_in_a_row = 0
+        self.skipped: list[int] = []  # the steps whose update was skipped (this run)
         self.peak_flops: Optional[float] = None  # of the current world's devices
         # seconds the current world's slowest worker compiled (train.compile): [in its setup
         # (a pipeline's shape probe), in its steps]
@@ -46,17 +49,32 @@ class StepStats:
     def measure(self, step: int, results: list[dict], step_time_s: float, samples: int,
                 lr: float, epoch: int, dims) -> dict:
         """Step `step`'s metrics (1-based) from every worker's result; a loss that is not a
-        number stops the run."""
+        number stops the run, unless the workers skipped the step's update (its gradient was
+        not finite: train.skip_nonfinite), up to that many steps in a row."""
         tokens = sum(r["tokens"] for r in results)
-        self.last_loss = sum(r["loss_sum"] for r in results) / tokens
-        if not math.isfinite(self.last_loss):
-            raise WorkerError(f"the loss is {self.last_loss} at step {step}; lower train.lr "
-                              "or set train.grad_clip (the last checkpoint is kept)")
+        loss = sum(r["loss_sum"] for r in results) / tokens
+        skipped = any(r.get("skipped") for r in results)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if skipped and self.skipped_in_a_row > self.skip_limit:
+            raise WorkerError(f"the gradient is {results[0]['grad_norm']} at step {step}, "
+                              f"{self.skipped_in_a_row} steps in a row, more than "
+                              f"train.skip_nonfinite ({self.skip_limit}) skips; lower train.lr, or "
+                              "look for bad rows in the batches of those steps (the model is "
+                              "that of the step before them; the last checkpoint is kept)")
+        if skipped:
+            self.skipped.append(step)
+        if not (skipped or math.isfinite(loss)):
+            raise WorkerError(f"the loss is {loss} at step {step}; lower train.lr or set "
+                              "train.grad_clip, or skip such steps (train.skip_nonfinite) (the "
+                              "last checkpoint is kept)")
+        if not skipped:
+            self.last_loss = loss
         tps = tokens / step_time_s
         self.tokens_per_s.append(tps)
         self.step_times_s.append(step_time_s)
         metrics = {
-            "loss": self.last_loss, "lr": lr, "grad_norm": results[0]["grad_norm"],
+            **({"skipped": 1} if skipped else {}),
+            "loss": loss, "lr": lr, "grad_norm": results[0]["grad_norm"],
             "tokens_per_s": tps, "samples_per_s": samples / step_time_s,
             "step_time_s": step_time_s, "epoch": epoch, "world_size": dims.world_size, "dp": dims.dp}
         # the task's (from the last stages)

@@ -6,6 +6,7 @@ the whole model on the whole batch."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import OrderedDict
 from typing import Callable, Optional
@@ -78,13 +79,19 @@ class _Engine:
         None where every part of its step may wait for one (sharded parameters, tp)."""
         return None
 
-    def apply(self, lr: float) -> torch.Tensor | float:
+    def apply(self, lr: float, skip_nonfinite: bool = False) -> torch.Tensor | float:
         """Clip, step, clear; returns the gradient norm before clipping (on a GPU, a tensor
-        not yet computed: the caller reads it with the loss, one wait a step)."""
+        not yet computed: the caller reads it with the loss, one wait a step). With
+        `skip_nonfinite` the norm is read first, and where it is not finite (a NaN or an
+        infinity anywhere in the gradient: every worker holds the whole model's norm, so all
+        decide alike) the step is skipped: parameters and optimizer state stay as they were."""
         grad_norm = self.clip()
         if not self.grad_bytes:  # the same every step of this world: measured once
             self.grad_bytes = sum(local(q.grad).nbytes for q in self.module.parameters()
                                   if q.grad is not None)
+        if skip_nonfinite and not math.isfinite(float(grad_norm)):
+            self.clear_grads()
+            return grad_norm
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.clear_grads()

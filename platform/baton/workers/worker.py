@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import importlib
+import math
 import os
 import re
 import socket
@@ -328,10 +329,13 @@ class Worker:
         trace = trace and (self.dims.pp > 1 or self.rank == 0)
         sums, out = self.engine.forward_backward(micro, self._batch, self._scale(batch), trace)
         self.saves.fence()  # a background save's copy has read what the step changes
-        grad_norm = self.engine.apply(lr)
+        skip = self.spec.train.skip_nonfinite > 0
+        grad_norm = self.engine.apply(lr, skip)
         # read once the optimizer step is queued: on a GPU the loss read before it left the
         # device idle while the host queued the clip and the step (one wait a step, not two)
         out.update(self._once(sums.out()), grad_norm=float(grad_norm))
+        if skip and not math.isfinite(out["grad_norm"]):
+            out["skipped"] = True  # (engine.apply skipped the update)
         out["data_s"] = self.data_s  # getting the batch: what baton_data_wait_fraction shows
         computed = self.engine.compute_s()  # (read after the loss: on a GPU, its events are done)
         if computed is not None:
