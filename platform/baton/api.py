@@ -292,16 +292,16 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
 
 def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] = None,
           seed: int = 0, halving: Optional[int] = None, first_rung: Optional[int] = None,
-          concurrent: int = 1, asynchronous: bool = False, address: Optional[str] = None,
+          concurrent: int | str = 1, asynchronous: bool = False, address: Optional[str] = None,
           show_progress: bool = True, log: Callable[[str], None] = print) -> list:
     """`baton sweep`: the job (a YAML file's path, a dict or a JobSpec) trained for every
     combination of `axes` (key -> values), or for `trials` random draws from them (a value a
     list or a `sweeps.Draw`; seeded by `seed`), on one Ray, a trial after another or up to
-    `concurrent` at once where the cluster holds them (`sweeps.train_each`), those done
-    already skipped; with `halving` (ETA), by successive halving from step `first_rung`
-    (`sweeps.halve`), or `asynchronous` halving (`sweeps.promote`: no rung waits for its
-    slowest trial). Returns the trials (`sweeps.Trial`) ranked best first
-    (`sweeps.ranked_by`)."""
+    `concurrent` at once where the cluster holds them ("auto": as many as its resources hold
+    at once; `sweeps.train_each`), those done already skipped; with `halving` (ETA), by
+    successive halving from step `first_rung` (`sweeps.halve`), or `asynchronous` halving
+    (`sweeps.promote`: no rung waits for its slowest trial). Returns the trials
+    (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
     import ray
 
     from baton import sweeps
@@ -309,35 +309,39 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     trials = sweeps.plan(job, axes, list(overrides), trials, seed)
     source = job if isinstance(job, str) else "<spec>"
     sweeps.check_halving(trials, halving, first_rung, source, asynchronous)
-    if concurrent < 1:
-        raise SpecError(f"{source}: --concurrent {concurrent}: give 1 or more")
+    if concurrent != "auto" and (not isinstance(concurrent, int) or concurrent < 1):
+        raise SpecError(f"{source}: --concurrent {concurrent}: give 1 or more, or auto")
     if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
         for t in trials:
             check_fits(t.spec, os.cpu_count() or 1,
                        _local_gpus() if t.spec.resources.gpus_per_worker else 0, source, "this machine")
     address = _cluster(address, log)
-    if concurrent > 1:  # lines from the trials' threads, whole; no progress line to share
-        lock, say, show_progress = threading.Lock(), log, False
-
-        def log(line: str) -> None:
-            with lock:
-                say(line)
-
-    def train(spec: JobSpec, until: Optional[int], on_step) -> RunResult:
-        return run(spec, source=source, address=address, show_progress=show_progress,
-                   until=until, on_step=on_step, log=log)
-
-    def each(batch: list, until: Optional[int]) -> None:
-        sweeps.train_each(batch, train, log, until, concurrent, ray.cluster_resources())
-
     with ray_session(address, log):
+        if concurrent == "auto":
+            concurrent = sweeps.most_at_once(trials, ray.cluster_resources())
+            log(f"--concurrent auto: {concurrent} trial{'s' * (concurrent > 1)} at once "
+                "(the most whose largest worlds this cluster holds together)")
+        if concurrent > 1:  # lines from the trials' threads, whole; no progress line to share
+            lock, say, show_progress = threading.Lock(), log, False
+
+            def log(line: str) -> None:
+                with lock:
+                    say(line)
+
+        def train(spec: JobSpec, until: Optional[int], on_step) -> RunResult:
+            return run(spec, source=source, address=address, show_progress=show_progress,
+                       until=until, on_step=on_step, log=log)
+
+        def drive(lineup) -> None:  # the room counted as each grid or rung begins
+            sweeps.drive(lineup, train, log, concurrent, ray.cluster_resources())
+
         if halving is not None and asynchronous:
-            sweeps.promote(trials, halving, first_rung, lambda lineup: sweeps.drive(
-                lineup, train, log, concurrent, ray.cluster_resources()), log)
+            sweeps.promote(trials, halving, first_rung, drive, log)
         elif halving is not None:
-            sweeps.halve(trials, halving, first_rung, each, log)
+            sweeps.halve(trials, halving, first_rung, lambda batch, until: drive(
+                sweeps.Listed(batch, until, log)), log)
         else:
-            each(trials, None)
+            drive(sweeps.Listed(trials, None, log))
     return sweeps.rank(trials, *sweeps.ranked_by(trials[0].spec))
 
 

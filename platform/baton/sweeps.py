@@ -316,6 +316,15 @@ def fit_together(specs: list[JobSpec], total: dict) -> bool:
     return all(amount <= total.get(key, 0.0) + 1e-9 for key, amount in held.items())
 
 
+def most_at_once(trials: list[Trial], total: dict) -> int:
+    """How many of `trials`, in order, fit in a cluster of `total` resources together (their
+    largest worlds; at least one): `--concurrent auto`."""
+    n = 1
+    while n < len(trials) and fit_together([t.spec for t in trials[:n + 1]], total):
+        n += 1
+    return n
+
+
 class Listed:
     """The trials in order, each to step `until` (None: to train.steps): what `drive` trains
     for a plain sweep or one rung of a synchronous halving."""

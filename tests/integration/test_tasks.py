@@ -446,8 +446,8 @@ def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straig
 
 
 def test_concurrent_trials_train_together_each_as_it_would_alone(tmp_path, capsys):
-    """`baton sweep --concurrent 2` on the 2-CPU Ray: two trials of 1 CPU each (dp 2 x 0.5)
-    train at once (their MLflow runs overlap in time), on threads of one driver; each ends
+    """`baton sweep --concurrent auto` on the 2-CPU Ray: two trials of 1 CPU each (dp 2 x 0.5)
+    fit, and train at once (their MLflow runs overlap in time), on threads of one driver; each ends
     with the parameters of its job run alone, bitwise."""
     from mlflow.tracking import MlflowClient
 
@@ -460,9 +460,10 @@ def test_concurrent_trials_train_together_each_as_it_would_alone(tmp_path, capsy
                     data={"source": "parquet", "path": str(data), "columns": COLUMNS},
                     train={"steps": 4, "global_batch": 16, "micro_batch": 4})
     job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="cc", **sections))
-    assert cli.main(["sweep", str(job), "--grid", "train.lr=[0.001, 0.03]", "--concurrent", "2",
+    assert cli.main(["sweep", str(job), "--grid", "train.lr=[0.001, 0.03]", "--concurrent", "auto",
                      "--quiet"]) == 0
     out = capsys.readouterr().out
+    assert "--concurrent auto: 2 trials at once (the most whose largest worlds this cluster holds together)" in out
     rows = [line.split() for line in out[out.index("2 trials, best first"):].splitlines()[2:]]
     assert sorted(r[0] for r in rows) == ["cc-lr0.001", "cc-lr0.03"] and {r[2] for r in rows} == {"finished"}
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -299,7 +299,7 @@ def test_concurrent_trials_run_together_where_their_largest_worlds_fit(tmp_path)
     one at a time. An elastic trial counts its largest world."""
     import threading
 
-    from baton.sweeps import fit_together, train_each
+    from baton.sweeps import fit_together, most_at_once, train_each
 
     job = _job(tmp_path)
     trials = plan(job, {"train.lr": [1e-3, 2e-3, 3e-3, 4e-3]})
@@ -307,6 +307,7 @@ def test_concurrent_trials_run_together_where_their_largest_worlds_fit(tmp_path)
     assert not fit_together([t.spec for t in trials[:3]], {"CPU": 2.0})
     elastic = plan(job, {"train.lr": [1e-3]}, ["elastic.min_dp=1", "elastic.max_dp=4"])
     assert not fit_together([elastic[0].spec, trials[0].spec], {"CPU": 2.0})  # 2 CPUs + 1
+    assert [most_at_once(trials, {"CPU": cpus}) for cpus in (0.5, 2.0, 3.5, 64.0)] == [1, 2, 3, 4]
 
     def runner(meet=None):
         from types import SimpleNamespace

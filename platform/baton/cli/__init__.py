@@ -41,9 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--trials", type=int, metavar="N",
                     help="a random search: N trials, each drawing every --grid key's value")
     sw.add_argument("--seed", type=int, default=0, help="the random search's draws (default 0)")
-    sw.add_argument("--concurrent", type=int, default=1, metavar="N",
+    sw.add_argument("--concurrent", type=_count_or_auto, default=1, metavar="N",
                     help="train up to N trials at once, where the cluster holds their workers "
-                         "together (default 1)")
+                         "together (default 1; auto: as many as it holds)")
     sw.add_argument("--halving", type=int, metavar="ETA",
                     help="successive halving: every trial a short way, the best 1/ETA of them "
                          "ETA times as far, and so on to train.steps; the others are cut (3 is usual)")
@@ -252,6 +252,16 @@ def console() -> int:
     code = main()
     gc.freeze()
     return code
+
+
+def _count_or_auto(text: str) -> int | str:
+    """--concurrent's value: a whole number, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, or auto") from None
 
 
 def _which_checkpoint(parser: argparse.ArgumentParser) -> None:
