@@ -298,7 +298,7 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     combination of `axes` (key -> values), or for `trials` random draws from them (a value a
     list or a `sweeps.Draw`; seeded by `seed`), on one Ray, a trial after another or up to
     `concurrent` at once where the cluster holds them ("auto": as many as its resources hold
-    at once; `sweeps.train_each`), those done already skipped; with `halving` (ETA), by
+    at once; `sweeps.drive`), those done already skipped; with `halving` (ETA), by
     successive halving from step `first_rung` (`sweeps.halve`), or `asynchronous` halving
     (`sweeps.promote`: no rung waits for its slowest trial). Returns the trials
     (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""

@@ -1,5 +1,5 @@
 """`baton sweep`: one job trained over a grid of settings on one Ray, a trial after another
-or, with `concurrent=N`, up to N at once where the cluster holds them (`train_each`).
+or, with `concurrent=N`, up to N at once where the cluster holds them (`drive`).
 
 Each trial is the job with one combination of the grid's values, under a name of its own
 (the job's name and the values: `quickstart-lr0.001-width64`), so it has its own checkpoints
