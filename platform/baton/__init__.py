@@ -12,6 +12,7 @@ From Python (a notebook, a script), without the CLI:
     baton.sweep(spec, {"train.lr": [1e-3, 3e-3]})  # a trial per value, ranked
     baton.fork("decay.yaml", spec)        # a new job starting at spec's newest checkpoint
     baton.scale(spec, 1)                  # a running elastic job: at most 1 replica
+    baton.quota("team", cpus=8)           # jobs naming quota team hold at most 8 CPUs together
     baton.export(spec, "model-out")       # its newest verified checkpoint, as safetensors
     model = baton.load_model("model-out") # the trained nn.Module, on the CPU
 
@@ -92,6 +93,16 @@ def scale(job, max_dp, overrides=()):
     from baton.coordinator.ceiling import ask
 
     ask(_spec(job, overrides), max_dp)
+
+
+def quota(name=None, cpus=None, gpus=None, clear=False, address="auto"):
+    """`baton quota`: on a running cluster, set quota `name` (the `cpus` and `gpus` the jobs
+    naming it, resources.quota, may hold together; None: no bound on that one) or `clear` it;
+    returns every quota with its use."""
+    from baton.api import quotas
+
+    return quotas(address, set_to=(name, cpus, gpus) if name and not clear else None,
+                  clear=name if clear else None)
 
 
 def load_model(folder):

@@ -423,6 +423,39 @@ def _on_ray(spec: JobSpec, source: str, address: Optional[str], log: Callable[[s
         tracker.wait_finished()  # a finished run's report, drawn meanwhile
 
 
+def quotas(address: Optional[str] = "auto", set_to: Optional[tuple[str, Optional[float], Optional[float]]] = None,
+           clear: Optional[str] = None) -> dict[str, dict]:
+    """`baton quota`: on the running cluster at `address` (a head's GCS address, `auto`: the
+    one on this machine), set quota `set_to` (name, CPUs, GPUs; None: no bound on that one)
+    or `clear` one, then return every quota with its use: name -> {"CPU", "GPU" (None: no
+    bound), "held": {"CPU", "GPU"} by the jobs running, "jobs": [(name, state)]}."""
+    import ray
+
+    from baton.coordinator import priorities
+
+    joined = not ray.is_initialized()
+    if joined:
+        probe_cluster(address)
+        join_cluster(address)
+    try:
+        if set_to is not None:
+            priorities.set_quota(*set_to)
+        if clear is not None:
+            priorities.clear_quota(clear)
+        use, out = priorities.quota_use(), {}
+        for name, q in sorted(priorities.read_quotas().items()):
+            jobs = sorted(use.get(name, []), key=lambda e: e.name)
+            held = {kind: sum((e.dp * e.per_replica + e.starting) * (e.cpus if kind == "CPU" else e.gpus)
+                              for e in jobs) for kind in ("CPU", "GPU")}
+            out[name] = {**q, "held": held, "jobs": [
+                (e.name, "running" if e.dp else "starting" if e.starting else
+                 "waiting for the quota" if e.over_quota else "in line") for e in jobs]}
+        return out
+    finally:
+        if joined:
+            shutdown_ray()
+
+
 @contextlib.contextmanager
 def ray_session(address: Optional[str], log: Callable[[str], None]):
     """Ray for what runs inside (the embedded one, or `address`'s cluster), unless this process

@@ -204,6 +204,9 @@ class ResourcesSpec:
     # no room for the job's smallest world because other baton jobs hold it: how long it waits
     # in line (priority first, then the time it came) before it stops; null: as long as it takes
     queue_timeout_s: Optional[float] = None
+    # the quota (`baton quota NAME --cpus N --gpus M`, set on the cluster) this job's workers
+    # count against with the other jobs that name it: it starts and grows only within it
+    quota: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(r.priority >= 0, "resources.priority", r.priority, "must be >= 0 (0: takes no room from other jobs)")
     need(r.queue_timeout_s is None or r.queue_timeout_s > 0, "resources.queue_timeout_s",
          r.queue_timeout_s, "must be > 0 seconds, or null to wait as long as it takes")
+    need(r.quota is None or QUOTA_NAME.fullmatch(r.quota) is not None, "resources.quota", r.quota,
+         "names a quota (baton quota NAME): 1 to 64 letters, digits, _ . -")
     need(r.threads_per_worker >= 1, "resources.threads_per_worker", r.threads_per_worker,
          "must be at least 1")
 
@@ -205,6 +207,7 @@ MOST: dict[str, tuple[float, str]] = {
 }
 MOST_WORKERS = 2**16  # replicas x pipeline stages
 MOST_SOURCES = 256  # datasets in data.mix: each has a feed reading ahead in the driver
+QUOTA_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # resources.quota, `baton quota NAME`
 MOST_PHASES = 1024  # data.mix_phases: each checkpoint's metadata lists them
 MOST_PASSES = 2**16  # micro-batches x pipeline stages of one step: a schedule is built from them
 _SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")

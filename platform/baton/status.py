@@ -140,6 +140,9 @@ def describe(s: dict) -> list[str]:
         lines.append("  room taken from: " + ", ".join(
             f"{name} ({f'at most {at} replica' + 's' * (at > 1) if at else 'suspended'})"
             for name, at in s["room_from"].items()))
+    quota = s.get("quota_wait")  # waiting for its quota (resources.quota), out of the line
+    if quota:
+        lines.append("  waiting for room within " + quota_held(quota["quota"], quota["room"], quota["held_by"]))
     line = s.get("in_line")  # waiting for room other jobs hold (queued, or suspended)
     if line:
         lines.append(f"  in line for room for {_ago(time.time() - line['since'])}: "
@@ -182,12 +185,21 @@ def brief(s: dict) -> str:
     """A status in a few words, for `baton list`: `running, step 120/600, dp 2`, `queued, 2nd
     in line`, `suspended at step 106`; `..., out of turn` on room lent by jobs in line."""
     state, line = s["state"], s.get("in_line")
+    if state == "queued" and s.get("quota_wait"):
+        return f"queued, waiting for quota {s['quota_wait']['quota']}"
     if state == "queued" and line:
         return f"queued, {_nth(len(line['ahead']) + 1)} in line"
     if state in ("suspended", "paused"):
         return f"{state} at step {s['step']}"
     return f"{state}, step {s['step']}/{s['steps']}" + (f", dp {s['dp']}" if state == "running" else "") \
         + (", out of turn" if s.get("lent_by") else "")
+
+
+def quota_held(name: str, room: Optional[dict], held_by: list[str]) -> str:
+    """`quota team (1 CPU, 2 GPU): held by a, b`."""
+    sizes = ", ".join(f"{n:g} {kind}" for kind, n in (room or {}).items() if n is not None)
+    return f"quota {name}" + (f" ({sizes})" if sizes else "") + (
+        f": held by {', '.join(held_by)}" if held_by else "")
 
 
 def place_in_line(ahead: list[str], holders: list[str]) -> str:

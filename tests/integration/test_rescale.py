@@ -530,3 +530,53 @@ def test_a_job_leaves_room_for_the_smallest_world_behind_it_and_grows_later(tmp_
     assert at["s first"] < at["e done"] and at["s done"] < at["e done"]  # beside e
     assert [dp for _, dp in results["e"].dp_history] == [1, 2]  # grew once s ended
     assert priorities._keys("") == []
+
+
+def test_a_job_waits_for_its_quota_while_a_job_of_no_quota_takes_the_free_room(tmp_path, local_ray):
+    """Quota `team` holds 1 CPU. `q1` (team, 1 CPU) runs; `q2` (team, 1 CPU) comes and waits
+    for the quota although the local Ray has a CPU free (`baton quota` and `baton status` say
+    so); `free` (no quota) then starts on that CPU at once, the line holding nothing for q2,
+    and ends while q1 runs. q2 starts once q1 has ended."""
+    import threading
+
+    from baton import api
+    from baton.coordinator import priorities
+
+    data = write_dataset(tmp_path / "data", 40, 32)
+    q1, q2 = (_queue_spec(tmp_path, data, name, 0, 1, 4, quota="team") for name in ("q1", "q2"))
+    free = _queue_spec(tmp_path, data, "free", 0, 1, 4, queue_timeout_s=30)  # (not behind q2)
+    seen, done = {}, {}
+    api.quotas(set_to=("team", 1.0, None))
+
+    def run_q2():
+        seen["q2"] = api.run(q2, show_progress=False)
+        done["q2"] = time.monotonic()
+
+    thread = threading.Thread(target=run_q2)
+
+    def holder_step(c):
+        if c.step != 1:
+            return
+        thread.start()
+        _until_queued(q2)
+        seen["status"] = CheckpointStore(q2.checkpoint_dir).read_status()
+        seen["quotas"] = api.quotas()
+        seen["free"] = api.run(free, show_progress=False)
+        done["free"] = time.monotonic()
+
+    try:
+        held = api.run(q1, show_progress=False, on_step=holder_step)
+        done["q1"] = time.monotonic()
+        thread.join(timeout=120)
+    finally:
+        priorities.clear_quota("team")
+    assert held.state == seen["free"].state == seen["q2"].state == "finished"
+    assert seen["free"].start["phases_s"].get("queued", 0) == 0
+    assert seen["status"]["quota_wait"] == {"quota": "team", "room": {"CPU": 1.0, "GPU": None},
+                                            "held_by": ["q1"]} and "in_line" not in seen["status"]
+    from baton import status
+    assert "  waiting for room within quota team (1 CPU): held by q1" in status.describe(seen["status"])
+    assert seen["quotas"] == {"team": {"CPU": 1.0, "GPU": None, "held": {"CPU": 1.0, "GPU": 0.0},
+                                       "jobs": [("q1", "running"), ("q2", "waiting for the quota")]}}
+    assert done["free"] < done["q1"] < done["q2"]
+    assert priorities._keys("") == []

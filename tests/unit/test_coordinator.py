@@ -230,6 +230,38 @@ def test_the_line_goes_by_priority_then_arrival_and_holds_room_for_those_ahead()
     assert held_by_others(_job("gpu", 0, 0, gpus=1.0), every) == 0
 
 
+def test_a_quota_bounds_what_its_jobs_hold_together_and_one_waiting_for_it_is_out_of_line():
+    """resources.quota: a job may have what its quota leaves beside the other jobs counting
+    against it (running, and the workers they start), in workers of its own size, each
+    resource bounded only where the quota names it; a job waiting for its quota is out of the
+    line (room is not held for it), its place kept."""
+    from dataclasses import replace
+
+    from baton.coordinator.priorities import line, quota_holders, quota_left, spoken_for
+
+    quotas = {"team": {"CPU": 4.0, "GPU": None}, "gpus": {"CPU": None, "GPU": 2.0}}
+    a = replace(_job("a", 0, 2, cpus=1.0), quota="team")  # holds 2 CPUs
+    b = replace(_job("b", 0, 0, cpus=0.5), quota="team", starting=2)  # starting 1 CPU's worth
+    me = replace(_job("me", 0, 0, cpus=0.5), quota="team")
+    other = _job("o", 0, 4, cpus=1.0)  # no quota: not counted
+    every = [a, b, me, other]
+    assert quota_left(me, every, quotas) == 2  # 4 - 2 - 1 CPUs, in half-CPU workers
+    assert quota_left(replace(me, cpus=2.0), every, quotas) == 0
+    assert quota_left(other, every, quotas) is None  # no quota named
+    assert quota_left(replace(me, quota="unset"), every, quotas) is None  # named, none set
+    assert quota_holders(me, every) == ["job-a", "job-b"]
+    g = replace(_job("g", 0, 0, cpus=4.0, gpus=1.0), quota="gpus")
+    g2 = replace(_job("g2", 0, 1, cpus=8.0, gpus=1.0), quota="gpus")
+    assert quota_left(g, [g, g2], quotas) == 1  # GPUs bounded, CPUs not
+    assert quota_left(g, [g, replace(g2, dp=2)], quotas) == 0
+
+    first = replace(_job("w1", 0, 0, min_dp=2), quota="team", waiting_since=1.0, over_quota=True)
+    second = replace(_job("w2", 0, 0), waiting_since=2.0)
+    assert [e.key for e in line([first, second], {})] == ["w2"]
+    assert spoken_for(_job("r", 0, 1), [first, second], {}) == 1  # w1's 2 workers not held for it
+    assert [e.key for e in line([replace(first, over_quota=False), second], {})] == ["w1", "w2"]
+
+
 def test_a_job_waits_in_line_only_for_room_other_jobs_hold_on_a_cluster_that_cannot_grow():
     """Room for its smallest world (2 workers): it starts. Short, with the rest held by jobs of
     the list: it waits in line. Short with room no job holds (another application's, or
@@ -586,6 +618,26 @@ def test_a_warm_spare_replaces_a_lost_worker_and_never_blocks_a_growth(tmp_path)
     assert g.state is State.RESCALING
     g.tick()
     assert g.state is State.RUNNING and g.dims.dp == 2 and grow.free == 0 and not g.group.spares
+
+
+def test_a_job_grows_only_within_what_its_quota_leaves_it(tmp_path):
+    """resources.quota: with room for 4 replicas, an elastic job (min_dp 1, max_dp 4) whose
+    quota leaves it 3 workers starts with 2 (dp 3 does not divide its batch) and does not
+    grow past them; the quota raised to 4, it grows to dp 4 at its next check."""
+    cluster = FakeCluster(free=4)
+    c = _coordinator(tmp_path, cluster, sections={"train": {"steps": 30, "global_batch": 4, "warmup_steps": 0}},
+                     min_dp=1, max_dp=4, rescale_check_s=1e-9)
+    allowed = [3]
+    c.placement.allowed = lambda: allowed[0]
+    c.first_workers = c.placement.first_workers()
+    c.tick()
+    assert c.state is State.RUNNING and c.dims.dp == 2
+    for _ in range(4):
+        c.tick()
+    assert c.dims.dp == 2 and cluster.free == 2
+    allowed[0] = 4
+    _tick_until(c, lambda c: c.dims.dp == 4)
+    assert cluster.free == 0 and c.step < 30
 
 
 def test_a_spare_taken_by_a_recovery_is_replaced_at_the_next_step(tmp_path):

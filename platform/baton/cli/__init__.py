@@ -184,6 +184,15 @@ def _more_parsers(sub) -> None:
     sc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec value, as the run was given (repeatable)")
 
+    q = sub.add_parser("quota", help="set, clear or list the quotas of a running cluster: the "
+                       "CPUs and GPUs the jobs naming one (resources.quota) may hold together")
+    q.add_argument("name", nargs="?", help="the quota (none: list them all, with their use)")
+    q.add_argument("--cpus", type=float, help="the CPUs its jobs' workers may hold together")
+    q.add_argument("--gpus", type=float, help="the GPUs its jobs' workers may hold together")
+    q.add_argument("--clear", action="store_true", help="remove the quota (its jobs are bound by none)")
+    q.add_argument("--address", help="the cluster (default: $RAY_ADDRESS, else the one on this "
+                   "machine)")
+
     from baton.k8s import MLFLOW_SERVICE
 
     k = sub.add_parser("k8s", help="print a KubeRay RayJob (or RayCluster) for a job")
@@ -299,9 +308,39 @@ def _grid(job: str, items: list[str]) -> dict:
 
 def _dispatch(args: argparse.Namespace) -> int:
     commands = {"init": _init, "validate": validate.validate, "data": _data, "run": _run, "eval": _eval,
-                "sweep": _sweep, "sample": _sample, "scale": _scale, "report": _report,
+                "sweep": _sweep, "sample": _sample, "scale": _scale, "quota": _quota, "report": _report,
                 "export": _export, "fork": _fork, "k8s": _k8s, **cluster.COMMANDS}
     return commands[args.command](args)
+
+
+def _quota(args: argparse.Namespace) -> int:
+    """Set, clear or list a running cluster's quotas."""
+    from baton import api
+    from baton.errors import SpecError
+    from baton.spec_checks import QUOTA_NAME
+
+    bounds = (args.cpus, args.gpus)
+    if args.name is None and (args.clear or bounds != (None, None)):
+        raise SpecError("baton quota: name the quota to set or clear")
+    if args.name is not None and not QUOTA_NAME.fullmatch(args.name):
+        raise SpecError(f"baton quota: {args.name!r}: a quota's name is 1 to 64 letters, digits, _ . -")
+    if args.clear and bounds != (None, None):
+        raise SpecError("baton quota: give --cpus/--gpus, or --clear, not both")
+    if any(b is not None and not (0 <= b < float("inf")) for b in bounds):
+        raise SpecError("baton quota: --cpus and --gpus must be 0 or more")
+    if args.name is not None and not args.clear and bounds == (None, None):
+        raise SpecError(f"baton quota {args.name}: give --cpus N and/or --gpus N (or --clear)")
+    address = args.address or api.cluster_address_from_env() or "auto"
+    found = api.quotas(address, set_to=(args.name, *bounds) if bounds != (None, None) else None,
+                       clear=args.name if args.clear else None)
+    for name, q in found.items():
+        bound = ", ".join(f"{q[k]:g} {k}" for k in ("CPU", "GPU") if q[k] is not None)
+        held = ", ".join(f"{q['held'][k]:g} {k}" for k in ("CPU", "GPU") if q[k] is not None)
+        jobs = ", ".join(f"{job} ({state})" for job, state in q["jobs"])
+        print(f"{name}: {bound}; held {held}" + (f"; jobs: {jobs}" if jobs else ""))
+    if not found:
+        print("no quotas set" + (f" (cleared {args.name})" if args.clear else ""))
+    return 0
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from baton.errors import WorkerError
-from baton.status import place_in_line
+from baton.status import place_in_line, quota_held
 
 if TYPE_CHECKING:
     from baton.coordinator.placement import Placement
@@ -39,11 +39,14 @@ class Admission:
         p = self.p
         if p is None:
             return placement.first_workers()
-        seen = (p.ahead, p.holders)
+        seen = (p.ahead, p.holders, p.over_quota, p.quota_held_by)
         n = p.turn(placement, suspended)
-        if not n and (p.ahead, p.holders) != seen:  # the line moved
+        if not n and (p.ahead, p.holders, p.over_quota, p.quota_held_by) != seen:  # the line moved
             self.publish()  # `baton status` says so now
-            if p.ahead != seen[0] and told:
+            if p.over_quota and (not seen[2] or p.quota_held_by != seen[3]):
+                if told:
+                    self.report.note(f"waiting for room within {self.quota()}")
+            elif p.ahead != seen[0] and told:
                 self.report.note(f"in line: {self.line()}")
         if n and p.lenders:
             names = ", ".join(p.lenders)
@@ -57,8 +60,14 @@ class Admission:
         """Its place: `first; held by a` or `3rd, behind c, b; held by a`."""
         return place_in_line(self.p.ahead, self.p.holders)
 
+    def quota(self) -> str:
+        """What it waits for outside the line: `quota team (1 CPU): held by a`."""
+        return quota_held(self.p.quota, self.p.quota_room, self.p.quota_held_by)
+
     def queued(self, need: int) -> None:
-        self.report.note(f"waiting in line for room for {workers(need)} (elastic.min_dp x pp x tp): "
+        self.report.note(f"waiting for room for {workers(need)} (elastic.min_dp x pp x tp) "
+                         f"within {self.quota()}" if self.p.over_quota else
+                         f"waiting in line for room for {workers(need)} (elastic.min_dp x pp x tp): "
                          f"{self.line()}")
 
     def waited(self, need: int, limit_s: Optional[float]) -> float:
@@ -66,7 +75,8 @@ class Admission:
         waited_s = time.time() - self.p.waiting_since
         if limit_s is not None and waited_s > limit_s:
             raise WorkerError(f"waited {waited_s:.0f} s in line for room for {workers(need)} "
-                              f"(resources.queue_timeout_s: {limit_s:g}): {self.line()}")
+                              f"(resources.queue_timeout_s: {limit_s:g}): "
+                              + (f"within {self.quota()}" if self.p.over_quota else self.line()))
         return waited_s
 
     def after_nodes(self, placement: "Placement", timeout_s: float) -> bool:

@@ -293,7 +293,8 @@ class Coordinator:
     def _place(self) -> None:
         self.placement = Placement(self.group, self.base, self.scale,
                                    lambda short, need: self.admission.ask(short, need, self.step),
-                                   self.priorities.spoken_for if self.priorities else lambda: 0)
+                                   self.priorities.spoken_for if self.priorities else lambda: 0,
+                                   self.priorities.allowance if self.priorities else lambda: None)
         self._cap()
 
     def _turn(self, suspended: bool = False) -> bool:
@@ -867,9 +868,13 @@ class Coordinator:
                    if self.priorities and self.priorities.claimed else {}),
                 **({"lent_by": self.priorities.lenders}  # started out of turn on their room
                    if self.priorities and self.priorities.lenders and self.state in WORKING else {}),
+                **({"quota_wait": {"quota": self.priorities.quota, "room": self.priorities.quota_room,
+                                   "held_by": self.priorities.quota_held_by}}
+                   if self.priorities and self.priorities.over_quota else {}),
                 **({"in_line": {"since": round(self.priorities.waiting_since, 3),
                                 "ahead": self.priorities.ahead, "room_held_by": self.priorities.holders}}
-                   if self.state in (State.QUEUED, State.SUSPENDED) and self.ceiling.max_dp != 0 else {}),
+                   if self.state in (State.QUEUED, State.SUSPENDED) and self.ceiling.max_dp != 0
+                   and not (self.priorities and self.priorities.over_quota) else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}

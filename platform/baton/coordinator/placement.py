@@ -45,7 +45,8 @@ def together(members: list, tp: int) -> list:
 class Placement:
     def __init__(self, group, base: JobSpec, scale: ScalePolicy,
                  ask: Callable[[int, int], int] = lambda short, need: 0,
-                 owed: Callable[[], int] = lambda: 0):
+                 owed: Callable[[], int] = lambda: 0,
+                 allowed: Callable[[], Optional[int]] = lambda: None):
         self.group, self.base, self.scale = group, base, scale
         # room for `short` more workers from jobs of lower priority, `need` of them for the
         # smallest world (suspending whole jobs if it must): how many of them it will fit
@@ -53,6 +54,8 @@ class Placement:
         # workers' worth of the free room spoken for by jobs waiting in line ahead of this one
         # (all of them, once it runs: a job starts before another grows) and jobs starting
         self.owed = owed
+        # workers its quota leaves the job, its own included (resources.quota; None: no quota)
+        self.allowed = allowed
         self.most = base.dp_range[1] * base.per_replica  # workers at max_dp
         self.next_check = 0.0  # when `growth_due` looks for room again (monotonic)
         self.joining = 0  # workers started for a growth, which it waits for (`growth_due`)
@@ -66,11 +69,17 @@ class Placement:
         """Workers the cluster has room for now that no one else has spoken for."""
         return max(0, self.group.free_workers() - self.owed())
 
+    def most_now(self) -> int:
+        """The most workers the job may have now: max_dp replicas' worth, within what its
+        quota leaves it (resources.quota)."""
+        allowed = self.allowed()
+        return self.most if allowed is None else min(self.most, allowed)
+
     def room(self) -> int:
-        """Workers the job could start with now, up to max_dp replicas: free room, and room
-        jobs of lower priority give (claimed here)."""
-        free = self.free()
-        return min(self.most, free + self.ask(self.most - free, self.scale.min_workers - free))
+        """Workers the job could start with now, up to max_dp replicas (within its quota):
+        free room, and room jobs of lower priority give (claimed here)."""
+        free, most = self.free(), self.most_now()
+        return min(most, free + self.ask(most - free, self.scale.min_workers - free))
 
     def first_workers(self, room: Optional[int] = None) -> int:
         """As many workers as the cluster has room for (`room`, counted already), up to max_dp
@@ -80,7 +89,7 @@ class Placement:
         if self.base.dp_range[0] < self.base.dp_range[1]:
             # after counting: the job starts on the room there is now, and an autoscaler adds
             # nodes for the rest, which the coordinator grows onto
-            self.group.request_capacity(self.most)
+            self.group.request_capacity(self.most_now())
         return n
 
     def start(self, n: int) -> list:
@@ -97,10 +106,10 @@ class Placement:
         parallel.timeout_s while fewer than min_dp replicas fit."""
         deadline = time.monotonic() + self.base.parallel.timeout_s
         new: list = []
-        free = self.group.free_workers()
-        self.ask(self.most - have - free, self.scale.min_workers - have - free)
+        free, most = self.group.free_workers(), max(self.most_now(), self.scale.min_workers)
+        self.ask(most - have - free, self.scale.min_workers - have - free)
         while True:
-            want = self.most - have - len(new)
+            want = most - have - len(new)
             new += self.group.start(want, START_WAIT_S, need=self.group.free_workers(),
                                     grace_s=TOP_UP_GRACE_S)
             if self.scale.target(have + len(new)) is not None:
@@ -116,7 +125,7 @@ class Placement:
         replacements start at the next step as a growth's do, while training goes on (a
         survivor beyond whole replicas waits as a spare for that growth). Otherwise `top_up`."""
         if self.base.elastic.recovery == "continue":
-            ready = min(self.group.ready_spares(), self.most - have)
+            ready = min(self.group.ready_spares(), self.most_now() - have)
             if self.scale.target(have + ready) is not None:
                 self.check_soon()
                 return self.group.start(ready, START_WAIT_S), True
@@ -138,10 +147,11 @@ class Placement:
         if now < self.next_check:
             return False
         self.next_check = now + self.base.elastic.rescale_check_s
-        if dp < most:
-            self.group.request_capacity(self.most)  # renewed while short
-            free = self.free()
-            self.ask(self.most - dp * self.base.per_replica - free, 0)
+        allowed = self.most_now()  # within its quota
+        if dp < allowed // self.base.per_replica:
+            self.group.request_capacity(allowed)  # renewed while short
+            free = min(self.free(), allowed - dp * self.base.per_replica)
+            self.ask(allowed - dp * self.base.per_replica - free, 0)
             grow_to = self.scale.grow_to(dp, free)  # (room claimed comes at a later check)
             if grow_to is not None:
                 self.joining = (grow_to - dp) * self.base.per_replica

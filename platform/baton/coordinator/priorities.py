@@ -84,6 +84,8 @@ class Entry:
     starting: int = 0  # workers started from the line and not in a world yet: room taken
     borrows: tuple = ()  # started out of turn: the keys of the jobs then ahead of it in line
     borrowed_at: float = 0.0  # ...and when (time.time()): what they owe it ends if they leave the line
+    quota: str = ""  # the quota it counts against (resources.quota); "": none
+    over_quota: bool = False  # waits for its quota, not for room: out of the line meanwhile
 
     @property
     def need(self) -> int:
@@ -95,6 +97,34 @@ def _fit(me: Entry, cpus: float, gpus: float) -> int:
     """How many of `me`'s workers `cpus` and `gpus` hold."""
     n = math.floor((cpus + 1e-9) / me.cpus)
     return min(n, math.floor((gpus + 1e-9) / me.gpus)) if me.gpus else n
+
+
+def _fit_within(me: Entry, cpus: Optional[float], gpus: Optional[float]) -> Optional[int]:
+    """How many of `me`'s workers `cpus` and `gpus` hold, either None for no bound (both
+    None: None)."""
+    counts = [math.floor((cpus + 1e-9) / me.cpus)] if cpus is not None and me.cpus else []
+    counts += [math.floor((gpus + 1e-9) / me.gpus)] if gpus is not None and me.gpus else []
+    return max(0, min(counts)) if counts else None
+
+
+def quota_left(me: Entry, entries: list[Entry], quotas: dict[str, dict]) -> Optional[int]:
+    """Workers of `me`'s size that the quota it counts against leaves it, its own included:
+    the quota's CPUs and GPUs less what the other jobs counting against it hold (their worlds,
+    and the workers they are starting). None: no quota (none named, or none set)."""
+    q = quotas.get(me.quota) if me.quota else None
+    if q is None:
+        return None
+    others = [e for e in entries if e.key != me.key and e.quota == me.quota]
+    held = [(e.dp * e.per_replica + e.starting) for e in others]
+    cpus = None if q.get("CPU") is None else q["CPU"] - sum(n * e.cpus for n, e in zip(held, others))
+    gpus = None if q.get("GPU") is None else q["GPU"] - sum(n * e.gpus for n, e in zip(held, others))
+    return _fit_within(me, cpus, gpus)
+
+
+def quota_holders(me: Entry, entries: list[Entry]) -> list[str]:
+    """The other jobs counting against `me`'s quota that hold workers."""
+    return [e.name for e in entries if e.key != me.key and me.quota and e.quota == me.quota
+            and (e.dp or e.starting)]
 
 
 def job_key(spec: JobSpec) -> str:
@@ -154,8 +184,9 @@ def plan(me: Entry, short: int, others: list[Entry], claims: dict[str, dict[str,
 def line(entries: list[Entry], claims: dict[str, dict[str, int]]) -> list[Entry]:
     """The jobs waiting for room, in the order they get it: the highest priority first, and
     among equals the one that has waited longest (a suspended job from its suspension). A job
-    a ceiling of 0 holds (`baton scale --max-dp 0`, or a live claim) is out of it meanwhile."""
-    return sorted((e for e in entries if e.waiting_since and not e.held
+    a ceiling of 0 holds (`baton scale --max-dp 0`, or a live claim), or one waiting for its
+    quota (`quota_left`), is out of it meanwhile, its place kept."""
+    return sorted((e for e in entries if e.waiting_since and not e.held and not e.over_quota
                    and 0 not in claims.get(e.key, {}).values()),
                   key=lambda e: (-e.priority, e.waiting_since))
 
@@ -279,12 +310,16 @@ class Priorities:
         # its workers found no room in parallel.timeout_s although an autoscaler runs (at its
         # maximum): it waits in line as on a cluster that cannot grow
         self.waited_for_nodes = False
+        self.quota = spec.resources.quota or ""  # the quota it counts against
+        self.over_quota = False  # waits for its quota (out of the line, its place kept)
+        self.quota_room: Optional[dict] = None  # ...that quota, as `turn` last read it
+        self.quota_held_by: list[str] = []  # ...and the jobs holding it
 
     def listed(self, dp: int) -> None:
         """Put this job in the list (again), at `dp` replicas (a world: out of the line, and
         the claims on room it had lent lapse)."""
         if dp:
-            self.waiting_since, self.held, self.starting = 0.0, False, 0
+            self.waiting_since, self.held, self.starting, self.over_quota = 0.0, False, 0, False
         self.dp = dp
         if self.on:
             _put(f"job/{self.key}", asdict(self._entry()))
@@ -320,6 +355,8 @@ class Priorities:
         two jobs never count the same free room as theirs."""
         with _one_claimant() if self.on else contextlib.nullcontext():
             self.waits()
+            if self._over_quota(placement.scale.min_workers):
+                return 0
             room = placement.room()  # claims from jobs of lower priority, under the same lock
             free, lenders = placement.group.free_workers(), []
             if waits_in_line(room, placement.scale.min_workers, free, self.held_by_others(),
@@ -328,10 +365,33 @@ class Priorities:
                 if not lenders:
                     return 0
             if self.on:  # room for the smallest worlds of jobs behind it that fit beside it
-                room -= left_behind(self._entry(), room, *self._read())
+                room -= left_behind(self._entry(), room, *read_list())
             workers = placement.first_workers(room)
             self._starts(workers, lenders)
             return workers
+
+    def _over_quota(self, need: int) -> bool:
+        """Whether the quota it counts against leaves too little for its smallest world
+        (`need` workers) beside the other jobs counting against it: then it waits, out of the
+        line (its place kept), until they hold less or the quota is raised."""
+        if not (self.on and self.quota):
+            return False
+        entries, _ = read_list()
+        quotas = read_quotas()
+        left = quota_left(self._entry(), entries, quotas)
+        self.quota_room, self.quota_held_by = quotas.get(self.quota), quota_holders(self._entry(), entries)
+        over = left is not None and left < need
+        if over != self.over_quota:
+            self.over_quota = over
+            self.listed(self.dp)
+        return over
+
+    def allowance(self) -> Optional[int]:
+        """Workers of this job's size its quota leaves it, its own included (`quota_left`);
+        None: no quota."""
+        if not (self.on and self.quota):
+            return None
+        return quota_left(self._entry(), read_list()[0], read_quotas())
 
     def _lendable(self, placement: "Placement", free: int) -> tuple[int, list[Entry]]:
         """The room this job, waiting in line, may start on out of turn (up to its max_dp),
@@ -339,9 +399,9 @@ class Priorities:
         look for BACKFILL_AFTER_S; (0, []) until then."""
         if not self.on:
             return 0, []
-        others, claims = self._read()
+        others, claims = read_list()
         me = self._entry()
-        room = min(placement.most, free - spoken_for(me, others, claims, line_too=False))
+        room = min(placement.most_now(), free - spoken_for(me, others, claims, line_too=False))
         cpus, gpus = placement.group.free_room()
         lenders = backfills(me, room, cpus, gpus, others, claims)
         now = time.monotonic()
@@ -362,21 +422,21 @@ class Priorities:
         """Workers of this job's size that the free room owes others (`spoken_for`)."""
         if not self.on:
             return 0
-        others, claims = self._read()
+        others, claims = read_list()
         self.ahead = [e.name for e in ahead_of(self._entry(), others, claims)]
         self.holders = [e.name for e in others if e.key != self.key and (e.dp or e.starting)]
         return spoken_for(self._entry(), others, claims)
 
     def held_by_others(self) -> int:
         """Workers of this job's size the other jobs of the list hold (`held_by_others`)."""
-        return held_by_others(self._entry(), self._read()[0]) if self.on else 0
+        return held_by_others(self._entry(), read_list()[0]) if self.on else 0
 
     def _entry(self) -> Entry:
         r = self.spec.resources
         return Entry(self.key, self.spec.name, self.priority, self.dp, self.spec.dp_range[0],
                      self.spec.per_replica, r.cpus_per_worker, r.gpus_per_worker,
                      self.started_at, self.driver, self.waiting_since, self.held, self.starting,
-                     tuple(self.borrows), self.borrowed_at)
+                     tuple(self.borrows), self.borrowed_at, self.quota, self.over_quota)
 
     def ask(self, short: int, need: int = 0) -> tuple[int, dict[str, int]]:
         """Claim room for `short` more workers from jobs of lower priority (and, in line, room
@@ -389,7 +449,7 @@ class Priorities:
             return 0, {}
         changed = {}
         with _one_claimant():
-            others, claims = self._read()
+            others, claims = read_list()
             me = self._entry()
             mine, coming = plan(me, short, others, claims, need)
             if coming < need:
@@ -429,7 +489,7 @@ class Priorities:
             held.append({"by": str(claim.get("by")), "priority": claim.get("priority"), "max_dp": at})
         self.holding = sorted(held, key=lambda c: c["max_dp"])
         if self.lenders:  # those that lent it room and still wait (`baton status` names them)
-            self.lenders = [e.name for e in self._read()[0] if lends(e, self._entry())]
+            self.lenders = [e.name for e in read_list()[0] if lends(e, self._entry())]
         return self.holding[0]["max_dp"] if held else None
 
     def withdraw(self) -> None:
@@ -449,31 +509,65 @@ class Priorities:
         if self.on and ray.is_initialized():
             _delete(f"job/{self.key}")
 
-    def _read(self) -> tuple[list[Entry], dict[str, dict[str, int]]]:
-        """The live jobs of the list and the claims on them (those of dead drivers dropped)."""
-        from ray.experimental.internal_kv import _internal_kv_get
+def read_list() -> tuple[list[Entry], dict[str, dict[str, int]]]:
+    """The live jobs of the list and the claims on them (those of dead drivers dropped)."""
+    from ray.experimental.internal_kv import _internal_kv_get
 
-        live, entries, claims = _live_drivers(), [], {}
-        for key in _keys("job/"):
-            try:
-                entry = Entry(**json.loads(_internal_kv_get(key, namespace=NAMESPACE)))
-            except (TypeError, ValueError):
-                entry = None
-            if entry is None or entry.driver not in live:
-                _delete(key)
-                continue
-            entries.append(entry)
-        for key in _keys("claim/"):
-            _, on, by = key.split("/")
-            try:
-                claim = json.loads(_internal_kv_get(key, namespace=NAMESPACE))
-                if claim["driver"] in live:
-                    claims.setdefault(on, {})[by] = int(claim["max_dp"])
-                    continue
-            except (TypeError, ValueError, KeyError):
-                pass
+    live, entries, claims = _live_drivers(), [], {}
+    for key in _keys("job/"):
+        try:
+            entry = Entry(**json.loads(_internal_kv_get(key, namespace=NAMESPACE)))
+        except (TypeError, ValueError):
+            entry = None
+        if entry is None or entry.driver not in live:
             _delete(key)
-        return entries, claims
+            continue
+        entries.append(entry)
+    for key in _keys("claim/"):
+        _, on, by = key.split("/")
+        try:
+            claim = json.loads(_internal_kv_get(key, namespace=NAMESPACE))
+            if claim["driver"] in live:
+                claims.setdefault(on, {})[by] = int(claim["max_dp"])
+                continue
+        except (TypeError, ValueError, KeyError):
+            pass
+        _delete(key)
+    return entries, claims
+
+
+def read_quotas() -> dict[str, dict]:
+    """The quotas set on the cluster (`baton quota`): name -> {"CPU": n or None, "GPU": n or
+    None} (None: no bound on that resource)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    out = {}
+    for key in _keys("quota/"):
+        try:
+            q = json.loads(_internal_kv_get(key, namespace=NAMESPACE))
+            out[key.split("/", 1)[1]] = {k: None if q.get(k) is None else float(q[k]) for k in ("CPU", "GPU")}
+        except (TypeError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def set_quota(name: str, cpus: Optional[float] = None, gpus: Optional[float] = None) -> None:
+    """Set quota `name` on the connected cluster: the CPUs and GPUs the workers of every job
+    naming it (resources.quota) may hold together (None: no bound on that one)."""
+    _put(f"quota/{name}", {"CPU": cpus, "GPU": gpus})
+
+
+def clear_quota(name: str) -> None:
+    _delete(f"quota/{name}")
+
+
+def quota_use() -> dict[str, list[Entry]]:
+    """The jobs of the cluster's list by the quota they count against."""
+    out: dict[str, list[Entry]] = {}
+    for e in read_list()[0]:
+        if e.quota:
+            out.setdefault(e.quota, []).append(e)
+    return out
 
 
 _holding = threading.local()  # how deep this thread is in `_one_claimant`
