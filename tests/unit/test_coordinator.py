@@ -623,12 +623,17 @@ def test_a_warm_spare_replaces_a_lost_worker_and_never_blocks_a_growth(tmp_path)
 def test_a_job_grows_only_within_what_its_quota_leaves_it(tmp_path):
     """resources.quota: with room for 4 replicas, an elastic job (min_dp 1, max_dp 4) whose
     quota leaves it 3 workers starts with 2 (dp 3 does not divide its batch) and does not
-    grow past them; the quota raised to 4, it grows to dp 4 at its next check."""
+    grow past them; the quota raised to 4, it grows to dp 4 at its next check, its 2 new
+    workers reserved in the quota while they start."""
+    import contextlib
+    from types import SimpleNamespace
+
     cluster = FakeCluster(free=4)
     c = _coordinator(tmp_path, cluster, sections={"train": {"steps": 30, "global_batch": 4, "warmup_steps": 0}},
                      min_dp=1, max_dp=4, rescale_check_s=1e-9)
-    allowed = [3]
-    c.placement.allowed = lambda: allowed[0]
+    allowed, reserved = [3], []
+    c.placement.quota = SimpleNamespace(allowance=lambda: allowed[0], reserve=reserved.append,
+                                        claiming=contextlib.nullcontext)
     c.first_workers = c.placement.first_workers()
     c.tick()
     assert c.state is State.RUNNING and c.dims.dp == 2
@@ -637,7 +642,7 @@ def test_a_job_grows_only_within_what_its_quota_leaves_it(tmp_path):
     assert c.dims.dp == 2 and cluster.free == 2
     allowed[0] = 4
     _tick_until(c, lambda c: c.dims.dp == 4)
-    assert cluster.free == 0 and c.step < 30
+    assert cluster.free == 0 and c.step < 30 and reserved == [2]  # the growth's 2 workers
 
 
 def test_a_spare_taken_by_a_recovery_is_replaced_at_the_next_step(tmp_path):

@@ -293,6 +293,11 @@ def test_status_lines_say_when_the_process_is_gone(tmp_path):
     assert status.place_in_line(["a", "b"], []) == "3rd, behind a, b"
     assert status.place_in_line([], ["x", "y"]) == "first; held by x, y"
     assert status.brief(queued) == "queued, 12th in line"
+    waiting = {**s, "state": "queued", "quota_wait": {"quota": "team", "room": {"CPU": 4.0, "GPU": 1.0},
+                                                     "held_by": ["a", "b"]}}
+    assert status.brief(waiting) == "queued, waiting for quota team"
+    assert "  waiting for room within quota team (4 CPU, 1 GPU): held by a, b" in status.describe(waiting)
+    assert status.quota_held("team", {"CPU": None, "GPU": 2.0}, []) == "quota team (2 GPU)"
     assert status.brief(s) == "running, step 3/10, dp 2"
     assert status.brief({**s, "state": "suspended"}) == "suspended at step 3"
     assert status.brief({**s, "state": "finished", "step": 10}) == "finished, step 10/10"

@@ -294,7 +294,7 @@ class Coordinator:
         self.placement = Placement(self.group, self.base, self.scale,
                                    lambda short, need: self.admission.ask(short, need, self.step),
                                    self.priorities.spoken_for if self.priorities else lambda: 0,
-                                   self.priorities.allowance if self.priorities else lambda: None)
+                                   self.priorities)
         self._cap()
 
     def _turn(self, suspended: bool = False) -> bool:
@@ -443,6 +443,7 @@ class Coordinator:
         self._finish_queued(timer)  # training, not waiting: steps queued before the growth was due
         grow_to = self.scale.grow_to(self.dims.dp, self.group.free_workers())
         if grow_to is None or self.step >= self.end:
+            self.placement.quota.reserve(0)  # (the growth's workers, reserved in its quota)
             return State.RUNNING
         share = self.per_replica == 1 and self.base.parallel.shard == "none"
         self._commit_here(timer, write=not share)  # shared: a background save in flight commits first
@@ -451,6 +452,7 @@ class Coordinator:
         members = self.group.members() + new
         if self.scale.target(len(members)) == old_dp:  # the room went elsewhere meanwhile
             self.group.release(new)
+            self.placement.quota.reserve(0)
             return State.RUNNING
         self._leave_all("a resize", new)
         timer.lap("reschedule")

@@ -4,6 +4,7 @@ cluster cannot hold enough."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, NoReturn, Optional
 
@@ -21,6 +22,19 @@ DRAIN_CHECK_S = 1.0
 # stopped training 0.29-1.32 s on the simulated cluster (tests/faults, benchmarks/chaos.py: a
 # checkpoint, a new group, a load).
 DRAIN_MARGIN_S = 10.0
+
+
+class NoQuota:
+    """A job no quota bounds (resources.quota unset, or no cluster list: `baton eval`)."""
+
+    def allowance(self) -> Optional[int]:
+        return None
+
+    def claiming(self):
+        return contextlib.nullcontext()
+
+    def reserve(self, workers: int) -> None:
+        pass
 
 
 def together(members: list, tp: int) -> list:
@@ -45,8 +59,7 @@ def together(members: list, tp: int) -> list:
 class Placement:
     def __init__(self, group, base: JobSpec, scale: ScalePolicy,
                  ask: Callable[[int, int], int] = lambda short, need: 0,
-                 owed: Callable[[], int] = lambda: 0,
-                 allowed: Callable[[], Optional[int]] = lambda: None):
+                 owed: Callable[[], int] = lambda: 0, quota=None):
         self.group, self.base, self.scale = group, base, scale
         # room for `short` more workers from jobs of lower priority, `need` of them for the
         # smallest world (suspending whole jobs if it must): how many of them it will fit
@@ -54,8 +67,8 @@ class Placement:
         # workers' worth of the free room spoken for by jobs waiting in line ahead of this one
         # (all of them, once it runs: a job starts before another grows) and jobs starting
         self.owed = owed
-        # workers its quota leaves the job, its own included (resources.quota; None: no quota)
-        self.allowed = allowed
+        # resources.quota's bound (`Priorities`: allowance(), claiming(), reserve(n)), or none
+        self.quota = quota or NoQuota()
         self.most = base.dp_range[1] * base.per_replica  # workers at max_dp
         self.next_check = 0.0  # when `growth_due` looks for room again (monotonic)
         self.joining = 0  # workers started for a growth, which it waits for (`growth_due`)
@@ -72,7 +85,7 @@ class Placement:
     def most_now(self) -> int:
         """The most workers the job may have now: max_dp replicas' worth, within what its
         quota leaves it (resources.quota)."""
-        allowed = self.allowed()
+        allowed = self.quota.allowance()
         return self.most if allowed is None else min(self.most, allowed)
 
     def room(self) -> int:
@@ -147,17 +160,19 @@ class Placement:
         if now < self.next_check:
             return False
         self.next_check = now + self.base.elastic.rescale_check_s
-        allowed = self.most_now()  # within its quota
-        if dp < allowed // self.base.per_replica:
-            self.group.request_capacity(allowed)  # renewed while short
-            free = min(self.free(), allowed - dp * self.base.per_replica)
-            self.ask(allowed - dp * self.base.per_replica - free, 0)
-            grow_to = self.scale.grow_to(dp, free)  # (room claimed comes at a later check)
-            if grow_to is not None:
-                self.joining = (grow_to - dp) * self.base.per_replica
-                self.joining_until = now + START_WAIT_S
-                self.group.keep_spares(self.joining)  # the spares there are first
-                return self._joined()
+        with self.quota.claiming():  # two jobs of one quota never grow into the same room
+            allowed = self.most_now()
+            if dp < allowed // self.base.per_replica:
+                self.group.request_capacity(allowed)  # renewed while short
+                free = min(self.free(), allowed - dp * self.base.per_replica)
+                self.ask(allowed - dp * self.base.per_replica - free, 0)
+                grow_to = self.scale.grow_to(dp, free)  # (room claimed comes at a later check)
+                if grow_to is not None:
+                    self.joining = (grow_to - dp) * self.base.per_replica
+                    self.joining_until = now + START_WAIT_S
+                    self.quota.reserve(self.joining)
+                    self.group.keep_spares(self.joining)  # the spares there are first
+                    return self._joined()
         if spares:
             self.group.keep_spares(spares)
         return False

@@ -393,6 +393,19 @@ class Priorities:
             return None
         return quota_left(self._entry(), read_list()[0], read_quotas())
 
+    def claiming(self):
+        """The list's lock, where a quota bounds this job: a growth decided under it and its
+        workers reserved (`reserve`) before another job of the quota decides."""
+        return _one_claimant() if self.on and self.quota else contextlib.nullcontext()
+
+    def reserve(self, workers: int) -> None:
+        """A growth's `workers` are starting: counted against its quota (as `starting`) until
+        its world re-forms (`listed`), or 0 where the growth is given up. Only for a job with
+        a quota (the line counts the workers of jobs starting from it, not of growths)."""
+        if self.on and self.quota:
+            self.starting = workers
+            _put(f"job/{self.key}", asdict(self._entry()))
+
     def _lendable(self, placement: "Placement", free: int) -> tuple[int, list[Entry]]:
         """The room this job, waiting in line, may start on out of turn (up to its max_dp),
         and the jobs ahead of it that lend it (`backfills`), once it has been so at every
