@@ -504,13 +504,15 @@ def test_a_step_that_runs_out_of_memory_is_one_line_that_says_what_lowers_it(tmp
         "blocks, or shard the model's state (parallel.shard)")
 
 
-def test_a_step_whose_gradient_is_not_finite_fails_or_is_skipped_and_training_goes_on(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_a_step_whose_gradient_is_not_finite_fails_or_is_skipped_and_training_goes_on(tmp_path, shard):
     """A user task that takes the log of its target meets a row whose target is below 0 in
     the third step: its loss and gradient are NaN. By default the run fails in one line
     naming the step, its checkpoint of step 2 kept; resumed with train.skip_nonfinite (not
     part of the recipe), that step's update is skipped: the parameters and optimizer state
     after it are those before it, bitwise, the run record and the status say so, and
-    training goes on to the end, finite."""
+    training goes on to the end, finite. Under DDP and ZeRO-3 (the whole model's norm from
+    DTensor shards, the state written through DCP)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -525,7 +527,7 @@ def test_a_step_whose_gradient_is_not_finite_fails_or_is_skipped_and_training_go
             model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
             data={"source": "parquet", "path": str(data), "columns": columns},
             train={"steps": 6, "global_batch": 16, "micro_batch": 4, "schedule": "constant", **train},
-            checkpoint={"every_steps": 1, "keep": 6}))
+            parallel={"dp": 2, "shard": shard}, checkpoint={"every_steps": 1, "keep": 6}))
 
     spec = job()
     table = pq.read_table(data / "table.parquet")
@@ -548,10 +550,16 @@ def test_a_step_whose_gradient_is_not_finite_fails_or_is_skipped_and_training_go
         ("skipped", 3, "nan")]
     before, after = store.read_model(2), store.read_model(3)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no update, not even decay
-    optim = [torch.utils._pytree.tree_flatten(store.read_tensors(step, "optim-0000.pt"))[0]
-             for step in (2, 3)]
-    assert len(optim[0]) == len(optim[1]) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(*optim))
+    def optim(step):  # the whole optimizer state, as written (ZeRO-3's through DCP)
+        from baton.checkpoint import sharded
+
+        state = (store.read_tensors(step, "optim-0000.pt") if shard == "none"
+                 else sharded.read_full(store.shards(step), "optim"))
+        return torch.utils._pytree.tree_flatten(state)[0]
+
+    before_o, after_o = optim(2), optim(3)
+    assert len(before_o) == len(after_o) > 0 and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(before_o, after_o))
     end = store.read_model(6)
     assert all(torch.isfinite(t).all() for t in end.values())
     assert any(not torch.equal(end[k], after[k]) for k in end)  # steps 4 to 6 trained

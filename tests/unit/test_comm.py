@@ -79,6 +79,57 @@ def test_powersgd_on_gloo_keeps_the_ranks_collectives_in_step(tmp_path):
     mp.spawn(_powersgd_worker, args=(_meeting(tmp_path), 30), nprocs=2, join=True)  # raises if a rank dies
 
 
+def _powersgd_skip_worker(rank: int, init: str, forget: bool, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from baton.models import build_model, loss_sum
+    from baton.parallel import comm
+    from baton.spec import ModelSpec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    model = DDP(build_model(ModelSpec(name="gpt", layers=2, width=32, heads=2, seq_len=16), seed=0))
+    state = comm.register(model, "powersgd")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen, finite = torch.Generator().manual_seed(rank), []
+    for step in range(comm.POWERSGD_START + 3):
+        batch = torch.randint(0, 256, (4, 17), generator=gen)
+        loss = loss_sum(model(batch[:, :-1]), batch[:, 1:])
+        spike = step == comm.POWERSGD_START + 1  # a compressed step whose gradient is NaN
+        (loss * float("nan") if spike else loss).backward()
+        finite.append(all(torch.isfinite(q.grad).all() for q in model.parameters()))
+        if spike:  # skipped (train.skip_nonfinite): no update, the gradient dropped
+            optimizer.zero_grad()
+            if forget:
+                comm.forget(state)
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(finite, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+    os._exit(0)  # past finalisation (the module's docstring)
+
+
+def test_a_skipped_step_leaves_no_nan_in_powersgds_memory(tmp_path):
+    """A compressed step whose gradient is NaN, skipped: PowerSGD's error feedback holds the
+    NaNs and adds them to every later gradient, unless dropped (`comm.forget`, which the
+    engines call on such a step); then the next steps' gradients are finite again."""
+    import torch.multiprocessing as mp
+
+    results = {}
+    for forget in (False, True):
+        out = tmp_path / str(forget)
+        out.mkdir()
+        mp.spawn(_powersgd_skip_worker, args=(_meeting(out), forget, str(out)), nprocs=2, join=True)
+        results[forget] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    start = 10  # comm.POWERSGD_START: steps 0-9 plain, 10 compressed, 11 NaN
+    for finite in results[False]:
+        assert finite[:start + 1] == [True] * (start + 1) and finite[start + 1:] == [False] * 2
+    for finite in results[True]:
+        assert finite == [True] * (start + 1) + [False, True]
+
+
 def _reduce_scatter_worker(rank: int, world: int, init: str) -> None:
     from baton.parallel import comm
 

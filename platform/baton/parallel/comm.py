@@ -9,7 +9,8 @@
   factorisation with error feedback, after 10 steps of plain all-reduce (PowerSGD's advice:
   compress once the gradients settle). DDP only (shard: none or optimizer, pp 1). Its error
   feedback lives in the workers and is not checkpointed: a recovered or resumed run starts it
-  afresh, so such a run is not bitwise the uninterrupted one.
+  afresh, so such a run is not bitwise the uninterrupted one; a skipped step (its gradient
+  not finite: train.skip_nonfinite) drops it too (`forget`).
 
 Pays off where the links are slow next to the compute (many nodes, Ethernet between them);
 on one node's NVLink or shared memory, the cast costs about what it saves."""
@@ -38,9 +39,10 @@ def bf16_hook(process_group, bucket):
     return future.then(back)
 
 
-def register(ddp, grad_comm: str) -> None:
+def register(ddp, grad_comm: str):
     """Set DDP's communication for `grad_comm`, over DDP's own group (under tensor
-    parallelism, the workers holding one share; the world is every share's)."""
+    parallelism, the workers holding one share; the world is every share's). Returns what
+    the hook carries from step to step (PowerSGD's state), or None."""
     if grad_comm == "bf16":
         ddp.register_comm_hook(ddp.process_group, bf16_hook)
     elif grad_comm == "powersgd":
@@ -57,6 +59,18 @@ def register(ddp, grad_comm: str) -> None:
                                    orthogonalization_epsilon=POWERSGD_EPSILON)
         hook = psgd.powerSGD_hook
         ddp.register_comm_hook(state, _in_order(hook) if dist.get_backend() == "gloo" else hook)
+        return state
+    return None
+
+
+def forget(state) -> None:
+    """Drop what PowerSGD carries between steps (its error feedback, and the factors it
+    starts the next step's from), after a step whose gradient was not finite
+    (train.skip_nonfinite): they hold its NaNs, which every later step would add to its
+    gradient. The next compressed step starts them afresh, as after a recovery."""
+    if state is not None:
+        for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+            memory.clear()
 
 
 def _in_order(hook):

@@ -98,6 +98,9 @@ class Replica:
     # from a sharded checkpoint, at any layout (and `pieces`: the state as DCP is to see it,
     # where its tensors are not boxes of the whole: tensor parallelism's shares)
     load_sharded: Callable[..., None]  # (where, pieces=None)
+    # drop what the gradient communication carries between steps (comm.forget), after a step
+    # whose gradient was not finite
+    forget_comm: Callable[[], None] = lambda: None
 
 
 def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
@@ -118,15 +121,15 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
     # MiB lower, steps 15 % shorter, the losses bit for bit the same; docs/benchmarks.md)
     wrapped = module if alone else DDP(module, device_ids=[0] if device.type == "cuda" else None,
                                        gradient_as_bucket_view=True, process_group=group)
-    if not alone:
-        comm.register(wrapped, grad_comm)
+    state = None if alone else comm.register(wrapped, grad_comm)
     if not shard_optimizer:
         no_sync = contextlib.nullcontext if alone else wrapped.no_sync
         optimizer = make_optimizer(wrapped, train)
         return Replica(module, wrapped, optimizer, no_sync, False,
                        lambda: state_dicts(wrapped, optimizer),
                        lambda m, o: load_full(module, wrapped, optimizer, m, o),
-                       lambda where, pieces=None: sharded.load_into(wrapped, optimizer, where, pieces))
+                       lambda where, pieces=None: sharded.load_into(wrapped, optimizer, where, pieces),
+                       lambda: comm.forget(state))
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     cls, kwargs = optimizer_class(train)
@@ -134,7 +137,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                                         process_group=mesh["dp_shard"].get_group(), **kwargs)
     zero = _ZeroState(module, optimizer)
     return Replica(module, wrapped, optimizer, wrapped.no_sync, True, zero.state_dicts,
-                   zero.load_full, zero.load_sharded)
+                   zero.load_full, zero.load_sharded, lambda: comm.forget(state))
 
 
 def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool,

@@ -91,6 +91,7 @@ class _Engine:
                                   if q.grad is not None)
         if skip_nonfinite and not math.isfinite(float(grad_norm)):
             self.clear_grads()
+            self.forget_comm()
             return grad_norm
         set_lr(self.optimizer, lr)
         self.optimizer.step()
@@ -99,6 +100,10 @@ class _Engine:
 
     def clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def forget_comm(self) -> None:
+        """Drop what the gradient communication carries between steps (PowerSGD's error
+        feedback), after a step whose gradient was not finite. Nothing, but under DDP."""
 
     def layer_names(self) -> list[str]:
         return list(self.module._modules)
@@ -152,6 +157,9 @@ class DataParallelEngine(_Engine):
 
     def compute_s(self) -> Optional[float]:
         return self.forwards.read() if self.forwards else None
+
+    def forget_comm(self) -> None:
+        self.replica.forget_comm()
 
     def _split(self, module: nn.Module, fill) -> tuple:
         """What a subclass does to the model before it is wrapped (tensor parallelism: keeps
