@@ -299,16 +299,17 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     list or a `sweeps.Draw`; seeded by `seed`), on one Ray, a trial after another or up to
     `concurrent` at once where the cluster holds them ("auto": as many as its resources hold
     at once; `sweeps.drive`), those done already skipped; with `halving` (ETA), by
-    successive halving from step `first_rung` (`sweeps.halve`), or `asynchronous` halving
-    (`sweeps.promote`: no rung waits for its slowest trial). Returns the trials
+    successive halving from step `first_rung` (`halving.halve`), or `asynchronous` halving
+    (`halving.promote`: no rung waits for its slowest trial). Returns the trials
     (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
     import ray
 
+    from baton import halving as halving_
     from baton import sweeps
 
     trials = sweeps.plan(job, axes, list(overrides), trials, seed)
     source = job if isinstance(job, str) else "<spec>"
-    sweeps.check_halving(trials, halving, first_rung, source, asynchronous)
+    halving_.check_halving(trials, halving, first_rung, source, asynchronous)
     if concurrent != "auto" and (not isinstance(concurrent, int) or concurrent < 1):
         raise SpecError(f"{source}: --concurrent {concurrent}: give 1 or more, or auto")
     if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
@@ -336,9 +337,9 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
             sweeps.drive(lineup, train, log, concurrent, ray.cluster_resources())
 
         if halving is not None and asynchronous:
-            sweeps.promote(trials, halving, first_rung, drive, log)
+            halving_.promote(trials, halving, first_rung, drive, log)
         elif halving is not None:
-            sweeps.halve(trials, halving, first_rung, lambda batch, until: drive(
+            halving_.halve(trials, halving, first_rung, lambda batch, until: drive(
                 sweeps.Listed(batch, until, log)), log)
         else:
             drive(sweeps.Listed(trials, None, log))

@@ -123,7 +123,7 @@ def test_a_random_search_draws_seeded_distinct_trials_in_their_ranges(tmp_path, 
 
 
 def test_halving_rungs_leave_at_least_one_trial_at_the_end():
-    from baton.sweeps import rungs
+    from baton.halving import rungs
 
     assert rungs(8, 80, 2) == [10, 20, 40, 80]  # 8 -> 4 -> 2 -> 1 trials
     assert rungs(9, 100, 3) == [11, 33, 100]  # 9 -> 3 -> 1 (100 / 9 rounded)
@@ -157,7 +157,8 @@ def _losses():
 def test_halving_trains_the_best_third_on_at_each_rung_and_cuts_the_rest(tmp_path):
     """9 trials, --halving 3 over 90 steps: all 9 to step 10, the best 3 to step 30, the best
     one to step 90; the others cut where they stopped. A trial that fails is never promoted."""
-    from baton.sweeps import halve, train_each
+    from baton.halving import halve
+    from baton.sweeps import train_each
 
     lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
     trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": lrs})
@@ -184,7 +185,8 @@ def test_asynchronous_halving_promotes_a_trial_as_soon_as_it_stands_among_the_be
     """The 9 trials of the test above under --async, a trial at a time: the best of the first
     three (3e-3) goes on to step 30 before the fourth begins, and on to the end once three
     are judged at step 30; the same trials go as far as under synchronous halving, here."""
-    from baton.sweeps import drive, promote
+    from baton.halving import promote
+    from baton.sweeps import drive
 
     lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
     trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": lrs})
@@ -217,7 +219,8 @@ def test_asynchronous_halving_keeps_the_places_of_trials_that_ended_or_went_furt
     other place without training; the 4 others are cut, and no trial trains twice."""
     from types import SimpleNamespace
 
-    from baton.sweeps import drive, promote
+    from baton.halving import promote
+    from baton.sweeps import drive
 
     trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]})
     calls = []
@@ -242,7 +245,8 @@ def test_asynchronous_halving_does_not_wait_for_a_rungs_slowest_trial(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from baton.sweeps import drive, promote
+    from baton.halving import promote
+    from baton.sweeps import drive
 
     trials = plan(_job(tmp_path, train={"steps": 9}), {"train.lr": [1e-3, 2e-3, 3e-3, 4e-3]})
     fast_one_at_the_end, waited = threading.Event(), []
@@ -265,7 +269,7 @@ def test_asynchronous_halving_does_not_wait_for_a_rungs_slowest_trial(tmp_path):
 
 
 def test_a_halving_that_cannot_judge_its_trials_is_one_line(tmp_path, capsys):
-    from baton.sweeps import check_halving
+    from baton.halving import check_halving
 
     job = _job(tmp_path, train={"steps": 8})
     two = plan(job, {"train.lr": [1e-3, 2e-3]})

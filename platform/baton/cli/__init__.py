@@ -421,9 +421,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     """Trials over a grid or random draws, ranked (or listed with --list)."""
-    from baton import api
-
-    from baton import sweeps
+    from baton import api, halving, sweeps
 
     axes = _grid(args.job, args.grid)
     if args.list:
@@ -432,9 +430,9 @@ def _sweep(args: argparse.Namespace) -> int:
             where = sweeps.progress(t.spec)
             print(f"{t.name}: " + ", ".join(f"{k}={v}" for k, v in t.values.items())
                   + (f"; {where}" if where else ""))
-        sweeps.check_halving(trials, args.halving, args.first_rung, args.job, args.asynchronous)
+        halving.check_halving(trials, args.halving, args.first_rung, args.job, args.asynchronous)
         if args.halving is not None:
-            ends = sweeps.rungs(len(trials), trials[0].spec.train.steps, args.halving, args.first_rung)
+            ends = halving.rungs(len(trials), trials[0].spec.train.steps, args.halving, args.first_rung)
             print(("asynchronous " if args.asynchronous else "") + "halving: judged at steps "
                   + ", ".join(map(str, ends[:-1])) + f"; the best 1/{args.halving} go on "
                   + ("as they are judged" if args.asynchronous else "each time")
