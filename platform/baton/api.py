@@ -432,7 +432,7 @@ def quotas(address: Optional[str] = "auto", set_to: Optional[tuple[str, Optional
     bound), "held": {"CPU", "GPU"} by the jobs running, "jobs": [(name, state)]}."""
     import ray
 
-    from baton.coordinator import priorities
+    from baton.coordinator import quotas as quota
 
     joined = not ray.is_initialized()
     if joined:
@@ -440,11 +440,11 @@ def quotas(address: Optional[str] = "auto", set_to: Optional[tuple[str, Optional
         join_cluster(address)
     try:
         if set_to is not None:
-            priorities.set_quota(*set_to)
+            quota.set_quota(*set_to)
         if clear is not None:
-            priorities.clear_quota(clear)
-        use, out = priorities.quota_use(), {}
-        for name, q in sorted(priorities.read_quotas().items()):
+            quota.clear_quota(clear)
+        use, out = quota.quota_use(), {}
+        for name, q in sorted(quota.read_quotas().items()):
             jobs = sorted(use.get(name, []), key=lambda e: e.name)
             held = {kind: sum((e.dp * e.per_replica + e.starting) * (e.cpus if kind == "CPU" else e.gpus)
                               for e in jobs) for kind in ("CPU", "GPU")}

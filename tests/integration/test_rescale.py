@@ -540,7 +540,7 @@ def test_a_job_waits_for_its_quota_while_a_job_of_no_quota_takes_the_free_room(t
     import threading
 
     from baton import api
-    from baton.coordinator import priorities
+    from baton.coordinator import priorities, quotas
 
     data = write_dataset(tmp_path / "data", 40, 32)
     q1, q2 = (_queue_spec(tmp_path, data, name, 0, 1, 4, quota="team") for name in ("q1", "q2"))
@@ -569,7 +569,7 @@ def test_a_job_waits_for_its_quota_while_a_job_of_no_quota_takes_the_free_room(t
         done["q1"] = time.monotonic()
         thread.join(timeout=120)
     finally:
-        priorities.clear_quota("team")
+        quotas.clear_quota("team")
     assert held.state == seen["free"].state == seen["q2"].state == "finished"
     assert seen["free"].start["phases_s"].get("queued", 0) == 0
     assert seen["status"]["quota_wait"] == {"quota": "team", "room": {"CPU": 1.0, "GPU": None},

@@ -237,7 +237,8 @@ def test_a_quota_bounds_what_its_jobs_hold_together_and_one_waiting_for_it_is_ou
     line (room is not held for it), its place kept."""
     from dataclasses import replace
 
-    from baton.coordinator.priorities import line, quota_holders, quota_left, spoken_for
+    from baton.coordinator.priorities import line, spoken_for
+    from baton.coordinator.quotas import quota_holders, quota_left
 
     quotas = {"team": {"CPU": 4.0, "GPU": None}, "gpus": {"CPU": None, "GPU": 2.0}}
     a = replace(_job("a", 0, 2, cpus=1.0), quota="team")  # holds 2 CPUs

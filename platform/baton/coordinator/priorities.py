@@ -99,34 +99,6 @@ def _fit(me: Entry, cpus: float, gpus: float) -> int:
     return min(n, math.floor((gpus + 1e-9) / me.gpus)) if me.gpus else n
 
 
-def _fit_within(me: Entry, cpus: Optional[float], gpus: Optional[float]) -> Optional[int]:
-    """How many of `me`'s workers `cpus` and `gpus` hold, either None for no bound (both
-    None: None)."""
-    counts = [math.floor((cpus + 1e-9) / me.cpus)] if cpus is not None and me.cpus else []
-    counts += [math.floor((gpus + 1e-9) / me.gpus)] if gpus is not None and me.gpus else []
-    return max(0, min(counts)) if counts else None
-
-
-def quota_left(me: Entry, entries: list[Entry], quotas: dict[str, dict]) -> Optional[int]:
-    """Workers of `me`'s size that the quota it counts against leaves it, its own included:
-    the quota's CPUs and GPUs less what the other jobs counting against it hold (their worlds,
-    and the workers they are starting). None: no quota (none named, or none set)."""
-    q = quotas.get(me.quota) if me.quota else None
-    if q is None:
-        return None
-    others = [e for e in entries if e.key != me.key and e.quota == me.quota]
-    held = [(e.dp * e.per_replica + e.starting) for e in others]
-    cpus = None if q.get("CPU") is None else q["CPU"] - sum(n * e.cpus for n, e in zip(held, others))
-    gpus = None if q.get("GPU") is None else q["GPU"] - sum(n * e.gpus for n, e in zip(held, others))
-    return _fit_within(me, cpus, gpus)
-
-
-def quota_holders(me: Entry, entries: list[Entry]) -> list[str]:
-    """The other jobs counting against `me`'s quota that hold workers."""
-    return [e.name for e in entries if e.key != me.key and me.quota and e.quota == me.quota
-            and (e.dp or e.starting)]
-
-
 def job_key(spec: JobSpec) -> str:
     """One job's key: its checkpoint folder's (one run of a job at a time holds its lease)."""
     return hashlib.sha256(spec.checkpoint_dir.encode()).hexdigest()[:16]
@@ -376,10 +348,12 @@ class Priorities:
         line (its place kept), until they hold less or the quota is raised."""
         if not (self.on and self.quota):
             return False
+        from baton.coordinator import quotas
+
         entries, _ = read_list()
-        quotas = read_quotas()
-        left = quota_left(self._entry(), entries, quotas)
-        self.quota_room, self.quota_held_by = quotas.get(self.quota), quota_holders(self._entry(), entries)
+        bounds = quotas.read_quotas()
+        left = quotas.quota_left(self._entry(), entries, bounds)
+        self.quota_room, self.quota_held_by = bounds.get(self.quota), quotas.quota_holders(self._entry(), entries)
         over = left is not None and left < need
         if over != self.over_quota:
             self.over_quota = over
@@ -389,9 +363,11 @@ class Priorities:
     def allowance(self) -> Optional[int]:
         """Workers of this job's size its quota leaves it, its own included (`quota_left`);
         None: no quota."""
+        from baton.coordinator import quotas
+
         if not (self.on and self.quota):
             return None
-        return quota_left(self._entry(), read_list()[0], read_quotas())
+        return quotas.quota_left(self._entry(), read_list()[0], quotas.read_quotas())
 
     def claiming(self):
         """The list's lock, where a quota bounds this job: a growth decided under it and its
@@ -547,40 +523,6 @@ def read_list() -> tuple[list[Entry], dict[str, dict[str, int]]]:
             pass
         _delete(key)
     return entries, claims
-
-
-def read_quotas() -> dict[str, dict]:
-    """The quotas set on the cluster (`baton quota`): name -> {"CPU": n or None, "GPU": n or
-    None} (None: no bound on that resource)."""
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    out = {}
-    for key in _keys("quota/"):
-        try:
-            q = json.loads(_internal_kv_get(key, namespace=NAMESPACE))
-            out[key.split("/", 1)[1]] = {k: None if q.get(k) is None else float(q[k]) for k in ("CPU", "GPU")}
-        except (TypeError, ValueError, AttributeError):
-            continue
-    return out
-
-
-def set_quota(name: str, cpus: Optional[float] = None, gpus: Optional[float] = None) -> None:
-    """Set quota `name` on the connected cluster: the CPUs and GPUs the workers of every job
-    naming it (resources.quota) may hold together (None: no bound on that one)."""
-    _put(f"quota/{name}", {"CPU": cpus, "GPU": gpus})
-
-
-def clear_quota(name: str) -> None:
-    _delete(f"quota/{name}")
-
-
-def quota_use() -> dict[str, list[Entry]]:
-    """The jobs of the cluster's list by the quota they count against."""
-    out: dict[str, list[Entry]] = {}
-    for e in read_list()[0]:
-        if e.quota:
-            out.setdefault(e.quota, []).append(e)
-    return out
 
 
 _holding = threading.local()  # how deep this thread is in `_one_claimant`
