@@ -654,6 +654,8 @@ def test_a_mix_of_two_corpora_trains_on_their_weighted_stream_across_a_resume(tm
     small_per_step = [sum(i < 5000 for s, _, got in phased.ledger if s == step for i in got)
                       for step in range(12, 16)]
     assert small_per_step == [4, 0, 0, 0]
+    assert [(e["step"], e["phase"], e["weights"]) for e in phased.events if e["kind"] == "mix_phase"] == [
+        (14, 1, {"small": 0.0, "large": 1.0})]  # in the run record (baton report marks it)
     meta = CheckpointStore(spec.checkpoint_dir).read_meta(16)
     assert meta["cursor"]["phase"] == 1 and meta["cursor"]["since"] == [42, 62]
     assert meta["data"]["phases"] == [{"after_step": 13, "weights": [0.0, 1.0]}]

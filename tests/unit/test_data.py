@@ -199,8 +199,8 @@ def test_a_mix_phase_changes_the_weights_from_its_step_and_a_checkpoint_pins_onl
         for k, c in enumerate(cursor.sources):  # what next_batch's feeds would take
             c.consumed += int((sources_of == k).sum())
     assert drawn == [[4, 4], [4, 4], [4, 4], [0, 8], [0, 8], [2, 6], [2, 6]]
-    assert said == [None, None, None, "step 4: the mix's weights now a 0.0%, b 100.0% (data.mix_phases[0])",
-                    None, "step 6: the mix's weights now a 25.0%, b 75.0% (data.mix_phases[1])", None]
+    assert said == [None, None, None, {"step": 4, "phase": 1, "weights": {"a": 0.0, "b": 1.0}},
+                    None, {"step": 6, "phase": 2, "weights": {"a": 0.25, "b": 0.75}}, None]
     state = cursor.state_dict()
     assert state["phase"] == 2 and state["since"] == [12, 28]
     again = feed.cursor()

@@ -249,7 +249,8 @@ class Coordinator:
             self.data = preflight(self.spec, self.spec.name)
         self.manifest = self.data.manifest
         if not self.evaluate_only:
-            self.samples = Samples(self.data.feed(self.spec), self.manifest, self.report.note)
+            self.samples = Samples(self.data.feed(self.spec), self.manifest,
+                                   lambda event: self.report.mix_phase(event, self._tags()))
         self.evaluation = evaluation(self.spec, self.data, self.end)
         meta = self.resume_meta
         if meta:

@@ -66,6 +66,15 @@ class Report:
         self.record(event, tags)
         self.progress.note(describe(event))
 
+    def mix_phase(self, event: dict, tags: dict) -> None:
+        """A mix's weights change (data.mix_phases), from the step `event` names: in the run
+        record and on the console (as the phase's first batch is drawn)."""
+        self.record({"kind": "mix_phase", **event}, tags)
+        phase = event["phase"]
+        self.note(f"step {event['step']}: the mix's weights now " + ", ".join(
+            f"{name} {w:.1%}" for name, w in event["weights"].items())
+            + (f" (data.mix_phases[{phase - 1}])" if phase else " (data.mix)"))
+
     def skipped(self, step: int, grad_norm: float, in_a_row: int, limit: int, tags: dict) -> None:
         """A step whose gradient was not finite, its update skipped (train.skip_nonfinite):
         in the run record and on the console."""

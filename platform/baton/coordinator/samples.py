@@ -16,13 +16,14 @@ class Samples:
     ledger, (step, rank, sample ids) of every completed step when the run records samples.
     The cursor runs ahead of the completed steps by the steps queued on the workers."""
 
-    def __init__(self, feed: DataFeed, manifest: Manifest, note: Callable[[str], None] = print):
+    def __init__(self, feed: DataFeed, manifest: Manifest,
+                 on_phase: Callable[[dict], None] = lambda event: None):
         self.feed, self.manifest = feed, manifest  # a DataFeed, or a MixedFeed (data/mix.py)
         self.cursor = feed.cursor()
         self.done = self.cursor.state_dict()
         self.sent = UnitsSent()
         self.ledger: list = []
-        self.note = note  # a mix's new phase, as its first batch is drawn
+        self.on_phase = on_phase  # a mix's new phase, as its first batch is drawn
 
     def seek(self, meta: Optional[dict]) -> None:
         """Go back (or on) to a checkpoint's place, `meta`, or to the start with None. A
@@ -51,9 +52,9 @@ class Samples:
         return batch, self.cursor.state_dict()
 
     def _enter(self, step: int) -> None:
-        said = self.feed.enter(self.cursor, step)
-        if said:
-            self.note(said)
+        event = self.feed.enter(self.cursor, step)
+        if event:
+            self.on_phase(event)
 
     def completed(self, cursor: dict, entries: list) -> None:
         """A step is done: `cursor` is where it left the data, `entries` each rank's ledger."""

@@ -207,17 +207,17 @@ class MixedFeed:
         cursor.since, cursor.phase = cursor.taken(), self.mixture.phase_at(meta["step"])
         return cursor.state_dict()
 
-    def enter(self, cursor: MixCursor, step: int) -> Optional[str]:
+    def enter(self, cursor: MixCursor, step: int) -> Optional[dict]:
         """Draw the batch after `step` steps in its phase: where that is a new one, the
-        schedule starts again there under its weights; says so."""
+        schedule starts again there under its weights, and the event says so (the step it
+        takes effect at, the phase, each source's share)."""
         phase = self.mixture.phase_at(step)
         if phase == cursor.phase:
             return None
         cursor.phase, cursor.since = phase, cursor.taken()
         shares = self.mixture.weights_in(phase)
-        return (f"step {step + 1}: the mix's weights now " + ", ".join(
-            f"{name} {w:.1%}" for name, w in zip(self.mixture.names, shares))
-            + (f" (data.mix_phases[{phase - 1}])" if phase else " (data.mix)"))
+        return {"step": step + 1, "phase": phase,
+                "weights": {name: round(float(w), 6) for name, w in zip(self.mixture.names, shares)}}
 
     def prime(self, cursor: MixCursor, global_batch: int) -> None:
         sources = due(cursor.scheduled(), self.mixture.weights_in(cursor.phase), global_batch)
