@@ -428,8 +428,7 @@ def quotas(address: Optional[str] = "auto", set_to: Optional[tuple[str, Optional
            clear: Optional[str] = None) -> dict[str, dict]:
     """`baton quota`: on the running cluster at `address` (a head's GCS address, `auto`: the
     one on this machine), set quota `set_to` (name, CPUs, GPUs; None: no bound on that one)
-    or `clear` one, then return every quota with its use: name -> {"CPU", "GPU" (None: no
-    bound), "held": {"CPU", "GPU"} by the jobs running, "jobs": [(name, state)]}."""
+    or `clear` one, then return every quota with its use (`quotas.report`)."""
     import ray
 
     from baton.coordinator import quotas as quota
@@ -443,15 +442,7 @@ def quotas(address: Optional[str] = "auto", set_to: Optional[tuple[str, Optional
             quota.set_quota(*set_to)
         if clear is not None:
             quota.clear_quota(clear)
-        use, out = quota.quota_use(), {}
-        for name, q in sorted(quota.read_quotas().items()):
-            jobs = sorted(use.get(name, []), key=lambda e: e.name)
-            held = {kind: sum((e.dp * e.per_replica + e.starting) * (e.cpus if kind == "CPU" else e.gpus)
-                              for e in jobs) for kind in ("CPU", "GPU")}
-            out[name] = {**q, "held": held, "jobs": [
-                (e.name, "running" if e.dp else "starting" if e.starting else
-                 "waiting for the quota" if e.over_quota else "in line") for e in jobs]}
-        return out
+        return quota.report()
     finally:
         if joined:
             shutdown_ray()

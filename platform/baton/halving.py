@@ -110,11 +110,14 @@ class Promotions:
     def _until(self, rung: int) -> Optional[int]:
         return None if rung == len(self.ends) - 1 else self.ends[rung]
 
+    def _order(self, rung: int) -> list[tuple[Trial, Optional[float]]]:
+        """Those judged at `rung` so far, best first, those with no metric last."""
+        return sorted(self.judged[rung], key=lambda p: (p[1] is None, 0.0 if p[1] is None else
+                                                        p[1] if self.lowest else -p[1]))
+
     def _best(self, rung: int) -> list[tuple[Trial, float]]:
         """The best 1/ETA of those judged at `rung` so far (a place each), with their metrics."""
-        pairs = sorted((p for p in self.judged[rung] if p[1] is not None),
-                       key=lambda p: p[1] if self.lowest else -p[1])
-        return pairs[:len(self.judged[rung]) // self.eta]
+        return [p for p in self._order(rung) if p[1] is not None][:len(self.judged[rung]) // self.eta]
 
     def _next(self) -> Optional[tuple[Trial, int, int]]:
         """A trial to go on (the trial, the rung it goes on from, its place there), from the
@@ -167,9 +170,7 @@ class Promotions:
     def cut(self) -> None:
         """Mark the trials left paused at a rung as cut, each with its place there."""
         for k, pairs in enumerate(self.judged):
-            order = sorted(pairs, key=lambda p: (p[1] is None, 0.0 if p[1] is None else
-                                                 p[1] if self.lowest else -p[1]))
-            for place, (t, m) in enumerate(order, 1):
+            for place, (t, m) in enumerate(self._order(k), 1):
                 if t.rung == k and t.state == "paused":
                     t.state = "cut"
                     self.log(f"  {t.name}: cut at step {t.step}: " + (

@@ -119,6 +119,7 @@ class Placement:
         parallel.timeout_s while fewer than min_dp replicas fit."""
         deadline = time.monotonic() + self.base.parallel.timeout_s
         new: list = []
+        # (at least min_dp replicas' worth: a quota lowered meanwhile does not end the run)
         free, most = self.group.free_workers(), max(self.most_now(), self.scale.min_workers)
         self.ask(most - have - free, self.scale.min_workers - have - free)
         while True:

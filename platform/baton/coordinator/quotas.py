@@ -22,18 +22,22 @@ def _fit_within(me: Entry, cpus: Optional[float], gpus: Optional[float]) -> Opti
     return max(0, min(counts)) if counts else None
 
 
+def held(entries: list[Entry]) -> dict[str, float]:
+    """The CPUs and GPUs `entries` hold: their worlds, and the workers they are starting."""
+    return {"CPU": sum((e.dp * e.per_replica + e.starting) * e.cpus for e in entries),
+            "GPU": sum((e.dp * e.per_replica + e.starting) * e.gpus for e in entries)}
+
+
 def quota_left(me: Entry, entries: list[Entry], quotas: dict[str, dict]) -> Optional[int]:
     """Workers of `me`'s size that the quota it counts against leaves it, its own included:
-    the quota's CPUs and GPUs less what the other jobs counting against it hold (their worlds,
-    and the workers they are starting). None: no quota (none named, or none set)."""
+    the quota's CPUs and GPUs less what the other jobs counting against it hold (`held`).
+    None: no quota (none named, or none set)."""
     q = quotas.get(me.quota) if me.quota else None
     if q is None:
         return None
-    others = [e for e in entries if e.key != me.key and e.quota == me.quota]
-    held = [(e.dp * e.per_replica + e.starting) for e in others]
-    cpus = None if q.get("CPU") is None else q["CPU"] - sum(n * e.cpus for n, e in zip(held, others))
-    gpus = None if q.get("GPU") is None else q["GPU"] - sum(n * e.gpus for n, e in zip(held, others))
-    return _fit_within(me, cpus, gpus)
+    taken = held([e for e in entries if e.key != me.key and e.quota == me.quota])
+    left = {kind: None if q.get(kind) is None else q[kind] - taken[kind] for kind in ("CPU", "GPU")}
+    return _fit_within(me, left["CPU"], left["GPU"])
 
 
 def quota_holders(me: Entry, entries: list[Entry]) -> list[str]:
@@ -67,10 +71,17 @@ def clear_quota(name: str) -> None:
     _delete(f"quota/{name}")
 
 
-def quota_use() -> dict[str, list[Entry]]:
-    """The jobs of the cluster's list by the quota they count against."""
-    out: dict[str, list[Entry]] = {}
+def report() -> dict[str, dict]:
+    """Every quota with its use (`baton quota`): name -> {"CPU", "GPU" (None: no bound),
+    "held": what its jobs hold, "jobs": [(name, state)] by name}."""
+    by_quota: dict[str, list[Entry]] = {}
     for e in read_list()[0]:
         if e.quota:
-            out.setdefault(e.quota, []).append(e)
+            by_quota.setdefault(e.quota, []).append(e)
+    out = {}
+    for name, q in sorted(read_quotas().items()):
+        jobs = sorted(by_quota.get(name, []), key=lambda e: e.name)
+        out[name] = {**q, "held": held(jobs), "jobs": [
+            (e.name, "running" if e.dp else "starting" if e.starting else
+             "waiting for the quota" if e.over_quota else "in line") for e in jobs]}
     return out

@@ -79,8 +79,8 @@ class Report:
         """A step whose gradient was not finite, its update skipped (train.skip_nonfinite):
         in the run record and on the console."""
         self.record({"kind": "skipped", "step": step, "grad_norm": str(grad_norm)}, tags)
-        self.progress.note(f"step {step}: the gradient is {grad_norm}: its update skipped "
-                           f"({in_a_row} in a row; train.skip_nonfinite: {limit})")
+        self.note(f"step {step}: the gradient is {grad_norm}: its update skipped "
+                  f"({in_a_row} in a row; train.skip_nonfinite: {limit})")
 
     def evaluated(self, step: int, evaluated: dict) -> None:
         self.progress.note(f"step {step}: " + ", ".join(

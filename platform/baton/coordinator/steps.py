@@ -54,20 +54,22 @@ class StepStats:
         tokens = sum(r["tokens"] for r in results)
         loss = sum(r["loss_sum"] for r in results) / tokens
         skipped = any(r.get("skipped") for r in results)
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
-        if skipped and self.skipped_in_a_row > self.skip_limit:
-            raise WorkerError(f"the gradient is {results[0]['grad_norm']} at step {step}, "
-                              f"{self.skipped_in_a_row} steps in a row, more than "
-                              f"train.skip_nonfinite ({self.skip_limit}) skips; lower train.lr, or "
-                              "look for bad rows in the batches of those steps (the model is "
-                              "that of the step before them; the last checkpoint is kept)")
         if skipped:
             self.skipped.append(step)
-        if not (skipped or math.isfinite(loss)):
-            raise WorkerError(f"the loss is {loss} at step {step}; lower train.lr or set "
-                              "train.grad_clip, or skip such steps (train.skip_nonfinite) (the "
-                              "last checkpoint is kept)")
-        if not skipped:
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row > self.skip_limit:
+                raise WorkerError(
+                    f"the gradient is {results[0]['grad_norm']} at step {step}, "
+                    f"{self.skipped_in_a_row} steps in a row, more than train.skip_nonfinite "
+                    f"({self.skip_limit}) skips; lower train.lr, or look for bad rows in the "
+                    "batches of those steps (the model is that of the step before them; the "
+                    "last checkpoint is kept)")
+        else:
+            self.skipped_in_a_row = 0
+            if not math.isfinite(loss):
+                raise WorkerError(f"the loss is {loss} at step {step}; lower train.lr or set "
+                                  "train.grad_clip, or skip such steps (train.skip_nonfinite) "
+                                  "(the last checkpoint is kept)")
             self.last_loss = loss
         tps = tokens / step_time_s
         self.tokens_per_s.append(tps)
