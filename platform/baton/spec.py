@@ -105,6 +105,17 @@ class Every:
 
 
 @dataclass(frozen=True)
+class SpikeRewind:
+    """train.rewind_on_spike: a step whose loss is above `factor` times the median of the
+    `window` steps before it (or is not a number) sends the run back to its newest checkpoint,
+    the batches from there to the spike skipped; at most `most` times a run."""
+
+    factor: float = 3.0
+    window: int = 20
+    most: int = 3
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     steps: int = 100
     global_batch: int = 32  # samples per optimizer step, across all replicas
@@ -125,6 +136,9 @@ class TrainSpec:
     # spike) that are skipped, their update not applied, before the run fails; 0: the first
     # such step fails it (its last checkpoint kept)
     skip_nonfinite: int = 0
+    # a loss spike (PaLM's remedy, Chowdhery et al. 2022): back to the newest checkpoint and
+    # on past the batches from there to the spike; null: a spike trains on
+    rewind_on_spike: Optional[SpikeRewind] = None
     seed: int = 0
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast matmuls; weights stay fp32
     # lamb: AdamW's direction scaled per tensor by ||x|| / ||update|| (large batches)
@@ -363,7 +377,7 @@ class JobSpec:
         d = self.to_dict()
         train = {k: v for k, v in d["train"].items()  # (decay_steps: like steps, a length)
                  if k not in ("steps", "decay_steps", "micro_batch", "activation_checkpointing",
-                              "compile", "skip_nonfinite")
+                              "compile", "skip_nonfinite", "rewind_on_spike")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items()
                 if k != "mix_phases" and (k not in ("columns", "pad", "mix") or v)}

@@ -106,6 +106,14 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(0 <= t.skip_nonfinite <= 10**6, "train.skip_nonfinite", t.skip_nonfinite,
          "must be 0 (a step whose gradient is not finite fails the run) to 1,000,000 (steps in a "
          "row skipped before it fails)")
+    spike = t.rewind_on_spike
+    if spike is not None:
+        need(1 < spike.factor <= 10**6, "train.rewind_on_spike.factor", spike.factor,
+             "must be above 1 (a loss that many times the window's median is a spike), at most 1e6")
+        need(2 <= spike.window <= 10**4, "train.rewind_on_spike.window", spike.window,
+             "must be 2 to 10,000 steps (the median of their losses is the level a spike is judged by)")
+        need(1 <= spike.most <= 1000, "train.rewind_on_spike.most", spike.most,
+             "must be 1 to 1,000 rewinds in a run (the next spike fails it)")
     ac = t.activation_checkpointing
     need(isinstance(ac, str) or 1 <= ac.every <= MOST["model.layers"][0],
          "train.activation_checkpointing.every", getattr(ac, "every", ac),

@@ -107,6 +107,11 @@ def describe(s: dict) -> list[str]:
         shown = ", ".join(map(str, skipped[-5:]))
         lines.append(f"  updates skipped (gradient not finite): {len(skipped)}, at step"
                      f"{'s' * (len(skipped) > 1)} {'..., ' * (len(skipped) > 5)}{shown}")
+    spikes = s.get("spikes")  # train.rewind_on_spike's, in this run
+    if spikes:
+        lines.append(f"  loss spikes rewound from: {len(spikes)}, at step"
+                     f"{'s' * (len(spikes) > 1)} {'..., ' * (len(spikes) > 5)}"
+                     f"{', '.join(map(str, spikes[-5:]))}")
     lines.append(f"  last checkpoint: {s['last_checkpoint'] or 'none yet'}")
     best = s.get("best_checkpoint")  # checkpoint.best's, once one is kept
     if best:

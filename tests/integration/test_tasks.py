@@ -564,3 +564,43 @@ def test_a_step_whose_gradient_is_not_finite_fails_or_is_skipped_and_training_go
     assert all(torch.isfinite(t).all() for t in end.values())
     assert any(not torch.equal(end[k], after[k]) for k in end)  # steps 4 to 6 trained
     assert store.read_status()["skipped_steps"] == [3]
+
+
+def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path):
+    """train.rewind_on_spike: the fourth batch of a regression holds rows whose target is
+    1,000 (the rest are near 0): step 4's loss is hundreds of times the median of the two
+    steps before it. The run drops step 4 and the checkpoint queued with it, goes back to
+    checkpoint 2 on the same two workers, and takes the data on from batch 5: it trains
+    batches 1, 2, 5 and 6, the whole epoch but the batches of steps 3 and 4, each sample once,
+    and finishes at step 4 with a finite loss; the run record says what happened."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = write_table(tmp_path / "data")
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="spiky", task="helpers:regression",
+        model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
+        data={"source": "parquet", "path": str(data),
+              "columns": {"inputs": ["vec", "a", "b"], "target": "y"}},
+        train={"steps": 4, "global_batch": 16, "micro_batch": 4, "schedule": "constant",
+               "rewind_on_spike": {"factor": 10, "window": 2, "most": 1}},
+        checkpoint={"every_steps": 2, "keep": 4}))
+    order, cursor = job_order(spec, str(data)), Cursor()
+    batches = [order.next_batch(cursor, 16) for _ in range(6)]  # the epoch: 96 rows
+    table = pq.read_table(data / "table.parquet")
+    y = table.column("y").to_numpy().copy()
+    y[batches[3]] = 1000.0  # one file: a position is its row
+    table = table.set_column(table.schema.get_field_index("y"), "y", pa.array(y))
+    pq.write_table(table, data / "table.parquet", row_group_size=8)
+
+    result = api.run(spec, record_samples=True, show_progress=False)
+    assert result.state == "finished" and result.step == 4 and np.isfinite(result.loss)
+    spikes = [e for e in result.events if e["kind"] == "spike"]
+    assert [(e["step"], e["rewound_to"], e["batches_skipped"]) for e in spikes] == [(4, 2, 2)]
+    assert spikes[0]["loss"] > 10 * spikes[0]["median"]
+    assert [(e["kind"], e["resumed_from_step"], e["dp"]) for e in result.events
+            if e["kind"] == "rewind"] == [("rewind", 2, 2)]
+    trained = Counter(i for _, _, ids in result.ledger for i in ids)
+    kept = np.concatenate([batches[k] for k in (0, 1, 4, 5)]) + 5000  # sample_id: 5000 + row
+    assert sorted(trained) == sorted(kept.tolist()) and set(trained.values()) == {1}
+    assert CheckpointStore(spec.checkpoint_dir).latest() == 4

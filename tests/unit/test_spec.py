@@ -66,7 +66,7 @@ def test_gpu_pipelines_refuse_schedules_nccl_cannot_order(tmp_path):
 def test_fingerprint_ignores_steps_and_layout_but_not_the_model(tmp_path):
     base = tiny_spec(tmp_path, tmp_path)
     a = spec_from_dict(base)
-    b = spec_from_dict({**base, "train": {**base["train"], "steps": 99},
+    b = spec_from_dict({**base, "train": {**base["train"], "steps": 99, "rewind_on_spike": {}},
                         "parallel": {"dp": 1}, "resources": {"cpus_per_worker": 1}})
     c = spec_from_dict({**base, "model": {**base["model"], "width": 64}})
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
@@ -134,6 +134,14 @@ BROKEN = [
      "data.mix_phases[0].weights: [0.0, 0.0] is invalid; each must be 0 to 1,000,000 (0: none of that source's samples), and one above 0"),
     ({"data": {"mix": [{"path": "../data"}, {"path": "../data", "name": "b"}], "mix_phases": [{"after_step": 5}]}},
      "data.mix_phases[0].weights: required key is missing"),
+    ({"train": {"rewind_on_spike": {"factor": 1}}},
+     "train.rewind_on_spike.factor: 1.0 is invalid; must be above 1 (a loss that many times the window's median is a spike), at most 1e6"),
+    ({"train": {"rewind_on_spike": {"window": 1}}},
+     "train.rewind_on_spike.window: 1 is invalid; must be 2 to 10,000 steps"),
+    ({"train": {"rewind_on_spike": {"most": 0}}},
+     "train.rewind_on_spike.most: 0 is invalid; must be 1 to 1,000 rewinds in a run (the next spike fails it)"),
+    ({"train": {"rewind_on_spike": {"factr": 2}}},
+     "train.rewind_on_spike.factr: unknown key; did you mean 'factor'?"),
     ({"model": {"name": "nosuchmodule:build"}}, "model.name: 'nosuchmodule:build' is invalid; cannot load the builder"),
     ("name: x\ntrain: {steps: 3\n", "not valid YAML at line"),
     ("- just\n- a list\n", "the top level must be a mapping of sections, got a list"),

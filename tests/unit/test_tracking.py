@@ -427,3 +427,50 @@ def test_steps_whose_gradient_is_not_finite_are_skipped_up_to_the_limit_in_a_row
     assert "  updates skipped (gradient not finite): 6, at steps ..., 3, 5, 6, 8, 9" in status.describe(s)
     with pytest.raises(WorkerError, match=r"the loss is nan at step 1; .* or skip such steps \(train.skip_nonfinite\)"):
         StepStats(spec_from_dict(base)).measure(1, [result(math.nan)], 0.1, 4, 1e-3, 0, dims)
+
+
+def test_a_loss_spike_is_judged_against_the_median_of_the_steps_before_it(tmp_path):
+    """train.rewind_on_spike {factor: 3, window: 3, most: 2}: no finite loss is judged before
+    the window is full (100 at step 2 is not a spike); then one above 3x the median of the
+    last 3 steps is, and a loss that is not a number is at once; a spike's loss stays out of
+    the window, a rewind keeps the window's losses up to the step gone back to, and the third
+    spike fails the run in one line. With the rule, a NaN loss is measured (the coordinator
+    rewinds from it) instead of failing the run; `baton status` lists the spikes."""
+    import math
+
+    from baton import status
+    from baton.coordinator.spikes import Spikes, describe
+    from baton.coordinator.steps import StepStats
+    from baton.errors import WorkerError
+    from baton.spec import SpikeRewind, spec_from_dict
+    from helpers import tiny_spec
+
+    rule = SpikeRewind(factor=3.0, window=3, most=2)
+    spikes = Spikes(rule)
+    assert spikes.judge(1, math.inf) == {"step": 1, "loss": "inf", "median": None, "window": 0}
+    assert [spikes.judge(k, x) for k, x in [(1, 4.0), (2, 100.0), (3, 2.0)]] == [None] * 3
+    spike = spikes.judge(4, 12.5)  # the window [4, 100, 2]: its median 4
+    assert spike == {"step": 4, "loss": 12.5, "median": 4.0, "window": 3}
+    assert describe(spike, rule) == ("the loss 12.5, 3.1x the median 4 of the 3 steps before "
+                                     "(train.rewind_on_spike.factor: 3)")
+    assert spikes.judge(4, 11.9) is None  # (the spike stayed out): now [100, 2, 11.9]
+    assert spikes.judge(5, 30.0) is None and spikes.judge(6, 36.0)["median"] == 11.9
+    spikes.rewinding(spike)
+    spikes.rewound(3)  # back to checkpoint 3: of the window's steps 3 to 5, step 3 stays
+    assert spikes.losses == [(3, 2.0)] and spikes.rewinds == [4]
+    assert spikes.judge(4, math.nan)["loss"] == "nan"
+    spikes.rewinding({"step": 4, "loss": "nan", "median": None, "window": 2})
+    with pytest.raises(WorkerError, match=(
+            r"^the loss spiked at step 9: the loss 50, 4.2x the median 12 of the 3 steps before "
+            r"\(train.rewind_on_spike.factor: 3\); 3 spikes in this run \(at steps 4, 4, 9\), more "
+            r"than train.rewind_on_spike.most \(2\) rewinds; lower train.lr")):
+        spikes.rewinding({"step": 9, "loss": 50.0, "median": 12.0, "window": 3})
+    base = tiny_spec(tmp_path, tmp_path)
+    spec = spec_from_dict({**base, "train": {**base["train"], "rewind_on_spike": {}}})
+    nan = {"tokens": 10, "loss_sum": math.nan, "grad_norm": math.nan}
+    assert math.isnan(StepStats(spec).measure(1, [nan], 0.1, 4, 1e-3, 0, spec.dims())["loss"])
+    s = {"job": "j", "state": "running", "updated_at": __import__("time").time(), "pid": 1,
+         "host": "elsewhere", "step": 6, "steps": 9, "dp": 2, "pp": 1, "world_size": 2,
+         "workers_alive": 2, "last_checkpoint": None, "failures": 0, "failures_by_cause": {},
+         "rescales": 0, "spikes": [4, 7]}
+    assert "  loss spikes rewound from: 2, at steps 4, 7" in status.describe(s)

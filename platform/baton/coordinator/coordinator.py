@@ -7,6 +7,9 @@
     running --(one optimizer step; a checkpoint when due)--> running | finished
     running --(step `until` done: a checkpoint here)--> paused (`baton run --until`)
     running --(eval.patience evaluations without improvement: a checkpoint here)--> finished
+    running --(a step's loss spiked: train.rewind_on_spike)--> rewinding
+    rewinding --(the steps queued behind it dropped, world re-formed, newest checkpoint loaded,
+                 the data taken on after the spike's batch)--> running
     running --(room for more replicas, seen every elastic.rescale_check_s)--> rescaling
     rescaling --(checkpoint here, world re-formed larger, checkpoint loaded)--> running
     running --(`baton scale`, or a job of higher priority, set a ceiling below the world: seen
@@ -28,7 +31,7 @@ workers execute. The decisions about failures and world sizes come from the pure
 room out of turn, room claimed from jobs of lower priority; `priorities.py`), place workers
 (`placement.py`) within the ceiling `baton scale` and jobs of higher priority set
 (`ceiling.py`), commit checkpoints
-(`commits.py`), stop early (`stopping.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
+(`commits.py`), stop early (`stopping.py`), judge loss spikes (`spikes.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
 through `data/feed.py`), and report (`report.py`: MLflow, live metrics, the progress line,
 the status file). It is the only writer to MLflow, through them.
 """
@@ -63,6 +66,7 @@ from baton.coordinator.priorities import Priorities
 from baton.coordinator.report import Report
 from baton.coordinator.result import RunResult
 from baton.coordinator.samples import Samples
+from baton.coordinator.spikes import Spike, Spikes, describe
 from baton.errors import CheckpointError, NoRoom, WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
 from baton.spec import JobSpec
@@ -113,6 +117,7 @@ class State(enum.Enum):
     RUNNING = "running"
     RECOVERING = "recovering"
     RESCALING = "rescaling"
+    REWINDING = "rewinding"  # back to the newest checkpoint from a loss spike
     MOVING = "moving"  # off nodes Ray is draining
     SHRINKING = "shrinking"  # to the ceiling `baton scale` or a job of higher priority set
     SUSPENDED = "suspended"  # every worker given to a job of higher priority, until it ends
@@ -123,7 +128,7 @@ class State(enum.Enum):
 
 
 WORKING = (State.SCHEDULING, State.RUNNING, State.RECOVERING, State.RESCALING, State.MOVING,
-           State.SHRINKING)  # states with workers
+           State.SHRINKING, State.REWINDING)  # states with workers
 
 
 class Coordinator:
@@ -190,6 +195,9 @@ class Coordinator:
         # eval.patience; `stopped_early` says why the run ended before train.steps, once it has
         self.early_stop = None if evaluate_only else early_stop(spec)
         self.stopped_early: Optional[dict] = None
+        rule = spec.train.rewind_on_spike
+        self.spikes = Spikes(rule) if rule and not evaluate_only else None
+        self.spike: Optional[Spike] = None  # the one being rewound from
         c = spec.checkpoint
         self.commits = Commits(self.store, tracker, self.live, c.keep, lease, background=c.async_,
                                best=(c.best, c.best_lowest) if c.best else None)
@@ -225,7 +233,8 @@ class Coordinator:
                    State.RUNNING: self._run_step, State.RECOVERING: self._recover,
                    State.RESCALING: self._rescale, State.MOVING: self._move,
                    State.SHRINKING: self._shrink, State.SUSPENDED: self._wait_for_room,
-                   State.QUEUED: self._wait_in_line, State.EVALUATING: self._evaluate}[self.state]
+                   State.QUEUED: self._wait_in_line, State.EVALUATING: self._evaluate,
+                   State.REWINDING: self._rewind}[self.state]
         before = self.state
         try:
             self.state = handler()
@@ -235,6 +244,8 @@ class Coordinator:
             self.failure = Failure(self.step + 1, e.cause, str(e), e.ranks)
             self.failure_at = time.time()
             self.state = State.RECOVERING
+        except Spike as e:
+            self.spike, self.state = e, State.REWINDING
         if self.state is not before or self.report.board.due():
             self._publish_status(changed=self.state is not before)
 
@@ -432,6 +443,35 @@ class Coordinator:
             "state_from": "survivors" if from_survivors else "checkpoint",
             "workers_reused": len(survivors), "workers_new": len(members) - len(survivors),
             "workers_from_spares": self.group.spares_taken - spares_before}, spares=going_on)
+
+    def _rewind(self) -> State:
+        """A step's loss spiked (train.rewind_on_spike): drop the steps queued behind it and
+        the checkpoints queued with them (a background save of an earlier step commits
+        first), re-form the world on the same workers (as a recovery does: nothing half-done
+        is left on them), load the newest whole checkpoint, and take the data on from the
+        batch after the spike's. The batches from the checkpoint to the spike are not
+        trained; nothing counts as a failure."""
+        spike, timer = self.spike, Phases("rewind")
+        self.spikes.rewinding(spike.event)  # past train.rewind_on_spike.most: the run fails
+        self.commits.drain(self.group)
+        stale = [ref for p in self.inflight for ref in p.all_refs()]
+        self.group.abandon(stale)
+        self.inflight.clear()
+        self._leave_all("a rewind")
+        self.group.discard(stale)
+        timer.lap("stop")
+        state = self._reform(timer, self.group.members(), {"spike_at_step": spike.event["step"]})
+        self.samples.skip(spike.cursor)
+        self.spikes.rewound(self.step)
+        self.spike = None
+        s = spike.event["step"]
+        self._record({"kind": "spike", **spike.event, "rewound_to": self.step,
+                      "batches_skipped": s - self.step, "rewind": len(self.spikes.rewinds)})
+        skipped = f"step {s}'s batch" if s == self.step + 1 else f"the batches of steps {self.step + 1} to {s}"
+        self.report.note(f"step {s}: {describe(spike.event, self.spikes.rule)}: back to "
+                         f"{f'checkpoint {self.step}' if self.step else 'the start'}, {skipped} "
+                         f"skipped (rewind {len(self.spikes.rewinds)} of at most {self.spikes.rule.most})")
+        return state
 
     def _rescale(self) -> State:
         """Grow at a step boundary: finish the queued steps, take the new workers, re-form the
@@ -789,6 +829,9 @@ class Coordinator:
         if metrics.get("skipped"):
             self.report.skipped(p.step + 1, metrics["grad_norm"], self.stats.skipped_in_a_row,
                                 self.stats.skip_limit, self._tags())
+        elif self.spikes and (spike := self.spikes.judge(p.step + 1, metrics["loss"])):
+            self.report.step(p.step + 1, metrics | {"loss_spike": 1}, p.lr, step_time_s)
+            raise Spike(spike, p.cursor)  # before the step counts: its checkpoint is not committed
         spread, lagging = self.stragglers.step(results, step_time_s)
         metrics.update(spread)
         if lagging:
@@ -862,6 +905,7 @@ class Coordinator:
                     e["kind"] == "rescale" for e in self.events),
                 **({"straggler": self.stragglers.named} if self.stragglers.named else {}),
                 **({"skipped_steps": self.stats.skipped} if self.stats.skipped else {}),
+                **({"spikes": self.spikes.rewinds} if self.spikes and self.spikes.rewinds else {}),
                 **({"best_checkpoint": {"step": best[0], self.spec.checkpoint.best: best[1]}}
                    if (best := self.commits.best_found) else {}),
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),

@@ -38,6 +38,12 @@ class Samples:
         self.done = self.cursor.state_dict()
         self.ledger = [entry for entry in self.ledger if entry[0] < step]
 
+    def skip(self, cursor: dict) -> None:
+        """Go on from `cursor`, ahead of where a rewind left the run: the batches between are
+        not trained (train.rewind_on_spike)."""
+        self.cursor.load_state_dict(cursor)
+        self.done = self.cursor.state_dict()
+
     def prime(self, global_batch: int, step: int) -> None:
         """Read the first batch's units (after `step` steps) now: bad rows are refused before
         anything is written."""

@@ -35,6 +35,8 @@ class StepStats:
         self.skip_limit = spec.train.skip_nonfinite  # steps in a row whose update may be skipped
         self.skipped_in_a_row = 0
         self.skipped: list[int] = []  # the steps whose update was skipped (this run)
+        # a loss that is not a number is a spike to rewind from (coordinator/spikes.py)
+        self.rewinds = spec.train.rewind_on_spike is not None
         self.peak_flops: Optional[float] = None  # of the current world's devices
         # seconds the current world's slowest worker compiled (train.compile): [in its setup
         # (a pipeline's shape probe), in its steps]
@@ -50,7 +52,8 @@ class StepStats:
                 lr: float, epoch: int, dims) -> dict:
         """Step `step`'s metrics (1-based) from every worker's result; a loss that is not a
         number stops the run, unless the workers skipped the step's update (its gradient was
-        not finite: train.skip_nonfinite), up to that many steps in a row."""
+        not finite: train.skip_nonfinite), up to that many steps in a row, or the run rewinds
+        from it (train.rewind_on_spike)."""
         tokens = sum(r["tokens"] for r in results)
         loss = sum(r["loss_sum"] for r in results) / tokens
         skipped = any(r.get("skipped") for r in results)
@@ -66,11 +69,13 @@ class StepStats:
                     "last checkpoint is kept)")
         else:
             self.skipped_in_a_row = 0
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) and not self.rewinds:
                 raise WorkerError(f"the loss is {loss} at step {step}; lower train.lr or set "
                                   "train.grad_clip, or skip such steps (train.skip_nonfinite) "
-                                  "(the last checkpoint is kept)")
-            self.last_loss = loss
+                                  "or rewind past them (train.rewind_on_spike) (the last "
+                                  "checkpoint is kept)")
+            if math.isfinite(loss):
+                self.last_loss = loss
         tps = tokens / step_time_s
         self.tokens_per_s.append(tps)
         self.step_times_s.append(step_time_s)

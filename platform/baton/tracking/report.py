@@ -26,7 +26,8 @@ from baton.tracking.metrics import MEMORY_LABEL, MEMORY_MIB
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 ARTIFACT_DIR = "report"
-_EVENT_KEYS = ("cause", "message", "from_dp", "dp", "state_from", "total_s", "why")  # shown per event
+_EVENT_KEYS = ("cause", "message", "from_dp", "dp", "state_from", "total_s", "why", "loss",
+               "median", "rewound_to", "batches_skipped")  # shown per event
 SOURCE_COLORS = ["#8C564B", "#E377C2", "#17BECF", "#BCBD22", "#9467BD"]  # a mix's held-out losses
 
 
@@ -166,7 +167,8 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
         else:
             continue
         style = {"failure": ("#C44E52", "--"), "rescale": ("#DD8452", ":"),
-                 "recovery": ("#937860", "-."), "early_stop": ("#000000", "-")}.get(kind, ("grey", ":"))
+                 "recovery": ("#937860", "-."), "early_stop": ("#000000", "-"),
+                 "spike": ("#DA8BC3", "--")}.get(kind, ("grey", ":"))
         label = None if kind in marked else kind
         marked.add(kind)
         for ax in plotted:
