@@ -105,8 +105,8 @@ def test_a_builder_that_cannot_import_on_the_workers_is_one_line(tmp_path):
 
 def test_data_that_does_not_fit_the_model_is_refused_before_ray_mlflow_or_checkpoints(tmp_path):
     # found by reading the code: a failure before the MLflow run existed used to raise a
-    # second, unrelated MLflow error from the failure handler and hide the first. The first row
-    # group is checked before Ray starts (data/source.py): 3 s here where it was 11.5 s
+    # second, unrelated MLflow error from the failure handler and hide the first. The footers
+    # are checked before Ray starts (data/footers.py): 3 s here where it was 11.5 s
     data = write_dataset(tmp_path / "data", 64, 32)
     job = write_spec(tmp_path / "job.yaml", tiny_spec(tmp_path, data, name="vocab",
                                                       model={"vocab_size": 100}))
@@ -115,15 +115,16 @@ def test_data_that_does_not_fit_the_model_is_refused_before_ray_mlflow_or_checkp
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, out
     last = out.strip().splitlines()[-1]
-    # the first row group is read and checked before anything is written or started
-    assert re.fullmatch(rf"baton: error: data.path: {re.escape(str(data))}/part-\d.parquet row "
-                        r"group 0: token ids lie in \[\d+, \d+\] but model.vocab_size is 100; "
-                        r"set model.vocab_size: \d+ or more", last), last
-    top = int(re.search(r"lie in \[\d+, (\d+)\]", last).group(1))
+    # every file's footer is checked before anything is written or started: its statistics
+    # hold each column chunk's greatest token id
+    assert re.fullmatch(rf"baton: error: {re.escape(str(job))}: data.token_column: token ids in "
+                        rf"{re.escape(str(data))}/part-\d.parquet lie in \[\d+, \d+\]( \(and up to "
+                        r"\d+ in another file\))? but model.vocab_size is 100; set model.vocab_size: "
+                        r"\d+ or more", last), last
+    fix = int(re.search(r"set model.vocab_size: (\d+) or more", last).group(1))
     import pyarrow.dataset as pads
 
-    assert top >= 100 and last.endswith(f"set model.vocab_size: {top + 1} or more")
-    assert top <= max(max(row) for row in pads.dataset(data).to_table().column("tokens").to_pylist())
+    assert fix - 1 == max(max(row) for row in pads.dataset(data).to_table().column("tokens").to_pylist())
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "ckpt").exists()
     assert not any((tmp_path / "ray").iterdir()), "Ray started"  # its temp dir stays empty
 

@@ -21,7 +21,7 @@ import torch
 import baton
 from baton import api
 from baton.checkpoint import CheckpointStore
-from baton.errors import CheckpointError, DataError
+from baton.errors import CheckpointError, DataError, SpecError
 from baton.spec import spec_from_dict
 from helpers import FAST, SLOW_MODEL, assert_params_close, reference_run, start_baton, tiny_spec, write_dataset
 
@@ -387,6 +387,8 @@ def test_a_changed_corpus_is_refused_on_resume_unless_rebased(tmp_path):
 
 
 def test_a_bad_row_group_fails_the_run_with_one_line_naming_it(tmp_path):
+    """Refused from the footer's statistics before anything starts; a file written without
+    them, when the row group is read."""
     data = write_dataset(tmp_path / "data", num_samples=32, seq_len=32, row_group_rows=16, shards=1)
     table = pq.read_table(data / "part-0.parquet")
     values = table.column("tokens").combine_chunks().flatten().to_numpy().astype(np.int32)
@@ -394,6 +396,11 @@ def test_a_bad_row_group_fails_the_run_with_one_line_naming_it(tmp_path):
     tokens = pa.FixedSizeListArray.from_arrays(pa.array(values), 33)
     pq.write_table(table.set_column(1, "tokens", tokens), data / "part-0.parquet", row_group_size=16)
     spec = spec_from_dict(tiny_spec(tmp_path, data, name="bad", train={"steps": 4}))
+    with pytest.raises(SpecError, match=r"data.token_column: token ids in .*part-0.parquet lie in "
+                                        r"\[\d+, 300\] but model.vocab_size is 256; set model.vocab_size: 301"):
+        api.run(spec, show_progress=False)
+    pq.write_table(table.set_column(1, "tokens", tokens), data / "part-0.parquet",
+                   row_group_size=16, write_statistics=False)
     with pytest.raises(DataError, match=r"part-0.parquet row group 1: token ids lie in \[\d+, 300\] "
                                         r"but model.vocab_size is 256; set model.vocab_size: 301"):
         api.run(spec, show_progress=False)

@@ -566,6 +566,42 @@ def test_a_step_whose_gradient_is_not_finite_fails_or_is_skipped_and_training_go
     assert store.read_status()["skipped_steps"] == [3]
 
 
+def test_rows_found_bad_as_they_are_read_stop_the_run_on_a_checkpoint_of_the_step_reached(tmp_path):
+    """A NaN feature (never in Parquet's statistics, so not refused from the footers) in a
+    row group the run reaches at step 4, long after its last checkpoint was due: the run
+    trains the steps queued, commits a checkpoint of step 3 and stops in one line naming the
+    file, row group and row, so that no step trained is lost (it used to stop there with the
+    last checkpoint at step 0, every step since lost)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from baton.errors import DataError
+
+    data = write_table(tmp_path / "data")
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="badrow", task="helpers:regression",
+        model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
+        data={"source": "parquet", "path": str(data), "shuffle_block": 16,
+              "columns": {"inputs": ["vec", "a", "b"], "target": "y"}},
+        train={"steps": 6, "global_batch": 16, "micro_batch": 4},
+        checkpoint={"every_steps": 100, "keep": 2}))
+    order, cursor = job_order(spec, str(data)), Cursor()
+    fourth = [order.next_batch(cursor, 16) for _ in range(4)][3]
+    table = pq.read_table(data / "table.parquet")
+    a = table.column("a").to_numpy().copy()
+    a[int(fourth[0])] = np.nan  # one file: a position is its row
+    pq.write_table(table.set_column(table.schema.get_field_index("a"), "a", pa.array(a)),
+                   data / "table.parquet", row_group_size=8)
+    group, row = int(fourth[0]) // 8, int(fourth[0]) % 8
+    with pytest.raises(DataError) as e:
+        api.run(spec, show_progress=False)
+    assert str(e.value) == (
+        f"data.path: {data}/table.parquet row group {group}: data.columns.inputs holds NaN or "
+        f"infinite values in 1 row (the first: row {row} of the row group, counted from 0); drop "
+        "or fill them (training stopped at step 3: checkpoint 3 committed)")
+    assert CheckpointStore(spec.checkpoint_dir).latest() == 3
+
+
 def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path):
     """train.rewind_on_spike: the fourth batch of a regression holds rows whose target is
     1,000 (the rest are near 0): step 4's loss is hundreds of times the median of the two

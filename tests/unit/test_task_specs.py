@@ -146,14 +146,111 @@ def test_spec_mistakes_about_tasks_are_one_line(raw, expected):
     assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_labels_outside_the_classes_are_refused_naming_the_row_group(tmp_path):
+def test_labels_outside_the_classes_are_refused_naming_the_file(tmp_path):
+    """From the footer's statistics, before anything starts; a file written without them is
+    refused when its row group is read (the first before Ray starts, naming the row group)."""
     data = write_table(tmp_path / "data")
-    spec = spec_from_dict(_spec(tmp_path, data, model={
-        "name": "classifier", "layers": 1, "width": 8, "options": {"inputs": 6, "classes": 2}}))
-    # the schema fits; the values of the first row group are read before Ray starts
+    two = {"name": "classifier", "layers": 1, "width": 8, "options": {"inputs": 6, "classes": 2}}
+    message = _refused(tmp_path, data, model=two)
+    assert message == (f"job.yaml: data.columns.label: values in {data}/table.parquet lie in "
+                       "[0, 3] but the model has 2 classes (model.options.classes); labels must "
+                       "lie in [0, 2)")
+    pq.write_table(pq.read_table(data / "table.parquet"), data / "table.parquet",
+                   row_group_size=8, write_statistics=False)
     with pytest.raises(DataError, match=r"row group 0: data.columns.label values lie in \[0, 3\] "
                                         r"but the model has 2 classes"):
+        preflight(spec_from_dict(_spec(tmp_path, data, model=two)), "job.yaml")
+
+
+def _second_file(data, change) -> None:
+    """A second file beside `data`'s table.parquet: its rows changed by `change(table)`."""
+    table = pq.read_table(data / "table.parquet")
+    pq.write_table(change(table), data / "table2.parquet", row_group_size=8)
+
+
+def _set(table: pa.Table, name: str, values) -> pa.Table:
+    return table.set_column(table.schema.get_field_index(name), name, values)
+
+
+def _with_null(table: pa.Table, name: str, row: int) -> pa.Table:
+    values = table.column(name).to_pylist()
+    values[row] = None
+    return _set(table, name, pa.array(values, table.schema.field(name).type))
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda t: t.drop_columns(["label"]),
+     "data.columns.label: 'label' is not a column of {data}/table2.parquet (columns: sample_id, "
+     "vec, a, b, y, name); every file must hold the columns data.columns reads"),
+    (lambda t: _set(t, "label", t.column("label").cast(pa.float32())),
+     "data.columns.label: 'label' holds float in {data}/table2.parquet, where the first file "
+     "holds int64; every file must hold it as the same kind of values"),
+    (lambda t: _set(t, "vec", pa.array(t.column("vec").to_pylist(), pa.list_(pa.float32()))),
+     "data.columns.inputs: 'vec' holds list<element: float> in {data}/table2.parquet, where the "
+     "first file holds fixed_size_list<element: float>[4]; every file must hold it as the same kind"),
+    (lambda t: _with_null(t, "label", 21),
+     "data.columns.label: 'label' has 1 null value in {data}/table2.parquet (the first in row "
+     "group 2); drop or fill them, and write the file again"),
+    (lambda t: _with_null(t, "vec", 9),
+     "data.columns.inputs: 'vec' has 1 null value in {data}/table2.parquet (the first in row "
+     "group 1)"),
+    (lambda t: t.drop_columns(["sample_id"]),
+     "data.id_column: 'sample_id' is not a column of {data}/table2.parquet (columns: vec, a, b, "
+     "label, y, name); every file must hold it"),
+])
+def test_a_file_unlike_the_first_is_refused_from_its_footer_naming_it(tmp_path, change, expected):
+    """Every file's footer is read for the manifest: a column missing from a later file, of
+    another kind there, or holding a null is refused in one line naming the file (and the row
+    group) before anything starts, not when its row group is read, possibly hours in (each
+    used to end the run there: a KeyError through Ray Data's traceback, or `the file is
+    damaged` for a null list)."""
+    data = write_table(tmp_path / "data")
+    _second_file(data, change)
+    assert expected.format(data=data) in _refused(tmp_path, data)
+
+
+def test_token_rows_of_another_length_or_ids_past_the_vocabulary_are_refused_from_the_footers(tmp_path):
+    """A language model's corpus: a later file whose rows (lists of any length) hold one token
+    more in one row group, or ids the vocabulary does not hold, is refused before the run,
+    naming the file and row group."""
+    from helpers import tiny_spec, write_dataset
+
+    data = write_dataset(tmp_path / "data", 64, 32, shards=1, row_group_rows=8)
+    spec = spec_from_dict(tiny_spec(tmp_path, data, tracking={"enabled": False}), "job.yaml")
+    rows = pq.read_table(data / "part-0.parquet").column("tokens").to_pylist()
+    rows[20] = rows[20] + [1]  # row group 2 of the second file
+    ids = np.arange(2000, 2064)
+    pq.write_table(pa.table({"sample_id": ids, "tokens": pa.array(rows, pa.list_(pa.int64()))}),
+                   data / "part-1.parquet", row_group_size=8)
+    with pytest.raises(SpecError, match=r"'tokens' holds list<element: int64> in .*part-1.parquet, "
+                                        r"where the first file holds fixed_size_list"):
         preflight(spec, "job.yaml")
+    (data / "part-0.parquet").unlink()  # lists of any length in every file
+    with pytest.raises(SpecError) as e:
+        preflight(spec, "job.yaml")
+    assert str(e.value) == (f"job.yaml: data.token_column: 'tokens' holds rows of another length "
+                            f"in row group 2 of {data}/part-1.parquet: every row must hold 33 "
+                            "tokens (model.seq_len + 1)")
+    rows[20] = rows[20][:-1]
+    rows[5] = [300] + rows[5][1:]
+    pq.write_table(pa.table({"sample_id": ids, "tokens": pa.array(rows, pa.list_(pa.int64()))}),
+                   data / "part-1.parquet", row_group_size=8)
+    with pytest.raises(SpecError, match=r"data.token_column: token ids in .*part-1.parquet lie in "
+                                        r"\[\d+, 300\] but model.vocab_size is 256; set "
+                                        r"model.vocab_size: 301 or more"):
+        preflight(spec, "job.yaml")
+
+
+def test_a_file_of_no_rows_is_no_unit_and_the_rest_train(tmp_path):
+    """An empty file beside the corpus (a writer's empty shard) used to be a unit of no rows,
+    which the run read and refused (`gives 0 values a row, not 6`); now it holds no unit."""
+    data = write_table(tmp_path / "data")
+    _second_file(data, lambda t: t.slice(0, 0))
+    got = preflight(spec_from_dict(_spec(tmp_path, data), "job.yaml"), "job.yaml")
+    manifest = Manifest.build(str(data))
+    assert len(manifest.units) == 12 and manifest.num_samples == 96
+    assert [len(f.row_groups) for f in manifest.files] == [12, 1]  # (pinned by the digest still)
+    assert all(read_unit(str(data), u, got.columns).num_rows == 8 for u in manifest.units)
 
 
 @pytest.mark.parametrize("column, value, what", [

@@ -67,7 +67,7 @@ from baton.coordinator.report import Report
 from baton.coordinator.result import RunResult
 from baton.coordinator.samples import Samples
 from baton.coordinator.spikes import Spike, Spikes, describe
-from baton.errors import CheckpointError, NoRoom, WorkerError, WorkerLost
+from baton.errors import CheckpointError, DataError, NoRoom, WorkerError, WorkerLost
 from baton.parallel.partition import plan_stages
 from baton.spec import JobSpec
 from baton.status import StatusBoard
@@ -787,7 +787,10 @@ class Coordinator:
 
     def _submit(self, step: int) -> "_Pending":
         t = self.spec.train
-        batch, cursor = self.samples.next_batch(t.global_batch, step)
+        try:
+            batch, cursor = self.samples.next_batch(t.global_batch, step)
+        except DataError as e:
+            raise self._stopped_by_data(e) from None
         lr = t.lr_at(step)
         # a pipeline's timeline by default; a data-parallel profile only when asked for, since
         # profiling slows the step it profiles
@@ -805,6 +808,17 @@ class Coordinator:
             pending.evaluation = self.evaluation.submit(self.group, t.global_batch)
         self.submitted += 1
         return pending
+
+    def _stopped_by_data(self, error: DataError) -> DataError:
+        """Rows that cannot be trained on (found as they are read: a NaN, a file changed or
+        gone) came up in the next batch: train the steps queued, commit a checkpoint of the
+        step reached, so that nothing trained is lost, and stop saying so."""
+        self._finish_queued()
+        if not self.step:
+            return error
+        self._commit_here()
+        return DataError(f"{error} (training stopped at step {self.step}: checkpoint "
+                         f"{self.step} committed)")
 
     def _complete_next(self) -> None:
         """Complete the oldest queued step (left queued if it fails: recovery cancels it),

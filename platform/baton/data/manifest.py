@@ -7,6 +7,14 @@ The driver holds this and a cursor, never the rows.
 
 The manifest is recorded in every checkpoint, and its digest pins the corpus: a resume on
 other files (one added, removed, rewritten to another size or row-group layout) is refused.
+A row group of no rows is no unit (it holds no position; read, it held no column's values).
+
+A manifest built from the footers also keeps what each file's footer says of its columns
+(`footers`: the schema, and for each column its nulls, least and greatest values and values
+a row, from the writer's statistics), so that a column missing from one file, a null, a
+label out of range or a token row of another length is refused before anything starts
+(`footers.check_footers`) rather than when its row group is read, hours into a run. A
+manifest read back from a checkpoint has none: the files are checked again as they are read.
 """
 
 from __future__ import annotations
@@ -15,11 +23,12 @@ import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from baton import storage
+from baton.data.footers import ColumnFacts, footer_facts
 
 if TYPE_CHECKING:
     import pyarrow.dataset as pads
@@ -46,8 +55,10 @@ class Unit:
 
 
 class Manifest:
-    def __init__(self, root: str, files: list[FileEntry]):
+    def __init__(self, root: str, files: list[FileEntry], footers: Optional[dict] = None):
         self.root = root
+        # path -> footer_facts(its footer), when built from the footers
+        self.footers: Optional[dict[str, tuple[Any, dict[str, ColumnFacts]]]] = footers
         self.files = sorted(files, key=lambda f: f.path)
         fs_root = storage.resolve(root)[1]
         self.units: list[Unit] = []
@@ -55,15 +66,18 @@ class Manifest:
         for f in self.files:
             full = f"{fs_root}/{f.path}" if f.path else fs_root
             for g, rows in enumerate(f.row_groups):
-                self.units.append(Unit(len(self.units), full, g, rows, offset))
-                offset += rows
+                if rows:
+                    self.units.append(Unit(len(self.units), full, g, rows, offset))
+                    offset += rows
         self.num_samples = offset
         self.unit_rows = np.array([u.rows for u in self.units], dtype=np.int64)
         self._starts = np.array([u.offset for u in self.units], dtype=np.int64)
 
     @classmethod
-    def build(cls, root: str, dataset: Optional[pads.Dataset] = None) -> "Manifest":
-        """Read every file's footer under `root` (a folder or URI, or one file)."""
+    def build(cls, root: str, dataset: Optional[pads.Dataset] = None,
+              columns: Optional[set[str]] = None) -> "Manifest":
+        """Read every file's footer under `root` (a folder or URI, or one file), and the
+        facts of `columns` (None: every column) in it."""
         fs, path = storage.resolve(root)
         if dataset is None:
             # imported here: workers import this module (through the feed's Batch) and never
@@ -75,16 +89,16 @@ class Manifest:
         fragments = list(dataset.get_fragments())
         infos = fs.get_file_info([f.path for f in fragments])
 
-        def entry(pair) -> FileEntry:
+        def entry(pair) -> tuple[FileEntry, tuple]:
             fragment, info = pair
             meta = fragment.metadata  # the footer
             rel = fragment.path[len(path):].lstrip("/")
             groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
-            return FileEntry(rel, info.size, groups)
+            return FileEntry(rel, info.size, groups), footer_facts(meta, columns)
 
         with ThreadPoolExecutor(FOOTER_THREADS) as pool:
-            files = list(pool.map(entry, zip(fragments, infos)))
-        return cls(root, files)
+            read = list(pool.map(entry, zip(fragments, infos)))
+        return cls(root, [f for f, _ in read], {f.path: facts for f, facts in read})
 
     def to_json(self) -> dict:
         return {"files": [[f.path, f.size, list(f.row_groups)] for f in self.files]}

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from baton import storage
 from baton.data.feed import Columns, DataFeed, Field, read_unit, token_columns
+from baton.data.footers import check_footers
 from baton.data.manifest import Manifest
 from baton.data.mix import Mixture, mixed_feed
 from baton.data.order import EpochOrder
@@ -247,12 +248,20 @@ def _dataset(spec: JobSpec, where: str, key: str, source: str) -> tuple[Manifest
     except (pa.ArrowInvalid, OSError) as e:
         raise SpecError(f"{source}: {key}: {where!r} is not a Parquet dataset ({e})") from None
     try:
-        manifest = Manifest.build(where, ds)
+        manifest = Manifest.build(where, ds, read_columns(spec))
     except (pa.ArrowInvalid, OSError) as e:
         raise SpecError(f"{source}: {key}: {where!r}: cannot read the Parquet footers ({e})") from None
     if manifest.num_samples == 0:
         raise SpecError(f"{source}: {key}: {where!r} holds no rows")
     return manifest, schema
+
+
+def read_columns(spec: JobSpec) -> set[str]:
+    """The columns a job reads: its tokens, or `data.columns`'s, and its ids."""
+    d = spec.data
+    named = ([d.token_column] if spec.task == "language_model"
+             else [c for v in d.columns.values() for c in (v if isinstance(v, list) else [v])])
+    return {*named, *([d.id_column] if d.id_column else [])}
 
 
 def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifest,
@@ -275,7 +284,9 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
                 f"{source}: model.seq_len: {spec.model.seq_len} does not fit the data; rows of "
                 f"{where!r} hold {length} tokens, so set model.seq_len: {length - 1} or prepare "
                 f"data with --seq-len {spec.model.seq_len}")
-        return token_columns(d.token_column, d.id_column, want, spec.model.vocab_size)
+        tokens = token_columns(d.token_column, d.id_column, want, spec.model.vocab_size)
+        check_footers(manifest, tokens, schema, source, where)
+        return tokens
     fields = []
     for name, value in d.columns.items():
         sources = tuple(value if isinstance(value, list) else [value])
@@ -324,7 +335,9 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
             raise SpecError(f"{source}: model.options.inputs: {spec.model.options.get('inputs')} "
                             f"does not fit the data; data.columns.inputs gives {features[0]} "
                             f"values a row, so set model.options.inputs: {features[0]}")
-    return Columns(tuple(fields), d.id_column)
+    found = Columns(tuple(fields), d.id_column)
+    check_footers(manifest, found, schema, source, where)
+    return found
 
 
 def columns(spec: JobSpec) -> Columns:
