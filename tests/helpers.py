@@ -721,8 +721,9 @@ def three_part_ratio_task(output, batch):
 
 def binary(output, batch):
     """A user task (`helpers:binary`): is a row of class 0 (of `label`'s 4)? Two logits a row,
-    cross-entropy, accuracy, and the area under the ROC curve and average precision of the
-    positive class's probability: metrics of the whole set's scores."""
+    cross-entropy, accuracy, the area under the ROC curve and average precision of the
+    positive class's probability (metrics of the whole set's scores) and the balanced accuracy
+    (a macro average over the two classes)."""
     import torch.nn.functional as F
 
     from baton.tasks import auroc, average_precision
@@ -732,9 +733,13 @@ def binary(output, batch):
     # the data, which `baton validate`'s check on the meta device must let through
     loss = F.cross_entropy(output, target, reduction="none")[valid].sum()
     score = output.float().softmax(-1)[:, 1]
-    return {"loss": loss, "accuracy": ((output.argmax(-1) == target) & valid).sum().float(),
+    correct = output.argmax(-1) == target
+    rows = F.one_hot(target, 2).bool() & valid[:, None]  # each row's class, valid rows only
+    return {"loss": loss, "accuracy": (correct & valid).sum().float(),
             "auroc": auroc(score, target.bool(), valid),
-            "average_precision": average_precision(score, target.bool(), valid)}
+            "average_precision": average_precision(score, target.bool(), valid),
+            # the mean of each class's recall: a macro average, each class's pair of sums
+            "balanced_accuracy": ((rows & correct[:, None]).sum(0).float(), rows.sum(0).float())}
 
 
 def regressor(spec):

@@ -232,7 +232,8 @@ COUNTED = {"auroc": _auroc_of, "average_precision": _average_precision_of}
 class Sums:
     """A step's (or an evaluation's) loss and metric sums, and how many terms they sum over:
     kept on the device until `out` (one read a step, not one a micro-batch). A ratio metric
-    (a pair of sums) keeps its numerator and denominator apart."""
+    (a pair of sums) keeps its numerator and denominator apart; a macro average (a pair of
+    vectors, one entry a class) keeps each class's."""
 
     def __init__(self):
         self.loss = self.count = 0
@@ -256,11 +257,20 @@ class Sums:
         out = {"loss_sum": float(self.loss), "tokens": int(self.count),
                "metrics": {k: float(v) for k, v in self.metrics.items()}}
         if self.ratios:
-            out["ratios"] = {k: [float(num), float(den)] for k, (num, den) in self.ratios.items()}
+            out["ratios"] = {k: [_plain(num), _plain(den)] for k, (num, den) in self.ratios.items()}
         if self.counts:
             out["counts"] = {k: [c.kind, c.positives.tolist(), c.negatives.tolist()]
                              for k, c in self.counts.items()}
         return out
+
+
+def _plain(v) -> float | list[float]:
+    """A sum as sent: a number, or a macro average's list of each class's."""
+    return float(v) if not hasattr(v, "dim") or v.dim() == 0 else v.float().tolist()
+
+
+def _zero(v: float | list) -> float | list:
+    return [0.0] * len(v) if isinstance(v, list) else 0.0
 
 
 def counted_once(out: dict) -> dict:
@@ -269,7 +279,7 @@ def counted_once(out: dict) -> dict:
     they would count its replica tp times)."""
     zero = {"loss_sum": 0.0, "tokens": 0, "metrics": {k: 0.0 for k in out["metrics"]}}
     if "ratios" in out:
-        zero["ratios"] = {k: [0.0, 0.0] for k in out["ratios"]}
+        zero["ratios"] = {k: [_zero(num), _zero(den)] for k, (num, den) in out["ratios"].items()}
     if "counts" in out:
         zero["counts"] = {k: [kind, [0] * len(pos), [0] * len(neg)]
                           for k, (kind, pos, neg) in out["counts"].items()}
@@ -280,16 +290,20 @@ def metric_values(results: list[dict], count: float) -> dict[str, float]:
     """The task's metrics over `results` (each a `Sums.out()`, of a replica or a batch): each
     sum over the `count` valid terms, each ratio its numerators' sum over its denominators'
     (left out where the denominator is 0: no positive rows, say, make no precision), each
-    counted metric read off the summed counts (left out where it has no value)."""
+    macro average the mean of its classes' ratios of sums over the classes whose denominator
+    is above 0, each counted metric read off the summed counts (left out where it has no
+    value)."""
+    import numpy as np
+
     values = {k: sum(r.get("metrics", {}).get(k, 0.0) for r in results) / count
               for k in {k for r in results for k in r.get("metrics", {})}}
     for k in {k for r in results for k in r.get("ratios", {})}:
-        num, den = (sum(r.get("ratios", {}).get(k, (0.0, 0.0))[i] for r in results) for i in (0, 1))
-        if den:
-            values[k] = num / den
+        num, den = (np.sum([np.asarray(r["ratios"][k][i], dtype=np.float64) for r in results
+                            if k in r.get("ratios", {})], axis=0) for i in (0, 1))
+        seen = den > 0
+        if seen.any():
+            values[k] = float(np.mean(num[seen] / den[seen]))
     for k in {k for r in results for k in r.get("counts", {})}:
-        import numpy as np
-
         parts = [r["counts"][k] for r in results if k in r.get("counts", {})]
         positives, negatives = (np.sum([np.asarray(c[i], dtype=np.int64) for c in parts], axis=0)
                                 for i in (1, 2))

@@ -76,6 +76,9 @@ def _value(v, n: int) -> float:
     """A metric of one process over n rows: a sum's mean, a ratio, a counted metric's value."""
     if isinstance(v, Counts):
         return COUNTED[v.kind](v.positives.numpy(), v.negatives.numpy())
+    if isinstance(v, tuple) and v[0].dim() == 1:  # a macro average: the classes' mean ratio
+        seen = v[1] > 0
+        return float((v[0][seen].double() / v[1][seen].double()).mean())
     return float(v[0]) / float(v[1]) if isinstance(v, tuple) else float(v) / n
 
 
@@ -194,7 +197,9 @@ def test_auroc_and_average_precision_at_dp2_are_those_of_one_process(tmp_path):
     """A user task with metrics of the whole set's scores (`baton.tasks.auroc`,
     `average_precision`): at dp 2, each replica counts its rows' scores by bin and the
     coordinator reads the metrics off the summed counts, over every held-out batch at once;
-    one process over the same rows with the same model gets the same values."""
+    one process over the same rows with the same model gets the same values. So does a macro
+    average (the balanced accuracy: each class's pair of sums, summed, then their ratios'
+    mean)."""
     data = write_table(tmp_path / "data")
     spec = spec_from_dict(tiny_spec(
         tmp_path, data, name="binary", task="helpers:binary",
@@ -210,10 +215,11 @@ def test_auroc_and_average_precision_at_dp2_are_those_of_one_process(tmp_path):
     held_rows = np.concatenate([np.arange(u * 8, u * 8 + 8) for u in held_uids])
     _, _, _, evals = reference(spec, data, COLUMNS, binary, 4,
                                eval_rows=(None, {k: v[held_rows] for k, v in table.items()}))
-    for key in ("eval_auroc", "eval_average_precision", "eval_accuracy"):
+    for key in ("eval_auroc", "eval_average_precision", "eval_accuracy", "eval_balanced_accuracy"):
         got = _history(spec, result.run_id, key)
-        # integer counts of the same scores' bins: equal unless a score moved across a bin's
-        # edge between the two runs (the models differ by about 3e-8); measured equal
+        # integer counts of the same scores' bins (and of argmax hits, for the accuracies):
+        # equal unless a score moved across a bin's edge between the two runs (the models
+        # differ by about 3e-8); measured equal
         assert [got[2], got[4]] == pytest.approx([evals[2][key], evals[4][key]], abs=1e-12), key
     assert 0.5 < result.eval["eval_auroc"] <= 1.0
     assert len(_history(spec, result.run_id, "train_auroc")) == 4  # each step's batch, too

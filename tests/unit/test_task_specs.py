@@ -79,8 +79,8 @@ def test_columns_are_read_as_the_task_needs_them(tmp_path):
     ({"task": "helpers:no_loss_task", "data.columns": {"inputs": ["vec", "a", "b"]}},
      "must return a dict with a tensor 'loss'"),
     ({"task": "helpers:three_part_ratio_task", "data.columns": {"inputs": ["vec", "a", "b"]}},
-     "a metric may be a pair of them, numerator and denominator, or baton.tasks.auroc or "
-     "average_precision); f1 is not"),
+     "a metric may be a pair of them, numerator and denominator, a pair of vectors of one "
+     "length, each class's, or baton.tasks.auroc or average_precision); f1 is not"),
     ({"model": {"name": "gpt", "layers": 1, "width": 8, "heads": 2}},
      "the model's output on the data's inputs [6] failed"),
     ({"eval": {"fraction": 0.99}}, "eval.fraction: 0.99 holds out 12 of the 12 row groups"),
@@ -513,6 +513,51 @@ def _counted(scores, labels, valid=None, bins=1000, parts=1) -> dict:
                  {VALID: v})
         results.append(sums.out())
     return metric_values(results, count=int(valid.sum()))
+
+
+def test_a_macro_average_is_the_mean_of_each_class_ratio_of_sums():
+    """A pair of vectors (one entry a class) sums entry by entry over micro-batches and
+    replicas, and its value is the mean of the classes' ratios, leaving out a class no row
+    had (its denominator 0): sklearn's macro F1 over the same rows, as one batch or split
+    unevenly over two replicas; and a 0-dimensional pair is still a plain ratio."""
+    import torch
+
+    from baton.tasks import Sums, UserTask, counted_once, metric_values
+
+    def f1(output, batch):  # per class: 2 TP / (2 TP + FP + FN), classes 0..3 (3 absent)
+        pred, label, valid = output.argmax(-1), batch["label"], batch["valid"]
+        hit = torch.nn.functional.one_hot(pred, 4).bool() & valid[:, None]
+        true = torch.nn.functional.one_hot(label, 4).bool() & valid[:, None]
+        tp = (hit & true).sum(0).float()
+        return {"loss": output.sum() * 0, "macro_f1": (2 * tp, hit.sum(0).float() + true.sum(0).float()),
+                "precision": (tp.sum(), hit.sum().float())}
+
+    task = UserTask.__new__(UserTask)
+    task.name, task.fn = "f1", f1
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(30, 4, generator=g)
+    logits[:, 3] = -10  # class 3 never predicted
+    labels = torch.randint(0, 3, (30,), generator=g)  # nor present
+    def sums(rows):
+        s = Sums()
+        for part in (rows[:len(rows) // 3], rows[len(rows) // 3:]):  # two micro-batches
+            batch = {"label": labels[part], "valid": torch.ones(len(part), dtype=torch.bool)}
+            loss, metrics = task.loss(logits[part], batch)
+            s.add(task, loss, metrics, batch)
+        return s.out()
+
+    whole = metric_values([sums(torch.arange(30))], 30)
+    split = metric_values([sums(torch.arange(11)), sums(torch.arange(11, 30)),
+                           counted_once(sums(torch.arange(11, 30)))], 30)
+    from sklearn.metrics import f1_score, precision_score
+
+    pred = logits.argmax(-1).numpy()
+    want = f1_score(labels.numpy(), pred, average="macro", labels=[0, 1, 2])
+    # float64 ratios of exact integer counts: equal to sklearn's to rounding (measured 0 apart)
+    assert whole["macro_f1"] == pytest.approx(want, abs=1e-12)
+    assert split["macro_f1"] == pytest.approx(want, abs=1e-12)
+    assert whole["precision"] == pytest.approx(precision_score(labels.numpy(), pred, average="micro"), abs=1e-12)
+    assert metric_values([{"ratios": {"macro_f1": [[0.0, 0.0], [0.0, 0.0]]}}], 1) == {}  # no class seen
 
 
 def test_counted_metrics_on_scores_at_bin_centres_are_exact():

@@ -199,15 +199,16 @@ def task_problem_on_meta(spec: JobSpec, columns: Columns) -> Optional[str]:
     def scalar(v) -> bool:
         return torch.is_tensor(v) and v.dim() == 0
 
-    def pair(v) -> bool:  # a ratio metric: (numerator, denominator)
-        return isinstance(v, (tuple, list)) and len(v) == 2 and all(map(scalar, v))
+    def pair(v) -> bool:  # a ratio metric: (numerator, denominator), of sums or of classes' sums
+        return (isinstance(v, (tuple, list)) and len(v) == 2 and all(map(torch.is_tensor, v))
+                and v[0].shape == v[1].shape and v[0].dim() <= 1)
 
     bad = [k for k, v in {"loss": loss, **metrics}.items()
            if not (scalar(v) or (k != "loss" and (pair(v) or isinstance(v, Counts))))]
     if bad:
         return (f"must return scalar tensors (sums over the batch's rows; a metric may be a "
-                f"pair of them, numerator and denominator, or baton.tasks.auroc or "
-                f"average_precision); {', '.join(bad)} is not")
+                f"pair of them, numerator and denominator, a pair of vectors of one length, "
+                f"each class's, or baton.tasks.auroc or average_precision); {', '.join(bad)} is not")
     return None
 
 
