@@ -21,7 +21,7 @@ from baton.data import EpochOrder
 from baton.data.feed import Batch, DataFeed
 from baton.data.manifest import FileEntry, Manifest
 from baton.data.source import JobData, columns
-from baton.errors import CheckpointError, SpecError, WorkerError, WorkerLost, raised_cause
+from baton.errors import CheckpointError, DataError, SpecError, WorkerError, WorkerLost, raised_cause
 from baton.parallel import ParallelDims
 from baton.spec import spec_from_dict
 from baton.tracking.mlflow_tracker import NullTracker
@@ -588,6 +588,64 @@ def _tick_until(c, predicate, limit=50):
         if predicate(c):
             return states
     raise AssertionError(f"never reached; states {states}")
+
+
+class FeedWithBadRows(OrderOnlyFeed):
+    """Raises as a feed does when the rows of its `bad`th batch (from 1) cannot be read."""
+
+    def __init__(self, order, bad):
+        super().__init__(order)
+        self.drawn, self.bad = 0, bad
+
+    def next_batch(self, cursor, global_batch):
+        self.drawn += 1
+        if self.drawn == self.bad:
+            raise DataError("data.path: part-0.parquet row group 1: data.columns.inputs holds NaN")
+        return super().next_batch(cursor, global_batch)
+
+
+class BadHeldOut:
+    """An evaluation due after step 3, whose held-out rows cannot be read."""
+
+    step, last = 0, {}  # (none done)
+
+    def due(self, done):
+        return done == 3
+
+    def submit(self, group, global_batch):
+        raise DataError("data.path: part-0.parquet row group 0: data.columns.label has 1 null rows")
+
+    def close(self):
+        pass
+
+
+def test_rows_found_bad_as_they_are_read_stop_on_a_committed_checkpoint_of_the_step_reached(tmp_path):
+    """A batch whose rows cannot be read (the 5th), with checkpoints due only every 100
+    steps: the steps queued train, checkpoint 4 is committed, and the run stops in one line
+    saying so, no step trained lost. Held-out rows (the pass after step 3): that step, already
+    queued, trains first. Before the run trained a step there is nothing to keep."""
+    every_100 = {"checkpoint": {"path": str(tmp_path / "ckpt"), "every_steps": 100}}
+    c = _coordinator(tmp_path, FakeCluster(free=2), sections=every_100)
+    c.samples = Samples(FeedWithBadRows(EpochOrder(c.manifest.unit_rows, 0), 5), c.manifest)
+    with pytest.raises(DataError) as e:
+        _tick_until(c, lambda c: False)
+    assert str(e.value) == ("data.path: part-0.parquet row group 1: data.columns.inputs holds NaN "
+                            "(training stopped at step 4: checkpoint 4 committed)")
+    assert CheckpointStore(c.spec.checkpoint_dir).latest() == 4 and c.step == 4
+
+    held = {"checkpoint": {"path": str(tmp_path / "held"), "every_steps": 100}}
+    c = _coordinator(tmp_path, FakeCluster(free=2), sections=held)
+    c.evaluation = BadHeldOut()
+    with pytest.raises(DataError, match=r"has 1 null rows \(training stopped at step 3: checkpoint 3 committed\)$"):
+        _tick_until(c, lambda c: False)
+    assert CheckpointStore(c.spec.checkpoint_dir).latest() == 3
+
+    first = {"checkpoint": {"path": str(tmp_path / "first"), "every_steps": 100}}
+    c = _coordinator(tmp_path, FakeCluster(free=2), sections=first)
+    c.samples = Samples(FeedWithBadRows(EpochOrder(c.manifest.unit_rows, 0), 1), c.manifest)
+    with pytest.raises(DataError, match=r"holds NaN$"):
+        _tick_until(c, lambda c: False)
+    assert CheckpointStore(c.spec.checkpoint_dir).latest() is None
 
 
 def test_a_warm_spare_replaces_a_lost_worker_and_never_blocks_a_growth(tmp_path):

@@ -378,7 +378,7 @@ class Coordinator:
         # taken after the one the run stops at would change the state it ends with.
         while (self.submitted < self.end and len(self.inflight) < PIPELINE_DEPTH
                and not (self.early_stop and self.inflight and self.inflight[-1].evaluation)):
-            self.inflight.append(self._submit(self.submitted))
+            self._submit(self.submitted)
         if not self.inflight:
             return self._finish()
         self._complete_next()
@@ -785,7 +785,9 @@ class Coordinator:
                 **({"shard": self.spec.parallel.shard, "dp_shard": self.dims.dp_shard}
                    if self.spec.parallel.shard != "none" else {})}
 
-    def _submit(self, step: int) -> "_Pending":
+    def _submit(self, step: int) -> None:
+        """Hand step `step` to the workers, queued behind the steps before it, with the
+        checkpoint and the evaluation due after it; it is in flight from there on."""
         t = self.spec.train
         try:
             batch, cursor = self.samples.next_batch(t.global_batch, step)
@@ -799,20 +801,24 @@ class Coordinator:
         pending = _Pending(step=step, samples=len(batch), lr=lr, submitted_at=time.perf_counter(),
                            refs=self.group.submit_step(step, batch, lr, traced),
                            cursor=cursor, traced=traced)
+        self.inflight.append(pending)
+        self.submitted += 1
         if self.record_samples:
             pending.ledger_refs = self.group.submit("take_ledger")
         done = step + 1
         if done % self.spec.checkpoint.every_steps == 0 or done == self.end:
             pending.save = self.commits.queue(self.group, self.dims, done)
         if self.evaluation and self.evaluation.due(done):
-            pending.evaluation = self.evaluation.submit(self.group, t.global_batch)
-        self.submitted += 1
-        return pending
+            try:
+                pending.evaluation = self.evaluation.submit(self.group, t.global_batch)
+            except DataError as e:  # held-out rows: the step before it trains first
+                raise self._stopped_by_data(e) from None
 
     def _stopped_by_data(self, error: DataError) -> DataError:
-        """Rows that cannot be trained on (found as they are read: a NaN, a file changed or
-        gone) came up in the next batch: train the steps queued, commit a checkpoint of the
-        step reached, so that nothing trained is lost, and stop saying so."""
+        """Rows that cannot be read as the job says (found as they are read: a NaN, a file
+        changed or gone) came up in the next batch or held-out pass: train the steps queued,
+        commit a checkpoint of the step reached, so that nothing trained is lost, and stop
+        saying so."""
         self._finish_queued()
         if not self.step:
             return error
