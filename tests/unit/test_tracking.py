@@ -435,7 +435,8 @@ def test_a_loss_spike_is_judged_against_the_median_of_the_steps_before_it(tmp_pa
     last 3 steps is, and a loss that is not a number is at once; a spike's loss stays out of
     the window, a rewind keeps the window's losses up to the step gone back to, and the third
     spike fails the run in one line. With the rule, a NaN loss is measured (the coordinator
-    rewinds from it) instead of failing the run; `baton status` lists the spikes."""
+    rewinds from it) instead of failing the run; `baton status` lists the spikes. A
+    checkpoint keeps the window, so a run resumed from it judges its first step."""
     import math
 
     from baton import status
@@ -456,8 +457,12 @@ def test_a_loss_spike_is_judged_against_the_median_of_the_steps_before_it(tmp_pa
     assert spikes.judge(4, 11.9) is None  # (the spike stayed out): now [100, 2, 11.9]
     assert spikes.judge(5, 30.0) is None and spikes.judge(6, 36.0)["median"] == 11.9
     spikes.rewinding(spike)
-    spikes.rewound(3)  # back to checkpoint 3: of the window's steps 3 to 5, step 3 stays
-    assert spikes.losses == [(3, 2.0)] and spikes.rewinds == [4]
+    saved = spikes.state_dict()  # a checkpoint of step 5
+    spikes.load_state_dict(None, 3)  # back to checkpoint 3 (written without the window): of
+    assert spikes.losses == [(3, 2.0)] and spikes.rewinds == [4]  # steps 3 to 5, step 3 stays
+    resumed = Spikes(rule)
+    resumed.load_state_dict(saved, 5)  # a run resumed from checkpoint 5 judges at once
+    assert resumed.judge(6, 36.0)["median"] == 11.9
     assert spikes.judge(4, math.nan)["loss"] == "nan"
     spikes.rewinding({"step": 4, "loss": "nan", "median": None, "window": 2})
     with pytest.raises(WorkerError, match=(

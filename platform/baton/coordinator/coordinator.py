@@ -462,7 +462,6 @@ class Coordinator:
         timer.lap("stop")
         state = self._reform(timer, self.group.members(), {"spike_at_step": spike.event["step"]})
         self.samples.skip(spike.cursor)
-        self.spikes.rewound(self.step)
         self.spike = None
         s = spike.event["step"]
         self._record({"kind": "spike", **spike.event, "rewound_to": self.step,
@@ -719,7 +718,7 @@ class Coordinator:
         self.step = self.submitted = meta["step"]
         if self.samples:
             self.samples.seek(meta)
-        self._rewind_stop(meta)
+        self._rewind_judges(meta)
 
     def _load_latest(self, resuming: bool = False) -> None:
         """Load the newest whole checkpoint (`Commits.newest_whole`). With none: start over;
@@ -736,17 +735,20 @@ class Coordinator:
         if meta is None:  # no checkpoint yet: start over (setup built the models from the seed)
             self.step = self.submitted = 0
             self.samples.seek(None)
-            self._rewind_stop(None)
+            self._rewind_judges(None)
             return
         self._load(meta)
         if resuming and meta["step"] != self.resume_meta["step"]:
             self.resume_meta = meta
             self.tracker.set_tags({"resumed_from_step": meta["step"]})
 
-    def _rewind_stop(self, meta: Optional[dict]) -> None:
+    def _rewind_judges(self, meta: Optional[dict]) -> None:
         """eval.patience's count back to checkpoint `meta`'s (None: the start): the evaluations
         after it count again. A failure while the stop's own checkpoint was written leaves the
-        survivors' state of that step, which still stops there."""
+        survivors' state of that step, which still stops there. train.rewind_on_spike's window
+        of losses too."""
+        if self.spikes:
+            self.spikes.load_state_dict(meta.get("spike") if meta else None, self.step)
         if self.early_stop:
             self.early_stop.load_state_dict(meta.get("early_stop") if meta else None)
             self.stopped_early = (self.early_stop.ended(self.step)
@@ -903,7 +905,8 @@ class Coordinator:
                 # the held-out metrics of this step's state, where it was evaluated (checkpoint.best)
                 **({"eval": self.evaluation.last}
                    if self.evaluation and self.evaluation.step == self.step else {}),
-                **({"early_stop": self.early_stop.state_dict()} if self.early_stop else {})}
+                **({"early_stop": self.early_stop.state_dict()} if self.early_stop else {}),
+                **({"spike": self.spikes.state_dict()} if self.spikes else {})}
 
     def status(self) -> dict:
         """What `baton status` shows of a running job."""

@@ -56,9 +56,15 @@ class Spikes:
                 "look for bad rows in the batches before them (the last checkpoint is kept)")
         self.rewinds.append(event["step"])
 
-    def rewound(self, step: int) -> None:
-        """The run went back to step `step`: the window keeps the losses up to it."""
-        self.losses = [(s, x) for s, x in self.losses if s <= step]
+    def state_dict(self) -> dict:
+        """The window, for a checkpoint: a run resumed from it judges its first steps."""
+        return {"losses": [[s, x] for s, x in self.losses]}
+
+    def load_state_dict(self, state: Optional[dict], step: int) -> None:
+        """The run is at step `step`, from a checkpoint whose window is `state` (None: one
+        written without the rule, or the start): the window's losses up to that step."""
+        losses = [(int(s), float(x)) for s, x in state["losses"]] if state else self.losses
+        self.losses = [(s, x) for s, x in losses if s <= step]
 
 
 def describe(event: dict, rule: SpikeRewind) -> str:
