@@ -158,8 +158,8 @@ def _check_recipe(meta: dict, spec: JobSpec, source: str, step: int) -> None:
 def check_corpus(meta: dict, manifest: Manifest | Mixture, source: str, rebase: bool) -> None:
     """Refuse to resume on a corpus other than the one the checkpoint was trained on: its
     cursor counts samples of that corpus's order. With `rebase`, the run goes on from the start
-    of the next epoch on the new corpus, or, for a mix, as `MixedFeed.rebased` says
-    (`Samples.seek`)."""
+    of the next epoch on the new corpus, or where it was on files rewritten with the same row
+    groups, or, for a mix, as `MixedFeed.rebased` says (`Samples.seek`)."""
     if rebase or manifest.trained(meta):
         return
     old = meta.get("manifest")
@@ -170,6 +170,8 @@ def check_corpus(meta: dict, manifest: Manifest | Mixture, source: str, rebase: 
                 "from its next epoch; the new weights from here on)")
     elif old and "files" in old:
         what = manifest.changes_from(Manifest.from_json(manifest.root, old))
+        if manifest.same_rows(meta):
+            then = "go on where it was (the files hold the row groups they held)"
     else:
         what = ("the checkpoint was trained on a mix (data.mix)" if old
                 else "the checkpoint records no manifest (written before baton 0.6)")

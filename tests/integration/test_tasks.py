@@ -604,8 +604,27 @@ def test_rows_found_bad_as_they_are_read_stop_the_run_on_a_checkpoint_of_the_ste
     assert str(e.value) == (
         f"data.path: {data}/table.parquet row group {group}: data.columns.inputs holds NaN or "
         f"infinite values in 1 row (the first: row {row} of the row group, counted from 0); drop "
-        "or fill them (training stopped at step 3: checkpoint 3 committed)")
-    assert CheckpointStore(spec.checkpoint_dir).latest() == 3
+        "or fill them (training stopped at step 3: checkpoint 3 committed; with the file fixed "
+        "in place, its row groups as they were, --rebase-data goes on from there)")
+    store = CheckpointStore(spec.checkpoint_dir)
+    assert store.latest() == 3
+
+    # the row filled in place (the same row groups, other bytes): refused without
+    # --rebase-data, and with it the run goes on at step 4 in the same epoch, with batch 4
+    a[int(fourth[0])] = 0.0
+    pq.write_table(table.set_column(table.schema.get_field_index("a"), "a", pa.array(a)),
+                   data / "table.parquet", row_group_size=8, compression="gzip")
+    with pytest.raises(CheckpointError, match=r"is not the corpus checkpoint 3 was trained on: 1 "
+                                              r"file changed \(table.parquet\); restore it, or pass "
+                                              r"--rebase-data to go on where it was"):
+        api.run(spec, show_progress=False)
+    result = api.run(spec, show_progress=False, rebase_data=True, record_samples=True)
+    assert result.state == "finished" and result.resumed_from == 3 and result.step == 6
+    order, cursor = job_order(spec, str(data)), Cursor()
+    batches = [order.next_batch(cursor, 16) for _ in range(6)]
+    trained = sorted(i for _, _, ids in result.ledger for i in ids)
+    assert trained == sorted((np.concatenate(batches[3:]) + 5000).tolist())  # steps 4 to 6's
+    assert store.read_meta(6)["cursor"] == cursor.state_dict()
 
 
 def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path):

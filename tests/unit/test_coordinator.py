@@ -630,13 +630,15 @@ def test_rows_found_bad_as_they_are_read_stop_on_a_committed_checkpoint_of_the_s
     with pytest.raises(DataError) as e:
         _tick_until(c, lambda c: False)
     assert str(e.value) == ("data.path: part-0.parquet row group 1: data.columns.inputs holds NaN "
-                            "(training stopped at step 4: checkpoint 4 committed)")
+                            "(training stopped at step 4: checkpoint 4 committed; with the file "
+                            "fixed in place, its row groups as they were, --rebase-data goes on "
+                            "from there)")
     assert CheckpointStore(c.spec.checkpoint_dir).latest() == 4 and c.step == 4
 
     held = {"checkpoint": {"path": str(tmp_path / "held"), "every_steps": 100}}
     c = _coordinator(tmp_path, FakeCluster(free=2), sections=held)
     c.evaluation = BadHeldOut()
-    with pytest.raises(DataError, match=r"has 1 null rows \(training stopped at step 3: checkpoint 3 committed\)$"):
+    with pytest.raises(DataError, match=r"has 1 null rows \(training stopped at step 3: checkpoint 3 committed;"):
         _tick_until(c, lambda c: False)
     assert CheckpointStore(c.spec.checkpoint_dir).latest() == 3
 

@@ -826,7 +826,8 @@ class Coordinator:
             return error
         self._commit_here()
         return DataError(f"{error} (training stopped at step {self.step}: checkpoint "
-                         f"{self.step} committed)")
+                         f"{self.step} committed; with the file fixed in place, its row groups "
+                         "as they were, --rebase-data goes on from there)")
 
     def _complete_next(self) -> None:
         """Complete the oldest queued step (left queued if it fails: recovery cancels it),

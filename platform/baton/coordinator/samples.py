@@ -28,11 +28,13 @@ class Samples:
     def seek(self, meta: Optional[dict]) -> None:
         """Go back (or on) to a checkpoint's place, `meta`, or to the start with None. A
         checkpoint of another corpus (the run was started with --rebase-data,
-        api.check_corpus) goes on from the start of the next epoch."""
+        api.check_corpus) goes on from the start of the next epoch, or where it was if the
+        files hold the same row groups (bad rows fixed in place)."""
         if meta is None:
             state, step = self.feed.cursor().state_dict(), 0
         else:
-            state = meta["cursor"] if self.manifest.trained(meta) else self.feed.rebased(meta)
+            same = self.manifest.trained(meta) or self.manifest.same_rows(meta)
+            state = meta["cursor"] if same else self.feed.rebased(meta)
             step = meta["step"]
         self.cursor.load_state_dict(state)
         self.done = self.cursor.state_dict()

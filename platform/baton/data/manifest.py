@@ -114,13 +114,25 @@ class Manifest:
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def rows_digest(self) -> str:
+        """The digest of the files' paths and their row groups' rows, not their sizes: what
+        the order of the samples depends on."""
+        rows = [[f.path, list(f.row_groups)] for f in self.files]
+        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
     def summary(self) -> dict:
         return {"files": len(self.files), "row_groups": len(self.units), "samples": self.num_samples,
-                "bytes": self.bytes, "digest": self.digest()}
+                "bytes": self.bytes, "digest": self.digest(), "rows_digest": self.rows_digest()}
 
     def trained(self, meta: dict) -> bool:
         """Whether checkpoint metadata `meta` was written on this corpus."""
         return meta.get("data", {}).get("digest") == self.digest()
+
+    def same_rows(self, meta: dict) -> bool:
+        """Whether checkpoint `meta`'s corpus had these files with these row groups (their
+        bytes may differ: a file whose bad rows were fixed in place), so that its cursor means
+        the same samples here (checkpoints written before the rows' digest: no)."""
+        return meta.get("data", {}).get("rows_digest") == self.rows_digest()
 
     def changes_from(self, old: "Manifest") -> Optional[str]:
         """What changed since `old`, in one line ('2 files added (part-9.parquet, ...)'), or

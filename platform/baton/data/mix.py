@@ -146,6 +146,10 @@ class Mixture:
                 and self._begun(data.get("phases", []), meta["step"])
                 == self._begun(self._phases_json(), meta["step"]))
 
+    def same_rows(self, meta: dict) -> bool:
+        """A mix goes on source by source where it can (`MixedFeed.rebased`)."""
+        return False
+
     def _phases_json(self) -> list[dict]:
         return [{"after_step": after, "weights": [round(float(w), 6) for w in shares]}
                 for after, shares in self.phases]
@@ -190,8 +194,8 @@ class MixedFeed:
 
     def rebased(self, meta: dict) -> dict:
         """The cursor to go on from after checkpoint `meta`, trained on other data (`--rebase-data`):
-        a source whose files are those of the checkpoint's source at its place goes on from
-        where it was, another from the start of its next epoch (`order.rebased`), every source
+        a source whose files are those of the checkpoint's source at its place (or hold the same
+        row groups: fixed in place) goes on from where it was, another from the start of its next epoch (`order.rebased`), every source
         so from a checkpoint of one corpus or of another number of sources; and the schedule
         starts again from there under the new weights."""
         state = meta["cursor"]
@@ -200,7 +204,7 @@ class MixedFeed:
         if old is None or sources is None or len(sources) != len(self.feeds):
             sources = [rebased(state)] * len(self.feeds)
         else:
-            sources = [s if o.get("digest") == m.digest() else rebased(s)
+            sources = [s if m.same_rows({"data": o}) or o.get("digest") == m.digest() else rebased(s)
                        for s, o, m in zip(sources, old, self.mixture.manifests)]
         cursor = self.cursor()
         cursor.load_state_dict({"sources": sources})
