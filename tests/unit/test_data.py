@@ -138,8 +138,9 @@ def test_a_mix_gives_each_source_its_share_within_one_sample_whatever_the_batche
 
 def test_a_mix_cursor_keeps_each_sources_place_and_rebases_each(tmp_path):
     """A mix's cursor: each source's place and the counts its schedule starts from. Rebased
-    (--rebase-data) onto new weights, each source whose files are unchanged keeps its place and
-    a changed one starts its next epoch; the schedule starts again from there."""
+    (--rebase-data) onto new weights, each source whose files are unchanged (or hold the same
+    row groups) keeps its place and a changed one starts its next epoch; the schedule starts
+    again from there."""
     from types import SimpleNamespace
 
     from baton.data.manifest import FileEntry, Manifest
@@ -166,6 +167,12 @@ def test_a_mix_cursor_keeps_each_sources_place_and_rebases_each(tmp_path):
         {"epoch": 1, "consumed": 14}, {"epoch": 0, "consumed": 50}]}
     grown = MixedFeed(Mixture(["a", "b"], [sources[0], manifest("b", (100, 20))], [1, 1]), feeds)
     assert grown.rebased(meta)["sources"] == [{"epoch": 1, "consumed": 14}, {"epoch": 1, "consumed": 0}]
+    # b written again with the same row groups (bad rows fixed in place: other bytes): its place
+    fixed = Manifest(str(tmp_path / "b"), [FileEntry("part-0.parquet", 97, (100,))])
+    assert fixed.digest() != sources[1].digest() and fixed.same_rows(
+        {"data": sources[1].summary()}) and not fixed.same_rows({"data": {"digest": "old"}})
+    kept = MixedFeed(Mixture(["a", "b"], [sources[0], fixed], [1, 1]), feeds)
+    assert kept.rebased(meta)["sources"] == [{"epoch": 1, "consumed": 14}, {"epoch": 0, "consumed": 50}]
     # from a checkpoint of one corpus (--rebase-data onto a mix): the epoch after its own
     one = {"step": 4, "cursor": {"epoch": 3, "consumed": 5}, "data": sources[0].summary()}
     assert after.rebased(one)["sources"] == [{"epoch": 4, "consumed": 0}] * 2
