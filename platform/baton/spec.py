@@ -92,6 +92,10 @@ class DataSpec:
     # the mix's weights from steps on: [{after_step: 900, weights: [1, 9]}, ...] (the schedule
     # starts again at each, as a resume with --rebase-data onto new weights does)
     mix_phases: list[MixPhase] = field(default_factory=list)
+    # training row groups whose rows are found bad as they are read (a NaN, a null, an
+    # undecodable page) that are skipped, their rows not trained, before the run stops (on a
+    # checkpoint of the step reached); 0: the first stops it
+    skip_bad_row_groups: int = 0
 
     @property
     def paths(self) -> list[str]:
@@ -380,7 +384,7 @@ class JobSpec:
                               "compile", "skip_nonfinite", "rewind_on_spike")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items()
-                if k != "mix_phases" and (k not in ("columns", "pad", "mix") or v)}
+                if k not in ("mix_phases", "skip_bad_row_groups") and (k not in ("columns", "pad", "mix") or v)}
         if "mix" in data:  # its sources; their weights are pinned with their files (a change
             # is resumed with --rebase-data: api.check_corpus), their names label metrics, and
             # the phases that have begun are pinned with them (Mixture.trained)

@@ -106,6 +106,9 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(0 <= t.skip_nonfinite <= 10**6, "train.skip_nonfinite", t.skip_nonfinite,
          "must be 0 (a step whose gradient is not finite fails the run) to 1,000,000 (steps in a "
          "row skipped before it fails)")
+    need(0 <= d.skip_bad_row_groups <= 10**6, "data.skip_bad_row_groups", d.skip_bad_row_groups,
+         "must be 0 (bad rows found as they are read stop the run) to 1,000,000 (row groups "
+         "skipped before they do)")
     spike = t.rewind_on_spike
     if spike is not None:
         need(1 < spike.factor <= 10**6, "train.rewind_on_spike.factor", spike.factor,

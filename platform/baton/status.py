@@ -107,6 +107,8 @@ def describe(s: dict) -> list[str]:
         shown = ", ".join(map(str, skipped[-5:]))
         lines.append(f"  updates skipped (gradient not finite): {len(skipped)}, at step"
                      f"{'s' * (len(skipped) > 1)} {'..., ' * (len(skipped) > 5)}{shown}")
+    if s.get("skipped_row_groups"):  # data.skip_bad_row_groups's, in this run
+        lines.append(f"  row groups skipped for bad rows: {s['skipped_row_groups']}")
     spikes = s.get("spikes")  # train.rewind_on_spike's, in this run
     if spikes:
         lines.append(f"  loss spikes rewound from: {len(spikes)}, at step"

@@ -627,6 +627,65 @@ def test_rows_found_bad_as_they_are_read_stop_the_run_on_a_checkpoint_of_the_ste
     assert store.read_meta(6)["cursor"] == cursor.state_dict()
 
 
+def test_bad_row_groups_found_as_they_are_read_are_skipped_up_to_the_limit(tmp_path):
+    """data.skip_bad_row_groups: 2: two row groups each holding a NaN (never in Parquet's
+    statistics: found as they are read) are left out and each batch is filled from the rows
+    after them: every other sample of the epoch trained once, in batches of 16 but the epoch's
+    last, and the run record says which and at what step. With 1, the second stops the run
+    on a committed checkpoint of the step before it, in one line saying why. A row group
+    left out is left out again in the next epoch, and not counted again."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from baton.errors import DataError
+
+    data = write_table(tmp_path / "data")
+
+    def job(name, skip):
+        return spec_from_dict(tiny_spec(
+            tmp_path, data, name=name, task="helpers:regression",
+            model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
+            data={"source": "parquet", "path": str(data), "shuffle_block": 16,
+                  "columns": {"inputs": ["vec", "a", "b"], "target": "y"},
+                  "skip_bad_row_groups": skip},
+            train={"steps": 6, "global_batch": 16, "micro_batch": 4},
+            checkpoint={"every_steps": 100, "keep": 2}))
+
+    spec = job("skips", 2)
+    order, cursor = job_order(spec, str(data)), Cursor()
+    batches = [order.next_batch(cursor, 16) for _ in range(6)]
+    table = pq.read_table(data / "table.parquet")
+    a = table.column("a").to_numpy().copy()
+    bad = [int(batches[3][0]), int(batches[5][0])]  # rows of the 4th and the last block
+    a[bad] = np.nan
+    pq.write_table(table.set_column(table.schema.get_field_index("a"), "a", pa.array(a)),
+                   data / "table.parquet", row_group_size=8)
+    groups = sorted({row // 8 for row in bad})  # one file, row groups of 8: a position is its row
+    assert len(groups) == 2
+
+    result = api.run(spec, show_progress=False, record_samples=True)
+    assert result.state == "finished" and result.step == 6
+    left_out = {r for g in groups for r in range(g * 8, g * 8 + 8)}
+    # the epoch's 80 good rows: steps 1 to 5, full; step 6 begins the next epoch, where the
+    # same row groups are left out again (no new ones: not counted again)
+    epoch0 = Counter(i - 5000 for step, _, ids in result.ledger if step < 5 for i in ids)
+    assert set(epoch0) == set(range(96)) - left_out and set(epoch0.values()) == {1}
+    per_step = Counter(step for step, _, ids in result.ledger for _ in ids)
+    assert [per_step[k] for k in range(6)] == [16] * 6
+    assert not left_out & {i - 5000 for step, _, ids in result.ledger if step == 5 for i in ids}
+    events = [e for e in result.events if e["kind"] == "bad_rows"]
+    assert sorted(e["unit"] for e in events) == groups and [e["skipped"] for e in events] == [1, 2]
+    assert all(f"table.parquet row group {e['unit']}: data.columns.inputs holds NaN" in e["why"]
+               for e in events)
+    second = events[1]["step"]
+
+    with pytest.raises(DataError) as e:
+        api.run(job("stops", 1), show_progress=False)
+    assert (f"(2 row groups with bad rows, more than data.skip_bad_row_groups (1)) (training "
+            f"stopped at step {second - 1}: checkpoint {second - 1} committed;") in str(e.value)
+    assert CheckpointStore(job("stops", 1).checkpoint_dir).latest() == second - 1
+
+
 def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path):
     """train.rewind_on_spike: the fourth batch of a regression holds rows whose target is
     1,000 (the rest are near 0): step 4's loss is hundreds of times the median of the two

@@ -557,6 +557,9 @@ class OrderOnlyFeed:
     def next_batch(self, cursor, global_batch):
         return Batch(self.order.next_batch(cursor, global_batch), {})
 
+    def take_skipped(self):
+        return []  # (no unit is read, none is bad)
+
     def close(self):
         pass
 

@@ -261,7 +261,8 @@ class Coordinator:
         self.manifest = self.data.manifest
         if not self.evaluate_only:
             self.samples = Samples(self.data.feed(self.spec), self.manifest,
-                                   lambda event: self.report.mix_phase(event, self._tags()))
+                                   lambda event: self.report.mix_phase(event, self._tags()),
+                                   lambda event: self.report.bad_rows(event, self._tags()))
         self.evaluation = evaluation(self.spec, self.data, self.end)
         meta = self.resume_meta
         if meta:
@@ -929,6 +930,8 @@ class Coordinator:
                     e["kind"] == "rescale" for e in self.events),
                 **({"straggler": self.stragglers.named} if self.stragglers.named else {}),
                 **({"skipped_steps": self.stats.skipped} if self.stats.skipped else {}),
+                **({"skipped_row_groups": skipped} if (skipped := sum(
+                    e["kind"] == "bad_rows" for e in self.events)) else {}),
                 **({"spikes": self.spikes.rewinds} if self.spikes and self.spikes.rewinds else {}),
                 **({"best_checkpoint": {"step": best[0], self.spec.checkpoint.best: best[1]}}
                    if (best := self.commits.best_found) else {}),

@@ -82,6 +82,13 @@ class Report:
         self.note(f"step {step}: the gradient is {grad_norm}: its update skipped "
                   f"({in_a_row} in a row; train.skip_nonfinite: {limit})")
 
+    def bad_rows(self, event: dict, tags: dict) -> None:
+        """A unit whose rows are bad, left out of the batch of `event["step"]`
+        (data.skip_bad_row_groups): in the run record and on the console."""
+        self.record({"kind": "bad_rows", **event}, tags)
+        self.note(f"step {event['step']}: {event['why']}: its {event['rows']:,} rows skipped "
+                  f"(data.skip_bad_row_groups: {event['skipped']} of {event['limit']})")
+
     def evaluated(self, step: int, evaluated: dict) -> None:
         self.progress.note(f"step {step}: " + ", ".join(
             f"{k} {v:.4g}" for k, v in evaluated.items() if k != "eval_samples")

@@ -17,13 +17,15 @@ class Samples:
     The cursor runs ahead of the completed steps by the steps queued on the workers."""
 
     def __init__(self, feed: DataFeed, manifest: Manifest,
-                 on_phase: Callable[[dict], None] = lambda event: None):
+                 on_phase: Callable[[dict], None] = lambda event: None,
+                 on_skip: Callable[[dict], None] = lambda event: None):
         self.feed, self.manifest = feed, manifest  # a DataFeed, or a MixedFeed (data/mix.py)
         self.cursor = feed.cursor()
         self.done = self.cursor.state_dict()
         self.sent = UnitsSent()
         self.ledger: list = []
         self.on_phase = on_phase  # a mix's new phase, as its first batch is drawn
+        self.on_skip = on_skip  # a unit left out for its bad rows (data.skip_bad_row_groups)
 
     def seek(self, meta: Optional[dict]) -> None:
         """Go back (or on) to a checkpoint's place, `meta`, or to the start with None. A
@@ -57,6 +59,8 @@ class Samples:
         after it."""
         self._enter(step)
         batch = self.sent.strip(self.feed.next_batch(self.cursor, global_batch))
+        for event in self.feed.take_skipped():
+            self.on_skip({"step": step + 1, **event})
         return batch, self.cursor.state_dict()
 
     def _enter(self, step: int) -> None:

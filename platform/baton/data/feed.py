@@ -44,6 +44,12 @@ from baton.errors import DataError, reason
 READ_CONCURRENCY = 4
 
 TOKENS, IDS = "tokens", "id"  # the columns of a unit as the workers see it
+BAD = b"baton.bad"  # a unit skipped for its bad rows: an empty table, the reason in its metadata
+
+
+class Elsewhere(DataError):
+    """A file the driver listed is missing on the node where a read ran: no row's fault, so
+    never skipped as bad rows are (data.skip_bad_row_groups)."""
 
 
 @dataclass
@@ -116,10 +122,30 @@ def token_columns(token: str, id_column: Optional[str], width: int, vocab_size: 
                    id_column)
 
 
-def read_unit(root: str, unit: Unit, columns: Columns, home: Optional[str] = None) -> pa.Table:
+def read_unit(root: str, unit: Unit, columns: Columns, home: Optional[str] = None,
+              skip: bool = False) -> pa.Table:
     """One row group, checked, with the columns renamed to what the workers read. Bad rows
-    raise DataError naming the file and row group. `home`: the driver's node, where the run
-    listed the files, when this runs in a read task that may be on another node."""
+    raise DataError naming the file and row group; with `skip` (data.skip_bad_row_groups),
+    they give a table of no rows instead, the reason in its schema's metadata (`bad`). `home`:
+    the driver's node, where the run listed the files, when this runs in a read task that may
+    be on another node."""
+    try:
+        return _read_unit(root, unit, columns, home)
+    except Elsewhere:
+        raise
+    except DataError as e:
+        if not skip:
+            raise
+        return pa.table({}).replace_schema_metadata({BAD: str(e).encode()})
+
+
+def bad(table: pa.Table) -> Optional[str]:
+    """Why a unit read with `skip` holds no rows (None: it holds its rows)."""
+    metadata = table.schema.metadata or {}
+    return metadata[BAD].decode() if not table.num_rows and BAD in metadata else None
+
+
+def _read_unit(root: str, unit: Unit, columns: Columns, home: Optional[str]) -> pa.Table:
     fs = storage.resolve(root)[0]
     wanted = list(dict.fromkeys([c for f in columns.fields for c in f.sources]
                                 + ([columns.id] if columns.id else [])))
@@ -159,7 +185,7 @@ def _not_here(file: str, home: str) -> None:
     if node == home:
         return
     ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node), node[:8])
-    raise DataError(f"data.path: {file} is missing on node {ip}, where a read ran (reads run "
+    raise Elsewhere(f"data.path: {file} is missing on node {ip}, where a read ran (reads run "
                     "across the cluster's nodes): if the data is on the driver's node only, put "
                     "it where every node reads it (a volume mounted at the same path on each, "
                     "or s3://) or set data.read: driver; if the file was removed, restore it")
@@ -276,7 +302,7 @@ def _ray_data():
     return ray.data
 
 
-def _read_units(root: str, units: list[Unit], columns: Columns, spread: bool):
+def _read_units(root: str, units: list[Unit], columns: Columns, spread: bool, skip: bool):
     """A Ray Data dataset of `units`, one read task (and one block) each, in this order (Ray
     Data imported and set up by `_ray_data`, which the read called first). `spread`: the
     tasks run across the cluster's nodes (Ray Data's SPREAD), else on the driver's."""
@@ -299,7 +325,7 @@ def _read_units(root: str, units: list[Unit], columns: Columns, spread: bool):
             return spread
 
         def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None):
-            return [ReadTask(lambda u=u: [read_unit(root, u, columns, home)],
+            return [ReadTask(lambda u=u: [read_unit(root, u, columns, home, skip)],
                              BlockMetadata(num_rows=u.rows, size_bytes=None, exec_stats=None,
                                            input_files=(u.file,)))
                     for u in units]
@@ -324,6 +350,7 @@ class _Read:
         self.epoch, self.first, self.last = epoch, first, last
         feed.ranges_read.append((epoch, first, last))
         self.refs: dict[int, list] = {}  # index in the epoch's unit order -> block references
+        self.bad: dict[int, str] = {}  # index -> why its rows were skipped (feed.skip_bad)
         self.rows = 0
         self.error: Optional[Exception] = None
         self.finished = False
@@ -333,26 +360,26 @@ class _Read:
         perm = feed.order.unit_order(epoch)[0]
         units = [feed.manifest.units[int(u)] for u in perm[first:last]]
         self._units, self._root, self._columns, self._here = units, feed.manifest.root, feed.columns, here
-        self._spread = feed.spread
+        self._spread, self._skip = feed.spread, feed.skip_bad > 0
         if not here:
             _ray_data()  # imported and set up on this thread, before the read's own starts
         self._thread = threading.Thread(target=self._run, name=f"baton-read-{epoch}-{first}",
                                         daemon=True)
         self._thread.start()
 
-    def _blocks(self) -> Iterator[tuple[list, int]]:
-        """(block references, rows) of each unit, in order."""
-        if self._here:
-            import ray
+    def _blocks(self) -> Iterator[tuple[list, int, Optional[str]]]:
+        """(block references, rows, why its rows are bad or None) of each unit, in order."""
+        import ray
 
+        if self._here:
             for unit in self._units:
-                table = read_unit(self._root, unit, self._columns)
+                table = read_unit(self._root, unit, self._columns, skip=self._skip)
                 if self.cancelled:  # closed meanwhile: Ray may be gone, and ray.put would start it again
                     return
-                yield [ray.put(table)], table.num_rows
+                yield [ray.put(table)], table.num_rows, bad(table)
             return
         bundles, executor = _execute(_read_units(self._root, self._units, self._columns,
-                                                  self._spread))
+                                                  self._spread, self._skip))
         with self._cond:
             self.executor, cancelled = executor, self.cancelled
         if cancelled:  # while the execution started: cancel() could not stop it, stopped here
@@ -360,14 +387,18 @@ class _Read:
                 executor.shutdown(force=True)
             return
         for bundle in bundles:
-            yield list(bundle.block_refs), bundle.num_rows()
+            rows = bundle.num_rows()  # 0: skipped (every unit has rows), its reason in the block
+            why = bad(ray.get(bundle.block_refs[0])) if not rows and bundle.block_refs else None
+            yield list(bundle.block_refs), rows, why
 
     def _run(self) -> None:
         try:
-            for index, (refs, rows) in zip(range(self.first, self.last), self._blocks()):
+            for index, (refs, rows, why) in zip(range(self.first, self.last), self._blocks()):
                 if self.cancelled:
                     break
                 with self._cond:
+                    if why is not None:
+                        self.bad[index] = why
                     self.refs[index] = refs
                     self.rows += rows
                     self._cond.notify_all()
@@ -419,8 +450,14 @@ class DataFeed:
     and the first batch after a recovery then read its block again: 0.4-0.8 s of the first
     step, the largest phase of a recovery served by a warm spare."""
 
-    def __init__(self, manifest: Manifest, order: EpochOrder, columns: Columns, spread: bool = True):
+    def __init__(self, manifest: Manifest, order: EpochOrder, columns: Columns, spread: bool = True,
+                 skip_bad: int = 0):
         self.manifest, self.order, self.columns, self.spread = manifest, order, columns, spread
+        # data.skip_bad_row_groups: how many units whose rows are bad may be left out (one left
+        # out again in a later epoch is no new one); those left out, and the events not told yet
+        self.skip_bad = skip_bad
+        self.skipped: set[int] = set()
+        self.untold: list[dict] = []
         self.epoch: Optional[int] = None
         self.reads: list[_Read] = []  # consecutive, in the epoch's unit order
         self.next_epoch: Optional[_Read] = None  # the next epoch's first block, read ahead
@@ -456,15 +493,51 @@ class DataFeed:
         self._hold(cursor.epoch, *self._span(cursor, global_batch))
 
     def next_batch(self, cursor: Cursor, global_batch: int) -> Batch:
+        """The next `global_batch` samples at `cursor` (fewer at the epoch's end), advancing
+        it. With `skip_bad`, a bad unit's rows are left out and the batch is filled from the
+        samples after them, within the epoch (into the next only if none is left)."""
+        batch = self._draw(cursor, global_batch)
+        while len(batch) < global_batch and self.skip_bad and (cursor.consumed or not len(batch)):
+            more = self._draw(cursor, global_batch - len(batch))
+            batch = Batch(np.concatenate([batch.positions, more.positions]),
+                          {**batch.units, **more.units}, more.window)
+        return batch
+
+    def _draw(self, cursor: Cursor, global_batch: int) -> Batch:
         epoch = cursor.epoch
         held = self._hold(epoch, *self._span(cursor, global_batch))
         positions = self.order.next_batch(cursor, global_batch)
         perm = self.order.unit_order(epoch)[0]
         by_uid = {int(perm[i]): refs for i, refs in held.items()}
+        uids = self.manifest.unit_of(positions)
+        left_out = self._left_out(epoch, perm, set(np.unique(uids).tolist()))
+        if left_out:
+            positions = positions[~np.isin(uids, list(left_out))]
         units = {}
         for uid in np.unique(self.manifest.unit_of(positions)).tolist():
             units[uid] = (self.manifest.units[uid].offset, by_uid[uid])
         return Batch(positions, units, frozenset(by_uid))
+
+    def _left_out(self, epoch: int, perm: np.ndarray, uids: set[int]) -> set[int]:
+        """Which of `uids` (of this batch) hold bad rows; each new one told (`untold`), or the
+        run stopped past `skip_bad` of them."""
+        found = {int(perm[index]): why for read in self.reads for index, why in read.bad.items()}
+        for uid in sorted(uids & found.keys()):
+            if uid in self.skipped:
+                continue
+            self.skipped.add(uid)
+            if len(self.skipped) > self.skip_bad:
+                raise DataError(f"{found[uid]} ({len(self.skipped)} row groups with bad rows, "
+                                f"more than data.skip_bad_row_groups ({self.skip_bad}))")
+            self.untold.append({"epoch": epoch, "unit": uid, "rows": self.manifest.units[uid].rows,
+                                "why": found[uid], "skipped": len(self.skipped),
+                                "limit": self.skip_bad})
+        return uids & found.keys()
+
+    def take_skipped(self) -> list[dict]:
+        """The units left out since the last call, once each (`_left_out`)."""
+        told, self.untold = self.untold, []
+        return told
 
     def _span(self, cursor: Cursor, global_batch: int) -> tuple[int, int]:
         stop = min(cursor.consumed + global_batch, self.order.num_samples)

@@ -255,6 +255,11 @@ class MixedFeed:
     def rows_read(self) -> int:
         return sum(f.rows_read for f in self.feeds)
 
+    def take_skipped(self) -> list[dict]:
+        """Each source's units left out for bad rows (`DataFeed.take_skipped`), by source."""
+        return [{**event, "source": self.mixture.names[k]}
+                for k, feed in enumerate(self.feeds) for event in feed.take_skipped()]
+
     def close(self, wait: bool = True) -> None:
         for feed in self.feeds:
             feed.close(wait)
@@ -265,6 +270,7 @@ def _shares(weights: Sequence[float]) -> np.ndarray:
     return np.array([w / total for w in weights], dtype=np.float64)
 
 
-def mixed_feed(mixture: Mixture, columns, seed: int, shuffle_block: int, spread: bool) -> MixedFeed:
-    return MixedFeed(mixture, [DataFeed(m, order, columns, spread) for m, order in
+def mixed_feed(mixture: Mixture, columns, seed: int, shuffle_block: int, spread: bool,
+               skip_bad: int = 0) -> MixedFeed:
+    return MixedFeed(mixture, [DataFeed(m, order, columns, spread, skip_bad) for m, order in
                                zip(mixture.manifests, mixture.orders(seed, shuffle_block))])

@@ -63,11 +63,11 @@ class JobData:
 
     def feed(self, spec: JobSpec):
         """The training batches' feed: the corpus's (feed.DataFeed), or each source's (mix.py)."""
-        spread = spec.data.read == "spread"
+        spread, skip = spec.data.read == "spread", spec.data.skip_bad_row_groups
         if isinstance(self.manifest, Mixture):
             return mixed_feed(self.manifest, self.columns, spec.train.seed, spec.data.shuffle_block,
-                              spread)
-        return DataFeed(self.manifest, self.order(spec), self.columns, spread)
+                              spread, skip)
+        return DataFeed(self.manifest, self.order(spec), self.columns, spread, skip)
 
     @property
     def train_samples(self) -> int:
