@@ -5,6 +5,7 @@ runs out of memory is named in one line."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -686,7 +687,7 @@ def test_bad_row_groups_found_as_they_are_read_are_skipped_up_to_the_limit(tmp_p
     assert CheckpointStore(job("stops", 1).checkpoint_dir).latest() == second - 1
 
 
-def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path):
+def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path, capfd):
     """train.rewind_on_spike: the fourth batch of a regression holds rows whose target is
     1,000 (the rest are near 0): step 4's loss is hundreds of times the median of the two
     steps before it. The run drops step 4 and the checkpoint queued with it, goes back to
@@ -713,8 +714,13 @@ def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(
     table = table.set_column(table.schema.get_field_index("y"), "y", pa.array(y))
     pq.write_table(table, data / "table.parquet", row_group_size=8)
 
-    result = api.run(spec, record_samples=True, show_progress=False)
+    result = api.run(spec, record_samples=True, show_progress=True)
     assert result.state == "finished" and result.step == 4 and np.isfinite(result.loss)
+    said = [line for line in capfd.readouterr().err.splitlines() if "back to" in line]
+    assert len(said) == 1 and re.fullmatch(
+        r"step 4: the loss [\d.e+]+, [\d.]+x the median [\d.]+ of the 2 steps before "
+        r"\(train.rewind_on_spike.factor: 10\): back to checkpoint 2, the batches of steps 3 to "
+        r"4 skipped \(rewind 1 of at most 1\)", said[0]), said
     spikes = [e for e in result.events if e["kind"] == "spike"]
     assert [(e["step"], e["rewound_to"], e["batches_skipped"]) for e in spikes] == [(4, 2, 2)]
     assert spikes[0]["loss"] > 10 * spikes[0]["median"]

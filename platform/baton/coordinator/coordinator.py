@@ -464,13 +464,10 @@ class Coordinator:
         state = self._reform(timer, self.group.members(), {"spike_at_step": spike.event["step"]})
         self.samples.skip(spike.cursor)
         self.spike = None
-        s = spike.event["step"]
-        self._record({"kind": "spike", **spike.event, "rewound_to": self.step,
-                      "batches_skipped": s - self.step, "rewind": len(self.spikes.rewinds)})
-        skipped = f"step {s}'s batch" if s == self.step + 1 else f"the batches of steps {self.step + 1} to {s}"
-        self.report.note(f"step {s}: {describe(spike.event, self.spikes.rule)}: back to "
-                         f"{f'checkpoint {self.step}' if self.step else 'the start'}, {skipped} "
-                         f"skipped (rewind {len(self.spikes.rewinds)} of at most {self.spikes.rule.most})")
+        self.report.spike({**spike.event, "rewound_to": self.step,
+                           "batches_skipped": spike.event["step"] - self.step,
+                           "rewind": len(self.spikes.rewinds)},
+                          describe(spike.event, self.spikes.rule), self.spikes.rule.most, self._tags())
         return state
 
     def _rescale(self) -> State:

@@ -82,6 +82,15 @@ class Report:
         self.note(f"step {step}: the gradient is {grad_norm}: its update skipped "
                   f"({in_a_row} in a row; train.skip_nonfinite: {limit})")
 
+    def spike(self, event: dict, said: str, most: int, tags: dict) -> None:
+        """A rewind from a loss spike (train.rewind_on_spike; `said`: the spike in words): in
+        the run record and on the console."""
+        self.record({"kind": "spike", **event}, tags)
+        s, back = event["step"], event["rewound_to"]
+        skipped = f"step {s}'s batch" if s == back + 1 else f"the batches of steps {back + 1} to {s}"
+        self.note(f"step {s}: {said}: back to {f'checkpoint {back}' if back else 'the start'}, "
+                  f"{skipped} skipped (rewind {event['rewind']} of at most {most})")
+
     def bad_rows(self, event: dict, tags: dict) -> None:
         """A unit whose rows are bad, left out of the batch of `event["step"]`
         (data.skip_bad_row_groups): in the run record and on the console."""
