@@ -43,6 +43,43 @@ def validate(path: str, overrides: list[str] = ()) -> tuple[JobSpec, Optional[Jo
     return spec, None if needs_prepare(spec) else preflight(spec, str(path))
 
 
+def check_data(path: str, overrides: list[str] = (), address: Optional[str] = None,
+               on_bad: Callable[[str], None] = print) -> dict:
+    """Read every row group of the job's data (its corpus or mix, and eval.path) as a run
+    would, on an embedded Ray or `address`'s cluster, and call `on_bad(line)` for each whose
+    rows a run would refuse (`baton data check`); the footers are checked first (SpecError,
+    as `validate`). Returns what was read: {"row_groups", "samples", "bytes", "bad", "s"}."""
+    import ray
+
+    from baton.data.check import bad_row_groups
+
+    spec, data = validate(path, overrides)
+    if data is None:
+        raise SpecError(f"{path}: data.path: {spec.data.path!r} is prepared on first run "
+                        "(built-in data): nothing to check yet")
+    manifests = list(getattr(data.manifest, "manifests", [data.manifest]))
+    manifests += [s.manifest for s in data.eval_sets if s.uids is None]  # eval.path's own
+    started = not ray.is_initialized()
+    if address:
+        probe_cluster(address)
+        join_cluster(address)
+    elif started:
+        start_local_ray()
+    t0, bad = time.perf_counter(), 0
+    try:
+        for manifest in manifests:
+            for _, why in bad_row_groups(manifest, data.columns, spec.data.read == "spread"):
+                bad += 1
+                on_bad(why)
+    finally:
+        if started:
+            shutdown_ray()
+    return {"row_groups": sum(len(m.units) for m in manifests),
+            "samples": sum(m.num_samples for m in manifests),
+            "bytes": sum(m.bytes for m in manifests), "bad": bad,
+            "s": time.perf_counter() - t0}
+
+
 def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> None:
     """`model.init_from` names weights this model can start from: for a model of baton's (or
     your builder's), a `baton export` folder holding every parameter at its shape; an hf:

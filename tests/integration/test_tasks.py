@@ -628,6 +628,39 @@ def test_rows_found_bad_as_they_are_read_stop_the_run_on_a_checkpoint_of_the_ste
     assert store.read_meta(6)["cursor"] == cursor.state_dict()
 
 
+def test_baton_data_check_reads_every_row_group_and_names_the_bad_ones(tmp_path):
+    """`baton data check` (api.check_data): a NaN (never in Parquet's statistics) and a null
+    in a file written without statistics pass the footers' checks; reading every row group,
+    as the run would, names both, and nothing else."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers import write_spec
+
+    data = write_table(tmp_path / "data")
+    table = pq.read_table(data / "table.parquet")
+    a = table.column("a").to_numpy().copy()
+    a[19] = np.nan  # row group 2
+    y = table.column("y").to_pylist()
+    y[81] = None  # row group 10
+    table = table.set_column(table.schema.get_field_index("a"), "a", pa.array(a))
+    table = table.set_column(table.schema.get_field_index("y"), "y", pa.array(y, pa.float32()))
+    pq.write_table(table, data / "table.parquet", row_group_size=8, write_statistics=False)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="checked", task="helpers:regression",
+        model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
+        data={"source": "parquet", "path": str(data),
+              "columns": {"inputs": ["vec", "a", "b"], "target": "y"}},
+        eval={"fraction": 0.25}))
+    lines = []
+    got = api.check_data(str(job), on_bad=lines.append)
+    assert (got["row_groups"], got["samples"], got["bad"]) == (12, 96, 2)
+    assert sorted(lines) == [
+        f"data.path: {data}/table.parquet row group 10: data.columns.target 'y' has 1 null rows",
+        f"data.path: {data}/table.parquet row group 2: data.columns.inputs holds NaN or infinite "
+        "values in 1 row (the first: row 3 of the row group, counted from 0); drop or fill them"]
+
+
 def test_bad_row_groups_found_as_they_are_read_are_skipped_up_to_the_limit(tmp_path):
     """data.skip_bad_row_groups: 2: two row groups each holding a NaN (never in Parquet's
     statistics: found as they are read) are left out and each batch is filled from the rows

@@ -137,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
                                           "(default: bytes, end of document 0)")
     prep.add_argument("--eod-token", type=int, help="text: your tokenizer's end-of-document id")
     prep.add_argument("--address", help="text: a Ray cluster to run on (default: an embedded one)")
+    chk = data_sub.add_parser("check", help="read every row group of a job's data as a run would "
+                              "and list those whose rows it would refuse")
+    chk.add_argument("job", help="the job's YAML file")
+    chk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    chk.add_argument("--address", help="a Ray cluster to read on (default: an embedded one)")
     return p
 
 
@@ -352,9 +357,11 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    """Write built-in data, or tokenise text, into Parquet shards."""
+    """Write built-in data, or tokenise text, into Parquet shards; or check a job's data."""
     from baton.data.corpus import prepare_stdlib
 
+    if args.data_command == "check":
+        return _check_data(args)
     if args.seq_len < 1:
         print("baton: error: --seq-len must be at least 1", file=sys.stderr)
         return 2
@@ -375,6 +382,19 @@ def _data(args: argparse.Namespace) -> int:
     print(f"wrote {info['samples']:,} samples of {args.seq_len + 1} tokens from "
           f"{info['files']} files ({info['tokens']:,} bytes, Python {info['python']}) to {args.out}")
     return 0
+
+
+def _check_data(args: argparse.Namespace) -> int:
+    """Every row group of a job's data read and checked: 0 when all are good, 1 when any is
+    not (each a line), 2 for a job or data its footers refuse."""
+    from baton import api
+
+    got = api.check_data(args.job, args.set, args.address,
+                         on_bad=lambda line: print(f"bad: {line}", flush=True))
+    print(f"{args.job}: {got['row_groups']:,} row groups ({got['samples']:,} samples, "
+          f"{got['bytes'] / 2**20:,.1f} MiB) read in {got['s']:.1f} s: "
+          + (f"{got['bad']:,} with rows a run would refuse" if got["bad"] else "every row good"))
+    return 1 if got["bad"] else 0
 
 
 def _run(args: argparse.Namespace) -> int:
