@@ -318,6 +318,20 @@ def test_validate_shows_the_bytes_each_worker_holds(tmp_path, capsys):
                     "params 0.1 MiB, grads 0.1 MiB, optimizer 0.2 MiB = 0.3 MiB (DDP: 0.7 MiB)"), line
 
 
+def test_validate_says_what_the_job_does_about_bad_steps_and_rows(tmp_path, capsys):
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="v", train={"skip_nonfinite": 1, "rewind_on_spike": {"factor": 4}},
+        data={"source": "parquet", "path": str(data), "skip_bad_row_groups": 2}))
+    assert cli.main(["validate", str(job)]) == 0
+    assert ("  guards: up to 1 step in a row whose gradient is not finite skipped; a loss above "
+            "4x the median of the 20 steps before it rewound past, up to 3 times; up to 2 row "
+            "groups with bad rows left out") in capsys.readouterr().out.splitlines()
+    job = write_spec(tmp_path / "plain.yaml", tiny_spec(tmp_path, data, name="v"))
+    assert cli.main(["validate", str(job)]) == 0
+    assert "guards" not in capsys.readouterr().out
+
+
 def test_validate_shows_the_largest_pipeline_stage_share(tmp_path, capsys):
     data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
     job = write_spec(tmp_path / "job.yaml", tiny_spec(

@@ -57,6 +57,9 @@ def validate(args: argparse.Namespace) -> int:
         print(f"  {_sharding_line(spec)}")
     if d.tp > 1:
         print(f"  {_tensor_line(spec)}")
+    guards = _guards(spec)
+    if guards:
+        print(f"  guards: {guards}")
     lo, hi = spec.dp_range
     e = spec.elastic
     if lo < hi or e.max_failures:
@@ -65,6 +68,22 @@ def validate(args: argparse.Namespace) -> int:
               f"worker silent for {e.hang_timeout_s:g} s is dead"
               + ("; after a loss it goes on with the survivors" if e.recovery == "continue" else ""))
     return 0
+
+
+def _guards(spec) -> str:
+    """What the job does about bad steps and bad rows instead of stopping, where it says."""
+    t, said = spec.train, []
+    if t.skip_nonfinite:
+        said.append(f"up to {t.skip_nonfinite} step{'s' * (t.skip_nonfinite > 1)} in a row whose "
+                    "gradient is not finite skipped")
+    if t.rewind_on_spike:
+        r = t.rewind_on_spike
+        said.append(f"a loss above {r.factor:g}x the median of the {r.window} steps before it "
+                    f"rewound past, up to {r.most} time{'s' * (r.most > 1)}")
+    if spec.data.skip_bad_row_groups:
+        n = spec.data.skip_bad_row_groups
+        said.append(f"up to {n} row group{'s' * (n > 1)} with bad rows left out")
+    return "; ".join(said)
 
 
 def _sharding_line(spec) -> str:
