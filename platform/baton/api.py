@@ -331,23 +331,38 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
 
 def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] = None,
           seed: int = 0, halving: Optional[int] = None, first_rung: Optional[int] = None,
-          concurrent: int | str = 1, asynchronous: bool = False, address: Optional[str] = None,
-          show_progress: bool = True, log: Callable[[str], None] = print) -> list:
+          concurrent: int | str = 1, asynchronous: bool = False, search: str = "random",
+          address: Optional[str] = None, show_progress: bool = True,
+          log: Callable[[str], None] = print) -> list:
     """`baton sweep`: the job (a YAML file's path, a dict or a JobSpec) trained for every
     combination of `axes` (key -> values), or for `trials` random draws from them (a value a
     list or a `sweeps.Draw`; seeded by `seed`), on one Ray, a trial after another or up to
     `concurrent` at once where the cluster holds them ("auto": as many as its resources hold
     at once; `sweeps.drive`), those done already skipped; with `halving` (ETA), by
     successive halving from step `first_rung` (`halving.halve`), or `asynchronous` halving
-    (`halving.promote`: no rung waits for its slowest trial). Returns the trials
-    (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
+    (`halving.promote`: no rung waits for its slowest trial). With `search="tpe"`, the
+    `trials` are suggested one at a time from the results so far (`search.Suggested`).
+    Returns the trials (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
     import ray
 
     from baton import halving as halving_
+    from baton import search as search_
     from baton import sweeps
 
-    trials = sweeps.plan(job, axes, list(overrides), trials, seed)
     source = job if isinstance(job, str) else "<spec>"
+    lineup = None
+    if search == "tpe":
+        if trials is None or halving is not None:
+            raise SpecError(f"{source}: --search tpe suggests --trials N trials, each trained "
+                            "to its end: give --trials, and no --halving")
+        base = sweeps.maker(job, list(overrides))({})  # (each suggested trial's job is checked as made)
+        lineup = search_.Suggested(job, axes, list(overrides), trials, seed,
+                                   sweeps.ranked_by(base.spec)[1], log)
+        trials = [base] * trials  # what fits and how many at once, by the job's own world
+    elif search != "random":
+        raise SpecError(f"{source}: --search {search}: use random or tpe")
+    else:
+        trials = sweeps.plan(job, axes, list(overrides), trials, seed)
     halving_.check_halving(trials, halving, first_rung, source, asynchronous)
     if concurrent != "auto" and (not isinstance(concurrent, int) or concurrent < 1):
         raise SpecError(f"{source}: --concurrent {concurrent}: give 1 or more, or auto")
@@ -375,7 +390,10 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
         def drive(lineup) -> None:  # the room counted as each grid or rung begins
             sweeps.drive(lineup, train, log, concurrent, ray.cluster_resources())
 
-        if halving is not None and asynchronous:
+        if lineup is not None:
+            drive(lineup)
+            trials = lineup.trials
+        elif halving is not None and asynchronous:
             halving_.promote(trials, halving, first_rung, drive, log)
         elif halving is not None:
             halving_.halve(trials, halving, first_rung, lambda batch, until: drive(

@@ -152,11 +152,29 @@ def plan(job, axes: dict[str, list | Draw], overrides: list[str] = (),
     """The trials of `job` (a YAML file's path, a dict or a JobSpec): every combination of
     the axes' values, or with `trials` that many drawn at random (`drawn`); each one's job
     checked (one line naming the key at fault)."""
-    from baton import load
+    job, where = _source(job)
+    axes = parsed_axes(where, axes, trials)
+    combos = grid(axes) if trials is None else drawn(axes, trials, seed)
+    if len(combos) > MOST_TRIALS:
+        raise SpecError(f"{where}: the grid holds {len(combos):,} trials; at most {MOST_TRIALS:,}")
+    make = maker(job, overrides)
+    trials = [make(values) for values in combos]
+    names = [t.name for t in trials]
+    if len(set(names)) < len(names):
+        raise SpecError(f"{where}: two trials would share the name {next(n for n in names if names.count(n) > 1)!r}; "
+                        "give values that differ once written out")
+    return trials
 
+
+def _source(job) -> tuple:
+    """(the job as `load` takes it, what messages call it)."""
     if isinstance(job, JobSpec):
         job = job.to_dict()
-    where = job if isinstance(job, str) else "<spec>"
+    return job, job if isinstance(job, str) else "<spec>"
+
+
+def parsed_axes(where: str, axes: dict, trials: Optional[int]) -> dict[str, list | Draw]:
+    """The sweep's axes, each a list of values or a range (`Draw`, for `trials` drawn), checked."""
     if not axes:
         raise SpecError(f"{where}: a sweep needs --grid KEY=[VALUES] (e.g. --grid 'train.lr=[1e-3, 3e-3]')")
     axes = dict(axes)
@@ -174,21 +192,22 @@ def plan(job, axes: dict[str, list | Draw], overrides: list[str] = (),
             raise SpecError(f"{where}: --grid {key}: give a list of values, e.g. {key}=[1, 2]")
     if trials is not None and not 1 <= trials <= MOST_TRIALS:
         raise SpecError(f"{where}: --trials {trials}: give 1 to {MOST_TRIALS:,}")
-    combos = grid(axes) if trials is None else drawn(axes, trials, seed)
-    if len(combos) > MOST_TRIALS:
-        raise SpecError(f"{where}: the grid holds {len(combos):,} trials; at most {MOST_TRIALS:,}")
+    return axes
+
+
+def maker(job, overrides: list[str] = ()) -> Callable[[dict], Trial]:
+    """A trial of `job` for given values of the axes: its name and its checked job."""
+    from baton import load
+
+    job, _ = _source(job)
     base = load(job, list(overrides))
     warm = [] if base.resources.keep_warm_s else [f"resources.keep_warm_s={KEEP_WARM_S}"]
-    trials = []
-    for values in combos:
+
+    def make(values: dict) -> Trial:
         name = trial_name(base.name, values)
         sets = [*overrides, *warm, *(f"{k}={json.dumps(v)}" for k, v in values.items()), f"name={name}"]
-        trials.append(Trial(name, values, spec=load(job, sets)))
-    names = [t.name for t in trials]
-    if len(set(names)) < len(names):
-        raise SpecError(f"{where}: two trials would share the name {next(n for n in names if names.count(n) > 1)!r}; "
-                        "give values that differ once written out")
-    return trials
+        return Trial(name, values, spec=load(job, sets))
+    return make
 
 
 def train(t: Trial, run: Callable[[JobSpec, Optional[int]], object], log: Callable[[str], None],
@@ -202,7 +221,7 @@ def train(t: Trial, run: Callable[[JobSpec, Optional[int]], object], log: Callab
     if meta is not None:
         t.state = "done before" if api.finished_why(t.spec, meta) is not None else "paused"
         t.step, t.loss, t.run_id = meta["step"], meta.get("loss"), meta.get("mlflow_run_id")
-        t.metric = _metric_of(t.spec, metric, meta.get("eval", {}), meta.get("loss"), _best_value(t.spec))
+        t.metric = metric_of(t.spec, meta)
         log(f"  {t.name}: {'done' if t.state == 'done before' else 'trained'} before, at step {t.step}")
         return
     try:
@@ -390,6 +409,12 @@ def _best_value(spec: JobSpec) -> Optional[float]:
         return None
     found = CheckpointStore(spec.checkpoint_dir).best(spec.checkpoint.best, spec.checkpoint.best_lowest)
     return found[1] if found else None
+
+
+def metric_of(spec: JobSpec, meta: dict) -> Optional[float]:
+    """The sweep's metric of a trial done at checkpoint `meta`."""
+    metric, _ = ranked_by(spec)
+    return _metric_of(spec, metric, meta.get("eval", {}), meta.get("loss"), _best_value(spec))
 
 
 def _metric_of(spec: JobSpec, metric: str, evaluated: dict, loss: Optional[float],

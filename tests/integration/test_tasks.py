@@ -379,6 +379,43 @@ def test_a_sweep_trains_each_trial_once_and_ranks_them_by_the_best_checkpoint(tm
     assert [line.split()[0] for line in again.splitlines()[-2:]] == [r[0] for r in rows]
 
 
+def test_a_tpe_sweep_suggests_its_trials_from_the_results_and_run_again_goes_on_where_it_was(tmp_path, capsys):
+    """`baton sweep --trials 4 --search tpe`: three trials at random, the fourth suggested
+    from their best eval_loss; run again, the same four are suggested and each is done
+    before (nothing trains); `--list` replays them from their checkpoints."""
+    from baton import cli
+    from helpers import write_spec
+
+    data = write_table(tmp_path / "data")
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="tpe", task="classification",
+        model={"name": "classifier", "layers": 1, "width": 8, "options": {"inputs": 6, "classes": 4}},
+        data={"source": "parquet", "path": str(data), "columns": COLUMNS},
+        train={"steps": 2, "global_batch": 16, "micro_batch": 4, "min_lr": 0.0},
+        eval={"fraction": 0.25, "every_steps": 2}, checkpoint={"every_steps": 2, "best": "eval_loss"}))
+    argv = ["sweep", str(job), "--grid", "train.lr=loguniform(1e-4, 1e-1)", "--grid",
+            "model.width=[8, 16]", "--trials", "4", "--search", "tpe", "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if line.startswith("trial ") and " of 4: " in line]
+    assert [line.rsplit(", suggested ", 1)[1] for line in said] == ["at random"] * 3 + ["from 3 results"]
+    names = [line.split(": ", 1)[1].split(" (", 1)[0] for line in said]
+    assert len(set(names)) == 4 and all(CheckpointStore(str(tmp_path / "ckpt" / n)).latest() == 2
+                                        for n in names)
+    table = out[out.index(": 4 trials, best first by eval_loss"):].splitlines()[2:6]
+    assert sorted(line.split()[0] for line in table) == sorted(names)
+
+    assert cli.main(argv) == 0
+    again = capsys.readouterr().out
+    assert [line.split(": ", 1)[1].split(" (", 1)[0] for line in again.splitlines()
+            if line.startswith("trial ") and " of 4: " in line] == names
+    assert again.count(": done before, at step 2") == 4
+    assert cli.main([*argv, "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split(": ", 1)[0] for line in listed[:4]] == names
+    assert listed[4] == "4 of 4 trials suggested so far (a run a trial at a time suggests the next from these results)"
+
+
 def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straight_run(tmp_path, capsys):
     """`baton sweep --halving 3` over three learning rates, 4 steps: each trial to step 1 (a
     checkpoint there, evaluated), the best by its best eval_loss on to step 4, the other two

@@ -384,3 +384,68 @@ def test_a_concurrent_trial_that_fails_leaves_the_rest_and_a_crash_stops_them(tm
     with pytest.raises(RuntimeError, match="a bug"):
         train_each(trials, crashing, lambda line: None, concurrent=2, total={"CPU": 2.0})
     assert stopped == ["q-lr0.001"]
+
+
+def _searched(tmp_path, axes, n, score, seed=0, fail=lambda values: False):
+    """A TPE search (`search.Suggested`) driven as `sweeps.drive` drives it a trial at a time,
+    each trial's result `score(values)` instead of a run (or a failure); its trials' values,
+    the lines it said and its Optuna study."""
+    from baton.search import Suggested
+
+    lines = []
+    search = Suggested(_job(tmp_path), axes, ["train.steps=2", "train.min_lr=0"], n, seed, True,
+                       lines.append)
+    while search.peek() is not None:
+        t, until = search.take()
+        assert until is None
+        if fail(t.values):
+            t.state = "failed"
+        else:
+            t.state, t.metric = "finished", score(t.values)
+        search.ended(t)
+    return [t.values for t in search.trials], lines, search.study
+
+
+def test_a_tpe_search_suggests_near_the_best_results_and_replays_the_same_trials(tmp_path):
+    """--search tpe: the first trials at random (a third, 3 to 10), then each suggested from
+    the results so far, every result told to the model; the same seed and results suggest the
+    same trials again (a sweep run again goes on where it stopped). A trial whose values were
+    suggested before is not trained twice, and the search ends when it suggests only those; a
+    failed trial is told as failed. (Whether the suggestions find better settings than random
+    draws is measured, not tested: benchmarks/search.py.)"""
+    import math
+
+    from baton.search import startup
+
+    assert [startup(n) for n in (2, 9, 20, 100)] == [3, 3, 6, 10]
+    axes = {"train.lr": "loguniform(1e-5, 1e-1)", "model.width": [32, 64]}
+
+    def score(v):
+        return abs(math.log10(v["train.lr"]) + 3) + (v["model.width"] == 32) * 0.1
+    values, lines, study = _searched(tmp_path, axes, 20, score)
+    assert len(values) == len({(v["train.lr"], v["model.width"]) for v in values}) == 20
+    assert lines[0].endswith("suggested at random") and lines[6].endswith("suggested from 6 results")
+    # every result reached the model, as the score of the values it suggested
+    assert [round(x.value, 9) for x in study.trials] == [round(score(v), 9) for v in values]
+    again, _, _ = _searched(tmp_path / "again", axes, 20, score)
+    assert again == values
+
+    few, lines, _ = _searched(tmp_path / "few", {"model.width": [32, 64]}, 5, lambda v: 1.0)
+    assert sorted(v["model.width"] for v in few) == [32, 64]
+    assert lines[-1] == ("the search suggested only trials already run, 100 times in a row: it "
+                         "ends at 2 trials")
+    failed, _, study = _searched(tmp_path / "failed", axes, 8, score, fail=lambda v: v["train.lr"] > 1e-3)
+    assert len(failed) == 8  # a failed trial tells the model nothing; the search goes on
+    assert [x.state.name for x in study.trials] == [
+        "FAIL" if v["train.lr"] > 1e-3 else "COMPLETE" for v in failed]
+
+
+def test_a_tpe_search_is_refused_without_trials_or_with_halving(tmp_path):
+    from baton import api
+
+    job = _job(tmp_path)
+    with pytest.raises(SpecError, match="--search tpe suggests --trials N trials, each trained to its "
+                                        "end: give --trials, and no --halving"):
+        api.sweep(job, {"train.lr": [0.1, 0.2]}, search="tpe", halving=2, trials=4)
+    with pytest.raises(SpecError, match="--search grid: use random or tpe"):
+        api.sweep(job, {"train.lr": [0.1, 0.2]}, search="grid")

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--trials", type=int, metavar="N",
                     help="a random search: N trials, each drawing every --grid key's value")
     sw.add_argument("--seed", type=int, default=0, help="the random search's draws (default 0)")
+    sw.add_argument("--search", choices=["random", "tpe"], default="random",
+                    help="with --trials: random draws (the default), or tpe: each trial suggested "
+                         "from the results so far (Optuna's TPE; pip install 'baton[search]')")
     sw.add_argument("--concurrent", type=_count_or_auto, default=1, metavar="N",
                     help="train up to N trials at once, where the cluster holds their workers "
                          "together (default 1; auto: as many as it holds)")
@@ -444,6 +447,17 @@ def _sweep(args: argparse.Namespace) -> int:
     from baton import api, halving, sweeps
 
     axes = _grid(args.job, args.grid)
+    if args.list and args.search == "tpe":
+        from baton import search
+
+        lowest = sweeps.ranked_by(sweeps.maker(args.job, args.set)({}).spec)[1]
+        shown = search.replay(args.job, axes, args.set, args.trials, args.seed, lowest)
+        for t in shown:
+            where = sweeps.progress(t.spec)
+            print(f"{t.name}: {sweeps.values_of(t)}" + (f"; {where}" if where else ""))
+        print(f"{len(shown)} of {args.trials} trials suggested so far (a run a trial at a time "
+              "suggests the next from these results)")
+        return 0
     if args.list:
         trials = sweeps.plan(args.job, axes, args.set, args.trials, args.seed)
         for t in trials:
@@ -460,7 +474,7 @@ def _sweep(args: argparse.Namespace) -> int:
         return 0
     trials = api.sweep(args.job, axes, args.set, trials=args.trials, seed=args.seed,
                        halving=args.halving, first_rung=args.first_rung, concurrent=args.concurrent,
-                       asynchronous=args.asynchronous,
+                       asynchronous=args.asynchronous, search=args.search,
                        address=args.address, show_progress=not args.quiet)
     metric, lowest = sweeps.ranked_by(trials[0].spec)
     print(f"{args.job}: {len(trials)} trials, best first by {metric} "
