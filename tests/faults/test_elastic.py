@@ -189,7 +189,11 @@ def _assert_resumed_from_the_survivor(failure, recovery):
 
 
 def _kinds(events):
-    return [e["kind"] for e in events]
+    """The run's events of failures, recoveries, rescales and moves, in order: a worker that
+    a loaded machine makes every step wait for is named (a `straggler` event, and
+    `straggler_cleared` when it keeps up again: seen in CI with other tests running beside
+    this file), which is no fault these tests inject."""
+    return [e["kind"] for e in events if not e["kind"].startswith("straggler")]
 
 
 def test_a_killed_worker_is_replaced_and_the_survivor_reused(tmp_path, data, nodes, uninterrupted):
