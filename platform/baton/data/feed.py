@@ -629,8 +629,9 @@ def as_data_error(error: Exception) -> Exception:
     and traceback (Ray's RayTaskError(DataError) is a DataError too); other errors as they are."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
     for line in lines:
-        if "DataError:" in line:
-            return DataError(line.split("DataError:", 1)[1].strip()[:500])
+        for name in ("DataError:", "Elsewhere:"):  # (the line of the task's own exception)
+            if name in line:
+                return DataError(line.split(name, 1)[1].strip()[:500])
     if isinstance(error, DataError):
         return DataError(lines[0][:500])
     if type(error).__module__.startswith("ray"):
