@@ -23,7 +23,7 @@ import warnings
 from typing import Callable, Optional
 
 from baton.errors import SpecError
-from baton.sweeps import Draw, Trial, done, maker, parsed_axes, values_of
+from baton.sweeps import Draw, Trial, done, maker, metric_of, parsed_axes, values_of
 
 ASKS = 100  # suggestions already trained in a row before the space is taken as exhausted
 
@@ -129,8 +129,6 @@ def replay(job, axes: dict, overrides: list[str], n: Optional[int], seed: int,
     """The trials a sweep run a trial at a time would suggest, as far as their results are
     known (each done one's from its checkpoint), and the first whose result is not (for
     `baton sweep --list`)."""
-    from baton import sweeps
-
     search = Suggested(job, axes, overrides, n, seed, lowest, lambda line: None)
     while search.peek() is not None:
         t, _ = search.take()
@@ -138,6 +136,6 @@ def replay(job, axes: dict, overrides: list[str], n: Optional[int], seed: int,
         if meta is None:
             break
         t.state, t.step = "done before", meta["step"]
-        t.metric = sweeps.metric_of(t.spec, meta)
+        t.metric = metric_of(t.spec, meta)
         search.ended(t)
     return search.trials

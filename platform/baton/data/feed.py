@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -306,6 +306,12 @@ def _read_units(root: str, units: list[Unit], columns: Columns, spread: bool, sk
     """A Ray Data dataset of `units`, one read task (and one block) each, in this order (Ray
     Data imported and set up by `_ray_data`, which the read called first). `spread`: the
     tasks run across the cluster's nodes (Ray Data's SPREAD), else on the driver's."""
+    return unit_tasks(units, lambda u, home: read_unit(root, u, columns, home, skip), spread)
+
+
+def unit_tasks(units: list[Unit], read: Callable[[Unit, str], pa.Table], spread: bool):
+    """A Ray Data dataset of one read task a unit, `read(unit, the driver's node)` its block,
+    in this order (`_read_units`; `baton data check`'s)."""
     import ray.data
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
@@ -325,7 +331,7 @@ def _read_units(root: str, units: list[Unit], columns: Columns, spread: bool, sk
             return spread
 
         def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None):
-            return [ReadTask(lambda u=u: [read_unit(root, u, columns, home, skip)],
+            return [ReadTask(lambda u=u: [read(u, home)],
                              BlockMetadata(num_rows=u.rows, size_bytes=None, exec_stats=None,
                                            input_files=(u.file,)))
                     for u in units]
@@ -512,9 +518,10 @@ class DataFeed:
         uids = self.manifest.unit_of(positions)
         left_out = self._left_out(epoch, perm, set(np.unique(uids).tolist()))
         if left_out:
-            positions = positions[~np.isin(uids, list(left_out))]
+            kept = ~np.isin(uids, list(left_out))
+            positions, uids = positions[kept], uids[kept]
         units = {}
-        for uid in np.unique(self.manifest.unit_of(positions)).tolist():
+        for uid in np.unique(uids).tolist():
             units[uid] = (self.manifest.units[uid].offset, by_uid[uid])
         return Batch(positions, units, frozenset(by_uid))
 
