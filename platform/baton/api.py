@@ -331,7 +331,8 @@ def evaluate(spec: JobSpec, *, source: str = "<spec>", step: Optional[int | str]
 
 def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] = None,
           seed: int = 0, halving: Optional[int] = None, first_rung: Optional[int] = None,
-          concurrent: int | str = 1, asynchronous: bool = False, search: str = "random",
+          concurrent: int | str = 1, asynchronous: bool = False, brackets: int = 1,
+          search: str = "random",
           address: Optional[str] = None, show_progress: bool = True,
           log: Callable[[str], None] = print) -> list:
     """`baton sweep`: the job (a YAML file's path, a dict or a JobSpec) trained for every
@@ -340,7 +341,8 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     `concurrent` at once where the cluster holds them ("auto": as many as its resources hold
     at once; `sweeps.drive`), those done already skipped; with `halving` (ETA), by
     successive halving from step `first_rung` (`halving.halve`), or `asynchronous` halving
-    (`halving.promote`: no rung waits for its slowest trial). With `search="tpe"`, the
+    (`halving.promote`: no rung waits for its slowest trial), in `brackets` halvings
+    (Hyperband: `halving.deal`, seeded by `seed`). With `search="tpe"`, the
     `trials` are suggested one at a time from the results so far (`search.Suggested`).
     Returns the trials (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
     import ray
@@ -363,7 +365,7 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
         raise SpecError(f"{source}: --search {search}: use random or tpe")
     else:
         trials = sweeps.plan(job, axes, list(overrides), trials, seed)
-    halving_.check_halving(trials, halving, first_rung, source, asynchronous)
+    halving_.check_halving(trials, halving, first_rung, source, asynchronous, brackets)
     if concurrent != "auto" and (not isinstance(concurrent, int) or concurrent < 1):
         raise SpecError(f"{source}: --concurrent {concurrent}: give 1 or more, or auto")
     if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
@@ -394,10 +396,10 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
             drive(lineup)
             trials = lineup.trials
         elif halving is not None and asynchronous:
-            halving_.promote(trials, halving, first_rung, drive, log)
+            halving_.promote(trials, halving, first_rung, drive, log, brackets, seed)
         elif halving is not None:
             halving_.halve(trials, halving, first_rung, lambda batch, until: drive(
-                sweeps.Listed(batch, until, log)), log)
+                sweeps.Listed(batch, until, log)), log, brackets, seed)
         else:
             drive(sweeps.Listed(trials, None, log))
     return sweeps.rank(trials, *sweeps.ranked_by(trials[0].spec))

@@ -6,10 +6,15 @@ learning-rate schedule still train.steps's, so one that goes on trains exactly a
 never stopped. The rungs: `rungs`. Synchronous (`halve`: each rung's trials all judged
 together), or asynchronous (`--async`, ASHA: Li et al., 2020; `promote`): no rung waits for
 its slowest trial, a trial going on as soon as it stands among the best 1/ETA of those judged
-at its rung so far."""
+at its rung so far. In several brackets (`--brackets B`: Hyperband, Li et al., 2018): the
+trials dealt out among B halvings, the first judging from the first rung, each next one a
+rung later, the last of all B = rungs + 1 training its trials to the end unjudged: a hedge
+against rungs that judge too early (`deal`)."""
 
 from __future__ import annotations
 
+import math
+import random
 from typing import Callable, Optional
 
 from baton.errors import SpecError
@@ -31,14 +36,67 @@ def rungs(trials: int, steps: int, eta: int, first: Optional[int] = None) -> lis
     return out + [steps]
 
 
+def bracket_sizes(n: int, eta: int, count: int, s_max: int) -> list[int]:
+    """How many of `n` trials each of `count` brackets takes, in Hyperband's proportions: the
+    bracket judging at s rungs ceil((s_max + 1) / (s + 1) * eta^s), s from s_max down (so
+    that each bracket trains about as many steps as the others), at least one each, the
+    shares rounded by their largest remainders."""
+    weights = [math.ceil((s_max + 1) / (s + 1) * eta ** s) for s in range(s_max, s_max - count, -1)]
+    shares = [n * w / sum(weights) for w in weights]
+    sizes = [max(1, int(x)) for x in shares]
+    by_remainder = sorted(range(count), key=lambda i: int(shares[i]) - shares[i])
+    for i in by_remainder[:max(0, n - sum(sizes))]:
+        sizes[i] += 1
+    while sum(sizes) > n:  # the ones raised to 1 taken back from the largest
+        sizes[sizes.index(max(sizes))] -= 1
+    return sizes
+
+
+def deal(trials: list[Trial], eta: int, first: Optional[int], count: int = 1,
+         seed: int = 0) -> list[tuple[list[Trial], list[int]]]:
+    """The brackets of a halving: each one's trials (in the sweep's order) and the steps it
+    judges them at, train.steps last. One bracket: every trial, at `rungs`. `count`
+    (Hyperband): bracket i judges from the i-th of those rungs on (the last of rungs + 1
+    brackets trains its trials to the end), its trials drawn at random (seeded: a sweep run
+    again deals them alike) in `bracket_sizes`'s numbers."""
+    ends = rungs(len(trials), trials[0].spec.train.steps, eta, first)
+    if count == 1:
+        return [(list(trials), ends)]
+    order = list(range(len(trials)))
+    random.Random(seed).shuffle(order)
+    out, at = [], 0
+    for i, size in enumerate(bracket_sizes(len(trials), eta, count, len(ends) - 1)):
+        out.append(([trials[j] for j in sorted(order[at:at + size])], ends[i:]))
+        at += size
+    return out
+
+
+def describe(trials: list[Trial], eta: int, first: Optional[int], count: int = 1, seed: int = 0,
+             asynchronous: bool = False) -> list[str]:
+    """What a halving will do, a line a bracket (`baton sweep --list`)."""
+    how = "as they are judged" if asynchronous else "each time"
+    lines = []
+    for i, (group, ends) in enumerate(deal(trials, eta, first, count, seed), 1):
+        judged = (f"judged at step{'s' * (len(ends) > 2)} {', '.join(map(str, ends[:-1]))}; the best 1/{eta} go on {how}, "
+                  f"the last to step {ends[-1]}") if len(ends) > 1 else f"each to step {ends[-1]}, unjudged"
+        if count == 1:
+            lines.append(("asynchronous " if asynchronous else "") + f"halving: {judged}")
+        else:
+            lines.append(f"bracket {i} of {count}: {len(group)} trial{'s' * (len(group) > 1)} "
+                         f"({', '.join(t.name for t in group)}), {judged}")
+    return lines
+
+
 def check_halving(trials: list[Trial], eta: Optional[int], first: Optional[int], where: str,
-                  asynchronous: bool = False) -> None:
+                  asynchronous: bool = False, brackets: int = 1) -> None:
     """Refuse, in one line, a halving that cannot judge these trials (or its options given
     without `--halving ETA`)."""
     if eta is None:
         for given, flag, what in ((first, "--first-rung", "is where --halving first judges the trials"),
                                   (asynchronous, "--async", "promotes the trials of a --halving as "
-                                                            "soon as they stand among the best")):
+                                                            "soon as they stand among the best"),
+                                  (brackets != 1, "--brackets", "deals the trials of a --halving "
+                                                                "out among several halvings")):
             if given:
                 raise SpecError(f"{where}: {flag} {what}: give --halving too")
         return
@@ -55,10 +113,31 @@ def check_halving(trials: list[Trial], eta: Optional[int], first: Optional[int],
     if first is not None and not 1 <= first < steps.pop():
         raise SpecError(f"{where}: --first-rung {first}: give a step from 1 to below train.steps "
                         f"({trials[0].spec.train.steps})")
+    most = len(rungs(len(trials), trials[0].spec.train.steps, eta, first))
+    if not 1 <= brackets <= min(most, len(trials)):
+        raise SpecError(f"{where}: --brackets {brackets}: give 1 to {min(most, len(trials))} (these "
+                        f"{len(trials)} trials are judged at {most - 1} rung{'s' * (most != 2)} at "
+                        f"most, so {most} brackets at most, the last training its trials to the "
+                        "end, and a bracket takes at least one trial)")
+
+
+def _at(t: Trial, ends: list[int], k: int) -> None:
+    """`t` trains to (or is judged at) rung `k` of `ends`."""
+    t.rung, t.reached = k, ends[k]
 
 
 def halve(trials: list[Trial], eta: int, first: Optional[int],
-          each: Callable[[list[Trial], Optional[int]], None], log: Callable[[str], None]) -> None:
+          each: Callable[[list[Trial], Optional[int]], None], log: Callable[[str], None],
+          brackets: int = 1, seed: int = 0) -> None:
+    """Successive halving of the trials of each bracket (`deal`), a bracket after another."""
+    for i, (group, ends) in enumerate(deal(trials, eta, first, brackets, seed), 1):
+        if brackets > 1:
+            log(f"bracket {i} of {brackets}: {len(group)} trial{'s' * (len(group) > 1)}")
+        _halve(group, eta, ends, each, log)
+
+
+def _halve(trials: list[Trial], eta: int, ends: list[int],
+           each: Callable[[list[Trial], Optional[int]], None], log: Callable[[str], None]) -> None:
     """Successive halving: every trial to the first rung, the best 1/`eta` of those judged
     there (at least one) on to the next, ..., the last rung's to train.steps; the others are
     "cut" where they stopped. A trial that trained past a rung before (a sweep run again) is
@@ -67,12 +146,11 @@ def halve(trials: list[Trial], eta: int, first: Optional[int],
     (`train_each`)."""
     metric, lowest = ranked_by(trials[0].spec)
     steps = trials[0].spec.train.steps
-    ends = rungs(len(trials), steps, eta, first)
     alive = list(trials)
     for k, end in enumerate(ends):
         log(f"rung {k + 1} of {len(ends)}: {len(alive)} trial{'s' * (len(alive) > 1)} to step {end}")
         for t in alive:
-            t.rung = k
+            _at(t, ends, k)
         each([t for t in alive if not t.ended], end if end < steps else None)
         if end == steps:
             return
@@ -100,12 +178,14 @@ class Promotions:
     training; one that trained past a rung before (a sweep run again) is judged at the
     furthest rung it reached and holds a place at those below it."""
 
-    def __init__(self, trials: list[Trial], eta: int, ends: list[int], log: Callable[[str], None]):
+    def __init__(self, trials: list[Trial], eta: int, ends: list[int], log: Callable[[str], None],
+                 label: str = ""):
         self.fresh, self.n = list(enumerate(trials, 1)), len(trials)
-        self.eta, self.ends, self.log = eta, ends, log
+        self.eta, self.ends, self.log, self.label = eta, ends, log, label  # label: its bracket
         self.metric, self.lowest = ranked_by(trials[0].spec)
         self.judged: list[list[tuple[Trial, Optional[float]]]] = [[] for _ in ends]
         self.promoted: list[set] = [set() for _ in ends]  # the trials gone on from each rung
+        self.running = 0  # handed out, not ended yet
 
     def _until(self, rung: int) -> Optional[int]:
         return None if rung == len(self.ends) - 1 else self.ends[rung]
@@ -131,11 +211,27 @@ class Promotions:
                 self._judge(t, k + 1, t.metric)  # stopped early: holds its place further on
                 self.promoted[k].add(t)
                 return self._next()
+        return None if self.fresh or self.running else self._last_one()
+
+    def _last_one(self) -> Optional[tuple[Trial, int, int]]:
+        """With nothing left to begin or running and no trial at the last rung, the best of
+        the highest rung reached goes on: of too few trials (a bracket's), the best 1/ETA is
+        none, and synchronous halving keeps one too."""
+        k = max((k for k, pairs in enumerate(self.judged) if pairs), default=len(self.ends) - 1)
+        for place, (t, m) in enumerate(self._order(k), 1):
+            if k == len(self.ends) - 1 or m is None:
+                return None
+            if t not in self.promoted[k]:
+                if not t.ended:
+                    return t, k, place
+                self._judge(t, k + 1, t.metric)
+                self.promoted[k].add(t)
+                return self._last_one()
         return None
 
     def _judge(self, t: Trial, rung: int, metric: Optional[float]) -> None:
         self.judged[rung].append((t, metric))
-        t.rung = rung
+        _at(t, self.ends, rung)
 
     def peek(self) -> Optional[tuple[Trial, Optional[int]]]:
         found = self._next()
@@ -145,14 +241,15 @@ class Promotions:
 
     def take(self) -> tuple[Trial, Optional[int]]:
         found = self._next()
+        self.running += 1
         if found is None:
             k, t = self.fresh.pop(0)
-            t.rung = 0
-            self.log(f"trial {k} of {self.n}: {t.name} ({values_of(t)}) to step {self.ends[0]}")
+            _at(t, self.ends, 0)
+            self.log(f"{self.label}trial {k} of {self.n}: {t.name} ({values_of(t)}) to step {self.ends[0]}")
             return t, self._until(0)
         t, k, place = found
         self.promoted[k].add(t)
-        t.rung = k + 1
+        _at(t, self.ends, k + 1)
         self.log(f"  {t.name} goes on to step {self.ends[k + 1]} (rung {k + 2} of {len(self.ends)}): "
                  f"{self.metric} {dict(self.judged[k])[t]:.4g} at step {self.ends[k]}, {place} of "
                  f"{len(self.judged[k])} judged there so far")
@@ -160,6 +257,7 @@ class Promotions:
 
     def ended(self, t: Trial) -> None:
         """Judge `t` at the furthest rung its step reached (where it was sent, or beyond)."""
+        self.running -= 1
         k = t.rung
         while k + 1 < len(self.ends) and self.ends[k + 1] <= t.step:
             self._judge(t, k, t.metric)  # trained past it before: holds a place there
@@ -178,11 +276,44 @@ class Promotions:
                         else f"no {self.metric} to judge it by"))
 
 
+class Brackets:
+    """Asynchronous halving in several brackets (`--brackets` with `--async`): one lineup
+    over each bracket's `Promotions`, for `drive`. A trial going on, from whichever bracket,
+    comes before a new one; a new one comes from the bracket that has begun the smallest part
+    of its trials (the first on a tie), so that the brackets begin side by side."""
+
+    def __init__(self, lineups: list[Promotions]):
+        self.lineups = lineups
+        self.of: dict[int, Promotions] = {}  # id(trial) -> its bracket's lineup
+
+    def _pick(self) -> Optional[Promotions]:
+        for lineup in self.lineups:
+            if lineup._next() is not None:
+                return lineup
+        fresh = [lineup for lineup in self.lineups if lineup.fresh]
+        return min(fresh, key=lambda lu: (lu.n - len(lu.fresh)) / lu.n) if fresh else None
+
+    def peek(self) -> Optional[tuple[Trial, Optional[int]]]:
+        lineup = self._pick()
+        return lineup.peek() if lineup else None
+
+    def take(self) -> tuple[Trial, Optional[int]]:
+        lineup = self._pick()
+        t, until = lineup.take()
+        self.of[id(t)] = lineup
+        return t, until
+
+    def ended(self, t: Trial) -> None:
+        self.of[id(t)].ended(t)
+
+
 def promote(trials: list[Trial], eta: int, first: Optional[int],
-            drive_: Callable[["Promotions"], None], log: Callable[[str], None]) -> None:
-    """Asynchronous successive halving (`Promotions`) of `trials` at the rungs `rungs` gives;
-    `drive_(lineup)` trains what it hands out (`drive`)."""
-    ends = rungs(len(trials), trials[0].spec.train.steps, eta, first)
-    lineup = Promotions(trials, eta, ends, log)
-    drive_(lineup)
-    lineup.cut()
+            drive_: Callable, log: Callable[[str], None], brackets: int = 1, seed: int = 0) -> None:
+    """Asynchronous successive halving (`Promotions`) of each bracket's trials at its rungs
+    (`deal`), the brackets side by side (`Brackets`); `drive_(lineup)` trains what it hands
+    out (`drive`)."""
+    lineups = [Promotions(group, eta, ends, log, f"bracket {i}, " if brackets > 1 else "")
+               for i, (group, ends) in enumerate(deal(trials, eta, first, brackets, seed), 1)]
+    drive_(lineups[0] if brackets == 1 else Brackets(lineups))
+    for lineup in lineups:
+        lineup.cut()

@@ -57,6 +57,7 @@ class Trial:
     run_id: Optional[str] = None
     error: Optional[str] = None
     rung: int = 0  # under halving, the last rung it trained to (0 the first)
+    reached: int = 0  # under halving, that rung's step (train.steps for the last)
     spec: Optional[JobSpec] = field(default=None, repr=False)
 
     @property
@@ -426,12 +427,13 @@ def _metric_of(spec: JobSpec, metric: str, evaluated: dict, loss: Optional[float
 
 
 def rank(trials: list[Trial], metric: str, lowest: bool) -> list[Trial]:
-    """Best first: those that reached a later rung (halving) before the others, then by the
-    metric; trials without a value (failed, never evaluated) last, in grid order."""
+    """Best first: those that reached a later rung (halving: a later step, whatever their
+    bracket) before the others, then by the metric; trials without a value (failed, never
+    evaluated) last, in grid order."""
     def key(t: Trial):
         if t.metric is None:
             return (1, 0, 0.0)
-        return (0, -t.rung, t.metric if lowest else -t.metric)
+        return (0, -t.reached, t.metric if lowest else -t.metric)
     return sorted(trials, key=key)
 
 

@@ -488,6 +488,21 @@ def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straig
     assert lines[-3].startswith(f"hv-lr{cut}: paused at step 3 of 4, loss ")  # (then the best)
     assert lines[-1] == f"  to go on from step 3: baton run {trial}"
 
+    # Hyperband (--brackets 2) over the same trials: the one dealt to the second bracket (a
+    # seed that deals a cut one there) trains to the end unjudged, on from where it stopped
+    from baton.halving import deal
+    from baton.sweeps import plan
+
+    trials = plan(str(job), {"train.lr": [0.001, 0.03, 1.0]})
+    seed = next(s for s in range(20) if deal(trials, 3, None, 2, s)[1][0][0].name != f"hv-lr{winner}")
+    unjudged = deal(trials, 3, None, 2, seed)[1][0][0].name
+    assert cli.main(argv + ["--brackets", "2", "--seed", str(seed)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[out.index("bracket 2 of 2: 1 trial") + 2].startswith(f"trial 1 of 1: {unjudged} ")
+    assert CheckpointStore(str(tmp_path / "ckpt" / unjudged)).latest() == 4
+    finished = [line.split()[0] for line in out[-3:] if line.split()[2:4] == ["finished", "4"]]
+    assert finished == [unjudged], out  # (the winner: "done before")
+
 
 def test_concurrent_trials_train_together_each_as_it_would_alone(tmp_path, capsys):
     """`baton sweep --concurrent auto` on the 2-CPU Ray: two trials of 1 CPU each (dp 2 x 0.5)

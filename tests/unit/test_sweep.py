@@ -297,6 +297,100 @@ def test_a_halving_that_cannot_judge_its_trials_is_one_line(tmp_path, capsys):
         "halving: judged at steps 2, 4; the best 1/2 go on each time, the last to step 8")
 
 
+def test_hyperband_deals_the_trials_among_brackets_in_its_proportions(tmp_path):
+    """--brackets B: Hyperband's numbers of trials a bracket (Li et al., 2018, Table 1: R=81,
+    eta=3 gives 81, 34, 15, 8 and 5 trials to its five brackets); 9 trials in 3 brackets get 5,
+    3 and 1, judged from step 10, from step 30 and never; each trial in one bracket, dealt
+    alike for the same seed."""
+    from baton.halving import bracket_sizes, deal
+
+    assert bracket_sizes(143, 3, 5, 4) == [81, 34, 15, 8, 5]
+    assert bracket_sizes(9, 3, 3, 2) == [5, 3, 1] and bracket_sizes(3, 3, 3, 2) == [1, 1, 1]
+    assert bracket_sizes(9, 3, 2, 2) == [6, 3]
+    trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": [1e-3 * k for k in range(1, 10)]})
+    dealt = deal(trials, 3, None, 3, seed=0)
+    assert [(len(group), ends) for group, ends in dealt] == [(5, [10, 30, 90]), (3, [30, 90]), (1, [90])]
+    assert sorted(t.name for group, _ in dealt for t in group) == sorted(t.name for t in trials)
+    names = [[t.name for t in group] for group, _ in dealt]
+    assert names == [[t.name for t in group] for group, _ in deal(trials, 3, None, 3, seed=0)]
+    assert names != [[t.name for t in group] for group, _ in deal(trials, 3, None, 3, seed=1)]
+    assert deal(trials, 3, None) == [(trials, [10, 30, 90])]  # one bracket: plain halving
+
+
+def _hyperband(tmp_path, asynchronous):
+    """The 9 trials of the halving tests in 3 brackets (seed 0 deals 2e-3, 4.5e-3, 5e-3,
+    6e-3 and 1e-2 to the first, 1e-3, 3e-3 and 1.0 to the second, 8e-3 to the third)."""
+    from baton.halving import halve, promote
+    from baton.sweeps import drive, train_each
+
+    lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
+    trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": lrs})
+    run, calls = _losses()
+    log = []
+    if asynchronous:
+        promote(trials, 3, None, lambda lineup: drive(
+            lineup, lambda spec, end, on_step: run(spec, end), log.append), log.append, 3, 0)
+    else:
+        halve(trials, 3, None, lambda batch, until: train_each(
+            batch, lambda spec, end, on_step: run(spec, end), log.append, until), log.append, 3, 0)
+    lr = {t.name: t.spec.train.lr for t in trials}
+    return trials, [(lr[name], until) for name, until in calls], log
+
+
+def test_hyperband_halves_each_bracket_and_ranks_every_trial_together(tmp_path):
+    """Each bracket a halving of its own, one after another: the first judges its 5 at step
+    10 and 30, the second its 3 at step 30, the third trains its one to the end unjudged; the
+    ranking puts the three that trained to the end first, whatever their bracket."""
+    trials, calls, log = _hyperband(tmp_path, asynchronous=False)
+    assert calls == [(2e-3, 10), (4.5e-3, 10), (5e-3, 10), (6e-3, 10), (1e-2, 10), (2e-3, 30),
+                     (2e-3, None), (1e-3, 30), (3e-3, 30), (1.0, 30), (3e-3, None), (8e-3, None)]
+    assert [(t.spec.train.lr, t.state, t.step) for t in rank(trials, "loss", True)] == [
+        (3e-3, "finished", 90), (2e-3, "finished", 90), (8e-3, "finished", 90), (1e-3, "cut", 30),
+        (4.5e-3, "cut", 10), (5e-3, "cut", 10), (6e-3, "cut", 10), (1e-2, "cut", 10),
+        (1.0, "failed", 0)]
+    assert [line for line in log if line.startswith("bracket")] == [
+        "bracket 1 of 3: 5 trials", "bracket 2 of 3: 3 trials", "bracket 3 of 3: 1 trial"]
+
+
+def test_asynchronous_hyperband_begins_the_brackets_side_by_side_and_ends_each_on_a_trial(tmp_path):
+    """--async --brackets 3: the brackets' first trials begin one after another (the third
+    bracket's to the end at once), a trial going on comes before a new one, and the first
+    bracket, whose 5 trials leave none among the best 1/3 of the one judged at step 30,
+    still trains its best to the end (as the synchronous one does): the same trials end
+    where they end under synchronous Hyperband."""
+    trials, calls, log = _hyperband(tmp_path, asynchronous=True)
+    assert calls[:3] == [(2e-3, 10), (1e-3, 30), (8e-3, None)]
+    assert calls[-1] == (2e-3, None) and len(calls) == 12
+    assert log[0] == "bracket 1, trial 1 of 5: q-lr0.002 (train.lr=0.002) to step 10"
+    assert ("  q-lr0.002 goes on to step 90 (rung 3 of 3): loss 1.003 at step 30, 1 of 1 judged "
+            "there so far") in log
+    synchronous, _, _ = _hyperband(tmp_path / "sync", asynchronous=False)
+    assert ([(t.name, t.state, t.step) for t in rank(trials, "loss", True)]
+            == [(t.name, t.state, t.step) for t in rank(synchronous, "loss", True)])
+
+
+def test_brackets_that_cannot_be_dealt_are_one_line(tmp_path, capsys):
+    from baton.halving import check_halving
+
+    job = _job(tmp_path, train={"steps": 90})
+    nine = plan(job, {"train.lr": [1e-3 * k for k in range(1, 10)]})
+    for count, message in [(4, "--brackets 4: give 1 to 3 (these 9 trials are judged at 2 rungs at "
+                                "most, so 3 brackets at most"), (0, "--brackets 0: give 1 to 3")]:
+        with pytest.raises(SpecError, match=message.replace("(", r"\(")):
+            check_halving(nine, 3, None, job, brackets=count)
+    grid = "train.lr=[1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3, 7e-3, 8e-3, 9e-3]"
+    assert cli.main(["sweep", job, "--grid", grid, "--brackets", "2", "--list"]) == 2
+    assert ("--brackets deals the trials of a --halving out among several halvings: give "
+            "--halving too") in capsys.readouterr().err
+    assert cli.main(["sweep", job, "--grid", grid, "--halving", "3", "--brackets", "3", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines()[-3:] == [
+        "bracket 1 of 3: 5 trials (q-lr2e-3, q-lr4e-3, q-lr5e-3, q-lr6e-3, q-lr8e-3), judged at "
+        "steps 10, 30; the best 1/3 go on each time, the last to step 90",
+        "bracket 2 of 3: 3 trials (q-lr1e-3, q-lr3e-3, q-lr9e-3), judged at step 30; the best 1/3 "
+        "go on each time, the last to step 90",
+        "bracket 3 of 3: 1 trial (q-lr7e-3), each to step 90, unjudged"]
+
+
 def test_concurrent_trials_run_together_where_their_largest_worlds_fit(tmp_path):
     """--concurrent 2 on a cluster of 2 CPUs: two trials of 1 CPU each (dp 2 x 0.5) at once,
     each meeting the other at a barrier that only two running together pass; on 1.5 CPUs

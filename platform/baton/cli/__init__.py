@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --halving, asynchronous halving (ASHA): a trial goes on as soon as "
                          "it stands among the best 1/ETA of those judged at its rung so far, and "
                          "no rung waits for its slowest trial (for --concurrent sweeps)")
+    sw.add_argument("--brackets", type=int, default=1, metavar="B",
+                    help="with --halving, Hyperband: the trials dealt out (by --seed) among B "
+                         "halvings, each judging from a rung later than the one before, the "
+                         "last of rungs + 1 training its trials to the end (default 1)")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec value for every trial (repeatable)")
     sw.add_argument("--address", help="join a running Ray cluster (e.g. auto, ray://HOST:10001)")
@@ -464,17 +468,16 @@ def _sweep(args: argparse.Namespace) -> int:
             where = sweeps.progress(t.spec)
             print(f"{t.name}: " + ", ".join(f"{k}={v}" for k, v in t.values.items())
                   + (f"; {where}" if where else ""))
-        halving.check_halving(trials, args.halving, args.first_rung, args.job, args.asynchronous)
+        halving.check_halving(trials, args.halving, args.first_rung, args.job, args.asynchronous,
+                              args.brackets)
         if args.halving is not None:
-            ends = halving.rungs(len(trials), trials[0].spec.train.steps, args.halving, args.first_rung)
-            print(("asynchronous " if args.asynchronous else "") + "halving: judged at steps "
-                  + ", ".join(map(str, ends[:-1])) + f"; the best 1/{args.halving} go on "
-                  + ("as they are judged" if args.asynchronous else "each time")
-                  + f", the last to step {ends[-1]}")
+            for line in halving.describe(trials, args.halving, args.first_rung, args.brackets,
+                                         args.seed, args.asynchronous):
+                print(line)
         return 0
     trials = api.sweep(args.job, axes, args.set, trials=args.trials, seed=args.seed,
                        halving=args.halving, first_rung=args.first_rung, concurrent=args.concurrent,
-                       asynchronous=args.asynchronous, search=args.search,
+                       asynchronous=args.asynchronous, brackets=args.brackets, search=args.search,
                        address=args.address, show_progress=not args.quiet)
     metric, lowest = sweeps.ranked_by(trials[0].spec)
     print(f"{args.job}: {len(trials)} trials, best first by {metric} "
