@@ -35,6 +35,11 @@ def gauge(name: str) -> str:
     return f"max by (job_name) ({m(name)}{SEL})"
 
 
+def by_rank(name: str, *more: str) -> str:
+    """A worker's series (`baton_rank_*`): one line a rank, on whichever driver exported it."""
+    return f"max by ({', '.join(('job_name', 'rank', 'node', *more))}) ({m(name)}{SEL})"
+
+
 def quantile(q: float, name: str, by: str = "job_name") -> str:
     return (f"histogram_quantile({q}, sum by ({by}, le) "
             f"(rate({m(name, '_bucket')}{SEL}[{RATE}])))")
@@ -169,6 +174,20 @@ def training() -> dict:
                    "its peak of device memory allocated in the step: the worker that runs out "
                    "first.", [(f"max by (job_name, kind) ({m('baton_worker_memory_bytes')}{SEL})",
                                "{{job_name}} {{kind}}")], unit="bytes"),
+        timeseries("Compute by worker", "Each worker's computation in the last step, without "
+                   "its waits for peers (data parallel, ZeRO-1, pipelines on CPU): every step "
+                   "waits for the slowest; compare the workers doing the same work (a "
+                   "pipeline's stages differ).",
+                   [(by_rank("baton_rank_compute_seconds"), "{{job_name}} rank {{rank}} ({{node}})")],
+                   unit="s"),
+        timeseries("Data wait by worker", "Seconds each worker spent getting its batch in the "
+                   "last step: one far above the others reads from a slow disk or node.",
+                   [(by_rank("baton_rank_data_wait_seconds"), "{{job_name}} rank {{rank}} ({{node}})")],
+                   unit="s"),
+        timeseries("Memory by worker", "Each worker's resident host memory and, on GPUs, its "
+                   "peak of device memory allocated in the step.",
+                   [(by_rank("baton_rank_memory_bytes", "kind"),
+                     "{{job_name}} rank {{rank}} {{kind}}")], unit="bytes", w=24),
     ])
 
 

@@ -854,6 +854,7 @@ class Coordinator:
             self.report.step(p.step + 1, metrics | {"loss_spike": 1}, p.lr, step_time_s)
             raise Spike(spike, p.cursor)  # before the step counts: its checkpoint is not committed
         spread, lagging = self.stragglers.step(results, step_time_s)
+        self.live.ranks(results, self.workers)
         metrics.update(spread)
         if lagging:
             self.report.straggler({"step": p.step + 1, **lagging}, self._tags())

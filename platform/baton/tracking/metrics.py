@@ -6,7 +6,10 @@ and `_count`). The dashboards in `dashboards/` query exactly `exported()` names;
 a real run and finds each of them. The `train_` prefix is Ray Train's, so ours is `baton_`.
 
 Every series carries `job_name` (the job's name; Prometheus keeps `job` for its scrape job).
-Only the coordinator emits them, from the driver process of the run.
+Only the coordinator emits them, from the driver process of the run. The `baton_rank_*`
+series are a worker's each, labelled by its `rank` and `node` (its IP); they are removed when
+the world they belong to is re-formed (`LiveMetrics.world`), so a shrunk world shows only
+the ranks it has.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 JOB = ("job_name",)
+RANK = JOB + ("rank", "node")
 # the MLflow metric of each kind of baton_worker_memory_bytes, in MiB, and how it is shown
 MEMORY_MIB = {"host": "host_memory_mib", "device": "device_memory_peak_mib"}
 MEMORY_LABEL = {"host": "host", "device": "device peak"}
@@ -54,6 +58,14 @@ METRICS = {m.name: m for m in [
                                                  "step: resident host memory (kind=host) and, on "
                                                  "GPUs, the step's peak of device memory "
                                                  "allocated (kind=device)", JOB + ("kind",)),
+    Metric("baton_rank_compute_seconds", "gauge", "One worker's computation in the last step, "
+           "without its waits for peers, where its engine times it apart (data parallel, ZeRO-1, "
+           "pipelines on CPU): every step waits for the slowest", RANK),
+    Metric("baton_rank_data_wait_seconds", "gauge", "Seconds one worker spent getting its batch "
+           "in the last step", RANK),
+    Metric("baton_rank_memory_bytes", "gauge", "One worker's memory at the last step: resident "
+           "host memory (kind=host) and, on GPUs, the step's peak of device memory allocated "
+           "(kind=device)", RANK + ("kind",)),
     Metric("baton_workers_alive", "gauge", "Workers running in the job's world"),
     Metric("baton_world_size", "gauge", "Workers the current world was formed with"),
     Metric("baton_dp", "gauge", "Data-parallel replicas in the current world"),
@@ -86,6 +98,7 @@ class LiveMetrics:
 
         self.job = job
         self._m: dict = {}
+        self._ranked: set[tuple[str, tuple]] = set()  # the baton_rank_* series of this world
         if not ray.is_initialized():
             return
         from ray.util import metrics as rm
@@ -129,7 +142,27 @@ class LiveMetrics:
         for kind, held in memory.items():
             self._set("baton_worker_memory_bytes", held, kind=kind)
 
+    def ranks(self, results: list[dict], workers: list[dict]) -> None:
+        """Each worker's series of the last step, by its rank and node."""
+        for rank, (r, w) in enumerate(zip(results, workers)):
+            where = {"rank": str(rank), "node": str(w.get("ip") or w.get("node", ""))}
+            self._ranked_set("baton_rank_compute_seconds", r.get("compute_s"), where)
+            self._ranked_set("baton_rank_data_wait_seconds", r.get("data_s"), where)
+            for kind, held in r.get("memory", {}).items():
+                self._ranked_set("baton_rank_memory_bytes", held, {**where, "kind": kind})
+
+    def _ranked_set(self, name: str, value: Optional[float], labels: dict) -> None:
+        if name in self._m and value is not None:
+            self._set(name, value, **labels)
+            self._ranked.add((name, tuple(sorted(labels.items()))))
+
     def world(self, *, alive: int, world_size: int, dp: int) -> None:
+        """A world formed (or none: suspended). The ranks of the one before stop showing: Ray's
+        exporter leaves out a gauge's series once it is set to NaN (Ray 2.60: measured), and a
+        rank of this world shows again from its first step."""
+        for name, labels in self._ranked:
+            self._m[name].set(float("nan"), tags=self._tags(**dict(labels)))
+        self._ranked.clear()
         self._set("baton_workers_alive", alive)
         self._set("baton_world_size", world_size)
         self._set("baton_dp", dp)

@@ -311,7 +311,7 @@ class Worker:
         return {"rank": self.rank, "device": str(self.device), "backend": dist.get_backend(),
                 "device_name": torch.cuda.get_device_name(self.device) if self.use_cuda else "cpu",
                 "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "layers": self.engine.layer_names(),
+                "ip": ray.util.get_node_ip_address(), "layers": self.engine.layer_names(),
                 "wrapper": type(getattr(self.engine, "wrapped", self.engine.module)).__name__,
                 **self._compiled()}
 
