@@ -662,6 +662,22 @@ def test_rows_found_bad_as_they_are_read_stop_the_run_on_a_checkpoint_of_the_ste
     store = CheckpointStore(spec.checkpoint_dir)
     assert store.latest() == 3
 
+    # its read task did not fail: Ray Data reads every row group, that one marked bad
+    # (`feed.read_marked`; a read task's exception was Ray Data's to log, 140 lines of
+    # traceback and retry advice before baton's one line)
+    import ray
+
+    from baton.data.feed import _execute, _ray_data, _read_units, bad
+    from baton.data.source import preflight
+
+    job = preflight(spec, "job.yaml")
+    _ray_data()
+    bundles, _ = _execute(_read_units(job.manifest.root, job.manifest.units, job.columns, True))
+    verdicts = [bad(ray.get(b.block_refs[0])) for b in bundles]
+    assert len(verdicts) == len(job.manifest.units)
+    assert [(k, v[1]) for k, v in enumerate(verdicts) if v] == [(group, True)]
+    assert verdicts[group][0].startswith(f"data.path: {data}/table.parquet row group {group}: ")
+
     # the row filled in place (the same row groups, other bytes): refused without
     # --rebase-data, and with it the run goes on at step 4 in the same epoch, with batch 4
     a[int(fourth[0])] = 0.0

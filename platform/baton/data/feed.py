@@ -44,7 +44,9 @@ from baton.errors import DataError, reason
 READ_CONCURRENCY = 4
 
 TOKENS, IDS = "tokens", "id"  # the columns of a unit as the workers see it
-BAD = b"baton.bad"  # a unit skipped for its bad rows: an empty table, the reason in its metadata
+# a unit whose rows cannot be read as the job says, as a read task returns it (`read_marked`):
+# an empty table, the reason in its metadata, and whether it may be skipped
+BAD, SKIPPABLE = b"baton.bad", b"baton.skippable"
 
 
 class Elsewhere(DataError):
@@ -122,30 +124,32 @@ def token_columns(token: str, id_column: Optional[str], width: int, vocab_size: 
                    id_column)
 
 
-def read_unit(root: str, unit: Unit, columns: Columns, home: Optional[str] = None,
-              skip: bool = False) -> pa.Table:
-    """One row group, checked, with the columns renamed to what the workers read. Bad rows
-    raise DataError naming the file and row group; with `skip` (data.skip_bad_row_groups),
-    they give a table of no rows instead, the reason in its schema's metadata (`bad`). `home`:
-    the driver's node, where the run listed the files, when this runs in a read task that may
-    be on another node."""
+def read_marked(root: str, unit: Unit, columns: Columns, home: Optional[str] = None) -> pa.Table:
+    """`read_unit` as the run's reads call it: a unit whose rows are bad, or whose file is
+    missing where the read runs, is a table of no rows with why in its metadata (`bad`), not
+    an exception. A read task's exception is Ray Data's to log: 140 lines of its traceback and
+    retry advice came before baton's one line, and it ended the whole read."""
     try:
-        return _read_unit(root, unit, columns, home)
-    except Elsewhere:
-        raise
+        return read_unit(root, unit, columns, home)
     except DataError as e:
-        if not skip:
-            raise
-        return pa.table({}).replace_schema_metadata({BAD: str(e).encode()})
+        return pa.table({}).replace_schema_metadata(
+            {BAD: str(e).encode(), SKIPPABLE: b"" if isinstance(e, Elsewhere) else b"1"})
 
 
-def bad(table: pa.Table) -> Optional[str]:
-    """Why a unit read with `skip` holds no rows (None: it holds its rows)."""
+def bad(table: pa.Table) -> Optional[tuple[str, bool]]:
+    """Why a unit read by `read_marked` holds no rows, and whether it may be left out
+    (data.skip_bad_row_groups: bad rows may, a file missing on a node may not); None: it holds
+    its rows."""
     metadata = table.schema.metadata or {}
-    return metadata[BAD].decode() if not table.num_rows and BAD in metadata else None
+    if table.num_rows or BAD not in metadata:
+        return None
+    return metadata[BAD].decode(), bool(metadata.get(SKIPPABLE))
 
 
-def _read_unit(root: str, unit: Unit, columns: Columns, home: Optional[str]) -> pa.Table:
+def read_unit(root: str, unit: Unit, columns: Columns, home: Optional[str] = None) -> pa.Table:
+    """One row group, checked, with the columns renamed to what the workers read. Bad rows
+    raise DataError naming the file and row group. `home`: the driver's node, where the run
+    listed the files, when this runs in a read task that may be on another node."""
     fs = storage.resolve(root)[0]
     wanted = list(dict.fromkeys([c for f in columns.fields for c in f.sources]
                                 + ([columns.id] if columns.id else [])))
@@ -302,11 +306,12 @@ def _ray_data():
     return ray.data
 
 
-def _read_units(root: str, units: list[Unit], columns: Columns, spread: bool, skip: bool):
+def _read_units(root: str, units: list[Unit], columns: Columns, spread: bool):
     """A Ray Data dataset of `units`, one read task (and one block) each, in this order (Ray
-    Data imported and set up by `_ray_data`, which the read called first). `spread`: the
-    tasks run across the cluster's nodes (Ray Data's SPREAD), else on the driver's."""
-    return unit_tasks(units, lambda u, home: read_unit(root, u, columns, home, skip), spread)
+    Data imported and set up by `_ray_data`, which the read called first; bad rows marked:
+    `read_marked`). `spread`: the tasks run across the cluster's nodes (Ray Data's SPREAD),
+    else on the driver's."""
+    return unit_tasks(units, lambda u, home: read_marked(root, u, columns, home), spread)
 
 
 def unit_tasks(units: list[Unit], read: Callable[[Unit, str], pa.Table], spread: bool):
@@ -373,19 +378,18 @@ class _Read:
                                         daemon=True)
         self._thread.start()
 
-    def _blocks(self) -> Iterator[tuple[list, int, Optional[str]]]:
-        """(block references, rows, why its rows are bad or None) of each unit, in order."""
+    def _blocks(self) -> Iterator[tuple[list, int, Optional[tuple[str, bool]]]]:
+        """(block references, rows, `bad`'s verdict) of each unit, in order."""
         import ray
 
         if self._here:
             for unit in self._units:
-                table = read_unit(self._root, unit, self._columns, skip=self._skip)
+                table = read_marked(self._root, unit, self._columns)
                 if self.cancelled:  # closed meanwhile: Ray may be gone, and ray.put would start it again
                     return
                 yield [ray.put(table)], table.num_rows, bad(table)
             return
-        bundles, executor = _execute(_read_units(self._root, self._units, self._columns,
-                                                  self._spread, self._skip))
+        bundles, executor = _execute(_read_units(self._root, self._units, self._columns, self._spread))
         with self._cond:
             self.executor, cancelled = executor, self.cancelled
         if cancelled:  # while the execution started: cancel() could not stop it, stopped here
@@ -399,12 +403,18 @@ class _Read:
 
     def _run(self) -> None:
         try:
-            for index, (refs, rows, why) in zip(range(self.first, self.last), self._blocks()):
+            for index, (refs, rows, verdict) in zip(range(self.first, self.last), self._blocks()):
                 if self.cancelled:
                     break
+                if verdict is not None and not (self._skip and verdict[1]):
+                    # the read ends here, as at a failed task: the units before it are served,
+                    # and whoever waits for this one gets the error (`wait_for`)
+                    self.error = DataError(verdict[0])
+                    self._stop()
+                    break
                 with self._cond:
-                    if why is not None:
-                        self.bad[index] = why
+                    if verdict is not None:
+                        self.bad[index] = verdict[0]
                     self.refs[index] = refs
                     self.rows += rows
                     self._cond.notify_all()
@@ -424,6 +434,13 @@ class _Read:
             raise as_data_error(self.error)
         raise DataError(f"data.path: the data ended early: unit {index} was never read (did the "
                         "files change under it?)")
+
+    def _stop(self) -> None:
+        """End the execution from the read's own thread (a bad unit ended the read)."""
+        with self._cond:
+            executor = self.executor
+        if executor is not None:
+            executor.shutdown(force=True)
 
     def cancel(self) -> None:
         """Stop reading, without waiting: an execution still starting (Ray Data's first one
@@ -632,13 +649,14 @@ def _execute(dataset) -> tuple[Iterator, object]:
 
 
 def as_data_error(error: Exception) -> Exception:
-    """A failed read task (bad rows, a file gone) as one DataError line, without Ray's wrapping
-    and traceback (Ray's RayTaskError(DataError) is a DataError too); other errors as they are."""
+    """A failed task (a text file that cannot be read: `text.py`; a read that failed in Ray) as
+    one DataError line, without Ray's wrapping and traceback (Ray's RayTaskError(DataError) is
+    a DataError too); other errors as they are. (The run's reads raise no DataError: they mark
+    the unit, `read_marked`.)"""
     lines = str(error).strip().splitlines() or [type(error).__name__]
     for line in lines:
-        for name in ("DataError:", "Elsewhere:"):  # (the line of the task's own exception)
-            if name in line:
-                return DataError(line.split(name, 1)[1].strip()[:500])
+        if "DataError:" in line:  # (the line of the task's own exception)
+            return DataError(line.split("DataError:", 1)[1].strip()[:500])
     if isinstance(error, DataError):
         return DataError(lines[0][:500])
     if type(error).__module__.startswith("ray"):
