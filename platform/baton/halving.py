@@ -77,8 +77,9 @@ def describe(trials: list[Trial], eta: int, first: Optional[int], count: int = 1
     how = "as they are judged" if asynchronous else "each time"
     lines = []
     for i, (group, ends) in enumerate(deal(trials, eta, first, count, seed), 1):
-        judged = (f"judged at step{'s' * (len(ends) > 2)} {', '.join(map(str, ends[:-1]))}; the best 1/{eta} go on {how}, "
-                  f"the last to step {ends[-1]}") if len(ends) > 1 else f"each to step {ends[-1]}, unjudged"
+        judged = (f"judged at step{'s' * (len(ends) > 2)} {', '.join(map(str, ends[:-1]))}; the "
+                  f"best 1/{eta} go on {how}, the last to step {ends[-1]}") if len(ends) > 1 \
+            else f"each to step {ends[-1]}, unjudged"
         if count == 1:
             lines.append(("asynchronous " if asynchronous else "") + f"halving: {judged}")
         else:
