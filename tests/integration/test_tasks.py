@@ -788,6 +788,58 @@ def test_bad_row_groups_found_as_they_are_read_are_skipped_up_to_the_limit(tmp_p
     assert CheckpointStore(job("stops", 1).checkpoint_dir).latest() == second - 1
 
 
+def test_bad_held_out_row_groups_are_left_out_of_the_evaluation_as_training_leaves_them(tmp_path):
+    """data.skip_bad_row_groups: 1 with eval.fraction: the last held-out row group (the end of
+    each pass: no batch drawn from the pass after; batches of one row group, so that one
+    drawn would count a row group twice) holds a NaN. Every pass leaves it out and
+    evaluates the other held-out rows once (the metrics those of a dataset of them alone);
+    the run record says so once, at the first pass; eval_samples counts the rows evaluated."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from baton.data.source import preflight
+
+    data = write_table(tmp_path / "data")
+    spec = spec_from_dict(tiny_spec(
+        tmp_path, data, name="heldbad", task="helpers:regression",
+        model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
+        data={"source": "parquet", "path": str(data), "shuffle_block": 16,
+              "columns": {"inputs": ["vec", "a", "b"], "target": "y"}, "skip_bad_row_groups": 1},
+        eval={"fraction": 0.25, "every_steps": 2},
+        train={"steps": 4, "global_batch": 8, "micro_batch": 4},
+        checkpoint={"every_steps": 100, "keep": 2}))
+    held = preflight(spec, "job.yaml").eval_sets[0].uids
+    last = int(held.max())
+    table = pq.read_table(data / "table.parquet")
+    a = table.column("a").to_numpy().copy()
+    a[last * 8 + 3] = np.nan  # one file, row groups of 8: its 4th row
+    pq.write_table(table.set_column(table.schema.get_field_index("a"), "a", pa.array(a)),
+                   data / "table.parquet", row_group_size=8)
+
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished" and result.step == 4
+    events = [e for e in result.events if e["kind"] == "bad_rows"]
+    assert [(e["step"], e["unit"], e["held_out"], e["skipped"]) for e in events] == [(2, last, True, 1)]
+    assert result.eval["eval_samples"] == 8 * (len(held) - 1)
+    assert sorted(step for step, _ in result.history("eval_loss")) == [2, 4]
+
+    # the same checkpoint evaluated on a dataset of the other held-out rows alone (eval.path)
+    good = tmp_path / "good"
+    good.mkdir()
+    rows = [r for uid in sorted(held.tolist()) if uid != last for r in range(uid * 8, uid * 8 + 8)]
+    pq.write_table(table.take(rows), good / "table.parquet", row_group_size=8)
+    alone = api.evaluate(spec_from_dict(tiny_spec(
+        tmp_path, data, name="heldbad", task="helpers:regression",
+        model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
+        data={"source": "parquet", "path": str(data), "shuffle_block": 16,
+              "columns": {"inputs": ["vec", "a", "b"], "target": "y"}, "skip_bad_row_groups": 1},
+        eval={"path": str(good)}, train={"steps": 4, "global_batch": 8, "micro_batch": 4},
+        checkpoint={"every_steps": 100, "keep": 2})), show_progress=False)
+    assert alone.eval["eval_samples"] == result.eval["eval_samples"]
+    # the same rows in the same order and batches (both read in manifest order): equal bitwise
+    assert alone.eval["eval_loss"] == result.eval["eval_loss"]
+
+
 def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(tmp_path, capfd):
     """train.rewind_on_spike: the fourth batch of a regression holds rows whose target is
     1,000 (the rest are near 0): step 4's loss is hundreds of times the median of the two

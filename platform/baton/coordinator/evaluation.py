@@ -8,7 +8,9 @@ and the pass divides them by the count of terms. Pass n reads epoch n of the eva
 the order does not shuffle, so every pass sees the same samples, and the feed's read-ahead of
 the next epoch is the next pass's data. A mix of corpora held out by eval.fraction has a set
 (and a feed) per source, read one after another in each pass: the metrics over all of them,
-and each source's apart (eval_loss/NAME)."""
+and each source's apart (eval_loss/NAME). Held-out row groups whose rows are bad are left out
+as training's are (data.skip_bad_row_groups, counted apart for each held-out set), and the
+metrics are those of the rows left."""
 
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ class Evaluation:
         # every `every` steps, and after the run's last step (train.steps, or --until's)
         self.every, self.steps = spec.eval.every_steps, last or spec.train.steps
         self.sets = [(s.name, DataFeed(s.manifest, s.order(spec.data.shuffle_block), data.columns,
-                                       spec.data.read == "spread")) for s in data.eval_sets]
+                                       spec.data.read == "spread", spec.data.skip_bad_row_groups))
+                     for s in data.eval_sets]
         self.samples = data.eval_samples
+        self.left_out: list[dict] = []  # row groups the last pass left out first (bad rows)
         self.passes = 0
         self.last: dict = {}  # the metrics of the last pass
         self.step = 0  # the step it followed
@@ -55,9 +59,12 @@ class Evaluation:
             cursor = Cursor(epoch=self.passes)
             before = len(refs)
             while cursor.epoch == self.passes:
-                refs.append(group.submit("evaluate", feed.next_batch(cursor, global_batch)))
+                batch = feed.next_batch(cursor, global_batch, one_epoch=True)
+                if len(batch):  # (none: the pass's last rows were left out, bad)
+                    refs.append(group.submit("evaluate", batch))
             batches.append(len(refs) - before)
         self.passes += 1
+        self.left_out = [event for _, feed in self.sets for event in feed.take_skipped()]
         return Pass(refs, batches)
 
     def collect(self, group, queued: Pass, step: int) -> dict:
@@ -68,8 +75,9 @@ class Evaluation:
             by_set.append((name, [r for batch_refs in queued.refs[at:at + n]
                                   for r in group.wait(batch_refs, f"evaluating after step {step}")]))
             at += n
+        skipped = sum(feed.manifest.units[uid].rows for _, feed in self.sets for uid in feed.skipped)
         self.last = {**_metrics([r for _, results in by_set for r in results]),
-                     "eval_samples": self.samples}
+                     "eval_samples": self.samples - skipped}
         for name, results in by_set:
             if name is not None:
                 self.last.update({f"{k}/{name}": v for k, v in _metrics(results).items()})

@@ -95,8 +95,9 @@ class Report:
         """A unit whose rows are bad, left out of the batch of `event["step"]`
         (data.skip_bad_row_groups): in the run record and on the console."""
         self.record({"kind": "bad_rows", **event}, tags)
-        self.note(f"step {event['step']}: {event['why']}: its {event['rows']:,} rows skipped "
-                  f"(data.skip_bad_row_groups: {event['skipped']} of {event['limit']})")
+        held_out = "held-out " if event.get("held_out") else ""
+        self.note(f"step {event['step']}: {event['why']}: its {event['rows']:,} {held_out}rows "
+                  f"skipped (data.skip_bad_row_groups: {event['skipped']} of {event['limit']})")
 
     def evaluated(self, step: int, evaluated: dict) -> None:
         self.progress.note(f"step {step}: " + ", ".join(

@@ -515,12 +515,15 @@ class DataFeed:
         refused before the run has written anything."""
         self._hold(cursor.epoch, *self._span(cursor, global_batch))
 
-    def next_batch(self, cursor: Cursor, global_batch: int) -> Batch:
+    def next_batch(self, cursor: Cursor, global_batch: int, one_epoch: bool = False) -> Batch:
         """The next `global_batch` samples at `cursor` (fewer at the epoch's end), advancing
         it. With `skip_bad`, a bad unit's rows are left out and the batch is filled from the
-        samples after them, within the epoch (into the next only if none is left)."""
+        samples after them, within the epoch (into the next only if none is left, and never
+        with `one_epoch`: a held-out pass's last batch may then hold none)."""
+        epoch = cursor.epoch
         batch = self._draw(cursor, global_batch)
-        while len(batch) < global_batch and self.skip_bad and (cursor.consumed or not len(batch)):
+        while len(batch) < global_batch and self.skip_bad and (cursor.consumed or not len(batch)) \
+                and not (one_epoch and cursor.epoch != epoch):
             more = self._draw(cursor, global_batch - len(batch))
             batch = Batch(np.concatenate([batch.positions, more.positions]),
                           {**batch.units, **more.units}, more.window)
