@@ -226,6 +226,7 @@ class Coordinator:
             self.store.settle()  # the old checkpoints retention is deleting
             if self.priorities is not None:
                 self.priorities.close()  # the room it claimed goes back
+            self.live.close()
         return self._result()
 
     def tick(self) -> None:

@@ -14,6 +14,7 @@ the ranks it has.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,11 @@ RANK = JOB + ("rank", "node")
 MEMORY_MIB = {"host": "host_memory_mib", "device": "device_memory_peak_mib"}
 MEMORY_LABEL = {"host": "host", "device": "device peak"}
 SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Every gauge is set again this often. Ray 2.60 drops a gauge's series that was not set for a
+# while (measured: gone from the scrape 20-30 s after it was set once, at Ray's default of an
+# export every 10 s; 20 s at one a second), so a step, a checkpoint's load or a wait longer
+# than that left the dashboards without the job until the next step.
+REFRESH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -91,14 +97,17 @@ def exported_names() -> dict[str, Metric]:
 
 class LiveMetrics:
     """The coordinator's handle: one call per thing that happened. Without a connected Ray
-    (the unit tests' fake group) every call does nothing."""
+    (the unit tests' fake group) every call does nothing. The gauges' last values are set
+    again every REFRESH_S, on a thread of their own, until `close`."""
 
     def __init__(self, job: str):
         import ray
 
         self.job = job
         self._m: dict = {}
-        self._ranked: set[tuple[str, tuple]] = set()  # the baton_rank_* series of this world
+        self._last: dict[tuple[str, tuple], float] = {}  # (gauge, its labels) -> last value
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
         if not ray.is_initialized():
             return
         from ray.util import metrics as rm
@@ -111,13 +120,29 @@ class LiveMetrics:
             else:
                 self._m[m.name] = rm.Histogram(m.name, m.help, boundaries=list(m.buckets),
                                                tag_keys=m.labels)
+        threading.Thread(target=self._refresh, name="baton-metrics", daemon=True).start()
+
+    def _refresh(self) -> None:
+        import ray
+
+        while not self._closed.wait(REFRESH_S) and ray.is_initialized():  # (never starts a Ray)
+            with self._lock:  # (a series `world` removes is not set again after it)
+                for (name, labels), value in self._last.items():
+                    self._m[name].set(value, tags=dict(labels))
+
+    def close(self) -> None:
+        """No more refreshes: the run has ended (before Ray shuts down)."""
+        self._closed.set()
 
     def _tags(self, **extra: str) -> dict:
         return {"job_name": self.job, **extra}
 
     def _set(self, name: str, value: Optional[float], **extra: str) -> None:
         if name in self._m and value is not None:
-            self._m[name].set(float(value), tags=self._tags(**extra))
+            tags = self._tags(**extra)
+            with self._lock:
+                self._m[name].set(float(value), tags=tags)
+                self._last[(name, tuple(sorted(tags.items())))] = float(value)
 
     def _inc(self, name: str, **extra: str) -> None:
         if name in self._m:
@@ -146,23 +171,19 @@ class LiveMetrics:
         """Each worker's series of the last step, by its rank and node."""
         for rank, (r, w) in enumerate(zip(results, workers)):
             where = {"rank": str(rank), "node": str(w.get("ip") or w.get("node", ""))}
-            self._ranked_set("baton_rank_compute_seconds", r.get("compute_s"), where)
-            self._ranked_set("baton_rank_data_wait_seconds", r.get("data_s"), where)
+            self._set("baton_rank_compute_seconds", r.get("compute_s"), **where)
+            self._set("baton_rank_data_wait_seconds", r.get("data_s"), **where)
             for kind, held in r.get("memory", {}).items():
-                self._ranked_set("baton_rank_memory_bytes", held, {**where, "kind": kind})
-
-    def _ranked_set(self, name: str, value: Optional[float], labels: dict) -> None:
-        if name in self._m and value is not None:
-            self._set(name, value, **labels)
-            self._ranked.add((name, tuple(sorted(labels.items()))))
+                self._set("baton_rank_memory_bytes", held, **where, kind=kind)
 
     def world(self, *, alive: int, world_size: int, dp: int) -> None:
         """A world formed (or none: suspended). The ranks of the one before stop showing: Ray's
         exporter leaves out a gauge's series once it is set to NaN (Ray 2.60: measured), and a
         rank of this world shows again from its first step."""
-        for name, labels in self._ranked:
-            self._m[name].set(float("nan"), tags=self._tags(**dict(labels)))
-        self._ranked.clear()
+        with self._lock:
+            for name, labels in [key for key in self._last if key[0].startswith("baton_rank_")]:
+                self._m[name].set(float("nan"), tags=dict(labels))
+                del self._last[(name, labels)]
         self._set("baton_workers_alive", alive)
         self._set("baton_world_size", world_size)
         self._set("baton_dp", dp)
