@@ -68,6 +68,8 @@ def deal(trials: list[Trial], eta: int, first: Optional[int], count: int = 1,
     for i, size in enumerate(bracket_sizes(len(trials), eta, count, len(ends) - 1)):
         out.append(([trials[j] for j in sorted(order[at:at + size])], ends[i:]))
         at += size
+        for t in out[-1][0]:
+            t.bracket = i + 1
     return out
 
 

@@ -58,6 +58,7 @@ class Trial:
     error: Optional[str] = None
     rung: int = 0  # under halving, the last rung it trained to (0 the first)
     reached: int = 0  # under halving, that rung's step (train.steps for the last)
+    bracket: int = 0  # under Hyperband (--brackets), its bracket, from 1
     spec: Optional[JobSpec] = field(default=None, repr=False)
 
     @property
@@ -438,11 +439,13 @@ def rank(trials: list[Trial], metric: str, lowest: bool) -> list[Trial]:
 
 
 def table(trials: list[Trial], metric: str) -> list[str]:
-    """The lines `baton sweep` prints: a trial a row, its values, state, step, loss, metric."""
+    """The lines `baton sweep` prints: a trial a row, its values (its bracket under
+    Hyperband), state, step, loss, metric."""
     keys = list(trials[0].values)
-    head = ["trial", *keys, "state", "step", "loss", metric]
+    brackets = any(t.bracket for t in trials)
+    head = ["trial", *keys, *(["bracket"] if brackets else []), "state", "step", "loss", metric]
     rows = [[t.name, *(json.dumps(t.values[k]) if not isinstance(t.values[k], str) else t.values[k]
-                       for k in keys),
+                       for k in keys), *([str(t.bracket)] if brackets else []),
              t.state, str(t.step), "" if t.loss is None else f"{t.loss:.4f}",
              "" if t.metric is None else f"{t.metric:.4g}"] for t in trials]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]

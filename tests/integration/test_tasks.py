@@ -500,7 +500,7 @@ def test_a_halving_sweep_cuts_the_worse_trials_and_its_winner_trains_as_a_straig
     out = capsys.readouterr().out.splitlines()
     assert out[out.index("bracket 2 of 2: 1 trial") + 2].startswith(f"trial 1 of 1: {unjudged} ")
     assert CheckpointStore(str(tmp_path / "ckpt" / unjudged)).latest() == 4
-    finished = [line.split()[0] for line in out[-3:] if line.split()[2:4] == ["finished", "4"]]
+    finished = [line.split()[0] for line in out[-3:] if line.split()[3:5] == ["finished", "4"]]
     assert finished == [unjudged], out  # (the winner: "done before")
 
 

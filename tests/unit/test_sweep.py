@@ -350,6 +350,10 @@ def test_hyperband_halves_each_bracket_and_ranks_every_trial_together(tmp_path):
         (1.0, "failed", 0)]
     assert [line for line in log if line.startswith("bracket")] == [
         "bracket 1 of 3: 5 trials", "bracket 2 of 3: 3 trials", "bracket 3 of 3: 1 trial"]
+    lines = table(rank(trials, "loss", True), "loss")  # each trial's bracket beside its values
+    assert lines[0].split() == ["trial", "train.lr", "bracket", "state", "step", "loss", "loss"]
+    assert [line.split()[2:4] for line in lines[1:4]] == [["2", "finished"], ["1", "finished"],
+                                                          ["3", "finished"]]
 
 
 def test_asynchronous_hyperband_begins_the_brackets_side_by_side_and_ends_each_on_a_trial(tmp_path):
