@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -54,7 +55,8 @@ def sweep(root: Path, way: str, trials: int, seed: int, halving, concurrent: int
     seconds = time.perf_counter() - t0
     # how long the trials took to start: from the sweep's start to the third trial's header
     # (two at once: the first two trials' start and run; one at a time: the first two's)
-    third = [at for at, line in log if line.startswith("trial 3 of ")]
+    # (the third line that begins a trial: "trial K of N: ...", "bracket B, trial K of N: ...")
+    third = [at for at, line in log if re.match(r"(bracket \d+, )?trial \d+ of \d+: ", line)][2:3]
     # when the first trial had trained every step: a model to use, before the sweep ends
     first_done = [at for at, line in log if ": finished at step " in line]
     return {"seconds": round(seconds, 1), "steps": sum(t.step for t in ranked),
