@@ -53,9 +53,9 @@ def sweep(root: Path, way: str, trials: int, seed: int, halving, concurrent: int
                        brackets=brackets, show_progress=False,
                        log=lambda line: log.append([round(time.perf_counter() - t0, 2), line]))
     seconds = time.perf_counter() - t0
-    # how long the trials took to start: from the sweep's start to the third trial's header
-    # (two at once: the first two trials' start and run; one at a time: the first two's)
-    # (the third line that begins a trial: "trial K of N: ...", "bracket B, trial K of N: ...")
+    # how long the trials took to start: from the sweep's start to the third line that begins a
+    # trial ("trial K of N: ...", or "bracket B, trial K of N: ..."; two at once: the first two
+    # trials' start and run; one at a time: the first two's)
     third = [at for at, line in log if re.match(r"(bracket \d+, )?trial \d+ of \d+: ", line)][2:3]
     # when the first trial had trained every step: a model to use, before the sweep ends
     first_done = [at for at, line in log if ": finished at step " in line]

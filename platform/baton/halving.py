@@ -207,13 +207,8 @@ class Promotions:
         highest rung that has one; trials that ended go on at once, without training."""
         for k in reversed(range(len(self.ends) - 1)):
             for place, (t, _) in enumerate(self._best(k), 1):
-                if t in self.promoted[k]:
-                    continue
-                if not t.ended:
-                    return t, k, place
-                self._judge(t, k + 1, t.metric)  # stopped early: holds its place further on
-                self.promoted[k].add(t)
-                return self._next()
+                if t not in self.promoted[k]:
+                    return self._go_on(t, k, place)
         return None if self.fresh or self.running else self._last_one()
 
     def _last_one(self) -> Optional[tuple[Trial, int, int]]:
@@ -221,16 +216,23 @@ class Promotions:
         the highest rung reached goes on: of too few trials (a bracket's), the best 1/ETA is
         none, and synchronous halving keeps one too."""
         k = max((k for k, pairs in enumerate(self.judged) if pairs), default=len(self.ends) - 1)
+        if k == len(self.ends) - 1:
+            return None
         for place, (t, m) in enumerate(self._order(k), 1):
-            if k == len(self.ends) - 1 or m is None:
+            if m is None:
                 return None
             if t not in self.promoted[k]:
-                if not t.ended:
-                    return t, k, place
-                self._judge(t, k + 1, t.metric)
-                self.promoted[k].add(t)
-                return self._last_one()
+                return self._go_on(t, k, place)
         return None
+
+    def _go_on(self, t: Trial, k: int, place: int) -> Optional[tuple[Trial, int, int]]:
+        """`t` goes on from rung `k`: handed out, or, ended (stopped early), judged at the next
+        rung without training, holding its place there (and the next one is looked for)."""
+        if not t.ended:
+            return t, k, place
+        self._judge(t, k + 1, t.metric)
+        self.promoted[k].add(t)
+        return self._next()
 
     def _judge(self, t: Trial, rung: int, metric: Optional[float]) -> None:
         self.judged[rung].append((t, metric))
@@ -287,7 +289,7 @@ class Brackets:
 
     def __init__(self, lineups: list[Promotions]):
         self.lineups = lineups
-        self.of: dict[int, Promotions] = {}  # id(trial) -> its bracket's lineup
+        self.of: dict[Trial, Promotions] = {}  # a trial handed out -> its bracket's lineup
 
     def _pick(self) -> Optional[Promotions]:
         for lineup in self.lineups:
@@ -303,11 +305,11 @@ class Brackets:
     def take(self) -> tuple[Trial, Optional[int]]:
         lineup = self._pick()
         t, until = lineup.take()
-        self.of[id(t)] = lineup
+        self.of[t] = lineup
         return t, until
 
     def ended(self, t: Trial) -> None:
-        self.of[id(t)].ended(t)
+        self.of[t].ended(t)
 
 
 def promote(trials: list[Trial], eta: int, first: Optional[int],

@@ -351,8 +351,8 @@ def test_a_workers_series_leave_with_its_world(metrics_ray):
 
     `baton_rank_*` for a world of 4, then 2 (a shrink): ranks 2 and 3 leave the scrape
     within a few exports (set to NaN, which Ray's exporter leaves out), ranks 0 and 1 stay
-    though set only once, and a suspension (no world) leaves none. (A gauge no longer set also leaves, but only about 20 exports later:
-    measured, 20 s at one export a second; the 8 s allowed here tell the two apart.)"""
+    though set only once (set again every REFRESH_S), and a suspension (no world) leaves
+    none."""
     from baton.tracking.metrics import LiveMetrics
 
     live = LiveMetrics("ranks-leave")

@@ -800,14 +800,17 @@ def test_bad_held_out_row_groups_are_left_out_of_the_evaluation_as_training_leav
     from baton.data.source import preflight
 
     data = write_table(tmp_path / "data")
-    spec = spec_from_dict(tiny_spec(
-        tmp_path, data, name="heldbad", task="helpers:regression",
-        model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
-        data={"source": "parquet", "path": str(data), "shuffle_block": 16,
-              "columns": {"inputs": ["vec", "a", "b"], "target": "y"}, "skip_bad_row_groups": 1},
-        eval={"fraction": 0.25, "every_steps": 2},
-        train={"steps": 4, "global_batch": 8, "micro_batch": 4},
-        checkpoint={"every_steps": 100, "keep": 2}))
+
+    def job(held_out: dict):
+        return spec_from_dict(tiny_spec(
+            tmp_path, data, name="heldbad", task="helpers:regression",
+            model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
+            data={"source": "parquet", "path": str(data), "shuffle_block": 16,
+                  "columns": {"inputs": ["vec", "a", "b"], "target": "y"}, "skip_bad_row_groups": 1},
+            eval=held_out, train={"steps": 4, "global_batch": 8, "micro_batch": 4},
+            checkpoint={"every_steps": 100, "keep": 2}))
+
+    spec = job({"fraction": 0.25, "every_steps": 2})
     held = preflight(spec, "job.yaml").eval_sets[0].uids
     last = int(held.max())
     table = pq.read_table(data / "table.parquet")
@@ -828,13 +831,7 @@ def test_bad_held_out_row_groups_are_left_out_of_the_evaluation_as_training_leav
     good.mkdir()
     rows = [r for uid in sorted(held.tolist()) if uid != last for r in range(uid * 8, uid * 8 + 8)]
     pq.write_table(table.take(rows), good / "table.parquet", row_group_size=8)
-    alone = api.evaluate(spec_from_dict(tiny_spec(
-        tmp_path, data, name="heldbad", task="helpers:regression",
-        model={"name": "helpers:regressor", "width": 8, "options": {"inputs": 6}},
-        data={"source": "parquet", "path": str(data), "shuffle_block": 16,
-              "columns": {"inputs": ["vec", "a", "b"], "target": "y"}, "skip_bad_row_groups": 1},
-        eval={"path": str(good)}, train={"steps": 4, "global_batch": 8, "micro_batch": 4},
-        checkpoint={"every_steps": 100, "keep": 2})), show_progress=False)
+    alone = api.evaluate(job({"path": str(good)}), show_progress=False)
     assert alone.eval["eval_samples"] == result.eval["eval_samples"]
     # the same rows in the same order and batches (both read in manifest order): equal bitwise
     assert alone.eval["eval_loss"] == result.eval["eval_loss"]

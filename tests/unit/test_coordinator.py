@@ -1300,7 +1300,6 @@ class ScriptedEvaluation:
 
     def __init__(self, losses: dict):
         self.losses, self.last, self.step, self.judged = losses, {}, 0, []
-        self.left_out = []  # (no bad held-out rows)
 
     def due(self, done):
         return True

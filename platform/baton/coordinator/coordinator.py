@@ -814,7 +814,7 @@ class Coordinator:
                 pending.evaluation = self.evaluation.submit(self.group, t.global_batch)
             except DataError as e:  # held-out rows: the step before it trains first
                 raise self._stopped_by_data(e) from None
-            for event in self.evaluation.left_out:
+            for event in pending.evaluation.left_out:
                 self.report.bad_rows({"step": done, "held_out": True, **event}, self._tags())
 
     def _stopped_by_data(self, error: DataError) -> DataError:

@@ -14,7 +14,7 @@ metrics are those of the rows left."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from baton.data.feed import DataFeed
@@ -26,11 +26,13 @@ from baton.tasks import metric_values
 
 @dataclass
 class Pass:
-    """One pass queued on the workers: per batch, each worker's reference, and how many
-    batches each held-out set took (in order)."""
+    """One pass queued on the workers: per batch, each worker's reference, how many batches
+    each held-out set took (in order), and the row groups it left out first (bad rows:
+    data.skip_bad_row_groups), as events."""
 
     refs: list[list]
     batches: list[int]
+    left_out: list[dict] = field(default_factory=list)
 
     def all_refs(self) -> list:
         return [ref for batch_refs in self.refs for ref in batch_refs]
@@ -44,7 +46,6 @@ class Evaluation:
                                        spec.data.read == "spread", spec.data.skip_bad_row_groups))
                      for s in data.eval_sets]
         self.samples = data.eval_samples
-        self.left_out: list[dict] = []  # row groups the last pass left out first (bad rows)
         self.passes = 0
         self.last: dict = {}  # the metrics of the last pass
         self.step = 0  # the step it followed
@@ -64,8 +65,7 @@ class Evaluation:
                     refs.append(group.submit("evaluate", batch))
             batches.append(len(refs) - before)
         self.passes += 1
-        self.left_out = [event for _, feed in self.sets for event in feed.take_skipped()]
-        return Pass(refs, batches)
+        return Pass(refs, batches, [event for _, feed in self.sets for event in feed.take_skipped()])
 
     def collect(self, group, queued: Pass, step: int) -> dict:
         """The pass's metrics over every held-out set; with several (a mix's sources, under

@@ -410,7 +410,7 @@ class _Read:
                     # the read ends here, as at a failed task: the units before it are served,
                     # and whoever waits for this one gets the error (`wait_for`)
                     self.error = DataError(verdict[0])
-                    self._stop()
+                    self.cancel()
                     break
                 with self._cond:
                     if verdict is not None:
@@ -434,13 +434,6 @@ class _Read:
             raise as_data_error(self.error)
         raise DataError(f"data.path: the data ended early: unit {index} was never read (did the "
                         "files change under it?)")
-
-    def _stop(self) -> None:
-        """End the execution from the read's own thread (a bad unit ended the read)."""
-        with self._cond:
-            executor = self.executor
-        if executor is not None:
-            executor.shutdown(force=True)
 
     def cancel(self) -> None:
         """Stop reading, without waiting: an execution still starting (Ray Data's first one
