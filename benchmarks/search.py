@@ -1,6 +1,6 @@
 """What `--search tpe` finds against random draws, for the same number of trials, side by side.
 
-Two parts:
+Three parts:
 
 - **synthetic**: the searches as `baton sweep` runs them (`search.Suggested` and
   `sweeps.drawn`, the same axes' parsing and rounding), each trial scored at once by a bowl
@@ -8,6 +8,12 @@ Two parts:
   in decades, squared; the weight decay's at half weight) plus a width's cost (32: 0.3,
   64: 0.1, 128: 0); the best score after 10, 15, 20 and 30 trials, median over `--seeds`
   seeds. No training: it measures the searches, cheaply, over many seeds.
+- **halving** (`--parts halving`): successive halving of `--halving-trials` trials over
+  `--halving-steps` steps, `--halving 3`, with random draws or TPE's suggestions (BOHB),
+  synchronous in `--brackets` brackets or asynchronous (ASHA) in one, each run's score read
+  off a curve (`CURVES`: one whose order at every step is the end's, one where a larger
+  learning rate looks better early than it ends); the true score (the bowl's) of the trial
+  each sweep ranks first, and the steps its trials trained, median over `--seeds` seeds.
 - **digits** (`--digits N`): the digits job, `--trials N` over `train.lr=loguniform(1e-4,
   1e-1)`, `train.weight_decay=loguniform(1e-4, 1)` and `model.width=[32, 64, 128]` at
   `--steps` steps, ranked by the best checkpoint's eval_loss, random and TPE with the same
@@ -15,6 +21,7 @@ Two parts:
   eval_loss each found and after how many trials.
 
     python benchmarks/search.py --seeds 20
+    python benchmarks/search.py --seeds 20 --parts halving --out benchmarks/results/search_halving_cpu.json
     python benchmarks/search.py --seeds 20 --digits 12 --digits-seeds 2
 """
 
@@ -45,7 +52,7 @@ def bowl(v: dict) -> float:
 
 
 def synthetic(job: str, seeds: int) -> dict:
-    from baton.search import Suggested
+    from baton.search import Model, Suggested
     from baton.sweeps import drawn, parsed_axes
 
     n = max(SYNTHETIC_AT)
@@ -53,7 +60,7 @@ def synthetic(job: str, seeds: int) -> dict:
     for seed in range(seeds):
         scores = [bowl(v) for v in drawn(parsed_axes(job, AXES, n), n, seed)]
         best["random"].append([min(scores[:k]) for k in SYNTHETIC_AT])
-        search = Suggested(job, AXES, ["train.min_lr=0"], n, seed, True, lambda line: None)
+        search = Suggested(Model(job, AXES, ["train.min_lr=0"], n, seed, True, lambda line: None))
         while search.peek() is not None:
             t, _ = search.take()
             t.state, t.metric = "finished", bowl(t.values)
@@ -70,6 +77,73 @@ def synthetic(job: str, seeds: int) -> dict:
     wins = sum(t[-1] < r[-1] for t, r in zip(best["tpe"], best["random"]))
     print(f"\nTPE's best after {max(SYNTHETIC_AT)} below random's in {wins} of {seeds} seeds")
     return {"median_best": out, "tpe_wins_at_30": wins, "seeds": seeds}
+
+
+# How a trial's score goes with its step, for the halving part: `faithful`, the order at every
+# step the order at the end (a rung judges as the end would); `misleading`, a larger learning
+# rate looks better early than it ends (as on digits under train.schedule wsd, where
+# halving's pick was 7th of 9: docs/benchmarks.md)
+CURVES = {"faithful": lambda v, s, end: bowl(v) + 1 / math.sqrt(s) - 1 / math.sqrt(end),
+          "misleading": lambda v, s, end: bowl(v) - (1 - s / end) * (math.log10(v["train.lr"]) + 3)}
+HALVING_WAYS = {"random, hyperband": ("random", False), "tpe, hyperband (BOHB)": ("tpe", False),
+                "random, asha": ("random", True), "tpe, asha (BOHB, async)": ("tpe", True)}
+
+
+def halving(job: str, seeds: int, n: int, steps: int, brackets: int) -> dict:
+    """Each way of `HALVING_WAYS` (`baton sweep --halving 3`, with `--brackets` when
+    synchronous, `--async` with one bracket), as `api.sweep` drives it but each run's score
+    read off a `CURVES` curve at the step it stops at: the true score (`bowl`) of the trial
+    the sweep ranks first, and the steps its trials trained, median over `seeds` seeds."""
+    from types import SimpleNamespace
+
+    from baton import halving as halving_
+    from baton import search as search_
+    from baton import sweeps
+
+    sets = [f"train.steps={steps}", "train.min_lr=0"]
+    out = {}
+    for curve, score in CURVES.items():
+        rows = {way: {"true": [], "steps": []} for way in HALVING_WAYS}
+        for seed in range(seeds):
+            for way, (how, asynchronous) in HALVING_WAYS.items():
+                def run(spec, until, on_step):
+                    v = {"train.lr": spec.train.lr, "train.weight_decay": spec.train.weight_decay,
+                         "model.width": spec.model.width}
+                    at = until or steps
+                    return SimpleNamespace(state="paused" if until else "finished", step=at,
+                                           loss=score(v, at, steps), run_id="-", eval={}, best=None,
+                                           stopped_early=None)
+                count = 1 if asynchronous else brackets
+                if how == "tpe":
+                    model = search_.Model(job, AXES, sets, n, seed, True, lambda line: None)
+                    lineups = search_.brackets(model, 3, None, count)
+                else:
+                    lineups = halving_.dealt(sweeps.plan(job, AXES, sets, n, seed), 3, None, count, seed)
+                if asynchronous:
+                    halving_.promote(lineups, 3, lambda lu: sweeps.drive(lu, run, lambda line: None),
+                                     lambda line: None)
+                else:
+                    halving_.halve(lineups, 3, lambda batch, until: sweeps.train_each(
+                        batch, run, lambda line: None, until), lambda line: None)
+                trials = model.trials if how == "tpe" else [t for lu, _ in lineups for t in lu.listed]
+                pick = sweeps.rank(trials, "loss", True)[0]
+                rows[way]["true"].append(bowl(pick.values))
+                rows[way]["steps"].append(sum(t.step for t in trials))
+        out[curve] = {way: {"median_true_score": statistics.median(r["true"]),
+                            "median_steps": statistics.median(r["steps"]), "true": r["true"]}
+                      for way, r in rows.items()}
+    print(f"\nhalving: {n} trials, --halving 3 over {steps} steps (--brackets {brackets} when "
+          f"synchronous); the true score of the trial each picks, median of {seeds} seeds (lower is "
+          "better), and the steps trained\n")
+    print("| curve | way | pick's true score | steps | TPE's pick better than random's |")
+    print("|---|---|---:|---:|---:|")
+    for curve, rows in out.items():
+        for way, r in rows.items():
+            twin = way.replace("tpe", "random").replace(" (BOHB)", "").replace(" (BOHB, async)", "")
+            wins = (f"{sum(a < b for a, b in zip(r['true'], rows[twin]['true']))} of {seeds}"
+                    if twin != way else "")
+            print(f"| {curve} | {way} | {r['median_true_score']:.3f} | {r['median_steps']:.0f} | {wins} |")
+    return {"trials": n, "steps": steps, "brackets": brackets, "seeds": seeds, "curves": out}
 
 
 def digits(n: int, seeds: int, steps: int) -> list[dict]:
@@ -112,6 +186,10 @@ def digits(n: int, seeds: int, steps: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--parts", default="synthetic", help="of synthetic, halving (and --digits N)")
+    ap.add_argument("--halving-trials", type=int, default=27)
+    ap.add_argument("--halving-steps", type=int, default=81)
+    ap.add_argument("--brackets", type=int, default=4, help="the synchronous halving rows' --brackets")
     ap.add_argument("--digits", type=int, default=0, metavar="N", help="trials of each real sweep (0: none)")
     ap.add_argument("--digits-seeds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=100)
@@ -125,7 +203,11 @@ def main() -> None:
 
         data = write_dataset(Path(tmp) / "data", num_samples=16, seq_len=32)
         job = str(write_spec(Path(tmp) / "job.yaml", tiny_spec(Path(tmp), data, name="s")))
-        result = {"synthetic": synthetic(job, args.seeds)}
+        parts = args.parts.split(",")
+        result = {"synthetic": synthetic(job, args.seeds)} if "synthetic" in parts else {}
+        if "halving" in parts:
+            result["halving"] = halving(job, args.seeds, args.halving_trials, args.halving_steps,
+                                        args.brackets)
     if args.digits:
         result["digits"] = digits(args.digits, args.digits_seeds, args.steps)
     write_result(args.out, {**result, "axes": AXES})

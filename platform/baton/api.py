@@ -343,7 +343,8 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     successive halving from step `first_rung` (`halving.halve`), or `asynchronous` halving
     (`halving.promote`: no rung waits for its slowest trial), in `brackets` halvings
     (Hyperband: `halving.deal`, seeded by `seed`). With `search="tpe"`, the
-    `trials` are suggested one at a time from the results so far (`search.Suggested`).
+    `trials` are suggested one at a time from the results so far (`search.Model`), under a
+    halving from the rungs judged so far too (BOHB).
     Returns the trials (`sweeps.Trial`) ranked best first (`sweeps.ranked_by`)."""
     import ray
 
@@ -352,20 +353,18 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     from baton import sweeps
 
     source = job if isinstance(job, str) else "<spec>"
-    lineup = None
+    model = None
     if search == "tpe":
-        if trials is None or halving is not None:
-            raise SpecError(f"{source}: --search tpe suggests --trials N trials, each trained "
-                            "to its end: give --trials, and no --halving")
+        if trials is None:
+            raise SpecError(f"{source}: --search tpe suggests --trials N trials: give --trials")
         base = sweeps.maker(job, list(overrides))({})  # (each suggested trial's job is checked as made)
-        lineup = search_.Suggested(job, axes, list(overrides), trials, seed,
-                                   sweeps.ranked_by(base.spec)[1], log)
+        model = search_.Model(job, axes, list(overrides), trials, seed, sweeps.ranked_by(base.spec)[1], log)
         trials = [base] * trials  # what fits and how many at once, by the job's own world
     elif search != "random":
         raise SpecError(f"{source}: --search {search}: use random or tpe")
     else:
         trials = sweeps.plan(job, axes, list(overrides), trials, seed)
-    halving_.check_halving(trials, halving, first_rung, source, asynchronous, brackets)
+    halving_.check_halving(trials, halving, first_rung, source, asynchronous, brackets, model is not None)
     if concurrent != "auto" and (not isinstance(concurrent, int) or concurrent < 1):
         raise SpecError(f"{source}: --concurrent {concurrent}: give 1 or more, or auto")
     if address is None and not ray.is_initialized():  # each trial fits, before Ray starts
@@ -392,16 +391,18 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
         def drive(lineup) -> None:  # the room counted as each grid or rung begins
             sweeps.drive(lineup, train, log, concurrent, ray.cluster_resources())
 
-        if lineup is not None:
-            drive(lineup)
-            trials = lineup.trials
-        elif halving is not None and asynchronous:
-            halving_.promote(trials, halving, first_rung, drive, log, brackets, seed)
-        elif halving is not None:
-            halving_.halve(trials, halving, first_rung, lambda batch, until: drive(
-                sweeps.Listed(batch, until, log)), log, brackets, seed)
+        if halving is None:
+            drive(search_.Suggested(model) if model else sweeps.Listed(trials, None, log))
         else:
-            drive(sweeps.Listed(trials, None, log))
+            lineups = (search_.brackets(model, halving, first_rung, brackets) if model
+                       else halving_.dealt(trials, halving, first_rung, brackets, seed))
+            if asynchronous:
+                halving_.promote(lineups, halving, drive, log)
+            else:
+                halving_.halve(lineups, halving, lambda batch, until: drive(
+                    sweeps.Listed(batch, until, log)), log)
+        if model:
+            trials = model.trials
     return sweeps.rank(trials, *sweeps.ranked_by(trials[0].spec))
 
 

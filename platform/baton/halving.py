@@ -52,48 +52,90 @@ def bracket_sizes(n: int, eta: int, count: int, s_max: int) -> list[int]:
     return sizes
 
 
+def brackets_of(n: int, steps: int, eta: int, first: Optional[int],
+                count: int = 1) -> list[tuple[int, list[int]]]:
+    """How many of `n` trials each bracket of a halving takes and the steps it judges them
+    at, train.steps last. One bracket: every trial, at `rungs`. `count` (Hyperband): bracket i
+    judges from the i-th of those rungs on (the last of rungs + 1 brackets trains its trials
+    to the end), in `bracket_sizes`'s numbers."""
+    ends = rungs(n, steps, eta, first)
+    if count == 1:
+        return [(n, ends)]
+    return [(size, ends[i:]) for i, size in enumerate(bracket_sizes(n, eta, count, len(ends) - 1))]
+
+
 def deal(trials: list[Trial], eta: int, first: Optional[int], count: int = 1,
          seed: int = 0) -> list[tuple[list[Trial], list[int]]]:
-    """The brackets of a halving: each one's trials (in the sweep's order) and the steps it
-    judges them at, train.steps last. One bracket: every trial, at `rungs`. `count`
-    (Hyperband): bracket i judges from the i-th of those rungs on (the last of rungs + 1
-    brackets trains its trials to the end), its trials drawn at random (seeded: a sweep run
-    again deals them alike) in `bracket_sizes`'s numbers."""
-    ends = rungs(len(trials), trials[0].spec.train.steps, eta, first)
+    """The brackets of a halving of listed trials (`brackets_of`): each one's trials (in the
+    sweep's order) and the steps it judges them at, its trials drawn at random (seeded: a
+    sweep run again deals them alike)."""
+    plan = brackets_of(len(trials), trials[0].spec.train.steps, eta, first, count)
     if count == 1:
-        return [(list(trials), ends)]
+        return [(list(trials), plan[0][1])]
     order = list(range(len(trials)))
     random.Random(seed).shuffle(order)
     out, at = [], 0
-    for i, size in enumerate(bracket_sizes(len(trials), eta, count, len(ends) - 1)):
-        out.append(([trials[j] for j in sorted(order[at:at + size])], ends[i:]))
+    for i, (size, ends) in enumerate(plan):
+        out.append(([trials[j] for j in sorted(order[at:at + size])], ends))
         at += size
         for t in out[-1][0]:
             t.bracket = i + 1
     return out
 
 
-def describe(trials: list[Trial], eta: int, first: Optional[int], count: int = 1, seed: int = 0,
-             asynchronous: bool = False) -> list[str]:
+class Dealt:
+    """A bracket's trials, listed before it begins (a grid's or a random search's): what a
+    halving begins, one after another (`fresh`: `search.Suggestions` is the other kind)."""
+
+    def __init__(self, trials: list[Trial]):
+        self.listed, self.n, self.begun = list(trials), len(trials), 0
+        self.spec = trials[0].spec
+
+    @property
+    def left(self) -> bool:
+        return self.begun < self.n
+
+    def peek(self) -> Optional[Trial]:
+        return self.listed[self.begun] if self.left else None
+
+    def take(self) -> tuple[Trial, str]:
+        self.begun += 1
+        return self.listed[self.begun - 1], ""
+
+    def ended(self) -> None:
+        pass
+
+
+def dealt(trials: list[Trial], eta: int, first: Optional[int], count: int = 1,
+          seed: int = 0) -> list[tuple[Dealt, list[int]]]:
+    """The brackets of a halving of listed trials (`deal`), for `halve` and `promote`."""
+    return [(Dealt(group), ends) for group, ends in deal(trials, eta, first, count, seed)]
+
+
+def describe(brackets: list[tuple], eta: int, asynchronous: bool = False) -> list[str]:
     """What a halving will do, a line a bracket (`baton sweep --list`)."""
     how = "as they are judged" if asynchronous else "each time"
     lines = []
-    for i, (group, ends) in enumerate(deal(trials, eta, first, count, seed), 1):
+    for i, (fresh, ends) in enumerate(brackets, 1):
         judged = (f"judged at step{'s' * (len(ends) > 2)} {', '.join(map(str, ends[:-1]))}; the "
                   f"best 1/{eta} go on {how}, the last to step {ends[-1]}") if len(ends) > 1 \
             else f"each to step {ends[-1]}, unjudged"
-        if count == 1:
-            lines.append(("asynchronous " if asynchronous else "") + f"halving: {judged}")
+        which = (f" ({', '.join(t.name for t in fresh.listed)})" if fresh.listed is not None else
+                 f", suggested as {'each' if asynchronous else 'the bracket'} begins")
+        if len(brackets) == 1:
+            lines.append(("asynchronous " if asynchronous else "") + "halving: " + (
+                "" if fresh.listed is not None else f"{fresh.n} trials{which}, ") + judged)
         else:
-            lines.append(f"bracket {i} of {count}: {len(group)} trial{'s' * (len(group) > 1)} "
-                         f"({', '.join(t.name for t in group)}), {judged}")
+            lines.append(f"bracket {i} of {len(brackets)}: {fresh.n} trial{'s' * (fresh.n > 1)}"
+                         f"{which}, {judged}")
     return lines
 
 
 def check_halving(trials: list[Trial], eta: Optional[int], first: Optional[int], where: str,
-                  asynchronous: bool = False, brackets: int = 1) -> None:
+                  asynchronous: bool = False, brackets: int = 1, suggested: bool = False) -> None:
     """Refuse, in one line, a halving that cannot judge these trials (or its options given
-    without `--halving ETA`)."""
+    without `--halving ETA`; `suggested`: by a TPE search, which a synchronous halving of one
+    bracket cannot inform)."""
     if eta is None:
         for given, flag, what in ((first, "--first-rung", "is where --halving first judges the trials"),
                                   (asynchronous, "--async", "promotes the trials of a --halving as "
@@ -122,6 +164,11 @@ def check_halving(trials: list[Trial], eta: Optional[int], first: Optional[int],
                         f"{len(trials)} trials are judged at {most - 1} rung{'s' * (most != 2)} at "
                         f"most, so {most} brackets at most, the last training its trials to the "
                         "end, and a bracket takes at least one trial)")
+    if suggested and not asynchronous and brackets == 1:
+        raise SpecError(f"{where}: --search tpe with a synchronous --halving of one bracket would "
+                        "suggest every trial before any result (all at random): add --async (each "
+                        "suggested as it begins) or --brackets 2 or more (each bracket's from the "
+                        "brackets before)")
 
 
 def _at(t: Trial, ends: list[int], k: int) -> None:
@@ -129,14 +176,21 @@ def _at(t: Trial, ends: list[int], k: int) -> None:
     t.rung, t.reached = k, ends[k]
 
 
-def halve(trials: list[Trial], eta: int, first: Optional[int],
-          each: Callable[[list[Trial], Optional[int]], None], log: Callable[[str], None],
-          brackets: int = 1, seed: int = 0) -> None:
-    """Successive halving of the trials of each bracket (`deal`), a bracket after another."""
-    for i, (group, ends) in enumerate(deal(trials, eta, first, brackets, seed), 1):
-        if brackets > 1:
-            log(f"bracket {i} of {brackets}: {len(group)} trial{'s' * (len(group) > 1)}")
-        _halve(group, eta, ends, each, log)
+def halve(brackets: list[tuple], eta: int, each: Callable[[list[Trial], Optional[int]], None],
+          log: Callable[[str], None]) -> None:
+    """Successive halving of the trials of each bracket (`dealt`, `search.brackets`: its
+    fresh trials and the steps it judges them at), a bracket after another; each bracket's
+    trials taken as it begins (a TPE search suggests them from the brackets before)."""
+    for i, (fresh, ends) in enumerate(brackets, 1):
+        group, how = [], ""
+        while fresh.peek() is not None:
+            t, how = fresh.take()
+            group.append(t)
+        if len(brackets) > 1 or how:
+            log((f"bracket {i} of {len(brackets)}: " if len(brackets) > 1 else "")
+                + f"{len(group)} trial{'s' * (len(group) > 1)}{how}")
+        if group:
+            _halve(group, eta, ends, each, log)
 
 
 def _halve(trials: list[Trial], eta: int, ends: list[int],
@@ -181,11 +235,10 @@ class Promotions:
     training; one that trained past a rung before (a sweep run again) is judged at the
     furthest rung it reached and holds a place at those below it."""
 
-    def __init__(self, trials: list[Trial], eta: int, ends: list[int], log: Callable[[str], None],
-                 label: str = ""):
-        self.fresh, self.n = list(enumerate(trials, 1)), len(trials)
+    def __init__(self, fresh, eta: int, ends: list[int], log: Callable[[str], None], label: str = ""):
+        self.fresh = fresh  # the trials it begins (`Dealt`, `search.Suggestions`)
         self.eta, self.ends, self.log, self.label = eta, ends, log, label  # label: its bracket
-        self.metric, self.lowest = ranked_by(trials[0].spec)
+        self.metric, self.lowest = ranked_by(fresh.spec)
         self.judged: list[list[tuple[Trial, Optional[float]]]] = [[] for _ in ends]
         self.promoted: list[set] = [set() for _ in ends]  # the trials gone on from each rung
         self.running = 0  # handed out, not ended yet
@@ -209,7 +262,7 @@ class Promotions:
             for place, (t, _) in enumerate(self._best(k), 1):
                 if t not in self.promoted[k]:
                     return self._go_on(t, k, place)
-        return None if self.fresh or self.running else self._last_one()
+        return None if self.fresh.left or self.running else self._last_one()
 
     def _last_one(self) -> Optional[tuple[Trial, int, int]]:
         """With nothing left to begin or running and no trial at the last rung, the best of
@@ -240,17 +293,20 @@ class Promotions:
 
     def peek(self) -> Optional[tuple[Trial, Optional[int]]]:
         found = self._next()
-        if found is not None:
-            return found[0], self._until(found[1] + 1)
-        return (self.fresh[0][1], self._until(0)) if self.fresh else None
+        if found is None and (t := self.fresh.peek()) is not None:
+            return t, self._until(0)
+        if found is None:  # (a search that has just run out of trials to suggest)
+            found = self._next()
+        return (found[0], self._until(found[1] + 1)) if found is not None else None
 
     def take(self) -> tuple[Trial, Optional[int]]:
         found = self._next()
         self.running += 1
         if found is None:
-            k, t = self.fresh.pop(0)
+            t, how = self.fresh.take()
             _at(t, self.ends, 0)
-            self.log(f"{self.label}trial {k} of {self.n}: {t.name} ({values_of(t)}) to step {self.ends[0]}")
+            self.log(f"{self.label}trial {self.fresh.begun} of {self.fresh.n}: {t.name} "
+                     f"({values_of(t)}) to step {self.ends[0]}{how}")
             return t, self._until(0)
         t, k, place = found
         self.promoted[k].add(t)
@@ -263,6 +319,7 @@ class Promotions:
     def ended(self, t: Trial) -> None:
         """Judge `t` at the furthest rung its step reached (where it was sent, or beyond)."""
         self.running -= 1
+        self.fresh.ended()
         k = t.rung
         while k + 1 < len(self.ends) and self.ends[k + 1] <= t.step:
             self._judge(t, k, t.metric)  # trained past it before: holds a place there
@@ -295,12 +352,16 @@ class Brackets:
         for lineup in self.lineups:
             if lineup._next() is not None:
                 return lineup
-        fresh = [lineup for lineup in self.lineups if lineup.fresh]
-        return min(fresh, key=lambda lu: (lu.n - len(lu.fresh)) / lu.n) if fresh else None
+        fresh = [lineup for lineup in self.lineups if lineup.fresh.left]
+        return min(fresh, key=lambda lu: lu.fresh.begun / lu.fresh.n) if fresh else None
 
     def peek(self) -> Optional[tuple[Trial, Optional[int]]]:
         lineup = self._pick()
-        return lineup.peek() if lineup else None
+        found = lineup.peek() if lineup else None
+        if found is None and lineup is not None:  # (a search that has just run out of trials)
+            lineup = self._pick()
+            found = lineup.peek() if lineup else None
+        return found
 
     def take(self) -> tuple[Trial, Optional[int]]:
         lineup = self._pick()
@@ -312,13 +373,12 @@ class Brackets:
         self.of[t].ended(t)
 
 
-def promote(trials: list[Trial], eta: int, first: Optional[int],
-            drive_: Callable, log: Callable[[str], None], brackets: int = 1, seed: int = 0) -> None:
+def promote(brackets: list[tuple], eta: int, drive_: Callable, log: Callable[[str], None]) -> None:
     """Asynchronous successive halving (`Promotions`) of each bracket's trials at its rungs
-    (`deal`), the brackets side by side (`Brackets`); `drive_(lineup)` trains what it hands
-    out (`drive`)."""
-    lineups = [Promotions(group, eta, ends, log, f"bracket {i}, " if brackets > 1 else "")
-               for i, (group, ends) in enumerate(deal(trials, eta, first, brackets, seed), 1)]
-    drive_(lineups[0] if brackets == 1 else Brackets(lineups))
+    (`dealt`, `search.brackets`), the brackets side by side (`Brackets`); `drive_(lineup)`
+    trains what it hands out (`drive`)."""
+    lineups = [Promotions(fresh, eta, ends, log, f"bracket {i}, " if len(brackets) > 1 else "")
+               for i, (fresh, ends) in enumerate(brackets, 1)]
+    drive_(lineups[0] if len(lineups) == 1 else Brackets(lineups))
     for lineup in lineups:
         lineup.cut()

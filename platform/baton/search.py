@@ -1,5 +1,5 @@
 """`baton sweep --trials N --search tpe`: trials suggested one at a time from the results so
-far, instead of drawn all at once.
+far, instead of drawn all at once; with `--halving` too, BOHB's mix of the two.
 
 Optuna's Tree-structured Parzen Estimator (Bergstra et al., 2011; Optuna's `TPESampler`,
 multivariate: the axes modelled together): after a few random trials (`startup`), each next
@@ -11,10 +11,19 @@ the model nothing (it is left out, as Optuna does with a failed trial). With `--
 the trials still running count as if they had scored the worst so far (Optuna's "constant
 liar"), so that those started together do not crowd one place.
 
-The sampler is seeded, so a sweep a trial at a time suggests the same trials for the same
-results: run again, each trial done is not trained again and tells its result, and the sweep
-goes on where it stopped (`replay` lists them, for `baton sweep --list`). Trials run side by
-side end in an order the model sees, so such a sweep run again may suggest others.
+Under successive halving (`--halving`, `halving.py`) a trial judged at a rung and not (yet)
+gone on tells the model its metric at that rung's step (an Optuna trial "pruned" there), and
+TPE's good trials are those that trained furthest, then the best at that step: BOHB's model
+(Falkner et al., 2018) in the form Optuna gives it (TPE with a Hyperband pruner). Each fresh
+trial of an asynchronous halving is suggested as it begins; a synchronous halving's, as its
+bracket begins (`Suggestions`).
+
+The model is built again for each suggestion from what every trial has shown by then
+(`Model.study`), and seeded by the sweep's seed and the number of trials handed out, so a
+sweep a trial at a time suggests the same trials for the same results: run again, each
+trial done is not trained again and tells its result, and the sweep goes on where it stopped
+(`replay` lists them, for `baton sweep --list`). Trials run side by side end in an order the
+model sees, so such a sweep run again may suggest others.
 """
 
 from __future__ import annotations
@@ -43,73 +52,174 @@ def startup(n: int) -> int:
     return min(10, max(3, n // 3))
 
 
-class Suggested:
-    """The trials of a TPE search, for `sweeps.drive`: `peek()` asks the model for the next
-    trial (once fewer than `n` were handed out), `take()` hands it out, `ended(t)` tells the
-    model its result."""
+class Model:
+    """The TPE model of a sweep's `n` trials: `peek()` the next trial it suggests (once fewer
+    than `n` were handed out), `take()` it (with how it was suggested), `ended()` when a
+    result came in (the suggestion peeked is made again with it)."""
 
-    def __init__(self, job, axes: dict, overrides: list[str], n: Optional[int], seed: int, lowest: bool,
-                 log: Callable[[str], None]):
-        optuna = _optuna()
+    def __init__(self, job, axes: dict, overrides: list[str], n: Optional[int], seed: int,
+                 lowest: bool, log: Callable[[str], None]):
+        _optuna()
         where = job if isinstance(job, str) else "<spec>"
         if n is None:
             raise SpecError(f"{where}: --search tpe suggests --trials N trials: give --trials")
-        self.axes, self.n, self.log = parsed_axes(where, axes, n), n, log
+        self.axes, self.n, self.seed, self.lowest, self.log = parsed_axes(where, axes, n), n, seed, lowest, log
         self.make = maker(job, overrides)
-        with warnings.catch_warnings():  # (multivariate is "experimental" in Optuna's words)
-            warnings.simplefilter("ignore")
-            sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup(n),
-                                                 multivariate=True, constant_liar=True)
-        self.study = optuna.create_study(direction="minimize" if lowest else "maximize",
-                                         sampler=sampler)
+        self.base = self.make({})  # the job itself: its metric, its world
         self.trials: list[Trial] = []  # handed out, in order
-        self.asked: dict[str, list] = {}  # a trial's name -> its Optuna trials not yet told
-        self.next: Optional[Trial] = None
+        self.next: Optional[tuple[Trial, str]] = None
         self.exhausted = False
 
-    def peek(self) -> Optional[tuple[Trial, None]]:
-        if self.next is None and len(self.trials) < self.n and not self.exhausted:
+    @property
+    def left(self) -> bool:
+        return len(self.trials) < self.n and not self.exhausted
+
+    def peek(self) -> Optional[Trial]:
+        if self.next is None and self.left:
             self.next = self._suggest()
-        return (self.next, None) if self.next is not None else None
+        return self.next[0] if self.next else None
 
-    def take(self) -> tuple[Trial, None]:
-        t, self.next = self.next, None
+    def take(self) -> tuple[Trial, str]:
+        """The trial peeked, handed out, and how it was suggested ("at random", "from 6
+        results")."""
+        self.peek()
+        (t, how), self.next = self.next, None
         self.trials.append(t)
-        told = sum(1 for x in self.study.trials if x.state.is_finished())
-        how = "at random" if len(self.trials) <= startup(self.n) else f"from {told} results"
-        self.log(f"trial {len(self.trials)} of {self.n}: {t.name} ({values_of(t)}), suggested {how}")
-        return t, None
+        return t, how
 
-    def ended(self, t: Trial) -> None:
-        for asked in self.asked.pop(t.name, []):
-            self._tell(asked, t)
+    def ended(self) -> None:
+        self.next = None
 
-    def _suggest(self) -> Optional[Trial]:
+    def study(self):
+        """An in-memory Optuna study of what each trial handed out has shown (`_observed`)."""
+        optuna = _optuna()
+        with warnings.catch_warnings():  # (multivariate is "experimental" in Optuna's words)
+            warnings.simplefilter("ignore")
+            sampler = optuna.samplers.TPESampler(seed=(self.seed * 1_000_003 + len(self.trials)) % 2**32,
+                                                 n_startup_trials=startup(self.n), multivariate=True,
+                                                 constant_liar=True)
+        study = optuna.create_study(direction="minimize" if self.lowest else "maximize",
+                                    sampler=sampler)
+        for t in self.trials:
+            study.add_trial(self._observed(t))
+        return study
+
+    def _observed(self, t: Trial):
+        """`t` as an Optuna trial: complete with its metric where it trained every step (or
+        ended: stopped early); pruned at its step where it was judged at a rung; running
+        where it has no metric yet; failed where it failed or ended without one."""
+        optuna = _optuna()
+        state = optuna.trial.TrialState
+        params = {key: _param(t.values[key], axis) for key, axis in self.axes.items()}
+        dists = {key: _distribution(axis) for key, axis in self.axes.items()}
+        if t.state == "failed" or (t.ended and t.metric is None):
+            return optuna.trial.create_trial(params=params, distributions=dists, state=state.FAIL)
+        if t.metric is None:
+            return optuna.trial.create_trial(params=params, distributions=dists, state=state.RUNNING)
+        if t.ended or t.step >= t.spec.train.steps:
+            return optuna.trial.create_trial(params=params, distributions=dists, value=t.metric)
+        return optuna.trial.create_trial(params=params, distributions=dists, state=state.PRUNED,
+                                         intermediate_values={t.step: t.metric})
+
+    def _suggest(self) -> Optional[tuple[Trial, str]]:
         """The next trial not handed out yet. A suggestion of one that was (its values, once
-        rounded as a draw rounds them) is told that one's result (or waits for it) and the
-        model asked again; ASKS such in a row end the search."""
+        rounded as a draw rounds them) is told that one's result and the model asked again;
+        ASKS such in a row end the search."""
+        optuna = _optuna()
+        study = self.study()
+        told = sum(x.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+                   for x in study.trials)
+        how = "at random" if told < startup(self.n) else f"from {told} results"
         for _ in range(ASKS):
-            asked = self.study.ask()
+            asked = study.ask()
             t = self.make({key: _value(asked, key, axis) for key, axis in self.axes.items()})
             known = next((x for x in self.trials if x.name == t.name), None)
             if known is None:
-                self.asked[t.name] = [asked]
-                return t
-            if known.name in self.asked:  # still training: told when it ends
-                self.asked[known.name].append(asked)
-            else:
-                self._tell(asked, known)
+                return t, how
+            seen = self._observed(known)
+            if seen.state.is_finished():  # (one still running stays so: a liar)
+                study.tell(asked, seen.value, state=seen.state)
         self.exhausted = True
         self.log(f"the search suggested only trials already run, {ASKS} times in a row: it "
                  f"ends at {len(self.trials)} trials")
         return None
 
-    def _tell(self, asked, t: Trial) -> None:
-        optuna = _optuna()
-        if t.metric is None or t.state == "failed":
-            self.study.tell(asked, state=optuna.trial.TrialState.FAIL)
-        else:
-            self.study.tell(asked, t.metric)
+
+class Suggested:
+    """The trials of a TPE search each trained to its end, for `sweeps.drive`."""
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    @property
+    def trials(self) -> list[Trial]:
+        return self.model.trials
+
+    def peek(self) -> Optional[tuple[Trial, None]]:
+        t = self.model.peek()
+        return (t, None) if t is not None else None
+
+    def take(self) -> tuple[Trial, None]:
+        t, how = self.model.take()
+        self.model.log(f"trial {len(self.trials)} of {self.model.n}: {t.name} ({values_of(t)}), "
+                       f"suggested {how}")
+        return t, None
+
+    def ended(self, t: Trial) -> None:
+        self.model.ended()
+
+
+class Suggestions:
+    """A bracket's share of a TPE search (`n` of the model's trials, `halving.py`'s `fresh`),
+    each suggested as it begins, from every bracket's results so far."""
+
+    def __init__(self, model: Model, n: int, bracket: int = 0):
+        self.model, self.n, self.bracket, self.begun = model, n, bracket, 0
+        self.spec = model.base.spec
+        self.listed = None  # (no trial is known before it begins)
+
+    @property
+    def left(self) -> bool:
+        return self.begun < self.n and self.model.left
+
+    def peek(self) -> Optional[Trial]:
+        return self.model.peek() if self.left else None
+
+    def take(self) -> tuple[Trial, str]:
+        t, how = self.model.take()
+        t.bracket, self.begun = self.bracket, self.begun + 1
+        return t, f", suggested {how}"
+
+    def ended(self) -> None:
+        self.model.ended()
+
+
+def brackets(model: Model, eta: int, first: Optional[int], count: int) -> list[tuple[Suggestions, list[int]]]:
+    """A TPE search's brackets of a halving (`halving.brackets_of`), each its share of the
+    trials, suggested as they begin, and the steps it judges them at."""
+    from baton.halving import brackets_of
+
+    plan = brackets_of(model.n, model.base.spec.train.steps, eta, first, count)
+    return [(Suggestions(model, size, i if count > 1 else 0), ends) for i, (size, ends) in enumerate(plan, 1)]
+
+
+def _distribution(axis: list | Draw):
+    """The Optuna distribution of an axis, as `_value` asks for it."""
+    dists = _optuna().distributions
+    if isinstance(axis, list):
+        return dists.CategoricalDistribution(list(range(len(axis))))
+    if axis.kind == "randint":
+        return dists.IntDistribution(int(axis.low), int(axis.high))
+    return dists.FloatDistribution(axis.low, axis.high, log=axis.kind == "loguniform")
+
+
+def _param(value, axis: list | Draw):
+    """A trial's value of an axis, as Optuna holds it (`_distribution`)."""
+    if isinstance(axis, list):
+        return axis.index(value)
+    if axis.kind == "randint":
+        return int(value)
+    return min(max(float(value), axis.low), axis.high)  # (rounded to 3 digits, it can leave the range)
 
 
 def _value(asked, key: str, axis: list | Draw):
@@ -129,9 +239,9 @@ def replay(job, axes: dict, overrides: list[str], n: Optional[int], seed: int,
     """The trials a sweep run a trial at a time would suggest, as far as their results are
     known (each done one's from its checkpoint), and the first whose result is not (for
     `baton sweep --list`)."""
-    search = Suggested(job, axes, overrides, n, seed, lowest, lambda line: None)
+    search = Suggested(Model(job, axes, overrides, n, seed, lowest, lambda line: None))
     while search.peek() is not None:
-        t, _ = search.take()
+        t, _ = search.model.take()
         meta = done(t.spec)
         if meta is None:
             break

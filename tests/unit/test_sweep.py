@@ -157,14 +157,14 @@ def _losses():
 def test_halving_trains_the_best_third_on_at_each_rung_and_cuts_the_rest(tmp_path):
     """9 trials, --halving 3 over 90 steps: all 9 to step 10, the best 3 to step 30, the best
     one to step 90; the others cut where they stopped. A trial that fails is never promoted."""
-    from baton.halving import halve
+    from baton.halving import dealt, halve
     from baton.sweeps import train_each
 
     lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
     trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": lrs})
     run, calls = _losses()
     log = []
-    halve(trials, 3, None, lambda batch, until: train_each(
+    halve(dealt(trials, 3, None), 3, lambda batch, until: train_each(
         batch, lambda spec, end, on_step: run(spec, end), log.append, until), log.append)
     name = {t.spec.train.lr: t.name for t in trials}
     assert calls == ([(name[lr], 10) for lr in lrs] + [(name[lr], 30) for lr in (3e-3, 2e-3, 4.5e-3)]
@@ -185,14 +185,14 @@ def test_asynchronous_halving_promotes_a_trial_as_soon_as_it_stands_among_the_be
     """The 9 trials of the test above under --async, a trial at a time: the best of the first
     three (3e-3) goes on to step 30 before the fourth begins, and on to the end once three
     are judged at step 30; the same trials go as far as under synchronous halving, here."""
-    from baton.halving import promote
+    from baton.halving import dealt, promote
     from baton.sweeps import drive
 
     lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
     trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": lrs})
     run, calls = _losses()
     log = []
-    promote(trials, 3, None, lambda lineup: drive(
+    promote(dealt(trials, 3, None), 3, lambda lineup: drive(
         lineup, lambda spec, end, on_step: run(spec, end), log.append), log.append)
     name = {t.spec.train.lr: t.name for t in trials}
     assert calls == [(name[1e-3], 10), (name[2e-3], 10), (name[3e-3], 10), (name[3e-3], 30),
@@ -219,7 +219,7 @@ def test_asynchronous_halving_keeps_the_places_of_trials_that_ended_or_went_furt
     other place without training; the 4 others are cut, and no trial trains twice."""
     from types import SimpleNamespace
 
-    from baton.halving import promote
+    from baton.halving import dealt, promote
     from baton.sweeps import drive
 
     trials = plan(_job(tmp_path, train={"steps": 90}), {"train.lr": [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]})
@@ -232,7 +232,7 @@ def test_asynchronous_halving_keeps_the_places_of_trials_that_ended_or_went_furt
                                loss=spec.train.lr * 1000, run_id="r", eval={}, best=None,
                                stopped_early="no better eval_loss" if step == 20 else None)
 
-    promote(trials, 3, None, lambda lineup: drive(lineup, run, lambda line: None), lambda line: None)
+    promote(dealt(trials, 3, None), 3, lambda lineup: drive(lineup, run, lambda line: None), lambda line: None)
     assert calls == [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3]
     assert [(t.state, t.step, t.rung) for t in trials] == [
         ("finished", 90, 1), ("stopped early", 20, 1), *[("cut", 30, 0)] * 4]
@@ -245,7 +245,7 @@ def test_asynchronous_halving_does_not_wait_for_a_rungs_slowest_trial(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from baton.halving import promote
+    from baton.halving import dealt, promote
     from baton.sweeps import drive
 
     trials = plan(_job(tmp_path, train={"steps": 9}), {"train.lr": [1e-3, 2e-3, 3e-3, 4e-3]})
@@ -262,7 +262,7 @@ def test_asynchronous_halving_does_not_wait_for_a_rungs_slowest_trial(tmp_path):
                                stopped_early=None)
 
     log = []
-    promote(trials, 3, None, lambda lineup: drive(lineup, run, log.append, concurrent=2,
+    promote(dealt(trials, 3, None), 3, lambda lineup: drive(lineup, run, log.append, concurrent=2,
                                                   total={"CPU": 2.0}), log.append)
     assert waited == [True]
     assert [(t.state, t.step) for t in trials] == [("finished", 9), ("cut", 3), ("cut", 3), ("cut", 3)]
@@ -320,7 +320,7 @@ def test_hyperband_deals_the_trials_among_brackets_in_its_proportions(tmp_path):
 def _hyperband(tmp_path, asynchronous):
     """The 9 trials of the halving tests in 3 brackets (seed 0 deals 2e-3, 4.5e-3, 5e-3,
     6e-3 and 1e-2 to the first, 1e-3, 3e-3 and 1.0 to the second, 8e-3 to the third)."""
-    from baton.halving import halve, promote
+    from baton.halving import dealt, halve, promote
     from baton.sweeps import drive, train_each
 
     lrs = [1e-3, 2e-3, 3e-3, 4.5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.0]
@@ -328,11 +328,11 @@ def _hyperband(tmp_path, asynchronous):
     run, calls = _losses()
     log = []
     if asynchronous:
-        promote(trials, 3, None, lambda lineup: drive(
-            lineup, lambda spec, end, on_step: run(spec, end), log.append), log.append, 3, 0)
+        promote(dealt(trials, 3, None, 3, 0), 3, lambda lineup: drive(
+            lineup, lambda spec, end, on_step: run(spec, end), log.append), log.append)
     else:
-        halve(trials, 3, None, lambda batch, until: train_each(
-            batch, lambda spec, end, on_step: run(spec, end), log.append, until), log.append, 3, 0)
+        halve(dealt(trials, 3, None, 3, 0), 3, lambda batch, until: train_each(
+            batch, lambda spec, end, on_step: run(spec, end), log.append, until), log.append)
     lr = {t.name: t.spec.train.lr for t in trials}
     return trials, [(lr[name], until) for name, until in calls], log
 
@@ -488,11 +488,11 @@ def _searched(tmp_path, axes, n, score, seed=0, fail=lambda values: False):
     """A TPE search (`search.Suggested`) driven as `sweeps.drive` drives it a trial at a time,
     each trial's result `score(values)` instead of a run (or a failure); its trials' values,
     the lines it said and its Optuna study."""
-    from baton.search import Suggested
+    from baton.search import Model, Suggested
 
     lines = []
-    search = Suggested(_job(tmp_path), axes, ["train.steps=2", "train.min_lr=0"], n, seed, True,
-                       lines.append)
+    search = Suggested(Model(_job(tmp_path), axes, ["train.steps=2", "train.min_lr=0"], n, seed, True,
+                             lines.append))
     while search.peek() is not None:
         t, until = search.take()
         assert until is None
@@ -501,7 +501,7 @@ def _searched(tmp_path, axes, n, score, seed=0, fail=lambda values: False):
         else:
             t.state, t.metric = "finished", score(t.values)
         search.ended(t)
-    return [t.values for t in search.trials], lines, search.study
+    return [t.values for t in search.trials], lines, search.model.study()
 
 
 def test_a_tpe_search_suggests_near_the_best_results_and_replays_the_same_trials(tmp_path):
@@ -538,12 +538,95 @@ def test_a_tpe_search_suggests_near_the_best_results_and_replays_the_same_trials
         "FAIL" if v["train.lr"] > 1e-3 else "COMPLETE" for v in failed]
 
 
-def test_a_tpe_search_is_refused_without_trials_or_with_halving(tmp_path):
+def _bohb(tmp_path, n, brackets, asynchronous, seed=0):
+    """A TPE search under --halving 3 over 90 steps (`search.brackets`), each trial's loss
+    `_losses`'s (the closest learning rate to 3e-3 falls fastest) instead of a run: its
+    trials, the runs made (learning rate, until), the lines said and the model."""
+    from baton.halving import halve, promote
+    from baton.search import Model, brackets as suggested
+    from baton.sweeps import drive, train_each
+
+    run, calls = _losses()
+    log = []
+    model = Model(_job(tmp_path, train={"steps": 90}), {"train.lr": "loguniform(1e-4, 1e-1)"}, ["train.min_lr=0"],
+                  n, seed, True, log.append)
+    lineups = suggested(model, 3, None, brackets)
+    if asynchronous:
+        promote(lineups, 3, lambda lineup: drive(
+            lineup, lambda spec, end, on_step: run(spec, end), log.append), log.append)
+    else:
+        halve(lineups, 3, lambda batch, until: train_each(
+            batch, lambda spec, end, on_step: run(spec, end), log.append, until), log.append)
+    lr = {t.name: t.spec.train.lr for t in model.trials}
+    return model.trials, [(lr[name], until) for name, until in calls], log, model
+
+
+def test_bohb_suggests_each_trial_from_the_rungs_judged_so_far(tmp_path):
+    """--search tpe --halving 3 --async (BOHB, asynchronous): each trial is suggested as it
+    begins, the first 3 at random, the next ones from the results at the first rung (no trial
+    has trained to the end yet), each told to the model as a trial pruned at that rung's
+    step; a trial that trained to the end is told complete. The same seed and results suggest
+    the same trials (a sweep run again goes on where it stopped)."""
+    trials, calls, log, model = _bohb(tmp_path, 9, 1, asynchronous=True)
+    assert len(trials) == len({t.name for t in trials}) == 9
+    begun = [line for line in log if line.startswith("trial ")]
+    assert [line.rsplit(", suggested ", 1)[1] for line in begun[:4]] == [
+        "at random", "at random", "at random", "from 3 results"]
+    assert calls[:3] == [(t.spec.train.lr, 10) for t in trials[:3]]
+    assert not any(until is None for _, until in calls[:4])  # the 4th from rung results only
+    finished = [t for t in trials if t.state == "finished"]
+    assert len(finished) == 1 and finished[0].step == 90
+    assert all((t.state, t.step) in (("cut", 10), ("cut", 30)) for t in trials if t not in finished)
+    states = {t.name: x for t, x in zip(model.trials, model.study().trials)}
+    for t in trials:
+        x = states[t.name]
+        if t is finished[0]:
+            assert x.state.name == "COMPLETE" and x.value == t.metric
+        else:
+            assert x.state.name == "PRUNED" and x.intermediate_values == {t.step: t.metric}
+    again, _, _, _ = _bohb(tmp_path / "again", 9, 1, asynchronous=True)
+    assert [t.name for t in again] == [t.name for t in trials]
+
+
+def test_synchronous_bohb_suggests_each_brackets_trials_from_the_brackets_before(tmp_path):
+    """--search tpe --halving 3 --brackets 3 (BOHB): the first bracket's 5 trials at random,
+    the second's 3 from the first's 5 results (4 pruned at a rung, 1 trained to the end), the
+    third's one from those 8; each trial in its bracket."""
+    trials, calls, log, _ = _bohb(tmp_path, 9, 3, asynchronous=False)
+    assert [line for line in log if line.startswith("bracket")] == [
+        "bracket 1 of 3: 5 trials, suggested at random", "bracket 2 of 3: 3 trials, suggested from 5 results",
+        "bracket 3 of 3: 1 trial, suggested from 8 results"]
+    assert [t.bracket for t in trials] == [1] * 5 + [2] * 3 + [3]
+    assert calls[-1] == (trials[-1].spec.train.lr, None)  # the third bracket's, to the end unjudged
+    assert sum(t.state == "finished" for t in trials) == 3
+
+
+def test_a_tpe_search_is_refused_without_trials_or_under_a_halving_it_cannot_inform(tmp_path, capsys):
     from baton import api
 
-    job = _job(tmp_path)
-    with pytest.raises(SpecError, match="--search tpe suggests --trials N trials, each trained to its "
-                                        "end: give --trials, and no --halving"):
+    job = _job(tmp_path, train={"steps": 90})
+    with pytest.raises(SpecError, match="--search tpe suggests --trials N trials: give --trials"):
+        api.sweep(job, {"train.lr": [0.1, 0.2]}, search="tpe")
+    with pytest.raises(SpecError, match=r"--search tpe with a synchronous --halving of one bracket "
+                                        r"would suggest every trial before any result \(all at random\): "
+                                        "add --async"):
         api.sweep(job, {"train.lr": [0.1, 0.2]}, search="tpe", halving=2, trials=4)
     with pytest.raises(SpecError, match="--search grid: use random or tpe"):
         api.sweep(job, {"train.lr": [0.1, 0.2]}, search="grid")
+    grid = "train.lr=loguniform(1e-4, 1e-1)"
+    assert cli.main(["sweep", job, "--grid", grid, "--trials", "9", "--search", "tpe", "--halving",
+                     "3", "--list"]) == 2
+    assert "add --async (each suggested as it begins)" in capsys.readouterr().err
+    assert cli.main(["sweep", job, "--grid", grid, "--trials", "9", "--search", "tpe", "--halving",
+                     "3", "--brackets", "3", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "bracket 1 of 3: 5 trials, suggested as the bracket begins, judged at steps 10, 30; the "
+        "best 1/3 go on each time, the last to step 90",
+        "bracket 2 of 3: 3 trials, suggested as the bracket begins, judged at step 30; the best "
+        "1/3 go on each time, the last to step 90",
+        "bracket 3 of 3: 1 trial, suggested as the bracket begins, each to step 90, unjudged"]
+    assert cli.main(["sweep", job, "--grid", grid, "--trials", "9", "--search", "tpe", "--halving",
+                     "3", "--async", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "asynchronous halving: 9 trials, suggested as each begins, judged at steps 10, 30; the "
+        "best 1/3 go on as they are judged, the last to step 90"]

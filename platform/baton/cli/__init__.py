@@ -455,6 +455,14 @@ def _sweep(args: argparse.Namespace) -> int:
         from baton import search
 
         lowest = sweeps.ranked_by(sweeps.maker(args.job, args.set)({}).spec)[1]
+        if args.halving is not None:  # (which trials depends on the results as they come)
+            model = search.Model(args.job, axes, args.set, args.trials, args.seed, lowest, print)
+            halving.check_halving([model.base] * model.n, args.halving, args.first_rung, args.job,
+                                  args.asynchronous, args.brackets, suggested=True)
+            for line in halving.describe(search.brackets(model, args.halving, args.first_rung,
+                                                         args.brackets), args.halving, args.asynchronous):
+                print(line)
+            return 0
         shown = search.replay(args.job, axes, args.set, args.trials, args.seed, lowest)
         for t in shown:
             where = sweeps.progress(t.spec)
@@ -471,8 +479,9 @@ def _sweep(args: argparse.Namespace) -> int:
         halving.check_halving(trials, args.halving, args.first_rung, args.job, args.asynchronous,
                               args.brackets)
         if args.halving is not None:
-            for line in halving.describe(trials, args.halving, args.first_rung, args.brackets,
-                                         args.seed, args.asynchronous):
+            for line in halving.describe(halving.dealt(trials, args.halving, args.first_rung,
+                                                       args.brackets, args.seed), args.halving,
+                                         args.asynchronous):
                 print(line)
         return 0
     trials = api.sweep(args.job, axes, args.set, trials=args.trials, seed=args.seed,
