@@ -9,7 +9,9 @@ its slowest trial, a trial going on as soon as it stands among the best 1/ETA of
 at its rung so far. In several brackets (`--brackets B`: Hyperband, Li et al., 2018): the
 trials dealt out among B halvings, the first judging from the first rung, each next one a
 rung later, the last of all B = rungs + 1 training its trials to the end unjudged: a hedge
-against rungs that judge too early (`deal`)."""
+against rungs that judge too early (`deal`). A halving begins its trials from a supply: those
+listed before it begins (`Dealt`: a grid's, a random search's), or those a TPE search suggests
+as each begins, from the rungs judged so far (`search.Suggestions`: BOHB)."""
 
 from __future__ import annotations
 
@@ -186,11 +188,13 @@ def halve(brackets: list[tuple], eta: int, each: Callable[[list[Trial], Optional
         while fresh.peek() is not None:
             t, how = fresh.take()
             group.append(t)
+        if not group:  # (a search that ran out of trials to suggest)
+            log(f"bracket {i} of {len(brackets)}: no trial left to suggest")
+            continue
         if len(brackets) > 1 or how:
             log((f"bracket {i} of {len(brackets)}: " if len(brackets) > 1 else "")
                 + f"{len(group)} trial{'s' * (len(group) > 1)}{how}")
-        if group:
-            _halve(group, eta, ends, each, log)
+        _halve(group, eta, ends, each, log)
 
 
 def _halve(trials: list[Trial], eta: int, ends: list[int],

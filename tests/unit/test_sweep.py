@@ -538,7 +538,7 @@ def test_a_tpe_search_suggests_near_the_best_results_and_replays_the_same_trials
         "FAIL" if v["train.lr"] > 1e-3 else "COMPLETE" for v in failed]
 
 
-def _bohb(tmp_path, n, brackets, asynchronous, seed=0):
+def _bohb(tmp_path, n, brackets, asynchronous, seed=0, axes=None):
     """A TPE search under --halving 3 over 90 steps (`search.brackets`), each trial's loss
     `_losses`'s (the closest learning rate to 3e-3 falls fastest) instead of a run: its
     trials, the runs made (learning rate, until), the lines said and the model."""
@@ -548,8 +548,8 @@ def _bohb(tmp_path, n, brackets, asynchronous, seed=0):
 
     run, calls = _losses()
     log = []
-    model = Model(_job(tmp_path, train={"steps": 90}), {"train.lr": "loguniform(1e-4, 1e-1)"}, ["train.min_lr=0"],
-                  n, seed, True, log.append)
+    model = Model(_job(tmp_path, train={"steps": 90}), axes or {"train.lr": "loguniform(1e-4, 1e-1)"},
+                  ["train.min_lr=0"], n, seed, True, log.append)
     lineups = suggested(model, 3, None, brackets)
     if asynchronous:
         promote(lineups, 3, lambda lineup: drive(
@@ -599,6 +599,19 @@ def test_synchronous_bohb_suggests_each_brackets_trials_from_the_brackets_before
     assert [t.bracket for t in trials] == [1] * 5 + [2] * 3 + [3]
     assert calls[-1] == (trials[-1].spec.train.lr, None)  # the third bracket's, to the end unjudged
     assert sum(t.state == "finished" for t in trials) == 3
+
+
+def test_bohb_over_fewer_settings_than_trials_ends_when_none_is_left_to_suggest(tmp_path):
+    """Two learning rates, 9 trials: the search runs out after two, and the halving still
+    ends on a trial trained to the end (asynchronous: the best of the highest rung goes on;
+    synchronous: the later brackets have none)."""
+    two = {"train.lr": [1e-3, 3e-3]}
+    trials, calls, log, _ = _bohb(tmp_path, 9, 1, asynchronous=True, axes=two)
+    assert [(t.spec.train.lr, t.state, t.step) for t in trials] == [(3e-3, "finished", 90), (1e-3, "cut", 10)]
+    assert "the search suggested only trials already run, 100 times in a row: it ends at 2 trials" in log
+    trials, calls, log, _ = _bohb(tmp_path / "sync", 9, 3, asynchronous=False, axes=two)
+    assert [(t.spec.train.lr, t.state, t.step) for t in trials] == [(3e-3, "finished", 90), (1e-3, "cut", 10)]
+    assert log[-2:] == ["bracket 2 of 3: no trial left to suggest", "bracket 3 of 3: no trial left to suggest"]
 
 
 def test_a_tpe_search_is_refused_without_trials_or_under_a_halving_it_cannot_inform(tmp_path, capsys):

@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--seed", type=int, default=0, help="the random search's draws (default 0)")
     sw.add_argument("--search", choices=["random", "tpe"], default="random",
                     help="with --trials: random draws (the default), or tpe: each trial suggested "
-                         "from the results so far (Optuna's TPE; pip install 'baton[search]')")
+                         "from the results so far (Optuna's TPE; pip install 'baton[search]'); "
+                         "with --halving (--async, or --brackets 2 or more), BOHB: from the rungs "
+                         "judged so far too")
     sw.add_argument("--concurrent", type=_count_or_auto, default=1, metavar="N",
                     help="train up to N trials at once, where the cluster holds their workers "
                          "together (default 1; auto: as many as it holds)")
