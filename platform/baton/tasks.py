@@ -16,8 +16,9 @@ dict of scalar tensors: "loss" (summed over the valid rows, differentiable) and 
 is not a mean over rows (precision, recall, F1) is a pair of sums, (numerator, denominator):
 both are summed over the step (or the evaluation) and every replica, then divided, as
 `torchmetrics` computes them from summed counts. A metric of the whole set's scores (the area
-under the ROC curve, average precision) is `auroc(...)` or `average_precision(...)`: counts of
-positives and negatives by score bin, summed the same way and read off at the end, as
+under the ROC curve, average precision) is `auroc(...)`, `average_precision(...)` or
+`macro_auroc(...)` (a multi-class AUROC, one-vs-rest): counts of positives and negatives by
+score bin, summed the same way and read off at the end, as
 `torchmetrics`' binned forms (`thresholds=N`) compute them.
 """
 
@@ -73,15 +74,16 @@ class LanguageModel(Task):
 
 
 class Classification(Task):
-    """Cross-entropy over class logits (samples, classes); accuracy; with two classes, at
-    evaluation (no gradients), the AUROC of class 1's probability too: counting scores a
-    micro-batch and sending the counts with each step's result is no cost a training step
-    needs (a probe, not kept: `loss` on 4 micro-batches of 32 rows, then `Sums.out` pickled,
-    took 229 us with the counts against 86 us without on a 2-core EPYC, the result 4,114
-    bytes against 80)."""
+    """Cross-entropy over class logits (samples, classes); accuracy; at evaluation (no
+    gradients), the AUROC too: of class 1's probability with two classes, else the mean of
+    each class's against the rest (`macro_auroc`; up to MOST_AUROC_CLASSES classes). Counting
+    scores a micro-batch and sending the counts with each step's result is no cost a training
+    step needs (a probe, not kept: `loss` on 4 micro-batches of 32 rows, then `Sums.out`
+    pickled, took 229 us with the counts against 86 us without on a 2-core EPYC, the result
+    4,114 bytes against 80)."""
 
     name, needs = "classification", ("inputs", "label")
-    metrics = ("accuracy", "auroc")  # (auroc with two classes)
+    metrics = ("accuracy", "auroc")  # (auroc up to MOST_AUROC_CLASSES classes)
 
     def loss(self, output, batch):
         import torch
@@ -92,8 +94,11 @@ class Classification(Task):
         ls = F.cross_entropy(output.float(), labels, reduction="sum", ignore_index=IGNORE)
         correct = ((output.argmax(-1) == labels) & valid).sum()
         metrics = {"accuracy": correct.float()}
-        if output.shape[-1] == 2 and not torch.is_grad_enabled():
-            metrics["auroc"] = auroc(output.detach().float().softmax(-1)[:, 1], labels == 1, valid)
+        classes = output.shape[-1]
+        if not torch.is_grad_enabled() and classes <= MOST_AUROC_CLASSES:
+            probs = output.detach().float().softmax(-1)
+            metrics["auroc"] = (auroc(probs[:, 1], labels == 1, valid) if classes == 2 else
+                                macro_auroc(probs, labels, valid, 1000 if classes <= 100 else 100))
         return ls, metrics
 
 
@@ -201,6 +206,28 @@ def average_precision(scores: torch.Tensor, labels: torch.Tensor, valid: torch.T
     return _binned("average_precision", scores, labels, valid, bins)
 
 
+def macro_auroc(probs: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                bins: int = 1000) -> Counts:
+    """The mean over the classes of each class's AUROC against the rest (one-vs-rest, a
+    macro average: sklearn's `roc_auc_score(multi_class="ovr")`, torchmetrics'
+    `MulticlassAUROC`) of `probs` (rows, classes) in [0, 1] (a softmax) against the int
+    `labels`, over the valid rows: each class's scores counted into `bins` bins as `auroc`
+    counts them. A class with no row of it (or no row of another) is left out of the mean."""
+    import torch
+
+    rows, classes = probs.shape if probs.dim() == 2 else (None, None)
+    if rows is None or labels.shape != (rows,) or valid.shape != (rows,):
+        raise ValueError(f"macro_auroc: probs {tuple(probs.shape)} must be (rows, classes), labels "
+                         f"{tuple(labels.shape)} and valid {tuple(valid.shape)} (rows,)")
+    index = (probs.detach().float().clamp(0, 1) * bins).long().clamp(max=bins - 1)
+    index = index + torch.arange(classes, device=probs.device) * bins  # each class its own bins
+    mine = labels[:, None] == torch.arange(classes, device=labels.device)
+    valid = valid.bool()[:, None]
+    counts = [torch.zeros(classes * bins, dtype=torch.int64, device=probs.device).scatter_add_(
+        0, index.flatten(), (valid & side).long().flatten()).view(classes, bins) for side in (mine, ~mine)]
+    return Counts("macro_auroc", *counts)
+
+
 def _auroc_of(positives, negatives) -> Optional[float]:
     """From counts by bin (ascending scores): each negative outranked by every positive of a
     higher bin and half of those of its own (Mann-Whitney with ties in a bin)."""
@@ -226,7 +253,14 @@ def _average_precision_of(positives, negatives) -> Optional[float]:
     return float((positives[::-1] * precision).sum() / p)
 
 
-COUNTED = {"auroc": _auroc_of, "average_precision": _average_precision_of}
+def _macro_auroc_of(positives, negatives) -> Optional[float]:
+    """The mean of each class's `_auroc_of` (a row of counts a class), over those it has."""
+    each = [a for a in map(_auroc_of, positives, negatives) if a is not None]
+    return sum(each) / len(each) if each else None
+
+
+COUNTED = {"auroc": _auroc_of, "average_precision": _average_precision_of, "macro_auroc": _macro_auroc_of}
+MOST_AUROC_CLASSES = 10_000  # a classifier's evaluation counts scores for its AUROC up to here
 
 
 class Sums:
@@ -273,6 +307,11 @@ def _zero(v: float | list) -> float | list:
     return [0.0] * len(v) if isinstance(v, list) else 0.0
 
 
+def _zeros(counts: list) -> list:
+    """Counts of one shape, every one 0 (a class's row of them each, for `macro_auroc`)."""
+    return [_zeros(c) if isinstance(c, list) else 0 for c in counts]
+
+
 def counted_once(out: dict) -> dict:
     """`Sums.out()` with every value 0 and the same keys: what a tensor-parallel worker other
     than its replica's first reports, since its sums are the first's (summed over the workers,
@@ -281,8 +320,7 @@ def counted_once(out: dict) -> dict:
     if "ratios" in out:
         zero["ratios"] = {k: [_zero(num), _zero(den)] for k, (num, den) in out["ratios"].items()}
     if "counts" in out:
-        zero["counts"] = {k: [kind, [0] * len(pos), [0] * len(neg)]
-                          for k, (kind, pos, neg) in out["counts"].items()}
+        zero["counts"] = {k: [kind, _zeros(pos), _zeros(neg)] for k, (kind, pos, neg) in out["counts"].items()}
     return zero
 
 
