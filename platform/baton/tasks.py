@@ -293,9 +293,28 @@ class Sums:
         if self.ratios:
             out["ratios"] = {k: [_plain(num), _plain(den)] for k, (num, den) in self.ratios.items()}
         if self.counts:
-            out["counts"] = {k: [c.kind, c.positives.tolist(), c.negatives.tolist()]
+            out["counts"] = {k: [c.kind, _sparse(c.positives), _sparse(c.negatives)]
                              for k, c in self.counts.items()}
         return out
+
+
+def _sparse(counts: torch.Tensor) -> list:
+    """Counts as sent: their shape, the flat places of those above 0, and those counts. A
+    batch's rows fill few of the bins (at most a bin a row and class): sent whole, 10 classes'
+    1,000 bins each were 20,000 numbers a batch whatever its rows."""
+    flat = counts.flatten()
+    at = flat.nonzero().flatten()
+    return [list(counts.shape), at.tolist(), flat[at].tolist()]
+
+
+def _dense(sent: list):
+    """`_sparse`'s counts, whole again (a numpy array)."""
+    import numpy as np
+
+    shape, at, n = sent
+    out = np.zeros(int(np.prod(shape)), dtype=np.int64)
+    out[np.asarray(at, dtype=np.int64)] = n
+    return out.reshape(shape)
 
 
 def _plain(v) -> float | list[float]:
@@ -307,11 +326,6 @@ def _zero(v: float | list) -> float | list:
     return [0.0] * len(v) if isinstance(v, list) else 0.0
 
 
-def _zeros(counts: list) -> list:
-    """Counts of one shape, every one 0 (a class's row of them each, for `macro_auroc`)."""
-    return [_zeros(c) if isinstance(c, list) else 0 for c in counts]
-
-
 def counted_once(out: dict) -> dict:
     """`Sums.out()` with every value 0 and the same keys: what a tensor-parallel worker other
     than its replica's first reports, since its sums are the first's (summed over the workers,
@@ -320,7 +334,8 @@ def counted_once(out: dict) -> dict:
     if "ratios" in out:
         zero["ratios"] = {k: [_zero(num), _zero(den)] for k, (num, den) in out["ratios"].items()}
     if "counts" in out:
-        zero["counts"] = {k: [kind, _zeros(pos), _zeros(neg)] for k, (kind, pos, neg) in out["counts"].items()}
+        zero["counts"] = {k: [kind, [pos[0], [], []], [neg[0], [], []]]
+                          for k, (kind, pos, neg) in out["counts"].items()}
     return zero
 
 
@@ -343,8 +358,7 @@ def metric_values(results: list[dict], count: float) -> dict[str, float]:
             values[k] = float(np.mean(num[seen] / den[seen]))
     for k in {k for r in results for k in r.get("counts", {})}:
         parts = [r["counts"][k] for r in results if k in r.get("counts", {})]
-        positives, negatives = (np.sum([np.asarray(c[i], dtype=np.int64) for c in parts], axis=0)
-                                for i in (1, 2))
+        positives, negatives = (np.sum([_dense(c[i]) for c in parts], axis=0) for i in (1, 2))
         value = COUNTED[parts[0][0]](positives, negatives)
         if value is not None:
             values[k] = value
