@@ -79,8 +79,9 @@ class Classification(Task):
     each class's against the rest (`macro_auroc`; up to MOST_AUROC_CLASSES classes). Counting
     scores a micro-batch and sending the counts with each step's result is no cost a training
     step needs (a probe, not kept: `loss` on 4 micro-batches of 32 rows, then `Sums.out`
-    pickled, took 229 us with the counts against 86 us without on a 2-core EPYC, the result
-    4,114 bytes against 80)."""
+    pickled, on a 2-core EPYC: 450 us with the counts against 174 us without for 2 classes,
+    712 against 193 for 10, 3.6 ms against 0.8 for 1,000; the result 732, 5,077 and 7,955
+    bytes against 80, its counts sent sparse)."""
 
     name, needs = "classification", ("inputs", "label")
     metrics = ("accuracy", "auroc")  # (auroc up to MOST_AUROC_CLASSES classes)
