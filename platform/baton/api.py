@@ -261,13 +261,14 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
         resume: Optional[bool] = None, rebase_data: bool = False, record_samples: bool = False,
         show_progress: bool = True, until: Optional[int] = None,
         log: Callable[[str], None] = print,
-        on_step: Optional[Callable[[Coordinator], None]] = None) -> RunResult:
+        on_step: Optional[Callable[[Coordinator], None]] = None, tags: Optional[dict] = None) -> RunResult:
     """Train `spec` to its last step, or to step `until` (`baton run --until`: a checkpoint
     there, and the run's state "paused"; run again, it goes on as if it had not stopped: the
     schedule is train.steps's). Starts an embedded local Ray unless Ray is already connected
     or `address` names a cluster. `on_step(coordinator)` is called after every completed step
     (to observe a run, or to inject faults in tests). `rebase_data`: resume on a corpus other
-    than the checkpoint's, from the start of the next epoch."""
+    than the checkpoint's, from the start of the next epoch. `tags`: on its MLflow run (a
+    sweep's trial: its sweep's run as its parent)."""
     if until is not None and until < 1:
         raise SpecError(f"{source}: --until {until}: give a step of 1 or more")
     resume_meta, failed = plan_resume(spec, source, resume)
@@ -298,7 +299,8 @@ def run(spec: JobSpec, *, source: str = "<spec>", address: Optional[str] = None,
                     + (f"; forked from {forked['job']})" if forked else ")"))
             coordinator = Coordinator(spec, tracker, resume_meta=resume_meta,
                                       record_samples=record_samples, show_progress=show_progress,
-                                      on_step=on_step, data=data, lease=lease, until=until)
+                                      on_step=on_step, data=data, lease=lease, until=until,
+                                      tags=tags)
             return coordinator.run()
 
 
@@ -351,13 +353,18 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     from baton import halving as halving_
     from baton import search as search_
     from baton import sweeps
+    from baton.tracking.sweep import SweepRun
 
     source = job if isinstance(job, str) else "<spec>"
     model = None
+    settings = {"axes": {k: str(v) if isinstance(v, sweeps.Draw) else v for k, v in axes.items()},
+                "overrides": list(overrides), "trials": trials, "seed": seed if trials else None,
+                "search": search, "halving": halving, "first_rung": first_rung,
+                "brackets": brackets if halving else None, "asynchronous": asynchronous or None}
+    base = sweeps.maker(job, list(overrides))({})  # the job itself (a suggested trial's is checked as made)
     if search == "tpe":
         if trials is None:
             raise SpecError(f"{source}: --search tpe suggests --trials N trials: give --trials")
-        base = sweeps.maker(job, list(overrides))({})  # (each suggested trial's job is checked as made)
         model = search_.Model(job, axes, list(overrides), trials, seed, sweeps.ranked_by(base.spec)[1], log)
         trials = [base] * trials  # what fits and how many at once, by the job's own world
     elif search != "random":
@@ -372,7 +379,10 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
             check_fits(t.spec, os.cpu_count() or 1,
                        _local_gpus() if t.spec.resources.gpus_per_worker else 0, source, "this machine")
     address = _cluster(address, log)
-    with ray_session(address, log):
+    record = SweepRun(base.spec, settings)
+    if record.open():
+        log(f"MLflow run {record.run_id}: this sweep's, its trials' runs nested under it")
+    with ray_session(address, log), record.recording(lambda: model.trials if model else trials):
         if concurrent == "auto":
             concurrent = sweeps.most_at_once(trials, ray.cluster_resources())
             log(f"--concurrent auto: {concurrent} trial{'s' * (concurrent > 1)} at once "
@@ -386,7 +396,7 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
 
         def train(spec: JobSpec, until: Optional[int], on_step) -> RunResult:
             return run(spec, source=source, address=address, show_progress=show_progress,
-                       until=until, on_step=on_step, log=log)
+                       until=until, on_step=on_step, log=log, tags=record.tags())
 
         def drive(lineup) -> None:  # the room counted as each grid or rung begins
             sweeps.drive(lineup, train, log, concurrent, ray.cluster_resources())
@@ -403,7 +413,7 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
                     sweeps.Listed(batch, until, log)), log)
         if model:
             trials = model.trials
-    return sweeps.rank(trials, *sweeps.ranked_by(trials[0].spec))
+    return sweeps.rank(trials, *sweeps.ranked_by(base.spec))
 
 
 def _evaluated_checkpoint(spec: JobSpec, source: str, step: Optional[int | str]) -> Optional[dict]:

@@ -404,12 +404,23 @@ def test_a_tpe_sweep_suggests_its_trials_from_the_results_and_run_again_goes_on_
                                         for n in names)
     table = out[out.index(": 4 trials, best first by eval_loss"):].splitlines()[2:6]
     assert sorted(line.split()[0] for line in table) == sorted(names)
+    # the sweep's own MLflow run, each trial's nested under it (tracking/sweep.py)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    sweep = [r for r in runs if r.info.run_name == "tpe-sweep"]
+    assert len(sweep) == 1 and f"MLflow run {sweep[0].info.run_id}: this sweep's" in out
+    assert sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId")
+                  == sweep[0].info.run_id) == sorted(names)
+    assert sweep[0].data.tags["best_trial"] == table[0].split()[0]
 
     assert cli.main(argv) == 0
     again = capsys.readouterr().out
     assert [line.split(": ", 1)[1].split(" (", 1)[0] for line in again.splitlines()
             if line.startswith("trial ") and " of 4: " in line] == names
     assert again.count(": done before, at step 2") == 4
+    assert f"MLflow run {sweep[0].info.run_id}: this sweep's" in again  # found again
     assert cli.main([*argv, "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert [line.split(": ", 1)[0] for line in listed[:4]] == names

@@ -643,3 +643,45 @@ def test_a_tpe_search_is_refused_without_trials_or_under_a_halving_it_cannot_inf
     assert capsys.readouterr().out.splitlines() == [
         "asynchronous halving: 9 trials, suggested as each begins, judged at steps 10, 30; the "
         "best 1/3 go on as they are judged, the last to step 90"]
+
+
+def test_a_sweep_has_an_mlflow_run_of_its_own_found_again_when_it_runs_again(tmp_path):
+    """`tracking.sweep.SweepRun`: a run named after the job, its axes and options as params;
+    each trial's tags name it as the parent; closed with the trials ranked (`sweep.json`)
+    and the best one's name, run and metric; the same settings find the same run again, other
+    settings make another; a sweep stopped by Ctrl-C is KILLED. (That trials' runs carry the
+    tag: tests/integration/test_tasks.py's TPE sweep.)"""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from baton import load
+    from baton.tracking.sweep import PARENT, SweepRun
+
+    job = _job(tmp_path, train={"steps": 90})
+    trials = plan(job, {"train.lr": [1e-3, 3e-3, 1e-2]})
+    base = trials[0].spec.tracking
+    settings = {"axes": {"train.lr": [1e-3, 3e-3, 1e-2]}, "overrides": [], "trials": None,
+                "halving": 3, "brackets": 1}
+    record = SweepRun(load(job), settings)
+    run_id = record.open()
+    assert record.tags() == {PARENT: run_id}
+    for t, (state, step, loss) in zip(trials, [("cut", 30, 1.5), ("finished", 90, 1.1), ("failed", 0, None)]):
+        t.state, t.step, t.metric, t.run_id = state, step, loss, f"run-{t.name}"
+    record.close(trials)
+    client = MlflowClient(base.uri)
+    run = client.get_run(run_id)
+    assert run.info.run_name == "q-sweep" and run.info.status == "FINISHED"
+    assert run.data.params["axis.train.lr"] == "[0.001, 0.003, 0.01]" and run.data.params["halving"] == "3"
+    assert run.data.tags["best_trial"] == trials[1].name and run.data.metrics["best_loss"] == 1.1
+    ranking = client.download_artifacts(run_id, "sweep.json", str(tmp_path))
+    assert [(t["name"], t["state"]) for t in json.load(open(ranking))["trials"]] == [
+        (trials[1].name, "finished"), (trials[0].name, "cut"), (trials[2].name, "failed")]
+    again = SweepRun(load(job), settings)
+    assert again.open() == run_id  # the same sweep, run again
+    with pytest.raises(KeyboardInterrupt), again.recording(lambda: trials):
+        raise KeyboardInterrupt
+    assert client.get_run(run_id).info.status == "KILLED"
+    other = SweepRun(load(job), {**settings, "halving": 2})
+    assert other.open() not in (None, run_id)
+    other.close([])

@@ -137,7 +137,8 @@ class Coordinator:
                  on_step: Optional[Callable[["Coordinator"], None]] = None,
                  group_factory: Callable[..., WorkerGroup] = WorkerGroup,
                  data: Optional[JobData] = None, lease: Optional[Lease] = None,
-                 evaluate_only: bool = False, until: Optional[int] = None):
+                 evaluate_only: bool = False, until: Optional[int] = None,
+                 tags: Optional[dict] = None):
         self.base = spec  # the job as written: its recipe, elastic settings, checkpoints
         self.spec = spec  # the job at the current dp (batch_policy applied)
         self.tracker = tracker
@@ -173,6 +174,7 @@ class Coordinator:
         # the job evaluates; the schedule is still train.steps's, so going on later trains as
         # a run that never stopped
         self.end = min(until, spec.train.steps) if until else spec.train.steps
+        self.tags = tags or {}  # on its MLflow run besides its own (a sweep's trial: its parent)
         self.state = State.PENDING
         self.step = 0
         self.group: Optional[WorkerGroup] = None
@@ -286,7 +288,8 @@ class Coordinator:
                                   if meta and meta.get("forked_from") and not self.evaluate_only
                                   else {}),
                                **({"baton.evaluates": self.store.step_dir(self.step) if meta
-                                   else self.spec.model.init_from} if self.evaluate_only else {})})
+                                   else self.spec.model.init_from} if self.evaluate_only else {}),
+                               **self.tags})
         self.run_id = run_id
         self.report.opened(self.spec.train.steps, self.step,
                            "tok" if self.spec.task == "language_model" else "samples")

@@ -179,11 +179,28 @@ class MLflowTracker:
             raise TrackingError(f"the MLflow store {redact(self.uri)} cannot be opened: "
                                 f"{type(e).__name__}: {redact(first)[:400]}") from e
 
-    def _start(self, run_name: str, params: dict[str, Any], run_id: Optional[str]) -> str:
+    def find(self, key: str, value: str) -> Optional[str]:
+        """The newest run of the experiment tagged `key`=`value` (a sweep's own run, looked
+        for when the sweep runs again), or None; a store that cannot be opened as `start`."""
+        try:
+            self._open()
+            runs = self.client.search_runs([self._experiment_id()], max_results=1,
+                                           filter_string=f"tags.`{key}` = '{value}'")
+            return runs[0].info.run_id if runs else None
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise TrackingError(f"the MLflow store {redact(self.uri)} cannot be opened: "
+                                f"{type(e).__name__}: {redact(first)[:400]}") from e
+
+    def _open(self) -> None:
         from mlflow.tracking import MlflowClient
 
-        self._take_ahead()
-        self.client = MlflowClient(tracking_uri=self.uri)
+        if self.client is None:
+            self._take_ahead()
+            self.client = MlflowClient(tracking_uri=self.uri)
+
+    def _start(self, run_name: str, params: dict[str, Any], run_id: Optional[str]) -> str:
+        self._open()
         if run_id:
             run = self.client.get_run(run_id)
             self.client.update_run(run_id, status="RUNNING")
@@ -282,15 +299,16 @@ class MLflowTracker:
         if self.run_id and self._deliver():
             self._try(lambda: self.client.log_artifacts(self.run_id, local_dir, artifact_path))
 
-    def finish(self, status: str, background: bool = False) -> None:
+    def finish(self, status: str, background: bool = False, report: bool = True) -> None:
         """status: FINISHED, FAILED or KILLED. The run's pictures (`baton report`) go in first
-        as report/ artifacts; a report that cannot be drawn is a warning, never the error.
+        as report/ artifacts (`report`: a training run's); a report that cannot be drawn is a
+        warning, never the error.
 
         `background`: on a thread of its own, which `wait_finished` waits for: a finished
         run's report is drawn while its workers and Ray shut down (measured at the end of a
         `baton run`: the report 1.7 s, Ray's shutdown 1.5 s, one after the other before)."""
         if background:
-            self._finishing = threading.Thread(target=self.finish, args=(status,),
+            self._finishing = threading.Thread(target=self.finish, args=(status, False, report),
                                                name="baton-mlflow-finish")
             self._finishing.start()
             return
@@ -307,11 +325,12 @@ class MLflowTracker:
                   f"{len(self._dicts)} artifacts of run {self.run_id} were not delivered, and the "
                   f"run is left RUNNING", file=sys.stderr)
             return
-        from baton.tracking import report
+        from baton.tracking import report as report_
 
         try:
-            with self._sending:
-                report.log_to_run(self.client, self.run_id)
+            if report:
+                with self._sending:
+                    report_.log_to_run(self.client, self.run_id)
         except Exception as e:  # noqa: BLE001 - the run's own outcome matters more
             print(f"baton: warning: no report for MLflow run {self.run_id}: "
                   f"{type(e).__name__}: {e}", file=sys.stderr)
@@ -386,12 +405,15 @@ class NullTracker:
     def start(self, run_name: str, params: dict, run_id: Optional[str] = None) -> Optional[str]:
         return None
 
+    def find(self, key: str, value: str) -> Optional[str]:
+        return None
+
     def log_metrics(self, step: int, metrics: dict, *, replayed_ok: bool = False) -> None: ...
     def flush(self) -> None: ...
     def set_tags(self, tags: dict) -> None: ...
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
     def log_dict(self, obj, artifact_file: str) -> None: ...
-    def finish(self, status: str, background: bool = False) -> None: ...
+    def finish(self, status: str, background: bool = False, report: bool = True) -> None: ...
 
 
 def make_tracker(spec: TrackingSpec):
