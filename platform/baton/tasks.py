@@ -16,9 +16,9 @@ dict of scalar tensors: "loss" (summed over the valid rows, differentiable) and 
 is not a mean over rows (precision, recall, F1) is a pair of sums, (numerator, denominator):
 both are summed over the step (or the evaluation) and every replica, then divided, as
 `torchmetrics` computes them from summed counts. A metric of the whole set's scores (the area
-under the ROC curve, average precision) is `auroc(...)`, `average_precision(...)` or
-`macro_auroc(...)` (a multi-class AUROC, one-vs-rest): counts of positives and negatives by
-score bin, summed the same way and read off at the end, as
+under the ROC curve, average precision) is `auroc(...)` or `average_precision(...)`, or over
+classes, one against the rest, `macro_auroc(...)` or `macro_average_precision(...)`: counts
+of positives and negatives by score bin, summed the same way and read off at the end, as
 `torchmetrics`' binned forms (`thresholds=N`) compute them.
 """
 
@@ -214,11 +214,27 @@ def macro_auroc(probs: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
     `MulticlassAUROC`) of `probs` (rows, classes) in [0, 1] (a softmax) against the int
     `labels`, over the valid rows: each class's scores counted into `bins` bins as `auroc`
     counts them. A class with no row of it (or no row of another) is left out of the mean."""
+    return _binned_classes("macro_auroc", probs, labels, valid, bins)
+
+
+def macro_average_precision(probs: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                            bins: int = 1000) -> Counts:
+    """The mean over the classes of each class's average precision against the rest
+    (sklearn's `average_precision_score` of the labels one-hot, `average="macro"`;
+    torchmetrics' `MulticlassAveragePrecision`), counted as `macro_auroc` counts; a class
+    with no row of it is left out of the mean."""
+    return _binned_classes("macro_average_precision", probs, labels, valid, bins)
+
+
+def _binned_classes(kind: str, probs: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                    bins: int) -> Counts:
+    """Each class's scores (a column of `probs`) counted into `bins` bins of its own, its
+    rows (`labels` that class) positives, the others negatives: (classes, bins) counts."""
     import torch
 
     rows, classes = probs.shape if probs.dim() == 2 else (None, None)
     if rows is None or labels.shape != (rows,) or valid.shape != (rows,):
-        raise ValueError(f"macro_auroc: probs {tuple(probs.shape)} must be (rows, classes), labels "
+        raise ValueError(f"{kind}: probs {tuple(probs.shape)} must be (rows, classes), labels "
                          f"{tuple(labels.shape)} and valid {tuple(valid.shape)} (rows,)")
     index = (probs.detach().float().clamp(0, 1) * bins).long().clamp(max=bins - 1)
     index = index + torch.arange(classes, device=probs.device) * bins  # each class its own bins
@@ -226,7 +242,7 @@ def macro_auroc(probs: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
     valid = valid.bool()[:, None]
     counts = [torch.zeros(classes * bins, dtype=torch.int64, device=probs.device).scatter_add_(
         0, index.flatten(), (valid & side).long().flatten()).view(classes, bins) for side in (mine, ~mine)]
-    return Counts("macro_auroc", *counts)
+    return Counts(kind, *counts)
 
 
 def _auroc_of(positives, negatives) -> Optional[float]:
@@ -254,13 +270,16 @@ def _average_precision_of(positives, negatives) -> Optional[float]:
     return float((positives[::-1] * precision).sum() / p)
 
 
-def _macro_auroc_of(positives, negatives) -> Optional[float]:
-    """The mean of each class's `_auroc_of` (a row of counts a class), over those it has."""
-    each = [a for a in map(_auroc_of, positives, negatives) if a is not None]
-    return sum(each) / len(each) if each else None
+def _macro(of: Callable) -> Callable:
+    """The mean of each class's `of` (a row of counts a class), over the classes it has."""
+    def mean(positives, negatives) -> Optional[float]:
+        each = [a for a in map(of, positives, negatives) if a is not None]
+        return sum(each) / len(each) if each else None
+    return mean
 
 
-COUNTED = {"auroc": _auroc_of, "average_precision": _average_precision_of, "macro_auroc": _macro_auroc_of}
+COUNTED = {"auroc": _auroc_of, "average_precision": _average_precision_of,
+           "macro_auroc": _macro(_auroc_of), "macro_average_precision": _macro(_average_precision_of)}
 MOST_AUROC_CLASSES = 10_000  # a classifier's evaluation counts scores for its AUROC up to here
 
 

@@ -606,7 +606,7 @@ def test_counted_metrics_leave_out_padding_rows_and_a_set_without_both_classes()
 def _macro(probs, labels, bins, parts=1) -> dict:
     """macro_auroc through the path a run takes: each part a replica's Sums of two
     micro-batches (the second part's result also as `counted_once` reports it: zeros)."""
-    from baton.tasks import Sums, UserTask, counted_once, macro_auroc, metric_values
+    from baton.tasks import Sums, UserTask, counted_once, macro_auroc, macro_average_precision, metric_values
 
     task = UserTask("helpers:regression")  # any task: only per_sample is read
     results = []
@@ -615,19 +615,21 @@ def _macro(probs, labels, bins, parts=1) -> dict:
         for half in np.array_split(idx, 2):
             p, y = torch.from_numpy(probs[half]), torch.from_numpy(labels[half])
             v = torch.ones(len(half), dtype=torch.bool)
-            sums.add(task, torch.zeros(()), {"auroc": macro_auroc(p, y, v, bins)}, {VALID: v})
+            sums.add(task, torch.zeros(()), {"auroc": macro_auroc(p, y, v, bins),
+                                             "ap": macro_average_precision(p, y, v, bins)}, {VALID: v})
         results.append(sums.out())
     return metric_values(results + [counted_once(results[-1])], count=len(labels))
 
 
-def test_a_multiclass_auroc_is_the_mean_of_each_class_against_the_rest():
-    """macro_auroc: on scores at bin centres, each class's counted AUROC is the Mann-Whitney
-    statistic of its scores on its rows against the other rows', exactly, and their mean the
-    metric, whatever the split; a class no row has is left out. On a classifier's softmax
-    (continuous scores, 1,000 bins), sklearn's roc_auc_score(multi_class="ovr"): measured over
-    seeds 0-9 (3,000 rows, 5 classes, printed with pytest -s) at most 2.91e-5 apart; the bound
-    is that, rounded up."""
-    from sklearn.metrics import roc_auc_score
+def test_multiclass_auroc_and_average_precision_are_the_mean_of_each_class_against_the_rest():
+    """macro_auroc and macro_average_precision: on scores at bin centres, each class's counted
+    AUROC is the Mann-Whitney statistic of its scores on its rows against the other rows', and
+    its average precision sklearn's, exactly, and their mean the metric, whatever the split; a
+    class no row has is left out. On a classifier's softmax (continuous scores, 1,000 bins),
+    sklearn's roc_auc_score(multi_class="ovr") and average_precision_score(one-hot labels,
+    average="macro"): measured over seeds 0-9 (3,000 rows, 5 classes, printed with pytest -s)
+    at most 2.91e-5 and 4.64e-4 apart; the bounds are those, rounded up."""
+    from sklearn.metrics import average_precision_score, roc_auc_score
 
     rng = np.random.default_rng(0)
     bins, classes = 50, 4
@@ -636,19 +638,23 @@ def test_a_multiclass_auroc_is_the_mean_of_each_class_against_the_rest():
     probs[np.arange(1500), labels] = np.minimum(probs[np.arange(1500), labels] + 0.3, (bins - 0.5) / bins)
     probs = np.round(probs * bins - 0.5) / bins + 0.5 / bins  # back on the bins' centres
     want = np.mean([_exact_auroc(probs[:, c], labels == c) for c in range(classes - 1)])
+    want_ap = np.mean([_exact_average_precision(probs[:, c], labels == c) for c in range(classes - 1)])
     for parts in (1, 3):
         # the same integer counts either way; 1e-12 leaves room for float sums in another order
-        assert _macro(probs, labels, bins, parts)["auroc"] == pytest.approx(want, abs=1e-12)
-    worst = 0.0
+        got = _macro(probs, labels, bins, parts)
+        assert got["auroc"] == pytest.approx(want, abs=1e-12)
+        assert got["ap"] == pytest.approx(want_ap, abs=1e-12)
+    worst = worst_ap = 0.0
     for seed in range(10):
         rng = np.random.default_rng(seed)
         labels = rng.integers(0, 5, 3000)
         logits = rng.normal(size=(3000, 5)) + 1.5 * np.eye(5)[labels]
         probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-        got = _macro(probs, labels, 1000, parts=2)["auroc"]
-        worst = max(worst, abs(got - roc_auc_score(labels, probs, multi_class="ovr")))
-    print("largest difference from sklearn's:", worst)
-    assert worst <= 3.0e-5
+        got = _macro(probs, labels, 1000, parts=2)
+        worst = max(worst, abs(got["auroc"] - roc_auc_score(labels, probs, multi_class="ovr")))
+        worst_ap = max(worst_ap, abs(got["ap"] - average_precision_score(np.eye(5)[labels], probs)))
+    print("largest differences from sklearn's: auroc", worst, "average precision", worst_ap)
+    assert worst <= 3.0e-5 and worst_ap <= 4.7e-4
 
 
 def test_a_classifier_evaluates_its_auroc_whatever_its_classes():
