@@ -647,10 +647,11 @@ def test_a_tpe_search_is_refused_without_trials_or_under_a_halving_it_cannot_inf
 
 def test_a_sweep_has_an_mlflow_run_of_its_own_found_again_when_it_runs_again(tmp_path):
     """`tracking.sweep.SweepRun`: a run named after the job, its axes and options as params;
-    each trial's tags name it as the parent; closed with the trials ranked (`sweep.json`)
-    and the best one's name, run and metric; the same settings find the same run again, other
-    settings make another; a sweep stopped by Ctrl-C is KILLED. (That trials' runs carry the
-    tag: tests/integration/test_tasks.py's TPE sweep.)"""
+    each trial's tags name it as the parent; closed with the trials ranked (`sweep.json`),
+    the best one's name, run and metric, and its picture (report/: a line a trial that logged
+    its metric, `baton report` draws the same); the same settings find the same run again,
+    other settings make another; a sweep stopped by Ctrl-C is KILLED. (That trials' runs
+    carry the tag: tests/integration/test_tasks.py's TPE sweep.)"""
     import json
 
     from mlflow.tracking import MlflowClient
@@ -666,10 +667,15 @@ def test_a_sweep_has_an_mlflow_run_of_its_own_found_again_when_it_runs_again(tmp
     record = SweepRun(load(job), settings)
     run_id = record.open()
     assert record.tags() == {PARENT: run_id}
-    for t, (state, step, loss) in zip(trials, [("cut", 30, 1.5), ("finished", 90, 1.1), ("failed", 0, None)]):
-        t.state, t.step, t.metric, t.run_id = state, step, loss, f"run-{t.name}"
-    record.close(trials)
     client = MlflowClient(base.uri)
+    for t, (state, step, loss) in zip(trials, [("cut", 30, 1.5), ("finished", 90, 1.1), ("failed", 0, None)]):
+        t.state, t.step, t.metric = state, step, loss
+        if state != "failed":  # (a trial's run, as its coordinator logs it: the loss every 10 steps)
+            t.run_id = client.create_run(client.get_run(run_id).info.experiment_id, run_name=t.name,
+                                         tags=record.tags()).info.run_id
+            for at in range(10, step + 1, 10):
+                client.log_metric(t.run_id, "loss", loss + 1 / at, step=at)
+    record.close(trials)
     run = client.get_run(run_id)
     assert run.info.run_name == "q-sweep" and run.info.status == "FINISHED"
     assert run.data.params["axis.train.lr"] == "[0.001, 0.003, 0.01]" and run.data.params["halving"] == "3"
@@ -677,6 +683,13 @@ def test_a_sweep_has_an_mlflow_run_of_its_own_found_again_when_it_runs_again(tmp
     ranking = client.download_artifacts(run_id, "sweep.json", str(tmp_path))
     assert [(t["name"], t["state"]) for t in json.load(open(ranking))["trials"]] == [
         (trials[1].name, "finished"), (trials[0].name, "cut"), (trials[2].name, "failed")]
+    assert sorted(a.path for a in client.list_artifacts(run_id, "report")) == [
+        "report/report.html", "report/report.png"]
+    assert cli.main(["report", run_id, "--tracking-uri", base.uri, "--out", str(tmp_path / "rep")]) == 0
+    from baton.tracking.report import build_any
+
+    drawn = build_any(client, run, str(tmp_path / "again"))
+    assert drawn.points == {trials[1].name: 9, trials[0].name: 3}  # (the failed one has no run)
     again = SweepRun(load(job), settings)
     assert again.open() == run_id  # the same sweep, run again
     with pytest.raises(KeyboardInterrupt), again.recording(lambda: trials):

@@ -175,9 +175,12 @@ class MLflowTracker:
             return self._start(run_name, params, run_id)
         except Exception as e:
             self.client = self.run_id = None  # the rest are no-ops: this is the error the user sees
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise TrackingError(f"the MLflow store {redact(self.uri)} cannot be opened: "
-                                f"{type(e).__name__}: {redact(first)[:400]}") from e
+            raise self._cannot_open(e) from e
+
+    def _cannot_open(self, e: Exception) -> TrackingError:
+        first = (str(e).strip().splitlines() or [""])[0]
+        return TrackingError(f"the MLflow store {redact(self.uri)} cannot be opened: "
+                             f"{type(e).__name__}: {redact(first)[:400]}")
 
     def find(self, key: str, value: str) -> Optional[str]:
         """The newest run of the experiment tagged `key`=`value` (a sweep's own run, looked
@@ -188,9 +191,7 @@ class MLflowTracker:
                                            filter_string=f"tags.`{key}` = '{value}'")
             return runs[0].info.run_id if runs else None
         except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise TrackingError(f"the MLflow store {redact(self.uri)} cannot be opened: "
-                                f"{type(e).__name__}: {redact(first)[:400]}") from e
+            raise self._cannot_open(e) from e
 
     def _open(self) -> None:
         from mlflow.tracking import MlflowClient
@@ -299,16 +300,15 @@ class MLflowTracker:
         if self.run_id and self._deliver():
             self._try(lambda: self.client.log_artifacts(self.run_id, local_dir, artifact_path))
 
-    def finish(self, status: str, background: bool = False, report: bool = True) -> None:
+    def finish(self, status: str, background: bool = False) -> None:
         """status: FINISHED, FAILED or KILLED. The run's pictures (`baton report`) go in first
-        as report/ artifacts (`report`: a training run's); a report that cannot be drawn is a
-        warning, never the error.
+        as report/ artifacts; a report that cannot be drawn is a warning, never the error.
 
         `background`: on a thread of its own, which `wait_finished` waits for: a finished
         run's report is drawn while its workers and Ray shut down (measured at the end of a
         `baton run`: the report 1.7 s, Ray's shutdown 1.5 s, one after the other before)."""
         if background:
-            self._finishing = threading.Thread(target=self.finish, args=(status, False, report),
+            self._finishing = threading.Thread(target=self.finish, args=(status,),
                                                name="baton-mlflow-finish")
             self._finishing.start()
             return
@@ -325,12 +325,11 @@ class MLflowTracker:
                   f"{len(self._dicts)} artifacts of run {self.run_id} were not delivered, and the "
                   f"run is left RUNNING", file=sys.stderr)
             return
-        from baton.tracking import report as report_
+        from baton.tracking import report
 
         try:
-            if report:
-                with self._sending:
-                    report_.log_to_run(self.client, self.run_id)
+            with self._sending:
+                report.log_to_run(self.client, self.run_id)
         except Exception as e:  # noqa: BLE001 - the run's own outcome matters more
             print(f"baton: warning: no report for MLflow run {self.run_id}: "
                   f"{type(e).__name__}: {e}", file=sys.stderr)
@@ -413,7 +412,7 @@ class NullTracker:
     def set_tags(self, tags: dict) -> None: ...
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
     def log_dict(self, obj, artifact_file: str) -> None: ...
-    def finish(self, status: str, background: bool = False, report: bool = True) -> None: ...
+    def finish(self, status: str, background: bool = False) -> None: ...
 
 
 def make_tracker(spec: TrackingSpec):

@@ -197,8 +197,6 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
 
 
 def _html(name: str, run, png: str, events: list[dict]) -> str:
-    with open(png, "rb") as f:
-        image = base64.b64encode(f.read()).decode()
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
                    for k, v in sorted(run.data.params.items())[:200])
     listed = "".join(
@@ -206,24 +204,111 @@ def _html(name: str, run, png: str, events: list[dict]) -> str:
         f"<td>{e.get('step', e.get('resumed_from_step', ''))}</td>"
         f"<td>{html.escape(', '.join(f'{k}: {v}' for k, v in e.items() if k in _EVENT_KEYS))}</td></tr>"
         for e in events)
+    return _page(name, run, png, "loss, throughput, world size, memory",
+                 (f"<h2>Events</h2><table><tr><th>event</th><th>step</th><th>what</th></tr>"
+                  f"{listed}</table>" if events else "")
+                 + f"<h2>Parameters</h2><table>{rows}</table>")
+
+
+def _page(name: str, run, png: str, alt: str, body: str) -> str:
+    """A report's HTML page: its title, the run, the picture (embedded), then `body`."""
+    with open(png, "rb") as f:
+        image = base64.b64encode(f.read()).decode()
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>baton report: "
             f"{html.escape(name)}</title></head><body style='font-family:sans-serif'>"
             f"<h1>{html.escape(name)}</h1><p>MLflow run {run.info.run_id}, status "
-            f"{run.info.status}</p><img alt='loss, throughput, world size, memory' "
-            f"src='data:image/png;base64,{image}' style='max-width:100%'>"
-            + (f"<h2>Events</h2><table><tr><th>event</th><th>step</th><th>what</th></tr>"
-               f"{listed}</table>" if events else "")
-            + f"<h2>Parameters</h2><table>{rows}</table></body></html>")
+            f"{run.info.status}</p><img alt='{html.escape(alt)}' "
+            f"src='data:image/png;base64,{image}' style='max-width:100%'>{body}</body></html>")
+
+
+def build_any(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Report:
+    """`build` for a job's run, `build_sweep` for a sweep's (tracking/sweep.py)."""
+    from baton.tracking.sweep import TAG
+
+    if run.data.tags.get(TAG):
+        return build_sweep(client, run, out_dir)
+    return build(client, run, out_dir, swimlane_step)
+
+
+def _sweep_trials(client, run) -> list[dict]:
+    """A sweep's trials as its end recorded them (`sweep.json`: best first), or, while it
+    runs, the runs nested under it so far (by name, with their state unknown)."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(client.download_artifacts(run.info.run_id, "sweep.json", tmp)) as f:
+                return json.load(f)["trials"]
+    except Exception:  # not ended yet (or by a version that wrote none)
+        nested = client.search_runs([run.info.experiment_id],
+                                    filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+        return [{"name": r.info.run_name, "run_id": r.info.run_id, "state": "?"} for r in nested]
+
+
+def build_sweep(client, run, out_dir: str) -> Report:
+    """A sweep's picture (out_dir/report.png and report.html): the sweep's metric over the
+    steps, a line a trial (those cut short dashed, each ending in a dot where it stopped, the
+    best thick), and its trials' table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_id, name = run.info.run_id, run.info.run_name or run.info.run_id
+    metric = run.data.tags.get("metric", "loss")
+    trials = _sweep_trials(client, run)
+    best = run.data.tags.get("best_trial")
+    curves = {t["name"]: _history(client, t["run_id"], metric) for t in trials if t.get("run_id")}
+    curves = {trial: points for trial, points in curves.items() if points[0]}
+    if not curves:
+        raise BatonError(f"sweep run {run_id} ({name}) has no trial with a logged {metric} yet")
+    fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
+    last = max(steps[-1] for steps, _ in curves.values())
+    for t in trials:
+        if t["name"] not in curves:
+            continue
+        steps, values = curves[t["name"]]
+        top = t["name"] == best
+        line, = ax.plot(steps, values, lw=2.4 if top else 1.0, alpha=1.0 if top else 0.75,
+                        ls="-" if steps[-1] == last else "--", zorder=3 if top else 2,
+                        label=f"{t['name']} (best)" if top else None)
+        ax.plot(steps[-1:], values[-1:], "o", ms=4, color=line.get_color(), zorder=3)
+    if best in curves:
+        ax.legend(loc="upper right", fontsize=8, frameon=False)
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{name}: {len(curves)} trials, {metric} over the steps each trained; dashed: cut "
+                 f"short  (MLflow run {run_id[:8]})", loc="left", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    png = os.path.join(out_dir, "report.png")
+    fig.savefig(png)
+    plt.close(fig)
+    keys = ["name", "values", "bracket", "state", "step", metric, "run_id"]
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(t.get(k, '')))}</td>" for k in keys) + "</tr>"
+                   for t in trials)
+    page = os.path.join(out_dir, "report.html")
+    with open(page, "w") as f:
+        f.write(_page(name, run, png, f"each trial's {metric}", "<h2>Trials, best first</h2><table><tr>"
+                      + "".join(f"<th>{html.escape(k)}</th>" for k in keys) + f"</tr>{rows}</table>"))
+    return Report(png=png, html=page, run_id=run_id, points={trial: len(points[0]) for trial, points in curves.items()})
 
 
 def log_to_run(client, run_id: str) -> Optional[Report]:
     """Build the report of `run_id` and log it as its artifacts (report/), and the traced
     step's swimlane beside its Chrome trace (pipeline/step_N/swimlane.png); nothing for a run
     that ended before its first step."""
+    from baton.tracking.sweep import TAG
+
+    run = client.get_run(run_id)
+    if run.data.tags.get(TAG):
+        with tempfile.TemporaryDirectory() as tmp:
+            rep = build_sweep(client, run, tmp)
+            client.log_artifacts(run_id, tmp, ARTIFACT_DIR)
+        return rep
     if not client.get_metric_history(run_id, "loss"):
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        rep = build(client, client.get_run(run_id), tmp)
+        rep = build(client, run, tmp)
         client.log_artifacts(run_id, tmp, ARTIFACT_DIR)
     if rep.trace:
         step, lanes, title = rep.trace

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from baton import __version__
 from baton.spec import JobSpec
+from baton.sweeps import ranked_by
 from baton.tracking.mlflow_tracker import make_tracker
 
 TAG = "baton.sweep"  # the settings' digest, on the sweep's run
@@ -41,7 +42,8 @@ class SweepRun:
             self.run_id = self.tracker.start(f"{self.base.name}-sweep", _params(self.settings), run_id=found)
         finally:
             self.tracker.drop_ahead()
-        self.tracker.set_tags({TAG: self.digest, "baton.version": __version__})
+        self.tracker.set_tags({TAG: self.digest, "metric": ranked_by(self.base)[0],
+                               "baton.version": __version__})
         return self.run_id
 
     def tags(self) -> dict:
@@ -62,7 +64,7 @@ class SweepRun:
             self.close(trials(), status)
 
     def close(self, trials: list, status: str = "FINISHED") -> None:
-        from baton.sweeps import rank, ranked_by
+        from baton.sweeps import rank
 
         if not self.run_id:
             return
@@ -76,7 +78,7 @@ class SweepRun:
         if best is not None:
             self.tracker.set_tags({"best_trial": best.name, "best_run_id": best.run_id or ""})
             self.tracker.log_metrics(0, {f"best_{metric}": best.metric}, replayed_ok=True)
-        self.tracker.finish(status, report=False)
+        self.tracker.finish(status)  # (its picture: report.build_sweep)
 
 
 def _params(settings: dict) -> dict:
