@@ -382,7 +382,7 @@ def sweep(job, axes: dict, overrides: list[str] = (), *, trials: Optional[int] =
     record = SweepRun(base.spec, settings)
     if record.open():
         log(f"MLflow run {record.run_id}: this sweep's, its trials' runs nested under it")
-    with ray_session(address, log), record.recording(lambda: model.trials if model else trials):
+    with record.recording(lambda: model.trials if model else trials), ray_session(address, log):
         if concurrent == "auto":
             concurrent = sweeps.most_at_once(trials, ray.cluster_resources())
             log(f"--concurrent auto: {concurrent} trial{'s' * (concurrent > 1)} at once "
