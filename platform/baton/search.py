@@ -107,15 +107,16 @@ class Model:
     def _observed(self, t: Trial):
         """`t` as an Optuna trial: complete with its metric where it trained every step (or
         ended: stopped early); pruned at its step where it was judged at a rung; running
-        where it has no metric yet; failed where it failed or ended without one."""
+        while it trains to its first result; failed where it failed or stopped without a
+        metric."""
         optuna = _optuna()
         state = optuna.trial.TrialState
         params = {key: _param(t.values[key], axis) for key, axis in self.axes.items()}
         dists = {key: _distribution(axis) for key, axis in self.axes.items()}
-        if t.state == "failed" or (t.ended and t.metric is None):
-            return optuna.trial.create_trial(params=params, distributions=dists, state=state.FAIL)
-        if t.metric is None:
+        if t.metric is None and t.state == "pending":  # (handed out, no result yet)
             return optuna.trial.create_trial(params=params, distributions=dists, state=state.RUNNING)
+        if t.metric is None or t.state == "failed":
+            return optuna.trial.create_trial(params=params, distributions=dists, state=state.FAIL)
         if t.ended or t.step >= t.spec.train.steps:
             return optuna.trial.create_trial(params=params, distributions=dists, value=t.metric)
         return optuna.trial.create_trial(params=params, distributions=dists, state=state.PRUNED,
