@@ -179,16 +179,27 @@ def _binned(kind: str, scores: torch.Tensor, labels: torch.Tensor, valid: torch.
     """The valid rows' `scores` (clamped to [0, 1]) counted into `bins` equal bins, positives
     (`labels` true) and negatives apart. No shape depends on the values (it runs on PyTorch's
     meta device in `baton validate`)."""
-    import torch
-
     if scores.shape != labels.shape or scores.shape != valid.shape:
         raise ValueError(f"{kind}: scores {tuple(scores.shape)}, labels {tuple(labels.shape)} and "
                          f"valid {tuple(valid.shape)} must have one shape (one score a row)")
+    positives, negatives = _count(scores[:, None], labels.bool()[:, None], valid, bins)
+    return Counts(kind, positives[0], negatives[0])
+
+
+def _count(scores: torch.Tensor, positive: torch.Tensor, valid: torch.Tensor,
+           bins: int) -> list[torch.Tensor]:
+    """Each column of `scores` (rows, columns) counted into `bins` bins of its own, over the
+    valid rows: [positives, negatives], each (columns, bins), `positive` (rows, columns) saying
+    which side a row's score counts on."""
+    import torch
+
+    columns = scores.shape[1]
     index = (scores.detach().float().clamp(0, 1) * bins).long().clamp(max=bins - 1)
-    labels, valid = labels.bool(), valid.bool()
-    counts = [torch.zeros(bins, dtype=torch.int64, device=scores.device).scatter_add_(
-        0, index, (valid & side).long()) for side in (labels, ~labels)]
-    return Counts(kind, *counts)
+    index = index + torch.arange(columns, device=scores.device) * bins  # each column its own bins
+    valid = valid.bool()[:, None]
+    return [torch.zeros(columns * bins, dtype=torch.int64, device=scores.device).scatter_add_(
+        0, index.flatten(), (valid & side).long().flatten()).view(columns, bins)
+        for side in (positive, ~positive)]
 
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, bins: int = 1000) -> Counts:
@@ -236,13 +247,8 @@ def _binned_classes(kind: str, probs: torch.Tensor, labels: torch.Tensor, valid:
     if rows is None or labels.shape != (rows,) or valid.shape != (rows,):
         raise ValueError(f"{kind}: probs {tuple(probs.shape)} must be (rows, classes), labels "
                          f"{tuple(labels.shape)} and valid {tuple(valid.shape)} (rows,)")
-    index = (probs.detach().float().clamp(0, 1) * bins).long().clamp(max=bins - 1)
-    index = index + torch.arange(classes, device=probs.device) * bins  # each class its own bins
     mine = labels[:, None] == torch.arange(classes, device=labels.device)
-    valid = valid.bool()[:, None]
-    counts = [torch.zeros(classes * bins, dtype=torch.int64, device=probs.device).scatter_add_(
-        0, index.flatten(), (valid & side).long().flatten()).view(classes, bins) for side in (mine, ~mine)]
-    return Counts(kind, *counts)
+    return Counts(kind, *_count(probs, mine, valid, bins))
 
 
 def _auroc_of(positives, negatives) -> Optional[float]:
