@@ -550,7 +550,7 @@ def _report(args: argparse.Namespace) -> int:
     run = report.find_run(client, args.run)
     out = args.out or f"report-{run.info.run_name or run.info.run_id}"
     rep = report.build_any(client, run, out, args.step)
-    if "loss" not in rep.points:  # a sweep's: a line a trial
+    if rep.sweep:  # a line a trial
         print(f"wrote {rep.png} and {rep.html}: {len(rep.points)} trials of sweep run {rep.run_id}")
         return 0
     print(f"wrote {rep.png} and {rep.html}: {rep.points['loss']} steps of MLflow run {rep.run_id}"

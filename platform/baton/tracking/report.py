@@ -38,6 +38,7 @@ class Report:
     run_id: str
     points: dict[str, int] = field(default_factory=dict)  # plotted points per series
     trace: Optional[tuple] = field(default=None, repr=False)  # (step, lanes, title) drawn
+    sweep: bool = False  # a sweep's picture (points: per trial)
 
     @property
     def swimlane_step(self) -> Optional[int]:
@@ -290,7 +291,8 @@ def build_sweep(client, run, out_dir: str) -> Report:
     with open(page, "w") as f:
         f.write(_page(name, run, png, f"each trial's {metric}", "<h2>Trials, best first</h2><table><tr>"
                       + "".join(f"<th>{html.escape(k)}</th>" for k in keys) + f"</tr>{rows}</table>"))
-    return Report(png=png, html=page, run_id=run_id, points={trial: len(points[0]) for trial, points in curves.items()})
+    return Report(png=png, html=page, run_id=run_id, sweep=True,
+                  points={trial: len(points[0]) for trial, points in curves.items()})
 
 
 def log_to_run(client, run_id: str) -> Optional[Report]:
@@ -300,15 +302,10 @@ def log_to_run(client, run_id: str) -> Optional[Report]:
     from baton.tracking.sweep import TAG
 
     run = client.get_run(run_id)
-    if run.data.tags.get(TAG):
-        with tempfile.TemporaryDirectory() as tmp:
-            rep = build_sweep(client, run, tmp)
-            client.log_artifacts(run_id, tmp, ARTIFACT_DIR)
-        return rep
-    if not client.get_metric_history(run_id, "loss"):
+    if not run.data.tags.get(TAG) and not client.get_metric_history(run_id, "loss"):
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        rep = build(client, run, tmp)
+        rep = build_any(client, run, tmp)
         client.log_artifacts(run_id, tmp, ARTIFACT_DIR)
     if rep.trace:
         step, lanes, title = rep.trace

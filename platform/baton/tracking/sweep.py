@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from baton import __version__
 from baton.spec import JobSpec
-from baton.sweeps import ranked_by
+from baton.sweeps import rank, ranked_by
 from baton.tracking.mlflow_tracker import make_tracker
 
 TAG = "baton.sweep"  # the settings' digest, on the sweep's run
@@ -64,8 +64,6 @@ class SweepRun:
             self.close(trials(), status)
 
     def close(self, trials: list, status: str = "FINISHED") -> None:
-        from baton.sweeps import rank
-
         if not self.run_id:
             return
         metric, lowest = ranked_by(self.base)
