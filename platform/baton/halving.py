@@ -297,11 +297,10 @@ class Promotions:
 
     def peek(self) -> Optional[tuple[Trial, Optional[int]]]:
         found = self._next()
-        if found is None and (t := self.fresh.peek()) is not None:
-            return t, self._until(0)
-        if found is None:  # (a search that has just run out of trials to suggest)
-            found = self._next()
-        return (found[0], self._until(found[1] + 1)) if found is not None else None
+        if found is not None:
+            return found[0], self._until(found[1] + 1)
+        t = self.fresh.peek()
+        return (t, self._until(0)) if t is not None else None
 
     def take(self) -> tuple[Trial, Optional[int]]:
         found = self._next()
@@ -361,11 +360,7 @@ class Brackets:
 
     def peek(self) -> Optional[tuple[Trial, Optional[int]]]:
         lineup = self._pick()
-        found = lineup.peek() if lineup else None
-        if found is None and lineup is not None:  # (a search that has just run out of trials)
-            lineup = self._pick()
-            found = lineup.peek() if lineup else None
-        return found
+        return lineup.peek() if lineup else None
 
     def take(self) -> tuple[Trial, Optional[int]]:
         lineup = self._pick()

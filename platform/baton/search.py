@@ -181,7 +181,9 @@ class Suggestions:
 
     @property
     def left(self) -> bool:
-        return self.begun < self.n and self.model.left
+        """Whether it has a trial to begin: its share not all begun, and the model suggests one
+        (kept until taken or a result comes in, so asking again costs nothing)."""
+        return self.begun < self.n and self.model.peek() is not None
 
     def peek(self) -> Optional[Trial]:
         return self.model.peek() if self.left else None
