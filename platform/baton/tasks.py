@@ -78,10 +78,10 @@ class Classification(Task):
     gradients), the AUROC too: of class 1's probability with two classes, else the mean of
     each class's against the rest (`macro_auroc`; up to MOST_AUROC_CLASSES classes). Counting
     scores a micro-batch and sending the counts with each step's result is no cost a training
-    step needs (a probe, not kept: `loss` on 4 micro-batches of 32 rows, then `Sums.out`
-    pickled, on a 2-core EPYC: 450 us with the counts against 174 us without for 2 classes,
-    712 against 193 for 10, 3.6 ms against 0.8 for 1,000; the result 732, 5,077 and 7,955
-    bytes against 80, its counts sent sparse)."""
+    step needs (`benchmarks/eval_counts.py`: 4 micro-batches of 32 rows, then `Sums.out`
+    pickled, on a 2-core EPYC: 569 us with the counts against 168 us without for 2 classes,
+    697 against 185 for 10, 3.6 ms against 1.1 for 1,000; the result 727, 5,182 and 7,955
+    bytes against 80, its counts sent sparse: 4,114, 40,206 and 408,180 sent whole)."""
 
     name, needs = "classification", ("inputs", "label")
     metrics = ("accuracy", "auroc")  # (auroc up to MOST_AUROC_CLASSES classes)
