@@ -24,6 +24,20 @@ from baton.spec_checks import MOST
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """model.lora: low-rank adapters trained beside the linear layers `targets` names, the
+    rest of the model frozen (models/lora.py)."""
+
+    rank: int = 8  # the adapters' inner width
+    alpha: float = 16.0  # an adapter's product is scaled by alpha / rank
+    # the linear layers adapted, by name in the model (shell patterns: "*.qkv", "*.proj")
+    targets: list[str] = field(default_factory=lambda: ["*"])
+    # parameters trained whole beside them (shell patterns: "*.ln1.*"); model.init_fresh's
+    # and init_grow's always are (init_from gave them no values)
+    whole: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str = "gpt"  # gpt, mlp, classifier, "hf:TYPE" or "package.module:function"
     layers: int = 4  # transformer blocks (gpt) or hidden layers (mlp)
@@ -44,6 +58,8 @@ class ModelSpec:
     # parameters whose first dimension grew (tokens added at a vocabulary's end: "0.tok.weight",
     # "*.lm.weight"): init_from's rows fill their first rows, the rest keep their initialization
     init_grow: list[str] = field(default_factory=list)
+    # low-rank adapters (LoRA) trained in place of the whole model; null: the whole trains
+    lora: Optional[LoRASpec] = None
 
 
 @dataclass(frozen=True)
@@ -393,9 +409,9 @@ class JobSpec:
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
                  **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}
                     if self.eval.fraction else {})}
-        # (model.init_fresh and init_grow only where set: a checkpoint written before them
-        # keeps its recipe)
-        model = {k: v for k, v in d["model"].items() if k not in ("init_fresh", "init_grow") or v}
+        # (model.init_fresh, init_grow and lora only where set: a checkpoint written before
+        # them keeps its recipe)
+        model = {k: v for k, v in d["model"].items() if k not in ("init_fresh", "init_grow", "lora") or v}
         return {"name": d["name"], "model": model, "data": data, "train": train, **extra}
 
     def fingerprint(self) -> str:

@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Optional
 
-from baton.errors import SpecError
+from baton.errors import SpecError, reason
 
 if TYPE_CHECKING:
     from baton.spec import JobSpec
@@ -69,6 +69,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
              f"names parameters {what}, for a model of baton's or your builder's"
              + ("; an hf: model's from_pretrained reads its own" if hf else ": set model.init_from"))
         need(all(names), f"model.{key}", names, "an empty name matches no parameter")
+    if m.lora is not None:
+        _check_lora(spec, need)
     need(not hf or p.pp == 1, "parallel.pp", p.pp, "hf: models are not an nn.Sequential of "
          "layers to cut into stages; use pp: 1 (data parallel or sharded)")
     if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)
@@ -384,6 +386,29 @@ def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
                  f"train.global_batch {spec.train.global_batch} cannot be split over {value} "
                  f"replicas under batch_policy {spec.batch_policy}; dp values that work: "
                  + (f"{valid}" if len(valid) <= 12 else f"{str(valid[:12])[:-1]}, ... ({len(valid)} in all)]"))
+
+
+def _check_lora(spec: JobSpec, need) -> None:
+    """Adapters of a sensible size on linear layers the model has."""
+    lora = spec.model.lora
+    need(1 <= lora.rank <= 65_536, "model.lora.rank", lora.rank, "must be in [1, 65,536] (e.g. 8)")
+    need(0 < lora.alpha <= 1e6, "model.lora.alpha", lora.alpha,
+         "must be in (0, 1,000,000] (an adapter is scaled by alpha / rank; e.g. 2 x rank)")
+    for key, names in (("targets", lora.targets), ("whole", lora.whole)):
+        need(all(names), f"model.lora.{key}", names, "an empty name matches no layer")
+    need(bool(lora.targets), "model.lora.targets", lora.targets,
+         "name the linear layers to adapt (shell patterns: \"*\" is every one)")
+    from baton.models import _on_meta
+    from baton.models.lora import problem
+
+    try:  # (a builder of the user's may fail on the meta device: names are all it is for)
+        meta = _on_meta(spec.model)
+    except Exception as e:
+        need(False, "model.lora", asdict(lora), "its layers are found on the model built on the "
+             f"meta device, and building it there failed: {reason(e)}")
+    trouble = problem(meta, spec.model, spec.parallel.tp)
+    need(trouble is None, "parallel.tp" if spec.parallel.tp > 1 else "model.lora.targets",
+         spec.parallel.tp if spec.parallel.tp > 1 else lora.targets, trouble or "")
 
 
 def _check_tensor(spec: JobSpec, need) -> None:

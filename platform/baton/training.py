@@ -14,8 +14,9 @@ from baton.spec import TrainSpec
 
 def param_groups(model: nn.Module, train: TrainSpec) -> list[dict]:
     """Weight decay on matrices only (not on biases, norms' gains or positions' rows)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # (model.lora: the adapters)
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     return [{"params": decay, "weight_decay": train.weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

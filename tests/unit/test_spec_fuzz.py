@@ -24,7 +24,9 @@ from baton.spec import spec_from_dict
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
-KEYS = sorted(spec_from_dict({"name": "x"}).flat()) + ["model.options.embed_dim", "bogus", "train.bogus"]
+KEYS = sorted(spec_from_dict({"name": "x"}).flat()) + [
+    "model.options.embed_dim", "bogus", "train.bogus",
+    *(f"model.lora.{k}" for k in ("rank", "alpha", "targets", "whole"))]  # (null by default: not in flat())
 EXAMPLES_PER_FILE = int(os.environ.get("BATON_FUZZ_EXAMPLES", 80))  # x 7 job files: 560 mutants a run (the issue asks for at least 500)
 BUDGET_S = 1.0  # a spec is validated in under a second (the hypothesis deadline below too)
 
@@ -66,7 +68,8 @@ def _mutate(raw: dict, mutations: list) -> list[str]:
     return overrides
 
 
-def _validate(text: str, overrides: list[str], times: list | None = None) -> str:
+def _validate(text: str, overrides: list[str], times: list | None = None,
+              budget_s: float = BUDGET_S) -> str:
     """Validate a job file holding `text` in a fresh working folder; return 'ok' or the error
     (and append the seconds it took to `times`).
     Fails on a traceback, a message of more than one line, a slow answer or a written file."""
@@ -88,7 +91,7 @@ def _validate(text: str, overrides: list[str], times: list | None = None) -> str
         written = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*"))
     assert "\n" not in answer, answer
     assert len(answer) < 1000, answer
-    assert took < BUDGET_S, (took, answer)
+    assert took < budget_s, (took, answer)
     assert written == ["job.yaml"], written
     if times is not None:
         times.append(took)
@@ -98,7 +101,9 @@ def _validate(text: str, overrides: list[str], times: list | None = None) -> str
 @pytest.mark.parametrize("job", JOBS, ids=[j.stem for j in JOBS])
 def test_every_mutant_of_a_job_file_gets_one_line_or_a_pass(job):
     base = yaml.safe_load(job.read_text())
-    _validate(job.read_text(), [])  # the first call imports what validate needs: not timed below
+    # the first call imports what validate needs (torch, for a file whose checks build the
+    # model on the meta device: 2.5 s when no test before it imported it): not timed
+    _validate(job.read_text(), [], budget_s=math.inf)
 
     @seed(zlib.crc32(job.name.encode()))  # seeded: the same mutants every run, others per file
     @settings(max_examples=EXAMPLES_PER_FILE, database=None,

@@ -63,14 +63,19 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
     target = _Out(out)
     store = CheckpointStore(spec.checkpoint_dir)
     step = pick(spec, store, step, log or (lambda line: print(line, file=sys.stderr)))
-    about = {"job": spec.name, "step": step, "model": spec.to_dict()["model"],
+    model = spec.to_dict()["model"]
+    tensors = _tensors(store, step, max_shard_bytes)
+    if spec.model.lora is not None:  # the adapters merged: a model like any other
+        tensors = _merged(spec, tensors)
+        del model["lora"]
+    about = {"job": spec.name, "step": step, "model": model,
              "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step),
              "names": names}
     meta = {"format": "pt", "baton.job": spec.name, "baton.step": str(step)}
     target.begin()
     try:
         files, where, total, count = [], {}, 0, 0
-        for group in _files(_tensors(store, step, max_shard_bytes), max_shard_bytes):
+        for group in _files(tensors, max_shard_bytes):
             name = f"part-{len(files):05d}.safetensors"
             if names == "transformers":
                 group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
@@ -221,6 +226,16 @@ def _tensors(store: CheckpointStore, step: int, most: int) -> Iterator[tuple[str
             batch, held = [], 0
     if batch:
         yield from sharded.read_some(where, "model", batch).items()
+
+
+def _merged(spec: JobSpec, tensors: Iterator[tuple[str, torch.Tensor]]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors with `model.lora`'s adapters merged into the weights they adapt."""
+    from baton.models import _on_meta
+    from baton.models.lora import adapter_names, merged, trained_whole
+
+    adapted = set(adapter_names(_on_meta(spec.model), spec.model.lora, trained_whole(spec.model)))
+    return merged(tensors, spec.model.lora, adapted)
 
 
 def _files(tensors: Iterator[tuple[str, torch.Tensor]], most: int) -> Iterator[dict]:

@@ -49,6 +49,8 @@ def validate(args: argparse.Namespace) -> int:
             print(f"  fresh (its own initialization): {api.fresh_names(spec)}")
         if spec.model.init_grow:
             print(f"  grown (the export's rows first): {api.grown_names(spec)}")
+    if spec.model.lora is not None:
+        print(f"  {_lora_line(spec)}")
     if d.pp > 1:
         print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
               f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
@@ -109,6 +111,22 @@ def _sharding_line(spec) -> str:
     return (f"sharding: {d.shard} ({NAMES[d.shard]}) over {layout}; per worker: "
             + ", ".join(f"{k} {mib(v)}" for k, v in mine.items())
             + f" = {mib(sum(mine.values()))} (DDP: {mib(sum(ddp.values()))})")
+
+
+def _lora_line(spec) -> str:
+    """What model.lora adapts and how much of the model trains."""
+    from baton.models import _on_meta
+    from baton.models.lora import adapter_names, attach, counts, trained_whole
+
+    m = spec.model
+    model = _on_meta(m)
+    names = adapter_names(model, m.lora, trained_whole(m))
+    attach(model, m, 0)  # (on meta: shapes only)
+    trained, total = counts(model)
+    shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+    return (f"adapters (LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g}) on {len(names)} linear "
+            f"layers: {shown}; trains {trained:,} of {total:,} parameters ({trained / total:.2%})"
+            + (f", {', '.join(trained_whole(m))} whole" if trained_whole(m) else ""))
 
 
 def _tensor_line(spec) -> str:

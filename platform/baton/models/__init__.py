@@ -151,7 +151,18 @@ def build_model(spec, seed: int) -> nn.Module:
     if weights is not None:
         weights.load_into(model)
         weights.close()
+    _adapter(spec, seed)(model, "")
     return model
+
+
+def _adapter(spec, seed: int) -> Callable[[nn.Module, str], None]:
+    """What adds `model.lora`'s adapters to a model built (or a layer of it, named from
+    `prefix` in the whole model) and freezes the rest: nothing without model.lora."""
+    if spec.lora is None:
+        return lambda module, prefix: None
+    from baton.models import lora
+
+    return lambda module, prefix: lora.attach(module, spec, seed, prefix)
 
 
 def _init_from(spec):
@@ -183,8 +194,9 @@ def build_lazily(spec, seed: int) -> tuple[nn.Module, Callable[[Iterable[nn.Modu
         if weights is not None:
             weights.load_into(made)
             weights.close()
+        _adapter(spec, seed)(made, "")
         return made, lambda layers: None
-    lazy = LayerByLayer(made, seed, weights)
+    lazy = LayerByLayer(made, seed, weights, _adapter(spec, seed))
     return lazy.module, lazy.fill
 
 

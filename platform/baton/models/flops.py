@@ -4,6 +4,8 @@ Training FLOPs per token = 6 x (matmul parameters) + 12 x layers x width x seq_l
 scores and values, forward and backward), as in the PaLM paper's appendix B. Embedding lookups
 are not matmuls and are left out. The MLP model and a user's model count 6 x the weights of
 their nn.Linear layers (a user's attention, if any, is not counted: MFU is then a lower bound).
+With `model.lora`, a frozen weight counts 4 (its forward and its input's gradient, not its own)
+and each adapter's parameters 6.
 """
 
 from __future__ import annotations
@@ -34,20 +36,27 @@ def model_flops_per_token(spec) -> Optional[float]:
     builder that does not build on the meta device: one that works on the workers' devices
     may not there, and the run must not fail for a metric (it ended in the builder's
     traceback before the workers started)."""
-    if spec.name == "gpt":
-        return gpt_flops_per_token(spec.layers, spec.width, spec.seq_len, spec.vocab_size)
-    if spec.name == "mlp":
-        return mlp_flops_per_token(spec.layers, spec.width, spec.context, spec.vocab_size,
-                                   **spec.options)
-    import torch
-
     from baton.models import _on_meta
 
-    try:
-        model = _on_meta(spec)
-    except Exception:  # noqa: BLE001 - the workers build it for real, and say what failed
-        return None
-    return 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    model = None
+    if spec.name == "gpt":
+        flops = gpt_flops_per_token(spec.layers, spec.width, spec.seq_len, spec.vocab_size)
+    elif spec.name == "mlp":
+        flops = mlp_flops_per_token(spec.layers, spec.width, spec.context, spec.vocab_size,
+                                    **spec.options)
+    else:
+        import torch
+
+        try:
+            model = _on_meta(spec)
+        except Exception:  # noqa: BLE001 - the workers build it for real, and say what failed
+            return None
+        flops = 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    if spec.lora is not None:  # frozen weights get no gradient; the adapters train
+        from baton.models.lora import flops_change
+
+        flops += flops_change(model if model is not None else _on_meta(spec), spec)
+    return flops
 
 
 def peak_flops(device_name: str, precision: str) -> Optional[float]:

@@ -41,11 +41,16 @@ class LayerByLayer:
     asked for in the model's order: the stream only goes forward (a layer passed over without
     being asked for cannot be filled later)."""
 
-    def __init__(self, layers: Layers, seed: int, weights=None):
+    def __init__(self, layers: Layers, seed: int, weights=None,
+                 adapt: Optional[Callable[[nn.Module, str], None]] = None):
         self.layers = layers
         self.weights = weights  # model.init_from's export: each filled layer's values read from it
+        # what is added to a layer once it has its values (model.lora's adapters), given the
+        # layer and the prefix of its names in the whole model; the meta model has it too
+        self.adapt = adapt or (lambda module, prefix: None)
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             self.module = nn.Sequential(*[make() for make in layers.makers])
+        self.adapt(self.module, "")
         self._position = {id(m): i for i, m in enumerate(self.module)}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -63,6 +68,7 @@ class LayerByLayer:
                 self._rng = torch.get_rng_state()
             if self.weights is not None:
                 self.weights.load_into(layer, f"{i}.")
+            self.adapt(layer, f"{i}.")
             _take(self.module[i], layer)
             self.filled.add(i)
 

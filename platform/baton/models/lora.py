@@ -1,0 +1,148 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021): `model.lora` trains, beside each linear layer it
+names, two small matrices whose product is added to the layer's weight, and leaves the rest of
+the model as it was built (or as `model.init_from` gave it), frozen.
+
+A linear layer y = x Wᵀ + b with an adapter computes y + (alpha / rank) · (x Aᵀ) Bᵀ, A of
+(rank, in) drawn as torch draws a linear layer's weight, B of (out, rank) zeros: at the first
+step the model is the one it was built as. A and B are parameters of the linear layer itself
+(`lora_a`, `lora_b`, beside its `weight`), so the model keeps its modules and its names, every
+wrapping baton gives a model (DDP, FSDP2, pipeline stages, compiled blocks, recomputed
+activations) takes them as any parameter, and a checkpoint holds them with the frozen weights:
+it loads at any layout as any checkpoint does. The optimizer holds only what trains, so its
+state is the adapters', not the model's. `baton export` writes each adapted weight merged,
+W + (alpha / rank) · B A, as a model without adapters (`merged`).
+
+A's draws come from a stream of their own, seeded by the job's seed and the layer's name, so
+the model's own weights are those it has without adapters, and a layer built alone (a
+pipeline stage, a FSDP unit filled as it is sharded) gets the A the whole model's has."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from baton.spec import LoRASpec, ModelSpec
+
+A, B = "lora_a", "lora_b"  # the adapter's parameters' names, on the linear layer
+
+
+def trained_whole(model: ModelSpec) -> list[str]:
+    """The patterns of the parameters a LoRA run trains whole: `model.lora.whole`, and the
+    parameters `model.init_fresh` and `init_grow` name (values init_from did not give)."""
+    return [*model.lora.whole, *model.init_fresh, *model.init_grow]
+
+
+def targets(module: nn.Module, lora: LoRASpec, whole: list[str], prefix: str = "") -> list[tuple[str, nn.Linear]]:
+    """(name in the whole model, layer) of the linear layers `lora.targets` names, but those
+    whose weight trains whole."""
+    return [(prefix + name, m) for name, m in module.named_modules()
+            if isinstance(m, nn.Linear) and _named(prefix + name, lora.targets)
+            and not _named(f"{prefix}{name}.weight", whole)]
+
+
+def attach(module: nn.Module, model: ModelSpec, seed: int, prefix: str = "") -> None:
+    """Adapters on `module`'s target layers (named `prefix` + their name in it, as in the whole
+    model), every other parameter frozen but those trained whole. On the meta device, the
+    adapters' shapes only."""
+    lora, whole = model.lora, trained_whole(model)
+    for name, p in module.named_parameters():
+        p.requires_grad_(_named(prefix + name, whole))
+    for name, layer in targets(module, lora, whole, prefix):
+        a = torch.empty(lora.rank, layer.in_features, device=layer.weight.device)
+        if a.device.type != "meta":
+            _draw(a, seed, name)
+        layer.register_parameter(A, nn.Parameter(a))
+        layer.register_parameter(B, nn.Parameter(torch.zeros(
+            layer.out_features, lora.rank, device=layer.weight.device)))
+        layer.lora_scale = lora.alpha / lora.rank
+        layer.register_forward_hook(_adapted)
+
+
+def _draw(a: torch.Tensor, seed: int, name: str) -> None:
+    """A as nn.Linear draws its weight (Kaiming-uniform, a = sqrt(5): bound 1 / sqrt(in)),
+    from a stream of (seed, name) alone."""
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    bound = 1 / math.sqrt(a.shape[1])
+    with torch.no_grad():
+        a.copy_(torch.empty(a.shape).uniform_(-bound, bound, generator=torch.Generator().manual_seed(key)))
+
+
+def _adapted(layer: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    a, b = getattr(layer, A), getattr(layer, B)
+    return out + (args[0] @ a.to(out.dtype).t()) @ b.to(out.dtype).t() * layer.lora_scale
+
+
+def merged(tensors: Iterator[tuple[str, torch.Tensor]], lora: LoRASpec, adapted: set[str]
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's (name, tensor) with the weight of each layer in `adapted` merged
+    (W + scale · B A) and the adapters left out, in the order the tensors come: a layer's three
+    parts are held only until the last of them has come (neighbours, in name order or in a
+    stage's own order)."""
+    scale = lora.alpha / lora.rank
+    held: dict[str, dict[str, torch.Tensor]] = {}  # adapted layer -> its parts seen so far
+    for name, t in tensors:
+        layer, _, part = name.rpartition(".")
+        if layer not in adapted or part not in (A, B, "weight"):
+            yield name, t
+            continue
+        parts = held.setdefault(layer, {})
+        parts[part] = t
+        if len(parts) == 3:
+            del held[layer]
+            yield f"{layer}.weight", _merge(parts["weight"], parts[A], parts[B], scale)
+    if held:
+        raise ValueError(f"the checkpoint lacks parts of the adapted layers {sorted(held)[:3]}")
+
+
+def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    return (w.double() + scale * (b.double() @ a.double())).to(w.dtype)
+
+
+def adapter_names(model: nn.Module, lora: LoRASpec, whole: list[str]) -> list[str]:
+    """The layers `lora.targets` adapts in `model` (built on meta: names only)."""
+    return [name for name, _ in targets(model, lora, whole)]
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _named(name: str, patterns) -> bool:
+    return any(fnmatchcase(name, p) for p in patterns)
+
+
+def counts(model: nn.Module) -> tuple[int, int]:
+    """(trained, all) parameters of a model with adapters."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def flops_change(model: nn.Module, spec: ModelSpec) -> float:
+    """What adapters change in the training FLOPs per token of `model` (built on meta), as
+    models/flops.py counts them (2 a weight forward, 4 backward): a frozen weight's gradient
+    is not computed (2 of its 6), and each adapter costs 6 per parameter of its A and B."""
+    whole = trained_whole(spec)
+    frozen = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and not _named(f"{name}.weight", whole))
+    adapters = sum(spec.lora.rank * (m.in_features + m.out_features)
+                   for _, m in targets(model, spec.lora, whole))
+    return 6.0 * adapters - 2.0 * frozen
+
+
+def problem(model: nn.Module, spec: ModelSpec, tp: int) -> Optional[str]:
+    """Why `spec.lora` cannot adapt `model` (built on meta), or None."""
+    if tp > 1:
+        return "adapters on layers split over parallel.tp are not supported yet; use tp: 1"
+    names = adapter_names(model, spec.lora, trained_whole(spec))
+    if not names:
+        linear = linear_names(model)
+        return (f"targets {spec.lora.targets} match no linear layer (nn.Linear) that does not "
+                "train whole; the model's: " + (", ".join(linear[:8]) + (", ..." if len(linear) > 8 else "")
+                                                 if linear else "none"))
+    return None
