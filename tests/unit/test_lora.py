@@ -115,3 +115,11 @@ def test_a_recipe_without_adapters_keeps_its_fingerprint(tmp_path):
     adapted = spec_from_dict({**raw, "model": {**raw["model"], "lora": {"rank": 2}}})
     assert adapted.recipe()["model"]["lora"]["rank"] == 2
     assert adapted.fingerprint() != plain.fingerprint()
+
+
+def test_an_adapter_on_a_tied_weight_is_refused(tmp_path):
+    """GPT-2's head is its token embedding under a second name: merged at export, an adapter
+    would change the embedding too (or, re-tied by transformers, be lost)."""
+    config = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 32, "vocab_size": 256}
+    with pytest.raises(SpecError, match=r"lm_head.weight is tied to .*wte.weight"):
+        _check(tmp_path, name="hf:gpt2", config=config, lora={"targets": ["*lm_head"]})

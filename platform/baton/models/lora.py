@@ -139,7 +139,16 @@ def problem(model: nn.Module, spec: ModelSpec, tp: int) -> Optional[str]:
     """Why `spec.lora` cannot adapt `model` (built on meta), or None."""
     if tp > 1:
         return "adapters on layers split over parallel.tp are not supported yet; use tp: 1"
-    names = adapter_names(model, spec.lora, trained_whole(spec))
+    whole = trained_whole(spec)
+    names = adapter_names(model, spec.lora, whole)
+    shared: dict[int, list[str]] = {}  # a tensor -> its names (tied weights: several)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    for name, layer in targets(model, spec.lora, whole):
+        tied = [n for n in shared[id(layer.weight)] if n != f"{name}.weight"]
+        if tied:
+            return (f"{name}.weight is tied to {tied[0]} (one tensor under two names), and "
+                    f"merging an adapter into it would change both; leave {name} out of targets")
     if not names:
         linear = linear_names(model)
         return (f"targets {spec.lora.targets} match no linear layer (nn.Linear) that does not "
