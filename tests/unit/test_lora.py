@@ -11,7 +11,7 @@ import torch
 
 from baton.errors import SpecError
 from baton.models import _on_meta, build_lazily, build_model
-from baton.models.lora import adapter_names, counts, merged, trained_whole
+from baton.models.lora import adapted_layers, counts, merged, trained_whole
 from baton.spec import LoRASpec, ModelSpec, spec_from_dict
 from baton.training import make_optimizer
 from helpers import tiny_spec
@@ -69,8 +69,8 @@ def test_the_export_merges_each_adapter_into_its_weight(order):
                 p.normal_(generator=torch.Generator().manual_seed(len(n)))
     state = adapted.state_dict()
     items = sorted(state.items()) if order == "names" else list(state.items())
-    layers = set(adapter_names(_on_meta(LORA), LORA.lora, trained_whole(LORA)))
-    assert layers == {"1.qkv", "1.proj", "2.qkv", "2.proj", "3.lm"}
+    layers = adapted_layers(_on_meta(LORA), LORA.lora, trained_whole(LORA))
+    assert layers == {name: False for name in ("1.qkv", "1.proj", "2.qkv", "2.proj", "3.lm")}
     out = dict(merged(iter(items), LORA.lora, layers))
     assert not any("lora" in n for n in out)
     plain = build_model(GPT, 1)
@@ -123,3 +123,26 @@ def test_an_adapter_on_a_tied_weight_is_refused(tmp_path):
     config = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 32, "vocab_size": 256}
     with pytest.raises(SpecError, match=r"lm_head.weight is tied to .*wte.weight"):
         _check(tmp_path, name="hf:gpt2", config=config, lora={"targets": ["*lm_head"]})
+
+
+def test_gpt2s_conv1d_layers_take_adapters_merged_transposed(tmp_path):
+    """transformers' Conv1D (GPT-2's attention and MLP) holds its weight as (in, out): its
+    adapter computes what a linear layer's does, and its merge is transposed."""
+    config = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 32, "vocab_size": 64}
+    spec = spec_from_dict(tiny_spec(tmp_path, tmp_path, model={
+        "name": "hf:gpt2", "config": config, "lora": {"rank": 2, "targets": ["*.c_attn", "*.c_fc"]}}))
+    adapted = build_model(spec.model, 0).eval()  # (GPT-2's configuration has dropout)
+    layers = adapted_layers(_on_meta(spec.model), spec.model.lora, [])
+    assert len(layers) == 2 and all(layers.values())  # (in, out) weights, both
+    tokens = TOKENS[:, :8]
+    before = adapted(tokens)
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if n.endswith("lora_b"):
+                p.normal_(generator=torch.Generator().manual_seed(len(n)))
+    after = adapted(tokens)
+    assert not torch.equal(before, after)
+    plain = build_model(dataclasses.replace(spec.model, lora=None), 0).eval()
+    plain.load_state_dict(dict(merged(iter(adapted.state_dict().items()), spec.model.lora, layers)))
+    # measured: 1.6e-7 (float32 rounding, as for nn.Linear's merge above); a tenfold margin
+    torch.testing.assert_close(plain(tokens), after, rtol=0, atol=2e-6)

@@ -116,11 +116,11 @@ def _sharding_line(spec) -> str:
 def _lora_line(spec) -> str:
     """What model.lora adapts and how much of the model trains."""
     from baton.models import _on_meta
-    from baton.models.lora import adapter_names, attach, counts, trained_whole
+    from baton.models.lora import adapted_layers, attach, counts, trained_whole
 
     m = spec.model
     model = _on_meta(m)
-    names = adapter_names(model, m.lora, trained_whole(m))
+    names = list(adapted_layers(model, m.lora, trained_whole(m)))
     attach(model, m, 0)  # (on meta: shapes only)
     trained, total = counts(model)
     shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")

@@ -38,11 +38,21 @@ def trained_whole(model: ModelSpec) -> list[str]:
     return [*model.lora.whole, *model.init_fresh, *model.init_grow]
 
 
-def targets(module: nn.Module, lora: LoRASpec, whole: list[str], prefix: str = "") -> list[tuple[str, nn.Linear]]:
+def sizes(layer: nn.Module) -> Optional[tuple[int, int, bool]]:
+    """(in, out, whether its weight is held as (in, out)) of a linear layer: torch's
+    nn.Linear, or transformers' Conv1D (GPT-2's, its weight transposed); None for another."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features, False
+    if type(layer).__name__ == "Conv1D" and hasattr(layer, "nx") and hasattr(layer, "nf"):
+        return layer.nx, layer.nf, True
+    return None
+
+
+def targets(module: nn.Module, lora: LoRASpec, whole: list[str], prefix: str = "") -> list[tuple[str, nn.Module]]:
     """(name in the whole model, layer) of the linear layers `lora.targets` names, but those
     whose weight trains whole."""
     return [(prefix + name, m) for name, m in module.named_modules()
-            if isinstance(m, nn.Linear) and _named(prefix + name, lora.targets)
+            if sizes(m) is not None and _named(prefix + name, lora.targets)
             and not _named(f"{prefix}{name}.weight", whole)]
 
 
@@ -54,12 +64,12 @@ def attach(module: nn.Module, model: ModelSpec, seed: int, prefix: str = "") -> 
     for name, p in module.named_parameters():
         p.requires_grad_(_named(prefix + name, whole))
     for name, layer in targets(module, lora, whole, prefix):
-        a = torch.empty(lora.rank, layer.in_features, device=layer.weight.device)
+        n_in, n_out, _ = sizes(layer)
+        a = torch.empty(lora.rank, n_in, device=layer.weight.device)
         if a.device.type != "meta":
             _draw(a, seed, name)
         layer.register_parameter(A, nn.Parameter(a))
-        layer.register_parameter(B, nn.Parameter(torch.zeros(
-            layer.out_features, lora.rank, device=layer.weight.device)))
+        layer.register_parameter(B, nn.Parameter(torch.zeros(n_out, lora.rank, device=layer.weight.device)))
         layer.lora_scale = lora.alpha / lora.rank
         layer.register_forward_hook(_adapted)
 
@@ -78,12 +88,12 @@ def _adapted(layer: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
     return out + (args[0] @ a.to(out.dtype).t()) @ b.to(out.dtype).t() * layer.lora_scale
 
 
-def merged(tensors: Iterator[tuple[str, torch.Tensor]], lora: LoRASpec, adapted: set[str]
+def merged(tensors: Iterator[tuple[str, torch.Tensor]], lora: LoRASpec, adapted: dict[str, bool]
            ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's (name, tensor) with the weight of each layer in `adapted` merged
-    (W + scale · B A) and the adapters left out, in the order the tensors come: a layer's three
-    parts are held only until the last of them has come (neighbours, in name order or in a
-    stage's own order)."""
+    (W + scale · B A, transposed for a weight held as (in, out): `adapted[layer]`) and the
+    adapters left out, in the order the tensors come: a layer's three parts are held only
+    until the last of them has come (neighbours, in name order or in a stage's own order)."""
     scale = lora.alpha / lora.rank
     held: dict[str, dict[str, torch.Tensor]] = {}  # adapted layer -> its parts seen so far
     for name, t in tensors:
@@ -95,22 +105,25 @@ def merged(tensors: Iterator[tuple[str, torch.Tensor]], lora: LoRASpec, adapted:
         parts[part] = t
         if len(parts) == 3:
             del held[layer]
-            yield f"{layer}.weight", _merge(parts["weight"], parts[A], parts[B], scale)
+            yield f"{layer}.weight", _merge(parts["weight"], parts[A], parts[B], scale, adapted[layer])
     if held:
         raise ValueError(f"the checkpoint lacks parts of the adapted layers {sorted(held)[:3]}")
 
 
-def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    return (w.double() + scale * (b.double() @ a.double())).to(w.dtype)
+def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+           transposed: bool) -> torch.Tensor:
+    product = b.double() @ a.double()  # (out, in)
+    return (w.double() + scale * (product.t() if transposed else product)).to(w.dtype)
 
 
-def adapter_names(model: nn.Module, lora: LoRASpec, whole: list[str]) -> list[str]:
-    """The layers `lora.targets` adapts in `model` (built on meta: names only)."""
-    return [name for name, _ in targets(model, lora, whole)]
+def adapted_layers(model: nn.Module, lora: LoRASpec, whole: list[str]) -> dict[str, bool]:
+    """The layers `lora.targets` adapts in `model` (built on meta: names only), each with
+    whether its weight is held as (in, out)."""
+    return {name: sizes(layer)[2] for name, layer in targets(model, lora, whole)}
 
 
 def linear_names(model: nn.Module) -> list[str]:
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return [name for name, m in model.named_modules() if sizes(m) is not None]
 
 
 def _named(name: str, patterns) -> bool:
@@ -126,12 +139,13 @@ def counts(model: nn.Module) -> tuple[int, int]:
 def flops_change(model: nn.Module, spec: ModelSpec) -> float:
     """What adapters change in the training FLOPs per token of `model` (built on meta), as
     models/flops.py counts them (2 a weight forward, 4 backward): a frozen weight's gradient
-    is not computed (2 of its 6), and each adapter costs 6 per parameter of its A and B."""
+    is not computed (2 of its 6), and each adapter costs 6 per parameter of its A and B.
+    (Only nn.Linear weights are counted there, so only theirs are here.)"""
     whole = trained_whole(spec)
     frozen = sum(m.weight.numel() for name, m in model.named_modules()
                  if isinstance(m, nn.Linear) and not _named(f"{name}.weight", whole))
-    adapters = sum(spec.lora.rank * (m.in_features + m.out_features)
-                   for _, m in targets(model, spec.lora, whole))
+    adapters = sum(spec.lora.rank * (n_in + n_out) for _, m in targets(model, spec.lora, whole)
+                   for n_in, n_out, _ in [sizes(m)])
     return 6.0 * adapters - 2.0 * frozen
 
 
@@ -140,7 +154,7 @@ def problem(model: nn.Module, spec: ModelSpec, tp: int) -> Optional[str]:
     if tp > 1:
         return "adapters on layers split over parallel.tp are not supported yet; use tp: 1"
     whole = trained_whole(spec)
-    names = adapter_names(model, spec.lora, whole)
+    names = list(adapted_layers(model, spec.lora, whole))
     shared: dict[int, list[str]] = {}  # a tensor -> its names (tied weights: several)
     for name, p in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(p), []).append(name)
@@ -151,7 +165,7 @@ def problem(model: nn.Module, spec: ModelSpec, tp: int) -> Optional[str]:
                     f"merging an adapter into it would change both; leave {name} out of targets")
     if not names:
         linear = linear_names(model)
-        return (f"targets {spec.lora.targets} match no linear layer (nn.Linear) that does not "
+        return (f"targets {spec.lora.targets} match no linear layer (nn.Linear, Conv1D) that does not "
                 "train whole; the model's: " + (", ".join(linear[:8]) + (", ..." if len(linear) > 8 else "")
                                                  if linear else "none"))
     return None
