@@ -62,7 +62,7 @@ def clip_grads(model: nn.Module, grad_clip: float) -> torch.Tensor:
 def scale_to_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Clip `grads` (each worker's share of the model's) by their whole norm `norm`, computed
     by the caller over every worker that holds a share; returns the norm, a tensor not yet read."""
-    if max_norm > 0:
+    if max_norm > 0 and grads:  # (none: a pipeline stage that trains nothing, model.lora's)
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 

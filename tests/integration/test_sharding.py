@@ -208,20 +208,22 @@ def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(t
 
     def adapted(steps, **parallel):
         raw = _spec(tmp_path, data, "adapted", steps, schedule="constant", **parallel).to_dict()
+        # nothing in the embedding and the first block trains: the first pipeline stage
+        # (and ZeRO-3's first units) hold only frozen weights
         raw["model"].update(init_from=str(tmp_path / "export"),
-                            lora={"rank": 4, "targets": ["*.qkv", "*.fc", "*.lm"], "whole": ["*.ln1.*"]})
+                            lora={"rank": 4, "targets": ["2.qkv", "2.fc", "*.lm"], "whole": ["2.ln1.*"]})
         return spec_from_dict(raw)
 
     first = adapted(2, shard="full")
     assert api.run(first, show_progress=False).step == 2
     spec = adapted(4, pp=2, microbatches=2, shard="grads")
+    assert api.stage_plan(spec) == "[2, 2]"  # the first stage: the embedding and block 1, frozen
     result = api.run(spec, show_progress=False)
     assert result.state == "finished" and result.resumed_from == 2
-    # measured: 1.2e-5 (a layer norm trained whole); the equivalence bound holds
+    # measured: 5.8e-6; the equivalence bound holds
     got, _ = assert_like_one_process(spec, data, result, 4)
-    trained = {n for n in got if ".lora_" in n or ".ln1." in n}
-    assert {n.rsplit(".", 1)[0] for n in trained if ".lora_" in n} == {
-        f"{i}.{layer}" for i in (1, 2) for layer in ("qkv", "fc")} | {"3.lm"}
+    trained = {n for n in got if ".lora_" in n or n.startswith("2.ln1.")}
+    assert {n.rsplit(".", 1)[0] for n in trained if ".lora_" in n} == {"2.qkv", "2.fc", "3.lm"}
     assert all(torch.equal(got[n], t) for n, t in pretrained.items() if n not in trained)
     assert all(bool(got[n].abs().sum()) for n in trained if n.endswith("lora_b"))  # they trained
 

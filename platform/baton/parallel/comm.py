@@ -120,6 +120,8 @@ class FlatGrads:
 
     def all_reduce(self, params: list) -> None:
         grads = [q.grad for q in params]
+        if not grads:  # a stage that trains nothing (model.lora), on all its replicas alike
+            return
         if len(grads) != self.count or any(g._base is not self.flat for g in grads):
             self.flat = torch._utils._flatten_dense_tensors(grads)
             for q, view in zip(params, torch._utils._unflatten_dense_tensors(self.flat, grads)):

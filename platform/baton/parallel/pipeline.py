@@ -143,7 +143,8 @@ class PipelineRuntime:
                 x, y = stash.pop((a.mb, a.chunk))
                 if self.before_backward:
                     self.before_backward(a.chunk, last_backward[a.chunk] == i)
-                torch.autograd.backward(y, None if s == self.last else got)
+                if y.requires_grad:  # (not: a first stage that trains nothing, model.lora's)
+                    torch.autograd.backward(y, None if s == self.last else got)
                 act_bytes.pop((a.mb, a.chunk), None)
                 if s > 0:
                     out.append((x.grad, self._peer(s - 1), _tag("B", a.mb, s), a.mb, s))
