@@ -58,8 +58,16 @@ class ModelSpec:
     # parameters whose first dimension grew (tokens added at a vocabulary's end: "0.tok.weight",
     # "*.lm.weight"): init_from's rows fill their first rows, the rest keep their initialization
     init_grow: list[str] = field(default_factory=list)
+    # parameters that do not train (shell patterns: ["0.*", "1.*"]; ["*"] with init_fresh: a
+    # new head trained on a frozen backbone); init_fresh's and init_grow's always train
+    frozen: list[str] = field(default_factory=list)
     # low-rank adapters (LoRA) trained in place of the whole model; null: the whole trains
     lora: Optional[LoRASpec] = None
+
+    @property
+    def partly_frozen(self) -> bool:
+        """Whether some of the model's own parameters do not train (models/frozen.py)."""
+        return self.lora is not None or bool(self.frozen)
 
 
 @dataclass(frozen=True)
@@ -409,9 +417,10 @@ class JobSpec:
         extra = {**({"task": self.task} if self.task != "language_model" else {}),
                  **({"eval": {"fraction": self.eval.fraction, "seed": self.eval.seed}}
                     if self.eval.fraction else {})}
-        # (model.init_fresh, init_grow and lora only where set: a checkpoint written before
-        # them keeps its recipe)
-        model = {k: v for k, v in d["model"].items() if k not in ("init_fresh", "init_grow", "lora") or v}
+        # (model.init_fresh, init_grow, frozen and lora only where set: a checkpoint written
+        # before them keeps its recipe)
+        model = {k: v for k, v in d["model"].items()
+                 if k not in ("init_fresh", "init_grow", "frozen", "lora") or v}
         return {"name": d["name"], "model": model, "data": data, "train": train, **extra}
 
     def fingerprint(self) -> str:

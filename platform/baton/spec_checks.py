@@ -71,6 +71,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
         need(all(names), f"model.{key}", names, "an empty name matches no parameter")
     if m.lora is not None:
         _check_lora(spec, need)
+    if m.frozen:
+        _check_frozen(spec, need)
     need(not hf or p.pp == 1, "parallel.pp", p.pp, "hf: models are not an nn.Sequential of "
          "layers to cut into stages; use pp: 1 (data parallel or sharded)")
     if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)
@@ -409,6 +411,24 @@ def _check_lora(spec: JobSpec, need) -> None:
     trouble = problem(meta, spec.model, spec.parallel.tp)
     need(trouble is None, "parallel.tp" if spec.parallel.tp > 1 else "model.lora.targets",
          spec.parallel.tp if spec.parallel.tp > 1 else lora.targets, trouble or "")
+
+
+def _check_frozen(spec: JobSpec, need) -> None:
+    """Patterns that each name a parameter, and something left to train."""
+    m = spec.model
+    need(all(m.frozen), "model.frozen", m.frozen, "an empty name matches no parameter")
+    need(m.lora is None, "model.frozen", m.frozen, "model.lora freezes every parameter but "
+         "model.lora.whole's already: name those to train there")
+    from baton.models import _on_meta
+    from baton.models.frozen import problem
+
+    try:  # (as for model.lora: names are all the meta model is for)
+        meta = _on_meta(m)
+    except Exception as e:
+        need(False, "model.frozen", m.frozen, "its parameters are found on the model built on "
+             f"the meta device, and building it there failed: {reason(e)}")
+    trouble = problem(meta, m)
+    need(trouble is None, "model.frozen", m.frozen, trouble or "")
 
 
 def _check_tensor(spec: JobSpec, need) -> None:

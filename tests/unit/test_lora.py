@@ -1,6 +1,6 @@
 """Low-rank adapters (`model.lora`, models/lora.py): the model they start as, what trains, the
 same adapters however the model is built, the merge `baton export` writes, and the job file's
-checks."""
+checks; and parameters frozen without adapters (`model.frozen`, models/frozen.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from baton.errors import SpecError
 from baton.models import _on_meta, build_lazily, build_model
-from baton.models.lora import adapted_layers, counts, merged, trained_whole
+from baton.models.frozen import counts
+from baton.models.lora import adapted_layers, merged
 from baton.spec import LoRASpec, ModelSpec, spec_from_dict
 from baton.training import make_optimizer
 from helpers import tiny_spec
@@ -69,7 +70,7 @@ def test_the_export_merges_each_adapter_into_its_weight(order):
                 p.normal_(generator=torch.Generator().manual_seed(len(n)))
     state = adapted.state_dict()
     items = sorted(state.items()) if order == "names" else list(state.items())
-    layers = adapted_layers(_on_meta(LORA), LORA.lora, trained_whole(LORA))
+    layers = adapted_layers(_on_meta(LORA), LORA)
     assert layers == {name: False for name in ("1.qkv", "1.proj", "2.qkv", "2.proj", "3.lm")}
     out = dict(merged(iter(items), LORA.lora, layers))
     assert not any("lora" in n for n in out)
@@ -132,7 +133,7 @@ def test_gpt2s_conv1d_layers_take_adapters_merged_transposed(tmp_path):
     spec = spec_from_dict(tiny_spec(tmp_path, tmp_path, model={
         "name": "hf:gpt2", "config": config, "lora": {"rank": 2, "targets": ["*.c_attn", "*.c_fc"]}}))
     adapted = build_model(spec.model, 0).eval()  # (GPT-2's configuration has dropout)
-    layers = adapted_layers(_on_meta(spec.model), spec.model.lora, [])
+    layers = adapted_layers(_on_meta(spec.model), spec.model)
     assert len(layers) == 2 and all(layers.values())  # (in, out) weights, both
     tokens = TOKENS[:, :8]
     before = adapted(tokens)
@@ -146,3 +147,39 @@ def test_gpt2s_conv1d_layers_take_adapters_merged_transposed(tmp_path):
     plain.load_state_dict(dict(merged(iter(adapted.state_dict().items()), spec.model.lora, layers)))
     # measured: 1.6e-7 (float32 rounding, as for nn.Linear's merge above); a tenfold margin
     torch.testing.assert_close(plain(tokens), after, rtol=0, atol=2e-6)
+
+
+def test_frozen_parameters_get_no_gradient_and_stay_frozen_when_split_over_tp(tmp_path):
+    """model.frozen: ["*"] with init_fresh on the head (a new head on a frozen backbone): only
+    the head trains, built whole or layer by layer, and a tensor-parallel worker's shares of
+    the frozen layers stay frozen."""
+    from baton.parallel.tensor import split_layers
+
+    probe = dataclasses.replace(GPT, frozen=["*"], init_fresh=["3.*"])
+    for model in (build_model(probe, 0), _filled(probe)):
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+            "3.ln.weight", "3.ln.bias", "3.lm.weight"}
+    partial = dataclasses.replace(GPT, frozen=["0.*", "1.*"])
+    share = build_model(partial, 0)
+    split = split_layers(share, 0, 2, None)
+    assert "1.qkv.weight" in split and "2.qkv.weight" in split
+    trained = {n for n, p in share.named_parameters() if p.requires_grad}
+    assert trained and not any(n.startswith(("0.", "1.")) for n in trained)
+    assert all(n in trained for n, _ in share.named_parameters() if n.startswith(("2.", "3.")))
+
+
+def _filled(model):
+    lazy, fill = build_lazily(model, 0)
+    fill(list(lazy))
+    return lazy
+
+
+def test_the_job_files_frozen_is_checked_before_anything_starts(tmp_path):
+    _check(tmp_path, frozen=["0.*", "1.*"])
+    with pytest.raises(SpecError, match=r"model.frozen: \['9.\*'\] is invalid; '9.\*' names no "
+                                        r"parameter; the model's: 0.tok.weight"):
+        _check(tmp_path, frozen=["9.*"])
+    with pytest.raises(SpecError, match="freezes every parameter: nothing would train"):
+        _check(tmp_path, frozen=["*"])
+    with pytest.raises(SpecError, match="model.lora freezes every parameter but model.lora.whole's"):
+        _check(tmp_path, frozen=["0.*"], lora={"rank": 2})

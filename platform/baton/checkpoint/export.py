@@ -232,10 +232,9 @@ def _merged(spec: JobSpec, tensors: Iterator[tuple[str, torch.Tensor]]
             ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors with `model.lora`'s adapters merged into the weights they adapt."""
     from baton.models import _on_meta
-    from baton.models.lora import adapted_layers, merged, trained_whole
+    from baton.models.lora import adapted_layers, merged
 
-    adapted = adapted_layers(_on_meta(spec.model), spec.model.lora, trained_whole(spec.model))
-    return merged(tensors, spec.model.lora, adapted)
+    return merged(tensors, spec.model.lora, adapted_layers(_on_meta(spec.model), spec.model))
 
 
 def _files(tensors: Iterator[tuple[str, torch.Tensor]], most: int) -> Iterator[dict]:

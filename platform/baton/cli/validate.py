@@ -49,8 +49,8 @@ def validate(args: argparse.Namespace) -> int:
             print(f"  fresh (its own initialization): {api.fresh_names(spec)}")
         if spec.model.init_grow:
             print(f"  grown (the export's rows first): {api.grown_names(spec)}")
-    if spec.model.lora is not None:
-        print(f"  {_lora_line(spec)}")
+    if spec.model.partly_frozen:
+        print(f"  {_frozen_line(spec)}")
     if d.pp > 1:
         print(f"  pipeline: {d.schedule}, {spec.microbatches} micro-batches of "
               f"{spec.micro_batch} per replica, {spec.chunks} chunk(s) per rank, layers per "
@@ -113,20 +113,23 @@ def _sharding_line(spec) -> str:
             + f" = {mib(sum(mine.values()))} (DDP: {mib(sum(ddp.values()))})")
 
 
-def _lora_line(spec) -> str:
-    """What model.lora adapts and how much of the model trains."""
-    from baton.models import _on_meta
-    from baton.models.lora import adapted_layers, attach, counts, trained_whole
+def _frozen_line(spec) -> str:
+    """What model.lora adapts, or model.frozen freezes, and how much of the model trains."""
+    from baton.models import _adapter, _on_meta, frozen
+    from baton.models.lora import adapted_layers
 
     m = spec.model
     model = _on_meta(m)
-    names = list(adapted_layers(model, m.lora, trained_whole(m)))
-    attach(model, m, 0)  # (on meta: shapes only)
-    trained, total = counts(model)
-    shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+    names = list(adapted_layers(model, m)) if m.lora is not None else []
+    _adapter(m, 0)(model, "")  # (on meta: shapes only)
+    trained, total = frozen.counts(model)
+    whole = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n]
+    some = lambda xs: ", ".join(xs[:6]) + (f", ... ({len(xs)} in all)" if len(xs) > 6 else "")  # noqa: E731
+    share = f"trains {trained:,} of {total:,} parameters ({trained / total:.2%})"
+    if m.lora is None:
+        return f"frozen: {', '.join(m.frozen)}; {share}: {some(whole)}"
     return (f"adapters (LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g}) on {len(names)} linear "
-            f"layers: {shown}; trains {trained:,} of {total:,} parameters ({trained / total:.2%})"
-            + (f", {', '.join(trained_whole(m))} whole" if trained_whole(m) else ""))
+            f"layers: {some(names)}; {share}" + (f", {some(whole)} whole" if whole else ""))
 
 
 def _tensor_line(spec) -> str:

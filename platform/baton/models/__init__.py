@@ -156,13 +156,18 @@ def build_model(spec, seed: int) -> nn.Module:
 
 
 def _adapter(spec, seed: int) -> Callable[[nn.Module, str], None]:
-    """What adds `model.lora`'s adapters to a model built (or a layer of it, named from
-    `prefix` in the whole model) and freezes the rest: nothing without model.lora."""
-    if spec.lora is None:
-        return lambda module, prefix: None
-    from baton.models import lora
+    """What freezes the parameters of a model built (or of a layer of it, named from
+    `prefix` in the whole model) that do not train (`model.frozen`), or adds `model.lora`'s
+    adapters and freezes the rest: nothing where the whole model trains."""
+    if spec.lora is not None:
+        from baton.models import lora
 
-    return lambda module, prefix: lora.attach(module, spec, seed, prefix)
+        return lambda module, prefix: lora.attach(module, spec, seed, prefix)
+    if spec.frozen:
+        from baton.models import frozen
+
+        return lambda module, prefix: frozen.freeze(module, spec, prefix)
+    return lambda module, prefix: None
 
 
 def _init_from(spec):

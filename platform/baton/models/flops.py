@@ -4,8 +4,8 @@ Training FLOPs per token = 6 x (matmul parameters) + 12 x layers x width x seq_l
 scores and values, forward and backward), as in the PaLM paper's appendix B. Embedding lookups
 are not matmuls and are left out. The MLP model and a user's model count 6 x the weights of
 their nn.Linear layers (a user's attention, if any, is not counted: MFU is then a lower bound).
-With `model.lora`, a frozen weight counts 4 (its forward and its input's gradient, not its own)
-and each adapter's parameters 6.
+A frozen weight (`model.frozen`, `model.lora`) counts 4 (its forward and its input's gradient,
+not its own), and each adapter's parameters 6.
 """
 
 from __future__ import annotations
@@ -52,10 +52,15 @@ def model_flops_per_token(spec) -> Optional[float]:
         except Exception:  # noqa: BLE001 - the workers build it for real, and say what failed
             return None
         flops = 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    if spec.lora is not None:  # frozen weights get no gradient; the adapters train
-        from baton.models.lora import flops_change
+    if spec.partly_frozen:  # frozen weights get no gradient; adapters train
+        from baton.models import frozen
 
-        flops += flops_change(model if model is not None else _on_meta(spec), spec)
+        model = model if model is not None else _on_meta(spec)
+        flops += frozen.flops_change(model, spec)
+        if spec.lora is not None:
+            from baton.models import lora
+
+            flops += lora.flops(model, spec)
     return flops
 
 

@@ -12,6 +12,7 @@ it loads at any layout as any checkpoint does. The optimizer holds only what tra
 state is the adapters', not the model's. `baton export` writes each adapted weight merged,
 W + (alpha / rank) · B A, as a model without adapters (`merged`).
 
+What trains beside the adapters, and what freezing means everywhere: models/frozen.py.
 A's draws come from a stream of their own, seeded by the job's seed and the layer's name, so
 the model's own weights are those it has without adapters, and a layer built alone (a
 pipeline stage, a FSDP unit filled as it is sharded) gets the A the whole model's has."""
@@ -20,22 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
 
+from baton.models.frozen import freeze, named, trains
+
 if TYPE_CHECKING:
     from baton.spec import LoRASpec, ModelSpec
 
 A, B = "lora_a", "lora_b"  # the adapter's parameters' names, on the linear layer
-
-
-def trained_whole(model: ModelSpec) -> list[str]:
-    """The patterns of the parameters a LoRA run trains whole: `model.lora.whole`, and the
-    parameters `model.init_fresh` and `init_grow` name (values init_from did not give)."""
-    return [*model.lora.whole, *model.init_fresh, *model.init_grow]
 
 
 def sizes(layer: nn.Module) -> Optional[tuple[int, int, bool]]:
@@ -48,22 +44,21 @@ def sizes(layer: nn.Module) -> Optional[tuple[int, int, bool]]:
     return None
 
 
-def targets(module: nn.Module, lora: LoRASpec, whole: list[str], prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """(name in the whole model, layer) of the linear layers `lora.targets` names, but those
-    whose weight trains whole."""
+def targets(module: nn.Module, model: ModelSpec, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """(name in the whole model, layer) of the linear layers `model.lora.targets` names, but
+    those whose weight trains whole (`model.lora.whole`, init_fresh, init_grow)."""
     return [(prefix + name, m) for name, m in module.named_modules()
-            if sizes(m) is not None and _named(prefix + name, lora.targets)
-            and not _named(f"{prefix}{name}.weight", whole)]
+            if sizes(m) is not None and named(prefix + name, model.lora.targets)
+            and not trains(f"{prefix}{name}.weight", model)]
 
 
 def attach(module: nn.Module, model: ModelSpec, seed: int, prefix: str = "") -> None:
     """Adapters on `module`'s target layers (named `prefix` + their name in it, as in the whole
     model), every other parameter frozen but those trained whole. On the meta device, the
     adapters' shapes only."""
-    lora, whole = model.lora, trained_whole(model)
-    for name, p in module.named_parameters():
-        p.requires_grad_(_named(prefix + name, whole))
-    for name, layer in targets(module, lora, whole, prefix):
+    lora = model.lora
+    freeze(module, model, prefix)
+    for name, layer in targets(module, model, prefix):
         n_in, n_out, _ = sizes(layer)
         a = torch.empty(lora.rank, n_in, device=layer.weight.device)
         if a.device.type != "meta":
@@ -116,49 +111,32 @@ def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
     return (w.double() + scale * (product.t() if transposed else product)).to(w.dtype)
 
 
-def adapted_layers(model: nn.Module, lora: LoRASpec, whole: list[str]) -> dict[str, bool]:
-    """The layers `lora.targets` adapts in `model` (built on meta: names only), each with
-    whether its weight is held as (in, out)."""
-    return {name: sizes(layer)[2] for name, layer in targets(model, lora, whole)}
+def adapted_layers(module: nn.Module, model: ModelSpec) -> dict[str, bool]:
+    """The layers `model.lora.targets` adapts in `module` (built on meta: names only), each
+    with whether its weight is held as (in, out)."""
+    return {name: sizes(layer)[2] for name, layer in targets(module, model)}
 
 
 def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if sizes(m) is not None]
 
 
-def _named(name: str, patterns) -> bool:
-    return any(fnmatchcase(name, p) for p in patterns)
-
-
-def counts(model: nn.Module) -> tuple[int, int]:
-    """(trained, all) parameters of a model with adapters."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
-
-def flops_change(model: nn.Module, spec: ModelSpec) -> float:
-    """What adapters change in the training FLOPs per token of `model` (built on meta), as
-    models/flops.py counts them (2 a weight forward, 4 backward): a frozen weight's gradient
-    is not computed (2 of its 6), and each adapter costs 6 per parameter of its A and B.
-    (Only nn.Linear weights are counted there, so only theirs are here.)"""
-    whole = trained_whole(spec)
-    frozen = sum(m.weight.numel() for name, m in model.named_modules()
-                 if isinstance(m, nn.Linear) and not _named(f"{name}.weight", whole))
-    adapters = sum(spec.lora.rank * (n_in + n_out) for _, m in targets(model, spec.lora, whole)
-                   for n_in, n_out, _ in [sizes(m)])
-    return 6.0 * adapters - 2.0 * frozen
+def flops(module: nn.Module, model: ModelSpec) -> float:
+    """The adapters' training FLOPs per token (`module` built on meta): 6 per parameter of
+    each one's A and B, as models/flops.py counts a weight's."""
+    return 6.0 * sum(model.lora.rank * (n_in + n_out) for _, m in targets(module, model)
+                     for n_in, n_out, _ in [sizes(m)])
 
 
 def problem(model: nn.Module, spec: ModelSpec, tp: int) -> Optional[str]:
     """Why `spec.lora` cannot adapt `model` (built on meta), or None."""
     if tp > 1:
         return "adapters on layers split over parallel.tp are not supported yet; use tp: 1"
-    whole = trained_whole(spec)
-    names = list(adapted_layers(model, spec.lora, whole))
+    names = list(adapted_layers(model, spec))
     shared: dict[int, list[str]] = {}  # a tensor -> its names (tied weights: several)
     for name, p in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(p), []).append(name)
-    for name, layer in targets(model, spec.lora, whole):
+    for name, layer in targets(model, spec):
         tied = [n for n in shared[id(layer.weight)] if n != f"{name}.weight"]
         if tied:
             return (f"{name}.weight is tied to {tied[0]} (one tensor under two names), and "

@@ -207,10 +207,13 @@ class _Share(nn.Module):
                  sequence: bool = False):
         super().__init__()
         self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
-        self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size))
+        # (a frozen parameter, model.frozen's, stays frozen)
+        self.weight = nn.Parameter(split.take(whole.weight.detach(), rank, size),
+                                   requires_grad=whole.weight.requires_grad)
         bias = getattr(whole, "bias", None)
         self.bias = None if bias is None else nn.Parameter(
-            split.take(bias.detach(), rank, size) if "bias" in self.names else bias.detach().clone())
+            split.take(bias.detach(), rank, size) if "bias" in self.names else bias.detach().clone(),
+            requires_grad=bias.requires_grad)
 
 
 class ColumnParallel(_Share):

@@ -1,0 +1,63 @@
+"""Which parameters train: all of them, but those `model.frozen` names; under `model.lora`,
+none of the model's own but those `model.lora.whole` names (the adapters train). The
+parameters `model.init_fresh` and `init_grow` name always train: `model.init_from` gave them
+no values (or not all of them). A frozen parameter gets no gradient, and the optimizer does
+not hold it (`baton.training.param_groups`), under every parallelism; checkpoints hold it
+as any parameter."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from baton.spec import ModelSpec
+
+
+def named(name: str, patterns) -> bool:
+    return any(fnmatchcase(name, p) for p in patterns)
+
+
+def trains(name: str, model: ModelSpec) -> bool:
+    """Whether the parameter `name` (in the whole model) trains."""
+    if named(name, [*model.init_fresh, *model.init_grow]):
+        return True
+    if model.lora is not None:
+        return named(name, model.lora.whole)
+    return not named(name, model.frozen)
+
+
+def freeze(module: nn.Module, model: ModelSpec, prefix: str = "") -> None:
+    """Freeze `module`'s parameters (named `prefix` + their name in it, as in the whole
+    model) that do not train."""
+    for name, p in module.named_parameters():
+        p.requires_grad_(trains(prefix + name, model))
+
+
+def counts(module: nn.Module) -> tuple[int, int]:
+    """(trained, all) parameters of a model."""
+    params = list(module.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def flops_change(module: nn.Module, model: ModelSpec) -> float:
+    """What freezing changes in the training FLOPs per token of `module` (built on meta), as
+    models/flops.py counts them (2 a weight forward, 4 backward): a frozen weight's gradient
+    is not computed (2 of its 6). Only nn.Linear weights are counted there, so only theirs
+    are here; the adapters' own FLOPs: `lora.flops`."""
+    return -2.0 * sum(m.weight.numel() for name, m in module.named_modules()
+                      if isinstance(m, nn.Linear) and not trains(f"{name}.weight", model))
+
+
+def problem(module: nn.Module, model: ModelSpec) -> str | None:
+    """Why `model.frozen` cannot be (module built on meta), or None."""
+    names = [n for n, _ in module.named_parameters()]
+    for pattern in model.frozen:
+        if not any(fnmatchcase(n, pattern) for n in names):
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            return f"{pattern!r} names no parameter; the model's: {shown}"
+    if not any(trains(n, model) for n in names):
+        return "freezes every parameter: nothing would train (init_fresh's and init_grow's train)"
+    return None
