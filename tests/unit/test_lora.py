@@ -183,3 +183,13 @@ def test_the_job_files_frozen_is_checked_before_anything_starts(tmp_path):
         _check(tmp_path, frozen=["*"])
     with pytest.raises(SpecError, match="model.lora freezes every parameter but model.lora.whole's"):
         _check(tmp_path, frozen=["0.*"], lora={"rank": 2})
+
+
+def test_an_adapted_layer_called_with_its_input_by_name_adds_its_adapter():
+    adapted = build_model(LORA, 2)
+    layer = adapted[1].qkv
+    with torch.no_grad():
+        layer.lora_b.fill_(0.1)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(input=x), layer(x), rtol=0, atol=0)
+    assert not torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

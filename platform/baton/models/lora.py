@@ -66,7 +66,7 @@ def attach(module: nn.Module, model: ModelSpec, seed: int, prefix: str = "") -> 
         layer.register_parameter(A, nn.Parameter(a))
         layer.register_parameter(B, nn.Parameter(torch.zeros(n_out, lora.rank, device=layer.weight.device)))
         layer.lora_scale = lora.alpha / lora.rank
-        layer.register_forward_hook(_adapted)
+        layer.register_forward_hook(_adapted, with_kwargs=True)
 
 
 def _draw(a: torch.Tensor, seed: int, name: str) -> None:
@@ -78,9 +78,10 @@ def _draw(a: torch.Tensor, seed: int, name: str) -> None:
         a.copy_(torch.empty(a.shape).uniform_(-bound, bound, generator=torch.Generator().manual_seed(key)))
 
 
-def _adapted(layer: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
+def _adapted(layer: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+    x = args[0] if args else next(iter(kwargs.values()))  # (a layer called with input=x)
     a, b = getattr(layer, A), getattr(layer, B)
-    return out + (args[0] @ a.to(out.dtype).t()) @ b.to(out.dtype).t() * layer.lora_scale
+    return out + (x @ a.to(out.dtype).t()) @ b.to(out.dtype).t() * layer.lora_scale
 
 
 def merged(tensors: Iterator[tuple[str, torch.Tensor]], lora: LoRASpec, adapted: dict[str, bool]
