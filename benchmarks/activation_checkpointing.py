@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 from baton.models import build_model, loss_sum  # noqa: E402
 from baton.parallel.activations import checkpoint_activations  # noqa: E402
 from baton.spec import spec_from_dict  # noqa: E402
-from results_io import write_result  # noqa: E402
+from results_io import median_ratio, rotating, write_result  # noqa: E402
 
 MODELS = {  # name: (layers, width, heads, seq_len, micro_batch)
     "quickstart": (4, 128, 4, 128, 8),
@@ -73,15 +73,12 @@ def main() -> None:
     rows = []
     print(f"{'model':<11} {'setting':<9} {'saved MiB':>10} {'x none':>7} {'step s':>8} {'x none':>7}")
     for name in args.models:
-        per = {k: [] for k in SETTINGS}
-        for r in range(args.rounds):
-            order = list(SETTINGS)[r % len(SETTINGS):] + list(SETTINGS)[:r % len(SETTINGS)]
-            for key in order:
-                per[key].append(measure(name, SETTINGS[key], args.repeats))
+        per = rotating(list(SETTINGS), args.rounds,
+                       lambda key: measure(name, SETTINGS[key], args.repeats))  # noqa: B023
         base_saved = per["none"][0]["saved_mib"]
         for key, runs in per.items():
             saved = runs[0]["saved_mib"]  # the same every round: what autograd keeps
-            ratio_t = statistics.median(a["step_s"] / b["step_s"] for a, b in zip(runs, per["none"]))
+            ratio_t = median_ratio(runs, per["none"])
             step = statistics.median(x["step_s"] for x in runs)
             rows.append({"model": name, "setting": key, "saved_mib": round(saved, 2),
                          "saved_vs_none": round(saved / base_saved, 3), "step_s": round(step, 4),

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 from baton.models import build_model, loss_sum  # noqa: E402
 from baton.spec import spec_from_dict  # noqa: E402
 from baton.training import make_optimizer  # noqa: E402
-from results_io import write_result  # noqa: E402
+from results_io import median_ratio, rotating, write_result  # noqa: E402
 
 MODELS = {  # name: (layers, width, heads, seq_len, micro_batch)
     "quickstart": (4, 128, 4, 128, 8),
@@ -84,14 +84,11 @@ def main() -> None:
     print(f"{'model':<11} {'setting':<13} {'trained':>11} {'of':>11} {'grads MiB':>10} "
           f"{'AdamW MiB':>10} {'step s':>8} {'x whole':>8}")
     for name in args.models:
-        per = {k: [] for k in SETTINGS}
-        for r in range(args.rounds):
-            order = list(SETTINGS)[r % len(SETTINGS):] + list(SETTINGS)[:r % len(SETTINGS)]
-            for key in order:
-                per[key].append(measure(name, SETTINGS[key], args.repeats))
+        per = rotating(list(SETTINGS), args.rounds,
+                       lambda key: measure(name, SETTINGS[key], args.repeats))  # noqa: B023
         for key, runs in per.items():
             first = runs[0]  # the counts and bytes are the same every round
-            ratio = statistics.median(a["step_s"] / b["step_s"] for a, b in zip(runs, per["whole"]))
+            ratio = median_ratio(runs, per["whole"])
             step = statistics.median(x["step_s"] for x in runs)
             rows.append({"model": name, "setting": key, "lora": SETTINGS[key],
                          "trained": first["trained"], "params": first["params"],

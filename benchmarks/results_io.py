@@ -34,6 +34,24 @@ def write_result(path: str | Path, result: dict, announce: bool = True) -> Path:
     return out
 
 
+def rotating(keys: list, rounds: int, measure) -> dict:
+    """Rounds of `measure(key)` for every key, in an order that rotates from round to round
+    (round r starts with key r), so that no setting always runs first or after another on a
+    shared, noisy machine; each key's results in round order."""
+    runs: dict = {key: [] for key in keys}
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            runs[key].append(measure(key))
+    return runs
+
+
+def median_ratio(runs: list[dict], base: list[dict], field: str = "step_s") -> float:
+    """The median over rounds of each round's `field` over the base setting's in that round."""
+    import statistics
+
+    return statistics.median(a[field] / b[field] for a, b in zip(runs, base))
+
+
 def alternate(ways: tuple[str, str], rounds: int, measure) -> dict[str, list[dict]]:
     """Rounds of `measure(way)` for each of two ways, in an order that alternates from round
     to round. Each result holds `peak_rss_mib` and `step_s`, printed as it comes."""

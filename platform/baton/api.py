@@ -106,7 +106,7 @@ def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> Non
 def fresh_names(spec: JobSpec) -> str:
     """The parameters `model.init_fresh` keeps at the model's own initialization, and how many
     values they hold."""
-    from baton.checkpoint.export import named
+    from baton.models.frozen import named
     from baton.models import _on_meta
 
     fresh = [(n, t.numel()) for n, t in _on_meta(spec.model).state_dict().items()
@@ -116,7 +116,8 @@ def fresh_names(spec: JobSpec) -> str:
 
 def grown_names(spec: JobSpec) -> str:
     """The parameters `model.init_grow` fills the first rows of, and how many rows of how many."""
-    from baton.checkpoint.export import Exported, named
+    from baton.checkpoint.export import Exported
+    from baton.models.frozen import named
     from baton.models import _on_meta
 
     exported = Exported(spec.model.init_from)

@@ -400,17 +400,12 @@ def _check_lora(spec: JobSpec, need) -> None:
         need(all(names), f"model.lora.{key}", names, "an empty name matches no layer")
     need(bool(lora.targets), "model.lora.targets", lora.targets,
          "name the linear layers to adapt (shell patterns: \"*\" is every one)")
-    from baton.models import _on_meta
+    need(spec.parallel.tp == 1, "parallel.tp", spec.parallel.tp,
+         "adapters on layers split over parallel.tp are not supported yet; use tp: 1")
     from baton.models.lora import problem
 
-    try:  # (a builder of the user's may fail on the meta device: names are all it is for)
-        meta = _on_meta(spec.model)
-    except Exception as e:
-        need(False, "model.lora", asdict(lora), "its layers are found on the model built on the "
-             f"meta device, and building it there failed: {reason(e)}")
-    trouble = problem(meta, spec.model, spec.parallel.tp)
-    need(trouble is None, "parallel.tp" if spec.parallel.tp > 1 else "model.lora.targets",
-         spec.parallel.tp if spec.parallel.tp > 1 else lora.targets, trouble or "")
+    trouble = problem(_names_of(spec, need, "model.lora", asdict(lora)), spec.model)
+    need(trouble is None, "model.lora.targets", lora.targets, trouble or "")
 
 
 def _check_frozen(spec: JobSpec, need) -> None:
@@ -419,16 +414,22 @@ def _check_frozen(spec: JobSpec, need) -> None:
     need(all(m.frozen), "model.frozen", m.frozen, "an empty name matches no parameter")
     need(m.lora is None, "model.frozen", m.frozen, "model.lora freezes every parameter but "
          "model.lora.whole's already: name those to train there")
-    from baton.models import _on_meta
     from baton.models.frozen import problem
 
-    try:  # (as for model.lora: names are all the meta model is for)
-        meta = _on_meta(m)
-    except Exception as e:
-        need(False, "model.frozen", m.frozen, "its parameters are found on the model built on "
-             f"the meta device, and building it there failed: {reason(e)}")
-    trouble = problem(meta, m)
+    trouble = problem(_names_of(spec, need, "model.frozen", m.frozen), m)
     need(trouble is None, "model.frozen", m.frozen, trouble or "")
+
+
+def _names_of(spec: JobSpec, need, key: str, value: Any):
+    """The model built on the meta device, for the names `key` matches: a builder of the
+    user's that fails there is one line about `key`."""
+    from baton.models import _on_meta
+
+    try:
+        return _on_meta(spec.model)
+    except Exception as e:
+        need(False, key, value, "its names are found on the model built on the meta device, "
+             f"and building it there failed: {reason(e)}")
 
 
 def _check_tensor(spec: JobSpec, need) -> None:

@@ -41,6 +41,10 @@ def test_adapters_start_as_the_model_and_only_they_and_the_named_parameters_trai
     held = {id(p) for g in make_optimizer(adapted, train).param_groups for p in g["params"]}
     assert held == {id(p) for p in adapted.parameters() if p.requires_grad}
     assert counts(adapted)[0] == sum(p.numel() for n, p in adapted.named_parameters() if n in trained)
+    # rank 4 x (in + out) for each adapter (qkv 32 -> 96, proj 32 -> 32, two blocks; the
+    # head 32 -> 64) and the two layer norms' gains and biases (32 each)
+    adapters = 2 * 4 * (128 + 64) + 4 * 96
+    assert counts(adapted) == (adapters + 2 * 64, sum(p.numel() for p in base.parameters()) + adapters)
 
 
 def test_a_model_built_layer_by_layer_gets_the_adapters_of_the_whole():

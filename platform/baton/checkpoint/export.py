@@ -28,7 +28,6 @@ import os
 import posixpath
 import shutil
 import sys
-from fnmatch import fnmatchcase
 from typing import Callable, Iterator, Optional, Sequence
 
 import pyarrow.fs as pafs
@@ -39,6 +38,7 @@ from baton.checkpoint import tensorfile
 from baton.checkpoint.store import CheckpointStore
 from baton.errors import CheckpointError, StoreUnavailable
 from baton.models import HF_PREFIX
+from baton.models.frozen import named
 from baton.spec import JobSpec, ModelSpec
 from baton.storage import redact
 
@@ -412,12 +412,6 @@ class Exported:
                 if prefix + name in self.where and not named(prefix + name, self.fresh):
                     theirs = self.get(prefix + name)
                     (t[:len(theirs)] if named(prefix + name, self.grown) else t).copy_(theirs)
-
-
-def named(name: str, patterns: Sequence[str]) -> bool:
-    """A pattern of `model.init_fresh`'s or `init_grow`'s (shell patterns) names this parameter
-    (or buffer)."""
-    return any(fnmatchcase(name, p) for p in patterns)
 
 
 def _some(names, most: int = 6) -> str:

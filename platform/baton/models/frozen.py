@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 
 def named(name: str, patterns) -> bool:
+    """A shell pattern of `patterns` names this parameter (or layer, or buffer): the model's
+    names in model.frozen, init_fresh, init_grow and lora's targets and whole."""
     return any(fnmatchcase(name, p) for p in patterns)
 
 
@@ -55,7 +57,7 @@ def problem(module: nn.Module, model: ModelSpec) -> str | None:
     """Why `model.frozen` cannot be (module built on meta), or None."""
     names = [n for n, _ in module.named_parameters()]
     for pattern in model.frozen:
-        if not any(fnmatchcase(n, pattern) for n in names):
+        if not any(named(n, [pattern]) for n in names):
             shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
             return f"{pattern!r} names no parameter; the model's: {shown}"
     if not any(trains(n, model) for n in names):

@@ -12,10 +12,10 @@ it loads at any layout as any checkpoint does. The optimizer holds only what tra
 state is the adapters', not the model's. `baton export` writes each adapted weight merged,
 W + (alpha / rank) · B A, as a model without adapters (`merged`).
 
-What trains beside the adapters, and what freezing means everywhere: models/frozen.py.
 A's draws come from a stream of their own, seeded by the job's seed and the layer's name, so
 the model's own weights are those it has without adapters, and a layer built alone (a
-pipeline stage, a FSDP unit filled as it is sharded) gets the A the whole model's has."""
+pipeline stage, a FSDP unit filled as it is sharded) gets the A the whole model's has. What
+trains beside the adapters, and what freezing means everywhere: models/frozen.py."""
 
 from __future__ import annotations
 
@@ -118,10 +118,6 @@ def adapted_layers(module: nn.Module, model: ModelSpec) -> dict[str, bool]:
     return {name: sizes(layer)[2] for name, layer in targets(module, model)}
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    return [name for name, m in model.named_modules() if sizes(m) is not None]
-
-
 def flops(module: nn.Module, model: ModelSpec) -> float:
     """The adapters' training FLOPs per token (`module` built on meta): 6 per parameter of
     each one's A and B, as models/flops.py counts a weight's."""
@@ -129,22 +125,20 @@ def flops(module: nn.Module, model: ModelSpec) -> float:
                      for n_in, n_out, _ in [sizes(m)])
 
 
-def problem(model: nn.Module, spec: ModelSpec, tp: int) -> Optional[str]:
+def problem(model: nn.Module, spec: ModelSpec) -> Optional[str]:
     """Why `spec.lora` cannot adapt `model` (built on meta), or None."""
-    if tp > 1:
-        return "adapters on layers split over parallel.tp are not supported yet; use tp: 1"
-    names = list(adapted_layers(model, spec))
+    adapted = targets(model, spec)
+    if not adapted:
+        linear = [name for name, m in model.named_modules() if sizes(m) is not None]
+        return (f"targets {spec.lora.targets} match no linear layer (nn.Linear, Conv1D) that does not "
+                "train whole; the model's: " + (", ".join(linear[:8]) + (", ..." if len(linear) > 8 else "")
+                                                 if linear else "none"))
     shared: dict[int, list[str]] = {}  # a tensor -> its names (tied weights: several)
     for name, p in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(p), []).append(name)
-    for name, layer in targets(model, spec):
+    for name, layer in adapted:
         tied = [n for n in shared[id(layer.weight)] if n != f"{name}.weight"]
         if tied:
             return (f"{name}.weight is tied to {tied[0]} (one tensor under two names), and "
                     f"merging an adapter into it would change both; leave {name} out of targets")
-    if not names:
-        linear = linear_names(model)
-        return (f"targets {spec.lora.targets} match no linear layer (nn.Linear, Conv1D) that does not "
-                "train whole; the model's: " + (", ".join(linear[:8]) + (", ..." if len(linear) > 8 else "")
-                                                 if linear else "none"))
     return None
