@@ -1,12 +1,13 @@
-"""What low-rank adapters (`model.lora`) save and cost against training the whole model.
+"""What low-rank adapters (`model.lora`) save and cost against training the whole model, and
+what an average of the weights (`train.ema`) costs beside either.
 
 One process, no Ray: baton's GPT built as a job builds it (adapters attached, the rest
 frozen, the optimizer over what trains: `baton.training.make_optimizer`), one micro-batch's
 forward, backward and AdamW step at a time, each setting side by side in rotating order (this
 machine is shared and noisy). Measured: the parameters that train, the bytes of gradients and
-of AdamW's state a worker holds after a step (what sharding would otherwise have to split),
-and the median time of a step over `--repeats`; time ratios are the median over rounds of each
-round's ratio to the whole model's.
+of the optimizer's state (AdamW's moments, and the average) a worker holds after a step (what
+sharding would otherwise split), and the median time of a step over `--repeats`; time ratios
+are the median over rounds of each round's ratio to the whole model's.
 
     python benchmarks/lora.py
     python benchmarks/lora.py --models quickstart --repeats 20
@@ -34,19 +35,22 @@ MODELS = {  # name: (layers, width, heads, seq_len, micro_batch)
     "quickstart": (4, 128, 4, 128, 8),
     "deeper": (12, 256, 8, 256, 8),
 }
-SETTINGS = {  # name: model.lora (None: the whole model trains)
-    "whole": None,
-    "lora r8 all": {"rank": 8},
-    "lora r8 attn": {"rank": 8, "targets": ["*.qkv", "*.proj"]},
+SETTINGS = {  # name: (model.lora, train.ema) (None, None: the whole model trains, no average)
+    "whole": (None, None),
+    "whole + ema": (None, 0.999),
+    "lora r8 all": ({"rank": 8}, None),
+    "lora r8 + ema": ({"rank": 8}, 0.999),
+    "lora r8 attn": ({"rank": 8, "targets": ["*.qkv", "*.proj"]}, None),
 }
 
 
-def measure(model_name: str, lora, repeats: int) -> dict:
+def measure(model_name: str, setting: tuple, repeats: int) -> dict:
     layers, width, heads, seq_len, micro = MODELS[model_name]
+    lora, ema = setting
     model_section = {"layers": layers, "width": width, "heads": heads, "seq_len": seq_len}
     if lora is not None:
         model_section["lora"] = lora
-    spec = spec_from_dict({"name": "lora", "model": model_section})
+    spec = spec_from_dict({"name": "lora", "model": model_section, "train": {"ema": ema}})
     model = build_model(spec.model, 0)
     optimizer = make_optimizer(model, spec.train)
     tokens = torch.randint(0, 256, (micro, seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -81,8 +85,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    print(f"{'model':<11} {'setting':<13} {'trained':>11} {'of':>11} {'grads MiB':>10} "
-          f"{'AdamW MiB':>10} {'step s':>8} {'x whole':>8}")
+    print(f"{'model':<11} {'setting':<14} {'trained':>11} {'of':>11} {'grads MiB':>10} "
+          f"{'optim MiB':>10} {'step s':>8} {'x whole':>8}")
     for name in args.models:
         per = rotating(list(SETTINGS), args.rounds,
                        lambda key: measure(name, SETTINGS[key], args.repeats))  # noqa: B023
@@ -90,11 +94,11 @@ def main() -> None:
             first = runs[0]  # the counts and bytes are the same every round
             ratio = median_ratio(runs, per["whole"])
             step = statistics.median(x["step_s"] for x in runs)
-            rows.append({"model": name, "setting": key, "lora": SETTINGS[key],
+            rows.append({"model": name, "setting": key, "lora": SETTINGS[key][0], "ema": SETTINGS[key][1],
                          "trained": first["trained"], "params": first["params"],
                          "grad_mib": round(first["grad_mib"], 3), "optim_mib": round(first["optim_mib"], 3),
                          "step_s": round(step, 4), "time_vs_whole": round(ratio, 3)})
-            print(f"{name:<11} {key:<13} {first['trained']:>11,} {first['params']:>11,} "
+            print(f"{name:<11} {key:<14} {first['trained']:>11,} {first['params']:>11,} "
                   f"{first['grad_mib']:>10.2f} {first['optim_mib']:>10.2f} {step:>8.3f} {ratio:>8.2f}")
     write_result(args.out, {"torch": torch.__version__, "threads": args.threads,
                             "rounds": args.rounds, "repeats": args.repeats, "models": MODELS,

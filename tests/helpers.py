@@ -90,16 +90,18 @@ def write_spec(path: Path, spec: dict) -> Path:
     return path
 
 
-def reference_run(spec, data_dir, steps: int) -> tuple[dict[str, torch.Tensor], list, list]:
+def reference_run(spec, data_dir, steps: int, each_step=None) -> tuple[dict[str, torch.Tensor], list, list]:
     """Plain PyTorch in this process: the whole global batch at once, no Ray, no accumulation.
-    Returns the final parameters and each step's loss and gradient norm (before clipping)."""
+    Returns the final parameters and each step's loss and gradient norm (before clipping).
+    `each_step(step, model)`: called after each step (1-based), e.g. to keep its weights."""
     _, tokens = read_table(data_dir)
     order, cursor = job_order(spec, data_dir), Cursor()
     return train_on(spec, tokens, [order.next_batch(cursor, spec.train.global_batch)
-                                   for _ in range(steps)])
+                                   for _ in range(steps)], each_step)
 
 
-def train_on(spec, tokens: np.ndarray, batches: list) -> tuple[dict[str, torch.Tensor], list, list]:
+def train_on(spec, tokens: np.ndarray, batches: list,
+             each_step=None) -> tuple[dict[str, torch.Tensor], list, list]:
     """reference_run's loop over given batches (positions into `tokens`)."""
     model = build_model(spec.model, spec.train.seed)
     optimizer = make_optimizer(model, spec.train)
@@ -113,6 +115,8 @@ def train_on(spec, tokens: np.ndarray, batches: list) -> tuple[dict[str, torch.T
         losses.append(loss.item())
         optimizer.step()
         optimizer.zero_grad()
+        if each_step:
+            each_step(step + 1, model)
     return model.state_dict(), losses, norms
 
 

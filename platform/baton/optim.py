@@ -1,4 +1,6 @@
-"""LAMB: layer-wise adaptive moments for large batches (You et al., 2020, "Large Batch
+"""What torch's optimizers lack: LAMB, and an average of the weights (`Averaged`).
+
+LAMB: layer-wise adaptive moments for large batches (You et al., 2020, "Large Batch
 Optimization for Deep Learning: Training BERT in 76 Minutes", Algorithm 2). torch has none.
 
 Adam's direction with decoupled weight decay, each parameter tensor's step scaled by its
@@ -12,6 +14,9 @@ the state is a DTensor like the parameter, so checkpoints reshard it as they do 
 the two norms of each tensor are of the whole tensor, across its shards."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 
@@ -77,3 +82,77 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_mul_(update, ratios)
             torch._foreach_add_(xs, update, alpha=-group["lr"])
         return loss
+
+
+class Averaged:
+    """A mixin that keeps an exponential moving average of the weights each step updates
+    (`train.ema`): after the step, ema <- decay ema + (1 - decay) w, starting from the weights
+    the first step starts from. The average is the optimizer's state, "ema" beside Adam's
+    moments, so it is a shard where they are (ZeRO-1, -2, -3), a tensor-parallel piece where
+    they are, and checkpointed, resharded and loaded with them at any layout. A parameter whose
+    state has no average (a checkpoint written without train.ema) starts one from its weights
+    at its next step. A skipped step (`train.skip_nonfinite`) updates none."""
+
+    def __init__(self, params, *, ema: float, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ema_decay = ema
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        # (added after the step: the optimizer initialises a parameter's state when it is empty)
+        first = {p: p.detach().clone() for p in stepped if "ema" not in self.state[p]}
+        loss = super().step(closure)
+        for p, start in first.items():
+            self.state[p]["ema"] = start
+        if stepped:
+            torch._foreach_lerp_([_local(self.state[p]["ema"]) for p in stepped],
+                                 [_local(p) for p in stepped], 1 - self.ema_decay)
+        return loss
+
+
+_AVERAGED: dict[type, type] = {}
+
+
+def averaged(cls: type) -> type:
+    """`cls` (an optimizer class) with `Averaged`'s moving average of the weights: its
+    constructor takes `ema=decay` beside `cls`'s own arguments."""
+    if cls not in _AVERAGED:
+        _AVERAGED[cls] = type(f"Averaged{cls.__name__}", (Averaged, cls), {})
+    return _AVERAGED[cls]
+
+
+def keeps_average(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` (or the one ZeRO-1's ZeroRedundancyOptimizer steps) is `Averaged`."""
+    return isinstance(getattr(optimizer, "optim", optimizer), Averaged)
+
+
+def fitted(optimizer: torch.optim.Optimizer, optim_state: dict) -> dict:
+    """An optimizer state by name (`state_dict()`'s form) as `optimizer` takes it: less its
+    averages where `optimizer` keeps none (a checkpoint written with train.ema, resumed
+    without). The converse needs nothing: an average starts from the weights at the next step."""
+    if keeps_average(optimizer):
+        return optim_state
+    return {**optim_state, "state": {n: {k: v for k, v in s.items() if k != "ema"}
+                                     for n, s in optim_state["state"].items()}}
+
+
+@contextlib.contextmanager
+def averages_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Inside the block each weight holds its average (`pairs`: (weight, average), local
+    parts); after it, its own values again, bit for bit. Holds one more copy of them meanwhile."""
+    kept = [w.clone() for w, _ in pairs]
+    try:
+        with torch.no_grad():
+            for w, a in pairs:
+                w.copy_(a)
+        yield
+    finally:
+        with torch.no_grad():
+            for (w, _), k in zip(pairs, kept):
+                w.copy_(k)
+
+
+def average_pairs(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, average) of each parameter `optimizer` steps that has one, local parts."""
+    return [(_local(p), _local(s["ema"])) for p, s in optimizer.state.items() if "ema" in s]

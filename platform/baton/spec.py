@@ -171,6 +171,10 @@ class TrainSpec:
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast matmuls; weights stay fp32
     # lamb: AdamW's direction scaled per tensor by ||x|| / ||update|| (large batches)
     optimizer: Literal["adamw", "lamb"] = "adamw"
+    # an exponential moving average of the trained weights, kept beside the optimizer's own
+    # state (sharded, checkpointed and resharded as it is): ema = decay ema + (1 - decay) w
+    # after each step, from the weights the first step starts from; null: none
+    ema: Optional[float] = None
     # recompute activations in the backward instead of keeping them: none | blocks (every
     # repeated block) | {every: N} (every Nth): memory for time, the same gradients
     activation_checkpointing: Union[Literal["none", "blocks"], Every] = "none"
@@ -401,11 +405,12 @@ class JobSpec:
     def recipe(self) -> dict:
         """What makes a checkpoint belong to this job: its name, model, data and optimisation
         recipe. Steps (and wsd's decay steps), layout (including micro-batching), resources,
-        checkpointing and tracking may change on resume."""
+        checkpointing, tracking and train.ema (an average of the weights: it changes none of
+        them) may change on resume."""
         d = self.to_dict()
         train = {k: v for k, v in d["train"].items()  # (decay_steps: like steps, a length)
                  if k not in ("steps", "decay_steps", "micro_batch", "activation_checkpointing",
-                              "compile", "skip_nonfinite", "rewind_on_spike")
+                              "compile", "skip_nonfinite", "rewind_on_spike", "ema")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items()
                 if k not in ("mix_phases", "skip_bad_row_groups") and (k not in ("columns", "pad", "mix") or v)}

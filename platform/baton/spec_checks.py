@@ -113,6 +113,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(0 <= d.skip_bad_row_groups <= 10**6, "data.skip_bad_row_groups", d.skip_bad_row_groups,
          "must be 0 (bad rows found as they are read stop the run) to 1,000,000 (row groups "
          "skipped before they do)")
+    need(t.ema is None or 0 < t.ema < 1, "train.ema", t.ema,
+         "is the average's decay, in (0, 1): e.g. 0.999 (about the last 1,000 steps' weights)")
     spike = t.rewind_on_spike
     if spike is not None:
         need(1 < spike.factor <= 10**6, "train.rewind_on_spike.factor", spike.factor,
@@ -305,11 +307,13 @@ def _check_best(spec: JobSpec, need) -> None:
     need(c.best is not None, "checkpoint.best_mode", c.best_mode, "says which way "
          "checkpoint.best's metric is better; name the metric (e.g. checkpoint.best: eval_loss)")
     reported = make_task(spec).metrics
-    names = ["eval_loss", *(f"eval_{m}" for m in reported or ())]
+    # (train.ema: the average of the weights evaluated too, as eval_ema_*)
+    kinds = ["eval_"] + (["eval_ema_"] if spec.train.ema is not None else [])
+    names = [f"{kind}{m}" for kind in kinds for m in ["loss", *(reported or ())]]
     need(c.best.startswith("eval_") if reported is None else c.best in names, "checkpoint.best",
          c.best, "names a metric of the held-out evaluation: "
          + (", ".join(names) if reported is not None else "eval_loss or eval_ and your task's metric"))
-    need(c.best_mode is not None or c.best == "eval_loss", "checkpoint.best_mode", c.best_mode,
+    need(c.best_mode is not None or c.best in ("eval_loss", "eval_ema_loss"), "checkpoint.best_mode", c.best_mode,
          f"say min or max: which way {c.best} is better")
     need(e.enabled, "checkpoint.best", c.best, "keeps the checkpoint whose held-out evaluation "
          "was best: set eval.fraction or eval.path")

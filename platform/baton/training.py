@@ -27,12 +27,19 @@ def optimizer_class(train: TrainSpec) -> tuple[type, dict]:
     included). On CPU it took 3.8-4.8 ms a step where the per-tensor loop took 13-15 ms (the
     4 x 256 GPT at dp 2, DDP and ZeRO-3; the loop is slowest on DTensor shards, each of its
     ops dispatched per tensor; `benchmarks/fsdp_comm.py --parts step`); after 20 steps it is
-    2.4e-7 from the loop. Every reference in the tests builds its optimizer here too."""
+    2.4e-7 from the loop. Every reference in the tests builds its optimizer here too.
+    `train.ema`: the class keeps an average of the weights too (`optim.Averaged`)."""
     if train.optimizer == "lamb":
         from baton.optim import Lamb
 
-        return Lamb, {"lr": train.lr, "betas": tuple(train.betas)}
-    return torch.optim.AdamW, {"lr": train.lr, "betas": tuple(train.betas), "fused": True}
+        cls, kwargs = Lamb, {"lr": train.lr, "betas": tuple(train.betas)}
+    else:
+        cls, kwargs = torch.optim.AdamW, {"lr": train.lr, "betas": tuple(train.betas), "fused": True}
+    if train.ema is None:
+        return cls, kwargs
+    from baton.optim import averaged
+
+    return averaged(cls), {**kwargs, "ema": train.ema}
 
 
 def make_optimizer(model: nn.Module, train: TrainSpec) -> torch.optim.Optimizer:

@@ -88,6 +88,7 @@ BROKEN = [
     ({"train": {"lrr": 0.1}}, "train.lrr: unknown key; did you mean 'lr'?"),
     ({"train": {"steps": "ten"}}, "train.steps: expected an integer, got a string 'ten'"),
     ({"train": {"lr": -0.1}}, "train.lr: -0.1 is invalid; must be > 0"),
+    ({"train": {"ema": 1.5}}, "train.ema: 1.5 is invalid; is the average's decay, in (0, 1)"),
     ({"train": {"global_batch": 10, "micro_batch": 2}},
      "train.global_batch: 10 is invalid; must be a multiple of parallel.dp x train.micro_batch = 2 x 2 = 4"),
     ({"parallel": {"dp": 512}, "train": {"global_batch": 1024}}, "parallel.dp: 512 is invalid; 512 workers x resources.cpus_per_worker 0.5 need 256 CPUs"),

@@ -49,11 +49,13 @@ HF_NAMES = "model."  # an hf: model's parameters are its transformers model's, u
 
 def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
            max_shard_bytes: int = MAX_SHARD_BYTES, log: Optional[Callable[[str], None]] = None,
-           hf: bool = False) -> dict:
+           hf: bool = False, ema: bool = False) -> dict:
     """Write checkpoint `step` of `spec`'s job (default: the newest that verifies; "best": the
     one `checkpoint.best` kept) to the folder `out` (a local path or a URI: `s3://...`), which
     must not exist; returns what `baton.json` says, with the files. `hf`: the built-in GPT as
-    Hugging Face's GPT-2 (an hf: model is in its form anyway)."""
+    Hugging Face's GPT-2 (an hf: model is in its form anyway). `ema`: the average of the
+    weights `train.ema` kept, in place of the weights (each parameter that trains; a frozen
+    one's weights are its average)."""
     # whose names the files use: baton's, transformers' (an hf: model's), or GPT-2's
     names = ("transformers" if spec.model.name.startswith(HF_PREFIX)
              else "gpt2" if hf and spec.model.name == "gpt" else "baton")
@@ -64,13 +66,13 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
     store = CheckpointStore(spec.checkpoint_dir)
     step = pick(spec, store, step, log or (lambda line: print(line, file=sys.stderr)))
     model = spec.to_dict()["model"]
-    tensors = _tensors(store, step, max_shard_bytes)
+    tensors = _tensors(store, step, max_shard_bytes, ema)
     if spec.model.lora is not None:  # the adapters merged: a model like any other
         tensors = _merged(spec, tensors)
         del model["lora"]
     about = {"job": spec.name, "step": step, "model": model,
              "task": spec.task, "tokens": _tokens(spec), "checkpoint": store.step_dir(step),
-             "names": names}
+             "names": names, **({"weights": "ema"} if ema else {})}
     meta = {"format": "pt", "baton.job": spec.name, "baton.step": str(step)}
     target.begin()
     try:
@@ -207,25 +209,54 @@ def pick(spec: JobSpec, store: CheckpointStore, step: Optional[int | str],
     return found
 
 
-def _tensors(store: CheckpointStore, step: int, most: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(store: CheckpointStore, step: int, most: int,
+             ema: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of every parameter: a stage's file at a time, or shards read
-    `most` bytes of whole tensors at a time."""
+    `most` bytes of whole tensors at a time. `ema`: each one's average (`train.ema`) where
+    the checkpoint holds one (a frozen parameter has none); a checkpoint without them is refused."""
     if not store.is_sharded(step):
+        seen = False
         for i in range(store.read_meta(step)["layout"]["pp"]):
-            yield from store.read_tensors(step, f"model-{i:04d}.pt").items()
+            tensors = store.read_tensors(step, f"model-{i:04d}.pt")
+            if ema:  # (a stage whose parameters are all frozen has no optimizer state)
+                state = store.read_tensors(step, f"optim-{i:04d}.pt")["state"]
+                _averaged(store, step, all("ema" in s for s in state.values()))
+                seen = seen or bool(state)
+                tensors = {n: state.get(n, {}).get("ema", t) for n, t in tensors.items()}
+            yield from tensors.items()
+        if ema:
+            _averaged(store, step, seen)
         return
     from baton.checkpoint import sharded
 
     where = store.shards(step)
+    averages = {n[:-len(".ema")] for n in sharded.tensor_sizes(where, "optim") if n.endswith(".ema")}
+    if ema:
+        _averaged(store, step, bool(averages))
+
+    def read(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors = sharded.read_some(where, "model", names)
+        if ema and averages.intersection(names):
+            got = sharded.read_some(where, "optim", [f"{n}.ema" for n in names if n in averages])
+            tensors.update({n: s["ema"] for n, s in got.items()})
+        return iter(tensors.items())
+
     batch, held = [], 0
     for name, nbytes in sharded.tensor_sizes(where, "model").items():
         batch.append(name)
-        held += nbytes
+        held += nbytes * (2 if ema and name in averages else 1)
         if held >= most:
-            yield from sharded.read_some(where, "model", batch).items()
+            yield from read(batch)
             batch, held = [], 0
     if batch:
-        yield from sharded.read_some(where, "model", batch).items()
+        yield from read(batch)
+
+
+def _averaged(store: CheckpointStore, step: int, holds: bool) -> None:
+    if not holds:
+        raise CheckpointError(f"--ema: checkpoint {step} in {store.root} holds no average of the "
+                              "weights (train.ema was not set when it was written); export it "
+                              "without --ema, or train on with train.ema set")
 
 
 def _merged(spec: JobSpec, tensors: Iterator[tuple[str, torch.Tensor]]

@@ -5,7 +5,7 @@ back (DCP reshards: a checkpoint written by 4 workers at `full` loads at 2, unde
 pipeline stages, each reading only the pieces it needs).
 
 What is saved is tensors only, keyed `model.<parameter>` and `optim.<parameter>.<exp_avg |
-exp_avg_sq | step>`: the optimizer's parameter groups are rebuilt from the spec, so DCP never
+exp_avg_sq | step | ema>`: the optimizer's parameter groups are rebuilt from the spec, so DCP never
 stores a pickled Python object (it loads those with `torch.load(weights_only=False)`).
 
 DCP's own index, `shards/.metadata`, is a pickle. `SafeReader` reads it with an unpickler that
@@ -383,6 +383,15 @@ def has_optimizer_state(where: Location) -> bool:
     return any(k.startswith("optim.") for k in keys(where))
 
 
+def held(where: Location, optim: dict) -> dict:
+    """An optimizer state to load ({name: {key: tensor}}) less the averages (`train.ema`) the
+    checkpoint does not hold: written without train.ema, an average starts from the loaded
+    weights at the next step (`optim.Averaged`)."""
+    have = keys(where)
+    return {n: {k: v for k, v in s.items() if k != "ema" or f"optim.{n}.ema" in have}
+            for n, s in optim.items()}
+
+
 def read_full(where: Location, section: str) -> dict:
     """One section ("model" or "optim") of a sharded checkpoint, as whole tensors, read in
     this process alone (tests, references, `baton` tools)."""
@@ -420,7 +429,7 @@ def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, where:
     state = {"model": model_state}
     with_optim = has_optimizer_state(where)
     if with_optim:
-        state["optim"] = optim_state["state"]
+        state["optim"] = held(where, optim_state["state"])
     dcp.load(pieces(state) if pieces else state, storage_reader=SafeReader(where), planner=_LoadPlanner(),
              process_group=where.group)
     if not with_optim:

@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf", action="store_true",
                      help="the built-in gpt as Hugging Face's GPT-2 (GPT2LMHeadModel: its names "
                           "and a config.json), for transformers and what reads its folders")
+    exp.add_argument("--ema", action="store_true",
+                     help="the moving average of the weights that train.ema kept, in place of "
+                          "the weights")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
     frk = sub.add_parser("fork", help="start a new job from another job's checkpoint (weights, "
@@ -566,9 +569,11 @@ def _export(args: argparse.Namespace) -> int:
         print("baton: error: --max-file-mb must be at least 1", file=sys.stderr)
         return 2
     spec = load_spec(args.job, args.set)
-    about = export(spec, args.out, args.step, args.max_file_mb * 10**6, hf=args.hf)
+    about = export(spec, args.out, args.step, args.max_file_mb * 10**6, hf=args.hf, ema=args.ema)
     files = about["files"]
-    print(f"exported step {about['step']} of {about['job']}: {about['parameters']:,} parameters "
+    print(f"exported step {about['step']} of {about['job']}"
+          + (" (the average of its weights)" if args.ema else "")
+          + f": {about['parameters']:,} parameters "
           f"({about['bytes'] / 2**20:,.1f} MiB) to {args.out} ("
           + (files[0] if len(files) == 1 else f"{len(files)} files") + ")")
     print(f'  load it: baton.load_model("{args.out}")'

@@ -102,7 +102,8 @@ def _sharding_line(spec) -> str:
         spans = bounds(plan_stages(spec, lambda: counts))
         n = max(sum(sum(counts[slice(*spans[stage_of(r, c, d.pp)])]) for c in range(spec.chunks))
                 for r in range(d.pp))
-    mine, ddp = estimate_bytes(n, d.shard, shards), estimate_bytes(n, "none", 1)
+    averaged = spec.train.ema is not None
+    mine, ddp = estimate_bytes(n, d.shard, shards, averaged), estimate_bytes(n, "none", 1, averaged)
     groups = d.dp // shards
     layout = (f"{groups} replica groups of {shards} (hybrid)" if groups > 1 else f"{shards} workers")
     if d.pp > 1:
@@ -144,13 +145,15 @@ def _tensor_line(spec) -> str:
     model = _on_meta(spec.model)
     splits = split_layers(model, 0, d.tp, None)
     mine = sum(q.numel() for q in model.parameters())
-    held = sum(estimate_bytes(mine, d.shard, spec.dp_shard).values())
+    averaged = spec.train.ema is not None
+    held = sum(estimate_bytes(mine, d.shard, spec.dp_shard, averaged).values())
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731 (fp32 parameters, gradients, AdamW's two moments)
     sharded = (f", {d.shard} ({NAMES[d.shard]}) over the {spec.dp_shard} workers holding each share"
                if d.shard != "none" else "")
     return (f"tensor parallel: {len({n.rsplit('.', 1)[0] for n in splits})} layers split "
             f"over {d.tp} workers{sharded}; per worker {mine:,} of the {whole:,} "
-            f"parameters: {mib(held)} of parameters, gradients and optimizer state (whole: {mib(whole * 16)})")
+            f"parameters: {mib(held)} of parameters, gradients and optimizer state (whole: "
+            f"{mib(whole * (20 if averaged else 16))})")
 
 
 def _data_lines(m: dict, shuffle_block: int, mixed: list[str]) -> list[str]:

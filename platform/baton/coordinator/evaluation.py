@@ -8,7 +8,8 @@ and the pass divides them by the count of terms. Pass n reads epoch n of the eva
 the order does not shuffle, so every pass sees the same samples, and the feed's read-ahead of
 the next epoch is the next pass's data. A mix of corpora held out by eval.fraction has a set
 (and a feed) per source, read one after another in each pass: the metrics over all of them,
-and each source's apart (eval_loss/NAME). Held-out row groups whose rows are bad are left out
+and each source's apart (eval_loss/NAME). With train.ema each pass evaluates the average of the
+weights too, on the same batches (eval_ema_loss, eval_ema_*). Held-out row groups whose rows are bad are left out
 as training's are (data.skip_bad_row_groups, counted apart for each held-out set), and the
 metrics are those of the rows left."""
 
@@ -90,9 +91,15 @@ class Evaluation:
 
 
 def _metrics(results: list[dict]) -> dict:
+    """The metrics of the workers' sums: eval_loss and the task's, and with train.ema those of
+    the average of the weights as eval_ema_loss and eval_ema_*."""
     count = sum(r["tokens"] for r in results)
-    return {"eval_loss": sum(r["loss_sum"] for r in results) / count,
-            **{f"eval_{k}": v for k, v in metric_values(results, count).items()}}
+    out = {"eval_loss": sum(r["loss_sum"] for r in results) / count,
+           **{f"eval_{k}": v for k, v in metric_values(results, count).items()}}
+    if results and "ema" in results[0]:
+        out.update({f"eval_ema_{k[len('eval_'):]}": v
+                    for k, v in _metrics([r["ema"] for r in results]).items()})
+    return out
 
 
 def evaluation(spec: JobSpec, data: JobData, last: Optional[int] = None) -> Optional[Evaluation]:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 
 from baton.checkpoint import filter_optim_state, sharded
 from baton.models import blocks
+from baton.optim import average_pairs, fitted, keeps_average
 from baton.parallel import comm
 from baton.spec import TrainSpec
 from baton.training import make_optimizer, optimizer_class, param_groups
@@ -44,11 +45,14 @@ SHARDED_PARTS = {"none": (), "optimizer": ("optimizer",),
                  "grads": ("params", "grads", "optimizer"), "full": ("params", "grads", "optimizer")}
 
 
-def estimate_bytes(num_params: int, level: str, shards: int) -> dict[str, float]:
-    """Bytes of fp32 parameters, gradients and AdamW's two moments one worker holds between
-    steps at `level` over `shards` ranks (`grads` gathers whole parameters from forward to
-    backward: its peak holds them whole)."""
-    whole = {"params": 4.0 * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}
+def estimate_bytes(num_params: int, level: str, shards: int,
+                   averaged: bool = False) -> dict[str, float]:
+    """Bytes of fp32 parameters, gradients and AdamW's two moments (and with `averaged`, the
+    average of the weights: train.ema) one worker holds between steps at `level` over
+    `shards` ranks (`grads` gathers whole parameters from forward to backward: its peak
+    holds them whole)."""
+    whole = {"params": 4.0 * num_params, "grads": 4.0 * num_params,
+             "optimizer": (12.0 if averaged else 8.0) * num_params}
     return {part: size / shards if part in SHARDED_PARTS[level] else size
             for part, size in whole.items()}
 
@@ -101,6 +105,13 @@ class Replica:
     # drop what the gradient communication carries between steps (comm.forget), after a step
     # whose gradient was not finite
     forget_comm: Callable[[], None] = lambda: None
+    # (weight, its average) for each parameter this worker holds that has one (train.ema),
+    # local parts: the optimizer's own state, except where it holds only a share (ZeRO-1)
+    averages: Optional[Callable[[], list]] = None
+
+    def __post_init__(self):
+        if self.averages is None:
+            self.averages = lambda: average_pairs(self.optimizer)
 
 
 def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
@@ -137,7 +148,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                                         process_group=mesh["dp_shard"].get_group(), **kwargs)
     zero = _ZeroState(module, optimizer)
     return Replica(module, wrapped, optimizer, wrapped.no_sync, True, zero.state_dicts,
-                   zero.load_full, zero.load_sharded, lambda: comm.forget(state))
+                   zero.load_full, zero.load_sharded, lambda: comm.forget(state), zero.averages)
 
 
 def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool,
@@ -285,7 +296,7 @@ def load_full(module: nn.Module, wrapped: nn.Module, optimizer, model_state: dic
                optim_state: dict, full: bool = False) -> None:
     """Load whole name-keyed state; FSDP keeps each rank's shard of it (`full`)."""
     model_state = _mine(module, model_state)
-    optim_state = filter_optim_state(optim_state, set(model_state))
+    optim_state = fitted(optimizer, filter_optim_state(optim_state, set(model_state)))
     options = StateDictOptions(full_state_dict=full)
     if not optim_state["state"]:
         # An optimizer that never stepped (a checkpoint of step 0, taken before a resize).
@@ -329,12 +340,27 @@ class _ZeroState:
         self.module.load_state_dict(_mine(self.module, model_state))
         local = self._local()
         local.state.clear()
+        optim_state = fitted(local, optim_state)
         for group in local.param_groups:
             for p in group["params"]:
                 saved = optim_state["state"].get(self.names[id(p)])
                 if saved:  # absent: a checkpoint from before the first step
                     local.state[p] = {k: v.clone().to(p.device) if k != "step" else v.clone()
                                       for k, v in saved.items()}
+
+    def averages(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(weight, average) of every parameter that trains: each rank holds its share's
+        averages (train.ema), and the ranks broadcast them to one another (a parameter
+        without one, never stepped, sends its weights: they are their own average)."""
+        zero, out = self.optimizer, []
+        for p, owner in zero._param_to_rank.items():
+            mine = zero.optim.state[p].get("ema") if owner == zero.rank else None
+            average = (mine if mine is not None else p.detach()).clone() if owner == zero.rank \
+                else torch.empty_like(p)
+            dist.broadcast(average, src=dist.get_global_rank(zero.process_group, owner),
+                           group=zero.process_group)
+            out.append((p.detach(), average))
+        return out
 
     def load_sharded(self, where: sharded.Location, pieces=None) -> None:
         """The whole model, and this rank's share of the optimizer state, from a sharded
@@ -344,10 +370,11 @@ class _ZeroState:
         params = [p for g in local.param_groups for p in g["params"]]
         with_optim = sharded.has_optimizer_state(where)
         if with_optim:
-            state["optim"] = {self.names[id(p)]: {"step": torch.zeros(()),
-                                                  "exp_avg": torch.zeros_like(p),
-                                                  "exp_avg_sq": torch.zeros_like(p)}
-                              for p in params}
+            moments = ("exp_avg", "exp_avg_sq") + (("ema",) if keeps_average(local) else ())
+            state["optim"] = sharded.held(where, {
+                self.names[id(p)]: {"step": torch.zeros(()),
+                                    **{k: torch.zeros_like(p) for k in moments}}
+                for p in params})
         sharded.load(pieces(state) if pieces else state, where)
         local.state.clear()
         for p in params if with_optim else ():

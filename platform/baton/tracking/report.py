@@ -110,9 +110,10 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
     run_id = run.info.run_id
     name = run.info.run_name or run_id
     loss = _history(client, run_id, "loss")
-    # the held-out losses: over all held-out data, and each source's of a mix (eval_loss/NAME)
+    # the held-out losses: over all held-out data, and each source's of a mix (eval_loss/NAME);
+    # with train.ema, the average of the weights' (eval_ema_loss)
     held = {key: _history(client, run_id, key) for key in sorted(run.data.metrics)
-            if key == "eval_loss" or key.startswith("eval_loss/")}
+            if key in ("eval_loss", "eval_ema_loss") or key.startswith("eval_loss/")}
     tps = _history(client, run_id, "tokens_per_s")
     world = _history(client, run_id, "world_size")
     memory = {kind: _history(client, run_id, name) for kind, name in MEMORY_MIB.items()}
@@ -139,10 +140,11 @@ def build(client, run, out_dir: str, swimlane_step: Optional[int] = None) -> Rep
                  label="loss" if held else None)
     sources = iter(SOURCE_COLORS * len(held))
     for key, (steps, values) in held.items():
-        whole = key == "eval_loss"
-        ax_loss.plot(steps, values, lw=1.0, marker="o", ms=3, ls="-" if whole else ":",
+        whole = key in ("eval_loss", "eval_ema_loss")
+        ax_loss.plot(steps, values, lw=1.0, marker="o", ms=3,
+                     ls="-" if key == "eval_loss" else "--" if whole else ":",
                      color="#222222" if whole else next(sources),
-                     label=key.replace("eval_loss", "held-out", 1))
+                     label=key.replace("eval_ema_loss", "held-out, average").replace("eval_loss", "held-out", 1))
     if held:
         ax_loss.legend(loc="upper right", fontsize=7, frameon=False, ncols=len(held) + 1)
     ax_loss.set_ylabel("loss")

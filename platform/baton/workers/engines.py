@@ -18,6 +18,7 @@ from torch import nn
 
 from baton.checkpoint import sharded
 from baton.models import build_lazily, build_model, sequential
+from baton.optim import average_pairs, averages_in
 from baton.parallel import ParallelDims
 from baton.parallel import comm
 from baton.parallel import schedule as sched
@@ -101,6 +102,13 @@ class _Engine:
     def clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def averaged(self) -> contextlib.AbstractContextManager:
+        """Inside it, this worker's weights are their averages (train.ema); after it, as they were."""
+        return averages_in(self.averages())
+
+    def averages(self) -> list:
+        return average_pairs(self.optimizer)
+
     def forget_comm(self) -> None:
         """Drop what the gradient communication carries between steps (PowerSGD's error
         feedback), after a step whose gradient was not finite. Nothing, but under DDP."""
@@ -160,6 +168,9 @@ class DataParallelEngine(_Engine):
 
     def forget_comm(self) -> None:
         self.replica.forget_comm()
+
+    def averages(self) -> list:
+        return self.replica.averages()
 
     def _split(self, module: nn.Module, fill) -> tuple:
         """What a subclass does to the model before it is wrapped (tensor parallelism: keeps

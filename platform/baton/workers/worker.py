@@ -393,11 +393,19 @@ class Worker:
     @_in_world
     def evaluate(self, batch: Batch) -> dict:
         """The task's loss and metric sums over this replica's part of an evaluation batch,
-        without gradients; the model is left as it was."""
+        without gradients; the model is left as it was. With train.ema, those of the average
+        of the weights too (under "ema")."""
         self.eval_rows.use(batch)
         micro = self._micro_batches(batch.positions)
-        return self._once(self.engine.evaluate(
-            micro, lambda rows, pad_to=None: self._batch(rows, pad_to, self.eval_rows)))
+
+        def sums() -> dict:
+            return self._once(self.engine.evaluate(
+                micro, lambda rows, pad_to=None: self._batch(rows, pad_to, self.eval_rows)))
+        if self.spec.train.ema is None:
+            return sums()
+        live = sums()
+        with self.engine.averaged():
+            return {**live, "ema": sums()}
 
     def _scale(self, batch: Batch) -> float:
         return 1.0 / (len(batch) * self.task.per_sample)
