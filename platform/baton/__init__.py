@@ -67,16 +67,19 @@ def evaluate(job, step=None, overrides=(), **options):
     return api.evaluate(_spec(job, overrides), step=step, **options)
 
 
-def export(job, out, step=None, overrides=(), max_shard_bytes=None, hf=False, ema=False):
+def export(job, out, step=None, overrides=(), max_shard_bytes=None, hf=False, ema=False,
+           adapters=False):
     """Write a job's trained model (checkpoint `step`, default the newest that verifies,
     "best" the one checkpoint.best kept) to the folder `out` as safetensors, in Hugging
     Face's layout (`baton.checkpoint.export`); returns what its baton.json says. `hf`: the
     built-in gpt as GPT-2, for transformers; `ema`: the average of the weights that
-    train.ema kept, in their place."""
+    train.ema kept, in their place; `adapters`: model.lora's adapters alone, as PEFT's adapter
+    folder."""
     from baton.checkpoint import export as exporting
 
     return exporting.export(_spec(job, overrides), out, step,
-                            max_shard_bytes or exporting.MAX_SHARD_BYTES, hf=hf, ema=ema)
+                            max_shard_bytes or exporting.MAX_SHARD_BYTES, hf=hf, ema=ema,
+                            adapters=adapters)
 
 
 def fork(job, source, step=None, overrides=()):

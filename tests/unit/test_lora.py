@@ -197,3 +197,72 @@ def test_an_adapted_layer_called_with_its_input_by_name_adds_its_adapter():
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(layer(input=x), layer(x), rtol=0, atol=0)
     assert not torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+HF_GPT2 = {"name": "hf:gpt2", "config": {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 32,
+                                         "vocab_size": 64}}
+
+
+@pytest.mark.parametrize("form", ["baton", "gpt2", "transformers"])
+def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from(tmp_path, form):
+    """`baton export --adapters`: the adapters of a job that fine-tuned an export, as PEFT's
+    LoRA folder. PEFT puts them on that export, loaded as its form loads (baton's own model;
+    GPT-2's from `--hf`, whose Conv1D layers PEFT adapts with fan_in_fan_out; an `hf:` model's),
+    and computes what the job's adapted model computes. A job that trains more than its
+    adapters, and an adapter folder given as a model, are refused in one line."""
+    import peft  # (the test extra installs it)
+    import transformers
+
+    import baton
+    from baton.checkpoint import CheckpointStore
+    from baton.errors import CheckpointError
+
+    model = HF_GPT2 if form == "transformers" else {**GPT.__dict__, "lora": None}
+    targets = ["*.c_attn", "*.c_fc"] if form == "transformers" else ["*.qkv", "*.fc", "*.lm"]
+
+    def checkpoint(spec, state):
+        store = CheckpointStore(spec.checkpoint_dir)
+        store.begin(1)
+        parts = [store.write_tensors(1, "model-0000.pt", state),
+                 store.write_tensors(1, "optim-0000.pt", {"state": {}, "param_groups": []})]
+        store.commit(1, {"step": 1, "layout": {"pp": 1}}, keep=1, parts=parts)
+
+    base = spec_from_dict(tiny_spec(tmp_path / "base", tmp_path, name="base", model=model))
+    checkpoint(base, build_model(base.model, 3).state_dict())
+    baton.export(base, str(tmp_path / "base-export"), hf=form == "gpt2")
+    tuned = spec_from_dict(tiny_spec(tmp_path / "tuned", tmp_path, name="tuned", model={
+        **model, "init_from": str(tmp_path / "base-export"), "lora": {"rank": 4, "targets": targets}}))
+    adapted = build_model(tuned.model, 0).eval()
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if n.endswith("lora_b"):  # (zeros as built: the adapters would change nothing)
+                p.normal_(generator=torch.Generator().manual_seed(len(n)))
+    checkpoint(tuned, adapted.state_dict())
+    about = baton.export(tuned, str(tmp_path / "adapters"), adapters=True, hf=form == "gpt2")
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "baton.json"]
+    assert about["parameters"] == sum(p.numel() for n, p in adapted.named_parameters() if ".lora_" in n)
+
+    tokens = TOKENS[:, :8] % 64
+    if form == "baton":  # (PEFT adapts the model it is given, in place)
+        start = baton.load_model(str(tmp_path / "base-export"))
+        run = lambda m: m(tokens)  # noqa: E731
+    else:
+        start = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base-export")).eval()
+        run = lambda m: m(input_ids=tokens).logits  # noqa: E731
+    with torch.no_grad():
+        plain, want = run(start), adapted(tokens)
+        got = run(peft.PeftModel.from_pretrained(start, str(tmp_path / "adapters")).eval())
+    assert not torch.equal(got, plain)
+    print(form, float((got - want).abs().max()))
+    # measured: 0 in each form (PEFT computes the same two products); the bound leaves room
+    # for another order of them in float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    with pytest.raises(CheckpointError, match="holds low-rank adapters alone"):
+        baton.load_model(str(tmp_path / "adapters"))
+    whole = spec_from_dict({**tuned.to_dict(), "model": {**tuned.to_dict()["model"],
+                                                        "lora": {"rank": 4, "targets": targets,
+                                                                 "whole": ["*ln*"]}}})
+    with pytest.raises(CheckpointError, match="also trains .* parameters whole"):
+        baton.export(whole, str(tmp_path / "refused"), adapters=True)

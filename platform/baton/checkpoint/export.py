@@ -49,23 +49,38 @@ HF_NAMES = "model."  # an hf: model's parameters are its transformers model's, u
 
 def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
            max_shard_bytes: int = MAX_SHARD_BYTES, log: Optional[Callable[[str], None]] = None,
-           hf: bool = False, ema: bool = False) -> dict:
+           hf: bool = False, ema: bool = False, adapters: bool = False) -> dict:
     """Write checkpoint `step` of `spec`'s job (default: the newest that verifies; "best": the
     one `checkpoint.best` kept) to the folder `out` (a local path or a URI: `s3://...`), which
     must not exist; returns what `baton.json` says, with the files. `hf`: the built-in GPT as
     Hugging Face's GPT-2 (an hf: model is in its form anyway). `ema`: the average of the
     weights `train.ema` kept, in place of the weights (each parameter that trains; a frozen
-    one's weights are its average)."""
+    one's weights are its average). `adapters`: `model.lora`'s adapters alone, as PEFT's
+    adapter folder (`adapter_model.safetensors`, `adapter_config.json`), for the model the
+    job started from, under the names of the form `hf` says (`_write_adapters`)."""
     # whose names the files use: baton's, transformers' (an hf: model's), or GPT-2's
     names = ("transformers" if spec.model.name.startswith(HF_PREFIX)
              else "gpt2" if hf and spec.model.name == "gpt" else "baton")
     if hf and names == "baton":
         raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
                               "built-in gpt (as GPT-2) and hf: models do")
+    if adapters:
+        _can_split(spec)
     target = _Out(out)
     store = CheckpointStore(spec.checkpoint_dir)
     step = pick(spec, store, step, log or (lambda line: print(line, file=sys.stderr)))
     model = spec.to_dict()["model"]
+    if adapters:
+        about = {"job": spec.name, "step": step, "model": model, "task": spec.task,
+                 "checkpoint": store.step_dir(step), "names": names,
+                 **({"weights": "ema"} if ema else {})}
+        target.begin()
+        try:
+            return _write_adapters(spec, target, _tensors(store, step, max_shard_bytes, ema, _adapter),
+                                   names, about)
+        except BaseException:
+            target.abandon()
+            raise
     tensors = _tensors(store, step, max_shard_bytes, ema)
     if spec.model.lora is not None:  # the adapters merged: a model like any other
         tensors = _merged(spec, tensors)
@@ -209,15 +224,16 @@ def pick(spec: JobSpec, store: CheckpointStore, step: Optional[int | str],
     return found
 
 
-def _tensors(store: CheckpointStore, step: int, most: int,
-             ema: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(store: CheckpointStore, step: int, most: int, ema: bool = False,
+             keep: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of every parameter: a stage's file at a time, or shards read
     `most` bytes of whole tensors at a time. `ema`: each one's average (`train.ema`) where
-    the checkpoint holds one (a frozen parameter has none); a checkpoint without them is refused."""
+    the checkpoint holds one (a frozen parameter has none); a checkpoint without them is refused.
+    `keep`: the names to read (the rest are not read where the checkpoint is sharded)."""
     if not store.is_sharded(step):
         seen = False
         for i in range(store.read_meta(step)["layout"]["pp"]):
-            tensors = store.read_tensors(step, f"model-{i:04d}.pt")
+            tensors = {n: t for n, t in store.read_tensors(step, f"model-{i:04d}.pt").items() if keep(n)}
             if ema:  # (a stage whose parameters are all frozen has no optimizer state)
                 state = store.read_tensors(step, f"optim-{i:04d}.pt")["state"]
                 _averaged(store, step, all("ema" in s for s in state.values()))
@@ -243,6 +259,8 @@ def _tensors(store: CheckpointStore, step: int, most: int,
 
     batch, held = [], 0
     for name, nbytes in sharded.tensor_sizes(where, "model").items():
+        if not keep(name):
+            continue
         batch.append(name)
         held += nbytes * (2 if ema and name in averages else 1)
         if held >= most:
@@ -266,6 +284,81 @@ def _merged(spec: JobSpec, tensors: Iterator[tuple[str, torch.Tensor]]
     from baton.models.lora import adapted_layers, merged
 
     return merged(tensors, spec.model.lora, adapted_layers(_on_meta(spec.model), spec.model))
+
+
+ADAPTERS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's
+
+
+def _adapter(name: str) -> bool:
+    from baton.models.lora import A, B
+
+    return name.endswith((f".{A}", f".{B}"))
+
+
+def _can_split(spec: JobSpec) -> None:
+    """Refuse `--adapters` for a job whose adapters are not all it trained."""
+    from baton.models import _on_meta
+    from baton.models.frozen import trains
+
+    if spec.model.lora is None:
+        raise CheckpointError(f"--adapters: job {spec.name!r} trains no adapters (model.lora); "
+                              "export its model without --adapters")
+    whole = [n for n, _ in _on_meta(spec.model).named_parameters() if trains(n, spec.model)]
+    if whole:
+        raise CheckpointError(
+            f"--adapters: job {spec.name!r} also trains {len(whole)} parameters whole "
+            f"({_some(whole, 3)}: model.lora.whole, init_fresh or init_grow), which an adapter "
+            "folder does not hold; export the merged model (without --adapters)")
+
+
+def _write_adapters(spec: JobSpec, target: "_Out", tensors: Iterator[tuple[str, torch.Tensor]],
+                    names: str, about: dict) -> dict:
+    """`model.lora`'s adapters as PEFT writes a LoRA adapter: `adapter_model.safetensors` with
+    `base_model.model.<layer>.lora_A.weight` (A, rank x in) and `lora_B.weight` (B, out x
+    rank), and `adapter_config.json` (rank, alpha, the layers); `<layer>` named as the form
+    `names` names the model (baton's, transformers', or GPT-2's, whose Conv1D layers PEFT
+    adapts with `fan_in_fan_out`: A and B have the same shapes there). PEFT's
+    `PeftModel.from_pretrained(base, folder)` puts them on the model the job started from
+    (`model.init_from`, exported in that form) and computes what the job's adapted model does."""
+    from baton.models import _on_meta
+    from baton.models.lora import A, adapted_layers
+
+    lora = spec.model.lora
+    layers = adapted_layers(_on_meta(spec.model), spec.model)  # name -> held as (in, out)
+
+    def theirs(layer: str) -> str:
+        if names == "transformers":
+            return layer[len(HF_NAMES):] if layer.startswith(HF_NAMES) else layer
+        if names == "gpt2":
+            return gpt2_name(f"{layer}.weight", spec.model.layers)[0][:-len(".weight")]
+        return layer
+
+    out, total, count = {}, 0, 0
+    for name, t in tensors:
+        layer, _, part = name.rpartition(".")
+        key = f"base_model.model.{theirs(layer)}.{'lora_A' if part == A else 'lora_B'}.weight"
+        out[key] = t.contiguous()
+        total, count = total + t.numel() * t.element_size(), count + t.numel()
+    if len(out) != 2 * len(layers):
+        raise CheckpointError(f"checkpoint {about['step']} holds {len(out)} adapter tensors, "
+                              f"{2 * len(layers)} expected ({len(layers)} adapted layers)")
+    conv1d = names == "transformers" and any(layers.values()) or names == "gpt2"
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if names != "baton" else None,
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": sorted(theirs(n) for n in layers),
+              # (GPT-2's Conv1D layers hold their weight as (in, out))
+              "fan_in_fan_out": conv1d, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": None, "use_rslora": False, "use_dora": False,
+              "base_model_name_or_path": spec.model.init_from and redact(spec.model.init_from)}
+    with target.fs.open_output_stream(target.file(ADAPTERS)) as f:
+        tensorfile.write(f, dict(sorted(out.items())), {"format": "pt", "baton.job": spec.name,
+                                                         "baton.step": str(about["step"])})
+    target.write(ADAPTER_CONFIG, json.dumps(config, indent=1))
+    about.update(adapters={"rank": lora.rank, "alpha": lora.alpha, "layers": len(layers)},
+                 files=[ADAPTERS], parameters=count, bytes=total)
+    target.write(ABOUT, json.dumps(about, indent=1))  # last: an export without it is none
+    target.done()
+    return about
 
 
 def _files(tensors: Iterator[tuple[str, torch.Tensor]], most: int) -> Iterator[dict]:
@@ -366,6 +459,9 @@ class Exported:
     def _index(self) -> None:
         from baton.models import _on_meta
 
+        if "adapters" in self.about:
+            raise ValueError("it holds low-rank adapters alone (baton export --adapters), not a "
+                             "model: start from the model they adapt, with model.lora")
         self.spec = ModelSpec(**{**self.about["model"], "init_from": None, "init_fresh": [],
                                  "init_grow": []})
         kind = self.about.get("names", "baton")

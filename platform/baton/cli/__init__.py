@@ -107,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf", action="store_true",
                      help="the built-in gpt as Hugging Face's GPT-2 (GPT2LMHeadModel: its names "
                           "and a config.json), for transformers and what reads its folders")
+    exp.add_argument("--adapters", action="store_true",
+                     help="model.lora's adapters alone, as PEFT's adapter folder "
+                          "(adapter_model.safetensors, adapter_config.json), for the model the job "
+                          "started from")
     exp.add_argument("--ema", action="store_true",
                      help="the moving average of the weights that train.ema kept, in place of "
                           "the weights")
@@ -569,8 +573,19 @@ def _export(args: argparse.Namespace) -> int:
         print("baton: error: --max-file-mb must be at least 1", file=sys.stderr)
         return 2
     spec = load_spec(args.job, args.set)
-    about = export(spec, args.out, args.step, args.max_file_mb * 10**6, hf=args.hf, ema=args.ema)
+    about = export(spec, args.out, args.step, args.max_file_mb * 10**6, hf=args.hf, ema=args.ema,
+                   adapters=args.adapters)
     files = about["files"]
+    if args.adapters:
+        a = about["adapters"]
+        print(f"exported step {about['step']} of {about['job']}: its adapters"
+              + (" (their average)" if args.ema else "")
+              + f" (LoRA rank {a['rank']}, alpha {a['alpha']:g}, on {a['layers']} layers): "
+              f"{about['parameters']:,} parameters ({about['bytes'] / 2**20:,.2f} MiB) to {args.out}")
+        base = spec.model.init_from or "the model it started from"
+        print(f'  load them: peft.PeftModel.from_pretrained(model, "{args.out}"), model: {base}'
+              + (" (exported --hf)" if about["names"] == "gpt2" else ""))
+        return 0
     print(f"exported step {about['step']} of {about['job']}"
           + (" (the average of its weights)" if args.ema else "")
           + f": {about['parameters']:,} parameters "
