@@ -83,12 +83,22 @@ def check_data(path: str, overrides: list[str] = (), address: Optional[str] = No
 def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> None:
     """`model.init_from` names weights this model can start from: for a model of baton's (or
     your builder's), a `baton export` folder holding every parameter at its shape; an hf:
-    model's is read by transformers' from_pretrained on the workers. `if_present` (`baton
+    model's is read by transformers' from_pretrained on the workers. `model.lora.init_from`
+    holds adapters for the layers this job adapts, of its rank and alpha. `if_present` (`baton
     validate`, as for the data): a local folder not here (on a cluster's storage) is not
     checked; a URI (`s3://`) is read from here, its files' headers only."""
     m = spec.model
-    if m.init_from is None or m.name.startswith("hf:") or (
-            if_present and not storage.is_uri(m.init_from) and not os.path.exists(m.init_from)):
+
+    def absent(folder: str) -> bool:
+        return if_present and not storage.is_uri(folder) and not os.path.exists(folder)
+    if m.lora is not None and m.lora.init_from is not None and not absent(m.lora.init_from):
+        from baton.models.lora import started
+
+        try:
+            started(m)  # (its adapters fit the layers this job adapts)
+        except CheckpointError as e:
+            raise SpecError(f"{source}: model.lora.init_from: {e}") from None
+    if m.init_from is None or m.name.startswith("hf:") or absent(m.init_from):
         return
     from baton.checkpoint.export import Exported
     from baton.models import _on_meta

@@ -35,6 +35,9 @@ class LoRASpec:
     # parameters trained whole beside them (shell patterns: "*.ln1.*"); model.init_fresh's
     # and init_grow's always are (init_from gave them no values)
     whole: list[str] = field(default_factory=list)
+    # a PEFT LoRA folder (baton export --adapters, or PEFT's save_pretrained) whose adapters
+    # the job starts from, instead of A drawn and B zeros; null: fresh adapters
+    init_from: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -426,6 +429,8 @@ class JobSpec:
         # before them keeps its recipe)
         model = {k: v for k, v in d["model"].items()
                  if k not in ("init_fresh", "init_grow", "frozen", "lora") or v}
+        if model.get("lora") and model["lora"]["init_from"] is None:  # (likewise lora.init_from)
+            model["lora"] = {k: v for k, v in model["lora"].items() if k != "init_from"}
         return {"name": d["name"], "model": model, "data": data, "train": train, **extra}
 
     def fingerprint(self) -> str:

@@ -214,6 +214,7 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
     import transformers
 
     import baton
+    from baton import api
     from baton.checkpoint import CheckpointStore
     from baton.errors import CheckpointError
 
@@ -252,12 +253,28 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
         run = lambda m: m(input_ids=tokens).logits  # noqa: E731
     with torch.no_grad():
         plain, want = run(start), adapted(tokens)
-        got = run(peft.PeftModel.from_pretrained(start, str(tmp_path / "adapters")).eval())
+        theirs = peft.PeftModel.from_pretrained(start, str(tmp_path / "adapters")).eval()
+        got = run(theirs)
     assert not torch.equal(got, plain)
     print(form, float((got - want).abs().max()))
     # measured: 0 in each form (PEFT computes the same two products); the bound leaves room
     # for another order of them in float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    # and back: a job that starts from the adapters (model.lora.init_from), baton's folder or
+    # the one PEFT itself saves, built whole or layer by layer, is the adapted model, bit for bit
+    theirs.save_pretrained(str(tmp_path / "peft-saved"))
+    for folder in ("adapters", "peft-saved"):
+        again = dataclasses.replace(tuned.model, lora=dataclasses.replace(
+            tuned.model.lora, init_from=str(tmp_path / folder)))
+        built, (lazy, fill) = build_model(again, 5).eval(), build_lazily(again, 5)
+        fill(list(lazy.children()))
+        for m in (built, lazy.eval()):
+            assert all(torch.equal(t, adapted.state_dict()[n]) for n, t in m.state_dict().items()), folder
+    wrong = {**tuned.to_dict()["model"], "lora": {"rank": 2, "targets": targets,
+                                                  "init_from": str(tmp_path / "adapters")}}
+    with pytest.raises(SpecError, match="model.lora.init_from: .*: its r is 4 and this job's is 2"):
+        api.check_init_from(spec_from_dict({**tuned.to_dict(), "model": wrong}), "<spec>")
 
     with pytest.raises(CheckpointError, match="holds low-rank adapters alone"):
         baton.load_model(str(tmp_path / "adapters"))

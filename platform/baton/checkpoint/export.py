@@ -286,9 +286,6 @@ def _merged(spec: JobSpec, tensors: Iterator[tuple[str, torch.Tensor]]
     return merged(tensors, spec.model.lora, adapted_layers(_on_meta(spec.model), spec.model))
 
 
-ADAPTERS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's
-
-
 def _adapter(name: str) -> bool:
     from baton.models.lora import A, B
 
@@ -321,23 +318,15 @@ def _write_adapters(spec: JobSpec, target: "_Out", tensors: Iterator[tuple[str, 
     `PeftModel.from_pretrained(base, folder)` puts them on the model the job started from
     (`model.init_from`, exported in that form) and computes what the job's adapted model does."""
     from baton.models import _on_meta
-    from baton.models.lora import A, adapted_layers
+    from baton.models.lora import PEFT_CONFIG, PEFT_WEIGHTS, adapted_layers, peft_key, peft_names
 
     lora = spec.model.lora
     layers = adapted_layers(_on_meta(spec.model), spec.model)  # name -> held as (in, out)
-
-    def theirs(layer: str) -> str:
-        if names == "transformers":
-            return layer[len(HF_NAMES):] if layer.startswith(HF_NAMES) else layer
-        if names == "gpt2":
-            return gpt2_name(f"{layer}.weight", spec.model.layers)[0][:-len(".weight")]
-        return layer
-
+    theirs = {mine: name for name, mine in peft_names(layers, spec.model)[names].items()}
     out, total, count = {}, 0, 0
     for name, t in tensors:
         layer, _, part = name.rpartition(".")
-        key = f"base_model.model.{theirs(layer)}.{'lora_A' if part == A else 'lora_B'}.weight"
-        out[key] = t.contiguous()
+        out[peft_key(theirs[layer], part)] = t.contiguous()
         total, count = total + t.numel() * t.element_size(), count + t.numel()
     if len(out) != 2 * len(layers):
         raise CheckpointError(f"checkpoint {about['step']} holds {len(out)} adapter tensors, "
@@ -345,17 +334,17 @@ def _write_adapters(spec: JobSpec, target: "_Out", tensors: Iterator[tuple[str, 
     conv1d = names == "transformers" and any(layers.values()) or names == "gpt2"
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if names != "baton" else None,
               "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
-              "target_modules": sorted(theirs(n) for n in layers),
+              "target_modules": sorted(theirs.values()),
               # (GPT-2's Conv1D layers hold their weight as (in, out))
               "fan_in_fan_out": conv1d, "init_lora_weights": True, "inference_mode": True,
               "modules_to_save": None, "use_rslora": False, "use_dora": False,
               "base_model_name_or_path": spec.model.init_from and redact(spec.model.init_from)}
-    with target.fs.open_output_stream(target.file(ADAPTERS)) as f:
+    with target.fs.open_output_stream(target.file(PEFT_WEIGHTS)) as f:
         tensorfile.write(f, dict(sorted(out.items())), {"format": "pt", "baton.job": spec.name,
                                                          "baton.step": str(about["step"])})
-    target.write(ADAPTER_CONFIG, json.dumps(config, indent=1))
+    target.write(PEFT_CONFIG, json.dumps(config, indent=1))
     about.update(adapters={"rank": lora.rank, "alpha": lora.alpha, "layers": len(layers)},
-                 files=[ADAPTERS], parameters=count, bytes=total)
+                 files=[PEFT_WEIGHTS], parameters=count, bytes=total)
     target.write(ABOUT, json.dumps(about, indent=1))  # last: an export without it is none
     target.done()
     return about

@@ -162,7 +162,14 @@ def _adapter(spec, seed: int) -> Callable[[nn.Module, str], None]:
     if spec.lora is not None:
         from baton.models import lora
 
-        return lambda module, prefix: lora.attach(module, spec, seed, prefix)
+        read: dict = {}  # model.lora.init_from's adapters, read once, when first given
+
+        def start() -> dict:
+            if not read:
+                read.update(lora.started(spec))
+            return read
+        return lambda module, prefix: lora.attach(module, spec, seed, prefix,
+                                                  start if spec.lora.init_from else None)
     if spec.frozen:
         from baton.models import frozen
 

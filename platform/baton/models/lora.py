@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -52,19 +52,26 @@ def targets(module: nn.Module, model: ModelSpec, prefix: str = "") -> list[tuple
             and not trains(f"{prefix}{name}.weight", model)]
 
 
-def attach(module: nn.Module, model: ModelSpec, seed: int, prefix: str = "") -> None:
+def attach(module: nn.Module, model: ModelSpec, seed: int, prefix: str = "",
+           start: Optional[Callable[[], dict[str, tuple[torch.Tensor, torch.Tensor]]]] = None) -> None:
     """Adapters on `module`'s target layers (named `prefix` + their name in it, as in the whole
     model), every other parameter frozen but those trained whole. On the meta device, the
-    adapters' shapes only."""
+    adapters' shapes only. `start()`: each layer's (A, B) to start from (`model.lora.init_from`:
+    `started`), instead of A drawn and B zeros; asked for only where there are values to give."""
     lora = model.lora
     freeze(module, model, prefix)
     for name, layer in targets(module, model, prefix):
         n_in, n_out, _ = sizes(layer)
         a = torch.empty(lora.rank, n_in, device=layer.weight.device)
+        b = torch.zeros(n_out, lora.rank, device=layer.weight.device)
         if a.device.type != "meta":
-            _draw(a, seed, name)
+            if start is None:
+                _draw(a, seed, name)
+            else:
+                a.copy_(start()[name][0])
+                b.copy_(start()[name][1])
         layer.register_parameter(A, nn.Parameter(a))
-        layer.register_parameter(B, nn.Parameter(torch.zeros(n_out, lora.rank, device=layer.weight.device)))
+        layer.register_parameter(B, nn.Parameter(b))
         layer.lora_scale = lora.alpha / lora.rank
         layer.register_forward_hook(_adapted, with_kwargs=True)
 
@@ -142,3 +149,86 @@ def problem(model: nn.Module, spec: ModelSpec) -> Optional[str]:
             return (f"{name}.weight is tied to {tied[0]} (one tensor under two names), and "
                     f"merging an adapter into it would change both; leave {name} out of targets")
     return None
+
+
+# PEFT's LoRA folder (`baton export --adapters` writes it; `model.lora.init_from` reads it, or
+# one PEFT's save_pretrained wrote): each adapted layer's A and B under these keys, the layer
+# named as the model's form names it
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PEFT_PART = {A: "lora_A", B: "lora_B"}
+
+
+def peft_key(layer: str, part: str) -> str:
+    return f"base_model.model.{layer}.{PEFT_PART[part]}.weight"
+
+
+def peft_names(layers, model: ModelSpec) -> dict[str, dict[str, str]]:
+    """For each form a model's layers are named in (baton's own; transformers' for an hf:
+    model; GPT-2's for the built-in GPT exported --hf), baton's name of each layer by that
+    form's."""
+    from baton.checkpoint.export import HF_NAMES, gpt2_name
+    from baton.models import HF_PREFIX
+
+    forms = {"baton": {n: n for n in layers}}
+    if model.name.startswith(HF_PREFIX):
+        forms["transformers"] = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: n for n in layers}
+    if model.name == "gpt":
+        forms["gpt2"] = {gpt2_name(f"{n}.weight", model.layers)[0][:-len(".weight")]: n for n in layers}
+    return forms
+
+
+def started(model: ModelSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The (A, B) of each layer this job adapts, by baton's name, from `model.lora.init_from`
+    (read whole: adapters are small); CheckpointError naming what does not fit this job."""
+    import json
+
+    from baton import storage
+    from baton.checkpoint.export import located
+    from baton.checkpoint.tensorfile import TensorFile
+    from baton.errors import CheckpointError
+    from baton.models import _on_meta
+
+    lora, folder = model.lora, model.lora.init_from
+    where = storage.redact(folder)
+    fs, path = located(folder)
+    try:
+        config = json.loads(storage.read_retried(fs, f"{path}/{PEFT_CONFIG}"))
+        with TensorFile(fs, f"{path}/{PEFT_WEIGHTS}") as f:
+            tensors = {k: f.get(k) for k in f.keys()}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{where} is not a LoRA adapter folder ({PEFT_CONFIG} and "
+                              f"{PEFT_WEIGHTS}, as baton export --adapters and PEFT write it): "
+                              f"{type(e).__name__}: {storage.redact(str(e))[:200]}") from None
+    if config.get("peft_type") != "LORA":
+        raise CheckpointError(f"{where} holds {config.get('peft_type')!r} adapters, not LoRA")
+    plain = {"r": lora.rank, "lora_alpha": lora.alpha, "bias": "none", "use_dora": False,
+             "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}
+    for key, want in plain.items():
+        got = config.get(key, want)
+        if (got or {}) != (want or {}) if isinstance(want, dict) else got != want:
+            raise CheckpointError(f"{where}: its {key} is {got!r} and this job's is {want!r} "
+                                  + ("(set model.lora.rank and alpha to its r and lora_alpha)"
+                                     if key in ("r", "lora_alpha") else "(baton trains plain LoRA)"))
+    mine = {name: layer for name, layer in targets(_on_meta(model), model)}
+    have = {k[len("base_model.model."):-len(".lora_A.weight")] for k in tensors
+            if k.startswith("base_model.model.") and k.endswith(".lora_A.weight")}
+    forms = peft_names(mine, model)
+    form = max(forms, key=lambda f: len(have & set(forms[f])))
+    theirs = forms[form]
+    if have != set(theirs):
+        extra, missing = sorted(have - set(theirs)), sorted(set(theirs) - have)
+        raise CheckpointError(
+            f"{where} adapts " + (f"{extra[0]}, which this job's model.lora.targets do not"
+                                  if extra else f"no {missing[0]}, which this job's targets do")
+            + f" ({len(have)} layers there, {len(theirs)} here; named as {form}'s)")
+    out = {}
+    for layer, name in theirs.items():
+        n_in, n_out, _ = sizes(mine[name])
+        a, b = (tensors.get(peft_key(layer, part)) for part in (A, B))
+        for part, t, shape in ((A, a, (lora.rank, n_in)), (B, b, (n_out, lora.rank))):
+            if t is None or tuple(t.shape) != shape:
+                raise CheckpointError(f"{where}: {peft_key(layer, part)} is "
+                                      + ("missing" if t is None else f"of shape {list(t.shape)}")
+                                      + f"; this job's {name} takes {list(shape)}")
+        out[name] = (a.float(), b.float())
+    return out
