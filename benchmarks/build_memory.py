@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import socket
 import statistics
 import sys
@@ -122,7 +121,7 @@ def main() -> int:
                     f"rank {x['rank']} +{x['added_peak_mib']:,.0f} MiB peak, keeps "
                     f"{x['kept_mib']:,.0f} MiB, {x['build_s']:.2f} s" for x in ranks), flush=True)
     summary = {}
-    print(f"\n| layout | rank | peak added, layer by layer | whole first | kept | build s, layer by layer | whole first |")
+    print("\n| layout | rank | peak added, layer by layer | whole first | kept | build s, layer by layer | whole first |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for layout, ways in runs.items():
         for rank in range(len(ways["layers"][0])):
