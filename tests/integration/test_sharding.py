@@ -245,11 +245,12 @@ def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(t
 def test_an_average_of_the_weights_is_sharded_resharded_evaluated_and_exported(tmp_path, data):
     """train.ema, turned on at a resume: 2 steps at ZeRO-3 without it, 2 at ZeRO-1 with it
     (a sharded checkpoint lacking the averages, loaded into ZeroRedundancyOptimizer's shares;
-    its own sharded checkpoint), 2 at pp 2 (from ZeRO-1's shards into whole stages; a file per
-    stage). `baton export --ema` of each checkpoint is the average, computed directly from one
-    process's weights after each step: it starts from the weights at the resume. The held-out
-    evaluation (eval.path: it changes no training batch) reports the weights' loss and the
-    average's (ZeRO-1 broadcasts each rank's share of the averages; each stage holds its own)."""
+    its own sharded checkpoint), 2 at pp 2 with ZeRO-3 inside the stages (from ZeRO-1's
+    shards into FSDP's). `baton export --ema` of each checkpoint is the average, computed
+    directly from one process's weights after each step: it starts from the weights at the
+    resume. The held-out evaluation (eval.path: it changes no training batch) reports the
+    weights' loss and the average's (ZeRO-1 broadcasts each rank's share of the averages;
+    under FSDP each rank swaps its shards). (A file per stage: tests/unit/test_export.py.)"""
     import baton
     from baton.checkpoint.export import load_model
     from baton.errors import CheckpointError
@@ -267,7 +268,7 @@ def test_an_average_of_the_weights_is_sharded_resharded_evaluated_and_exported(t
     assert api.run(job(2, None, shard="full"), show_progress=False).step == 2
     zero = api.run(job(4, decay, shard="optimizer"), show_progress=False)
     assert zero.resumed_from == 2
-    spec = job(6, decay, pp=2, microbatches=2)
+    spec = job(6, decay, pp=2, microbatches=2, shard="full")
     result = api.run(spec, show_progress=False)
     assert result.state == "finished" and result.resumed_from == 4
     weights = {}

@@ -15,6 +15,7 @@ import baton
 from baton import cli
 from baton.checkpoint import CheckpointStore
 from baton.checkpoint import sharded
+from baton.errors import CheckpointError
 from baton.models import build_model
 from baton.spec import spec_from_dict
 from helpers import tiny_spec, write_dataset, write_spec
@@ -28,9 +29,11 @@ def _job(tmp_path, model=GPT):
 
 
 def _stages(store: CheckpointStore, step: int, state: dict, cut: str = "2.",
-            evaluated: dict | None = None, recipe: dict | None = None) -> None:
+            evaluated: dict | None = None, recipe: dict | None = None,
+            optim: dict | None = None) -> None:
     """A checkpoint as two pipeline stages write it: the model's names up to `cut` in the
-    first file, the rest in the second; `evaluated`: its held-out metrics."""
+    first file, the rest in the second; `evaluated`: its held-out metrics; `optim`: each
+    parameter's optimizer state (none by default)."""
     names = list(state)
     first = names[:next(i for i, n in enumerate(names) if n.startswith(cut))]
     store.begin(step)
@@ -38,7 +41,8 @@ def _stages(store: CheckpointStore, step: int, state: dict, cut: str = "2.",
     for i, part in enumerate(({n: state[n] for n in first},
                               {n: state[n] for n in names if n not in first})):
         parts.append(store.write_tensors(step, f"model-{i:04d}.pt", part))
-        parts.append(store.write_tensors(step, f"optim-{i:04d}.pt", {"state": {}, "param_groups": []}))
+        parts.append(store.write_tensors(step, f"optim-{i:04d}.pt", {
+            "state": {n: s for n, s in (optim or {}).items() if n in part}, "param_groups": []}))
     store.commit(step, {"step": step, "layout": {"pp": 2}, **({"eval": evaluated} if evaluated else {}),
                         **({"recipe": recipe} if recipe else {})}, keep=5, parts=parts)
 
@@ -459,7 +463,6 @@ def test_safetensors_files_written_and_read_here_are_the_formats(tmp_path):
     from safetensors.torch import save_file
 
     from baton.checkpoint import tensorfile
-    from baton.errors import CheckpointError
 
     g = torch.Generator().manual_seed(0)
     shared = torch.randn(4, 3, generator=g)
@@ -615,3 +618,23 @@ def test_a_fork_starts_a_new_job_at_another_jobs_checkpoint(tmp_path, capsys):
                                                   f"'{name}': {message} \\(a fork may change train.lr"):
             baton.fork(other, spec)
         assert not (tmp_path / "ckpt" / name).exists()
+
+
+def test_the_average_of_the_weights_exports_from_a_file_per_stage(tmp_path):
+    """`--ema` from a pipeline's checkpoint (a file per stage): each parameter's average in
+    place of its weights, a parameter without one (frozen: no optimizer state) as it is; a
+    checkpoint without averages is one line."""
+    spec, job = _job(tmp_path)
+    state = build_model(spec.model, 3).state_dict()
+    averages = {n: {"step": torch.tensor(5.0), "ema": t * 2} for n, t in state.items()
+                if n != "0.tok.weight"}
+    store = CheckpointStore(spec.checkpoint_dir)
+    _stages(store, 4, state)
+    _stages(store, 6, state, optim=averages)
+    baton.export(spec, str(tmp_path / "avg"), ema=True)
+    got = load_file(str(tmp_path / "avg" / "model.safetensors"))
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[n], state[n] * (1 if n == "0.tok.weight" else 2)) for n in state)
+    assert json.loads((tmp_path / "avg" / "baton.json").read_text())["weights"] == "ema"
+    with pytest.raises(CheckpointError, match="checkpoint 4 .* holds no average of the weights"):
+        baton.export(spec, str(tmp_path / "none"), step=4, ema=True)
