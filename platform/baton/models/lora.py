@@ -205,7 +205,9 @@ def started(model: ModelSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
              "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}
     for key, want in plain.items():
         got = config.get(key, want)
-        if (got or {}) != (want or {}) if isinstance(want, dict) else got != want:
+        if key.endswith("_pattern"):  # (PEFT writes none as {} or null)
+            got = got or {}
+        if got != want:
             raise CheckpointError(f"{where}: its {key} is {got!r} and this job's is {want!r} "
                                   + ("(set model.lora.rank and alpha to its r and lora_alpha)"
                                      if key in ("r", "lora_alpha") else "(baton trains plain LoRA)"))
