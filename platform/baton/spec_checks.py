@@ -404,8 +404,6 @@ def _check_lora(spec: JobSpec, need) -> None:
         need(all(names), f"model.lora.{key}", names, "an empty name matches no layer")
     need(bool(lora.targets), "model.lora.targets", lora.targets,
          "name the linear layers to adapt (shell patterns: \"*\" is every one)")
-    need(spec.parallel.tp == 1, "parallel.tp", spec.parallel.tp,
-         "adapters on layers split over parallel.tp are not supported yet; use tp: 1")
     if lora.init_from is not None:
         problem = path_problem(lora.init_from)
         need(problem is None, "model.lora.init_from", lora.init_from, problem or "")

@@ -282,11 +282,17 @@ def test_powersgd_under_tp_trains_within_a_measured_margin_of_one_process(tmp_pa
     assert late["powersgd"] != late["exact"]  # the compression was on
 
 
-def test_a_job_fine_tunes_from_an_export_split_and_sharded(tmp_path, data):
+def test_a_job_fine_tunes_adapters_from_an_export_split_and_sharded(tmp_path, data):
     """model.init_from: a `baton export` folder (here the GPT-2 form) as the start of a dp 2 x
-    tp 2 job under ZeRO-3: each worker fills each layer from the export as it makes it, then
-    keeps its share's shard. One process starting from the same export gives the same numbers."""
+    tp 2 job under ZeRO-3 that trains adapters on every linear layer (model.lora): each worker
+    fills each layer from the export as it makes it, adds the adapters, splits the layer with
+    them over tp and keeps its share's shard. One process starting from the same export, its
+    adapters on the whole layers, gives the same numbers; the checkpoint's pieces are the
+    whole adapters, which export as PEFT's folder."""
+    import safetensors.torch
+
     import baton
+    from baton.models.lora import PEFT_WEIGHTS, peft_key
 
     source = _spec(tmp_path / "pre", data, "pretrained", 1)
     store = CheckpointStore(source.checkpoint_dir)
@@ -295,8 +301,15 @@ def test_a_job_fine_tunes_from_an_export_split_and_sharded(tmp_path, data):
              store.write_tensors(1, "optim-0000.pt", {"state": {}, "param_groups": []})]
     store.commit(1, {"step": 1, "layout": {"pp": 1}}, keep=1, parts=parts)
     baton.export(source, str(tmp_path / "export"), hf=True)
-    spec = _spec(tmp_path, data, "tuned", 2, model={**GPT, "init_from": str(tmp_path / "export")},
-                 shard="full")
+    spec = _spec(tmp_path, data, "tuned", 2, shard="full", model={
+        **GPT, "init_from": str(tmp_path / "export"), "lora": {"rank": 2, "alpha": 4.0}})
     result = api.run(spec, show_progress=False)
     assert result.state == "finished" and result.step == 2
-    assert_like_one_process(spec, data, result, 2)  # measured: 4.3e-6
+    got, _ = assert_like_one_process(spec, data, result, 2)  # measured: 1.1e-6
+    assert {n for n in got if "lora" in n} == {f"{layer}.{part}" for layer in [
+        *(f"{i}.{name}" for i in (1, 2) for name in ("qkv", "proj", "fc", "out")), "3.lm"]
+        for part in ("lora_a", "lora_b")}
+    baton.export(spec, str(tmp_path / "adapters"), adapters=True)
+    peft = safetensors.torch.load_file(str(tmp_path / "adapters" / PEFT_WEIGHTS))
+    assert peft.keys() == {peft_key(*n.rsplit(".", 1)) for n in got if "lora" in n}
+    assert all(torch.equal(peft[peft_key(*n.rsplit(".", 1))], t) for n, t in got.items() if "lora" in n)

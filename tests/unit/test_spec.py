@@ -364,6 +364,21 @@ def test_validate_shows_a_tensor_parallel_workers_shard_of_its_share(tmp_path, c
                     "over the 2 workers holding each share; per worker 22,176 of the 42,880 "
                     "parameters: 0.2 MiB of parameters, gradients and optimizer state (whole: "
                     "0.7 MiB)"), line
+    # with adapters of rank 2 on every linear layer (2,624 parameters: 2 x (in + out) each),
+    # a worker keeps a column layer's A whole and half its B, a row layer's B whole and half
+    # its A (1,600: a block's 160 + 96 + 192 + 192, the head's 64 + 256), and gradients and
+    # optimizer state for those alone: (23,776 x 4 + 1,600 x 12) / 2 bytes, against
+    # 45,504 x 4 + 2,624 x 12 whole
+    job = write_spec(tmp_path / "adapted.yaml", tiny_spec(
+        tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
+        model={"name": "gpt", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
+               "lora": {"rank": 2}}, parallel={"dp": 2, "tp": 2, "shard": "full"}))
+    assert cli.main(["validate", str(job)]) == 0
+    line = capsys.readouterr().out.splitlines()[3]
+    assert line == ("  tensor parallel: 10 layers split over 2 workers, full (ZeRO-3) over "
+                    "the 2 workers holding each share; per worker 23,776 of the 45,504 "
+                    "parameters: 0.1 MiB of parameters, gradients and optimizer state (whole: "
+                    "0.2 MiB)"), line
 
 
 @pytest.mark.parametrize("width,heads,hint", [

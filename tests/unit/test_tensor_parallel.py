@@ -6,6 +6,7 @@ workers), and what a block's first norm is given."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 
 from baton.models import build_model
 from baton.parallel.tensor import Shares
-from baton.spec import ModelSpec
+from baton.spec import LoRASpec, ModelSpec
 from baton.tasks import IGNORE, loss_sum
 from helpers import require_cxx
 
@@ -36,11 +37,17 @@ def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
     return pieces
 
 
-def _worker(rank: int, port: int, sequence: bool, split_logits: bool, out: str) -> None:
+def _worker(rank: int, port: int, sequence: bool, split_logits: bool, adapted: bool,
+            out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        whole, model = build_model(SPEC, 0), build_model(SPEC, 0)
+        spec = dataclasses.replace(SPEC, lora=LoRASpec(rank=2, alpha=4.0)) if adapted else SPEC
+        whole, model = build_model(spec, 0), build_model(spec, 0)
+        with torch.no_grad():  # adapters as training leaves them: B no longer zero
+            for (n, p), q in zip(whole.named_parameters(), model.parameters()):
+                if n.endswith("lora_b"):
+                    q.copy_(p.normal_(generator=torch.Generator().manual_seed(len(n))))
         seen = []
         model[1].ln1.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
         shares = Shares(model, rank, 2, dist.group.WORLD, sequence=sequence,
@@ -56,35 +63,54 @@ def _worker(rank: int, port: int, sequence: bool, split_logits: bool, out: str) 
         ref.backward()
         shares.sum_partial_grads(model)
         grads = {n: shares.splits[n].join(_pieces(q.grad)) if n in shares.splits else q.grad
-                 for n, q in model.named_parameters()}
-        torch.save({"logits": (logits - want).abs().max().item(),
+                 for n, q in model.named_parameters() if q.requires_grad}
+        torch.save({"logits": (logits - want).abs().max().item(), "scale": want.abs().max().item(),
                     "loss": abs(loss.item() - ref.item()), "norm_input": seen,
                     "split": getattr(got, "vocab_split", None) is not None,
-                    "partial": shares.partial,
-                    "grads": max((grads[n] - q.grad).abs().max().item()
-                                 for n, q in whole.named_parameters())}, f"{out}/{rank}.pt")
+                    "partial": shares.partial, "params": [n for n, _ in whole.named_parameters()],
+                    "trained": sorted(n for n, q in model.named_parameters() if q.requires_grad),
+                    # each trained parameter's gradient, apart by at most this part of its
+                    # largest element
+                    "grads": max(((grads[n] - q.grad).abs().max() / q.grad.abs().max()).item()
+                                 for n, q in whole.named_parameters() if q.requires_grad)},
+                   f"{out}/{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sequence,split_logits", [(False, False), (True, False), (False, True)],
-                         ids=["tp", "tp-sequence-parallel", "tp-vocab-parallel-loss"])
+@pytest.mark.parametrize("sequence,split_logits,adapted",
+                         [(False, False, False), (True, False, False), (False, True, False),
+                          (False, False, True), (True, False, True)],
+                         ids=["tp", "tp-sequence-parallel", "tp-vocab-parallel-loss", "tp-lora",
+                              "tp-sequence-parallel-lora"])
 def test_a_gpt_split_over_two_workers_computes_what_the_whole_one_does(tmp_path, sequence,
-                                                                       split_logits):
-    _spawn(_worker, 2, sequence, split_logits, str(tmp_path))
+                                                                       split_logits, adapted):
+    """With `model.lora` on every linear layer too (the head included), B drawn: a column
+    layer's B split by outputs, a row layer's A by inputs, and the other factor's gradient
+    summed over the workers."""
+    _spawn(_worker, 2, sequence, split_logits, adapted, str(tmp_path))
+    sequenced = ["1.ln1.weight", "1.ln1.bias", "1.proj.bias", "1.ln2.weight", "1.ln2.bias",
+                 "1.out.bias", "2.ln1.weight", "2.ln1.bias", "2.proj.bias", "2.ln2.weight",
+                 "2.ln2.bias", "2.out.bias", "3.ln.weight", "3.ln.bias"]
+    whole_factors = [f"{i}.{layer}.{part}" for i in (1, 2)
+                     for layer, part in (("qkv", "lora_a"), ("proj", "lora_b"),
+                                         ("fc", "lora_a"), ("out", "lora_b"))] + ["3.lm.lora_a"]
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
-        # measured (sums in another order): logits 3.2e-8; the summed loss (about 45) 3.8e-6
-        # with the vocabulary-parallel loss, 0 without; gradients 9.5e-7, in each case
-        assert r["logits"] < 1e-6 and r["loss"] < 1e-4 and r["grads"] < 1e-5, r
+        # measured (sums in another order): logits 3.2e-8 of at most 0.25 (with adapters
+        # 2.8e-6 of 5.6, B drawn large: 5.0e-7 of the largest); the summed loss (about 45)
+        # 3.8e-6 with the vocabulary-parallel loss or adapters, 0 without; gradients 4.9e-7
+        # of a parameter's largest element (with adapters 5.7e-6), in each case
+        assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r
         assert r["split"] == split_logits  # each worker holds half the vocabulary's logits
         # sequence parallel: a block's norm runs on this worker's half of the 8 positions,
         # and the whole parameters used after the embedding get their parts summed
         assert r["norm_input"] == [(2, 4 if sequence else 8, 16)]
-        assert (r["partial"] == ["1.ln1.weight", "1.ln1.bias", "1.proj.bias", "1.ln2.weight",
-                                 "1.ln2.bias", "1.out.bias", "2.ln1.weight", "2.ln1.bias",
-                                 "2.proj.bias", "2.ln2.weight", "2.ln2.bias", "2.out.bias",
-                                 "3.ln.weight", "3.ln.bias"] if sequence else r["partial"] == [])
+        # an adapter's whole factor: each worker's gradient of it is its share's part
+        assert sorted(r["partial"]) == sorted((sequenced if sequence else [])
+                                              + (whole_factors if adapted else []))
+        assert r["trained"] == (sorted(n for n in r["params"] if "lora" in n) if adapted
+                                else sorted(r["params"]))
 
 
 def _dropout_worker(rank: int, port: int, sequence: bool, out: str) -> None:

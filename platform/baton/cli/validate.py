@@ -88,22 +88,37 @@ def _guards(spec) -> str:
     return "; ".join(said)
 
 
+def _held(model):
+    """The model on the meta device as a worker holds it: with model.lora's adapters, and
+    what does not train frozen (model.frozen, model.lora)."""
+    from baton.models import _adapter, _on_meta
+
+    module = _on_meta(model)
+    _adapter(model, 0)(module, "")  # (on meta: shapes only)
+    return module
+
+
 def _sharding_line(spec) -> str:
     """The layout of a sharded job and the state each worker holds, next to DDP's."""
-    from baton.models import layer_params
+    from baton.models import layer_params, sequential
+    from baton.models.frozen import counts
     from baton.parallel.partition import bounds, plan_stages
     from baton.parallel.schedule import stage_of
     from baton.parallel.sharding import NAMES, estimate_bytes
 
     d, shards = spec.parallel, spec.dp_shard
-    counts = layer_params(spec.model)
-    n = sum(counts)
+    held = [counts(layer) for layer in sequential(_held(spec.model), spec.model.name)]
+    trained, n = map(sum, zip(*held))
     if d.pp > 1:  # the pipeline rank with the most parameters (partition: time, estimated so)
-        spans = bounds(plan_stages(spec, lambda: counts))
-        n = max(sum(sum(counts[slice(*spans[stage_of(r, c, d.pp)])]) for c in range(spec.chunks))
-                for r in range(d.pp))
+        spans = bounds(plan_stages(spec, lambda: layer_params(spec.model)))
+
+        def on_rank(r: int) -> tuple[int, int]:  # (parameters, trained) of its chunks' layers
+            mine = [h for c in range(spec.chunks) for h in held[slice(*spans[stage_of(r, c, d.pp)])]]
+            return sum(h[1] for h in mine), sum(h[0] for h in mine)
+        n, trained = max(map(on_rank, range(d.pp)))
     averaged = spec.train.ema is not None
-    mine, ddp = estimate_bytes(n, d.shard, shards, averaged), estimate_bytes(n, "none", 1, averaged)
+    mine, ddp = (estimate_bytes(n, d.shard, shards, averaged, trained),
+                 estimate_bytes(n, "none", 1, averaged, trained))
     groups = d.dp // shards
     layout = (f"{groups} replica groups of {shards} (hybrid)" if groups > 1 else f"{shards} workers")
     if d.pp > 1:
@@ -116,13 +131,12 @@ def _sharding_line(spec) -> str:
 
 def _frozen_line(spec) -> str:
     """What model.lora adapts, or model.frozen freezes, and how much of the model trains."""
-    from baton.models import _adapter, _on_meta, frozen
+    from baton.models import frozen
     from baton.models.lora import adapted_layers
 
     m = spec.model
-    model = _on_meta(m)
+    model = _held(m)
     names = list(adapted_layers(model, m)) if m.lora is not None else []
-    _adapter(m, 0)(model, "")  # (on meta: shapes only)
     trained, total = frozen.counts(model)
     whole = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n]
     some = lambda xs: ", ".join(xs[:6]) + (f", ... ({len(xs)} in all)" if len(xs) > 6 else "")  # noqa: E731
@@ -136,24 +150,24 @@ def _frozen_line(spec) -> str:
 def _tensor_line(spec) -> str:
     """What each tensor-parallel worker holds of the model (and of that, under sharding, its
     shard), next to a whole replica."""
-    from baton.models import _on_meta
+    from baton.models.frozen import counts
     from baton.parallel.sharding import NAMES, estimate_bytes
     from baton.parallel.tensor import split_layers
 
     d = spec.parallel
-    whole = sum(q.numel() for q in _on_meta(spec.model).parameters())
-    model = _on_meta(spec.model)
+    model = _held(spec.model)
+    whole = counts(model)
     splits = split_layers(model, 0, d.tp, None)
-    mine = sum(q.numel() for q in model.parameters())
+    trained, mine = counts(model)
     averaged = spec.train.ema is not None
-    held = sum(estimate_bytes(mine, d.shard, spec.dp_shard, averaged).values())
+    held = sum(estimate_bytes(mine, d.shard, spec.dp_shard, averaged, trained).values())
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731 (fp32 parameters, gradients, AdamW's two moments)
     sharded = (f", {d.shard} ({NAMES[d.shard]}) over the {spec.dp_shard} workers holding each share"
                if d.shard != "none" else "")
     return (f"tensor parallel: {len({n.rsplit('.', 1)[0] for n in splits})} layers split "
-            f"over {d.tp} workers{sharded}; per worker {mine:,} of the {whole:,} "
+            f"over {d.tp} workers{sharded}; per worker {mine:,} of the {whole[1]:,} "
             f"parameters: {mib(held)} of parameters, gradients and optimizer state (whole: "
-            f"{mib(whole * (20 if averaged else 16))})")
+            f"{mib(sum(estimate_bytes(whole[1], 'none', 1, averaged, whole[0]).values()))})")
 
 
 def _data_lines(m: dict, shuffle_block: int, mixed: list[str]) -> list[str]:

@@ -87,8 +87,14 @@ def _draw(a: torch.Tensor, seed: int, name: str) -> None:
 
 def _adapted(layer: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
     x = args[0] if args else next(iter(kwargs.values()))  # (a layer called with input=x)
+    return out + delta(layer, x, out.dtype)
+
+
+def delta(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What `layer`'s adapter adds to its output for input x: scale · (x Aᵀ) Bᵀ (a layer
+    split over tp workers: parallel/tensor.py, its share of it)."""
     a, b = getattr(layer, A), getattr(layer, B)
-    return out + (x @ a.to(out.dtype).t()) @ b.to(out.dtype).t() * layer.lora_scale
+    return (x @ a.to(dtype).t()) @ b.to(dtype).t() * layer.lora_scale
 
 
 def merged(tensors: Iterator[tuple[str, torch.Tensor]], lora: LoRASpec, adapted: dict[str, bool]

@@ -45,14 +45,16 @@ SHARDED_PARTS = {"none": (), "optimizer": ("optimizer",),
                  "grads": ("params", "grads", "optimizer"), "full": ("params", "grads", "optimizer")}
 
 
-def estimate_bytes(num_params: int, level: str, shards: int,
-                   averaged: bool = False) -> dict[str, float]:
+def estimate_bytes(num_params: int, level: str, shards: int, averaged: bool = False,
+                   trained: Optional[int] = None) -> dict[str, float]:
     """Bytes of fp32 parameters, gradients and AdamW's two moments (and with `averaged`, the
     average of the weights: train.ema) one worker holds between steps at `level` over
     `shards` ranks (`grads` gathers whole parameters from forward to backward: its peak
-    holds them whole)."""
-    whole = {"params": 4.0 * num_params, "grads": 4.0 * num_params,
-             "optimizer": (12.0 if averaged else 8.0) * num_params}
+    holds them whole). Gradients and optimizer state are those of the `trained` parameters
+    only (default: all; model.lora's adapters, or what model.frozen leaves)."""
+    trained = num_params if trained is None else trained
+    whole = {"params": 4.0 * num_params, "grads": 4.0 * trained,
+             "optimizer": (12.0 if averaged else 8.0) * trained}
     return {part: size / shards if part in SHARDED_PARTS[level] else size
             for part, size in whole.items()}
 

@@ -198,13 +198,22 @@ class _Share(nn.Module):
     """This worker's share of a layer: its piece of the weight (`Split`), and of the bias
     when the bias is split with it (`names`); a bias that is not is kept whole. Each style
     says which layer it splits (`layer`), along which dimension of the weight (`dim`), and
-    which of the layer's sizes that is (`features`, named `across` in messages)."""
+    which of the layer's sizes that is (`features`, named `across` in messages).
+
+    A layer with `model.lora`'s adapter (models/lora.py: A of (rank, in), B of (out, rank))
+    keeps it, split with the weight where it shares the weight's split dimension: a column
+    layer's B by outputs (its q, k and v parts each, as the weight's), a row layer's A by
+    inputs. The other factor is whole on every worker, and each worker's gradient of it is
+    the part its share of the layer gives (`partial`: summed over the tp workers before the
+    step, as sequence parallelism's whole parameters are)."""
 
     layer: type = nn.Linear
     dim, features, across, names = 0, "out_features", "output features", ("weight", "bias")
 
     def __init__(self, whole: nn.Module, split: Split, rank: int, size: int, group,
                  sequence: bool = False):
+        from baton.models import lora
+
         super().__init__()
         self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
         # (a frozen parameter, model.frozen's, stays frozen)
@@ -214,6 +223,24 @@ class _Share(nn.Module):
         self.bias = None if bias is None else nn.Parameter(
             split.take(bias.detach(), rank, size) if "bias" in self.names else bias.detach().clone(),
             requires_grad=bias.requires_grad)
+        self.split_names = [n for n in self.names if getattr(self, n, None) is not None]
+        self.partial: list[str] = []  # whole parameters whose gradients are partial sums
+        self.adapted = hasattr(whole, lora.A)
+        if self.adapted:
+            cut = lora.B if split.dim == 0 else lora.A  # the factor that has the split dim
+            for part in (lora.A, lora.B):
+                t = getattr(whole, part)
+                self.register_parameter(part, nn.Parameter(
+                    split.take(t.detach(), rank, size) if part == cut else t.detach().clone(),
+                    requires_grad=t.requires_grad))
+                (self.split_names if part == cut else self.partial).append(part)
+            self.lora_scale = whole.lora_scale
+
+    def adapter(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y, plus what this worker's share of the adapter adds for input x."""
+        from baton.models.lora import delta
+
+        return y + delta(self, x, y.dtype) if self.adapted else y
 
 
 class ColumnParallel(_Share):
@@ -222,7 +249,7 @@ class ColumnParallel(_Share):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = (_GatherSequence.apply(x, self.group, self.rank, self.size) if self.sequence
              else _ToSplit.apply(x, self.group))
-        return F.linear(x, self.weight, self.bias)
+        return self.adapter(x, F.linear(x, self.weight, self.bias))
 
 
 class RowParallel(_Share):
@@ -232,7 +259,7 @@ class RowParallel(_Share):
     dim, features, across, names = 1, "in_features", "input features", ("weight",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.adapter(x, F.linear(x, self.weight))
         y = (_ScatterSequence.apply(y, self.group, self.rank, self.size) if self.sequence
              else _FromSplit.apply(y, self.group))
         return y + self.bias if self.bias is not None else y
@@ -398,11 +425,10 @@ def split_layers(model: nn.Module, rank: int, size: int, group, fill=None,
             prefix = f"{path}.{child}" if path else child
             if fill is not None:
                 fill_to(prefix)
-            whole, cls = getattr(module, child), STYLES[style]
-            split = Split(cls.dim, parts)
-            setattr(module, child, cls(whole, split, rank, size, group, sequence))
-            splits.update({f"{prefix}.{p}": split for p in cls.names
-                           if getattr(whole, p, None) is not None})
+            split = Split(STYLES[style].dim, parts)
+            share = STYLES[style](getattr(module, child), split, rank, size, group, sequence)
+            setattr(module, child, share)
+            splits.update({f"{prefix}.{p}": split for p in share.split_names})
     if fill is not None:
         fill_to(layers[-1][0] if layers else "")
     return splits
@@ -510,9 +536,12 @@ class Shares:
         for layer in model.modules():  # the task's loss takes logits split by vocabulary
             if isinstance(layer, GatheredColumn):
                 layer.keep_split = split_logits
-        # sequence parallelism: the whole parameters whose gradients are partial sums
+        # the whole parameters whose gradients are partial sums: under sequence parallelism,
+        # those used on a worker's part of the sequence; the whole factor of an adapter
         self.partial = ([n for n in sequence_region(model, rank, size, group, stage_after)
                          if n not in self.splits] if sequence else [])
+        self.partial += [n for path, m in model.named_modules() if isinstance(m, _Share)
+                         for n in (f"{path}.{p}" for p in m.partial) if n not in self.partial]
 
     def _split(self, name: str, t) -> bool:
         """Whether `t`, a parameter's or its optimizer state's, is split (Adam's step is not)."""
@@ -558,9 +587,9 @@ class Shares:
         return out
 
     def sum_partial_grads(self, module: nn.Module) -> None:
-        """Under sequence parallelism: the gradients of the whole parameters used on each
-        worker's part of the sequence, summed over the tp workers (one all-reduce)."""
-        if not self.partial:  # (without sequence parallelism: nothing, every step)
+        """The gradients of the whole parameters of which each worker computes a part
+        (`partial`), summed over the tp workers (one all-reduce)."""
+        if not self.partial:  # (without sequence parallelism or adapters: nothing, every step)
             return
         partial = set(self.partial)
         grads = [local(q.grad) for n, q in module.named_parameters()
