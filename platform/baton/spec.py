@@ -35,6 +35,8 @@ class LoRASpec:
     # parameters trained whole beside them (shell patterns: "*.ln1.*"); model.init_fresh's
     # and init_grow's always are (init_from gave them no values)
     whole: list[str] = field(default_factory=list)
+    # dropout on each adapter's input in training (PEFT's lora_dropout: 0.05, 0.1)
+    dropout: float = 0.0
     # a PEFT LoRA folder (baton export --adapters, or PEFT's save_pretrained) whose adapters
     # the job starts from, instead of A drawn and B zeros; null: fresh adapters
     init_from: Optional[str] = None
@@ -429,8 +431,9 @@ class JobSpec:
         # before them keeps its recipe)
         model = {k: v for k, v in d["model"].items()
                  if k not in ("init_fresh", "init_grow", "frozen", "lora") or v}
-        if model.get("lora") and model["lora"]["init_from"] is None:  # (likewise lora.init_from)
-            model["lora"] = {k: v for k, v in model["lora"].items() if k != "init_from"}
+        if model.get("lora"):  # (likewise lora.init_from and dropout)
+            model["lora"] = {k: v for k, v in model["lora"].items()
+                             if k not in ("init_from", "dropout") or v}
         return {"name": d["name"], "model": model, "data": data, "train": train, **extra}
 
     def fingerprint(self) -> str:

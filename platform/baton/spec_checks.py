@@ -400,6 +400,7 @@ def _check_lora(spec: JobSpec, need) -> None:
     need(1 <= lora.rank <= 65_536, "model.lora.rank", lora.rank, "must be in [1, 65,536] (e.g. 8)")
     need(0 < lora.alpha <= 1e6, "model.lora.alpha", lora.alpha,
          "must be in (0, 1,000,000] (an adapter is scaled by alpha / rank; e.g. 2 x rank)")
+    need(0.0 <= lora.dropout < 1.0, "model.lora.dropout", lora.dropout, "must be in [0, 1) (e.g. 0.05)")
     for key, names in (("targets", lora.targets), ("whole", lora.whole)):
         need(all(names), f"model.lora.{key}", names, "an empty name matches no layer")
     need(bool(lora.targets), "model.lora.targets", lora.targets,

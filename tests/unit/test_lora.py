@@ -100,6 +100,8 @@ def test_the_job_files_lora_is_checked_before_anything_starts(tmp_path):
         _check(tmp_path, lora={"rank": 0})
     with pytest.raises(SpecError, match="model.lora.alpha: -1.0 is invalid"):
         _check(tmp_path, lora={"alpha": -1})
+    with pytest.raises(SpecError, match=r"model.lora.dropout: 1.0 is invalid; must be in \[0, 1\)"):
+        _check(tmp_path, lora={"dropout": 1.0})
     with pytest.raises(SpecError, match="model.lora.ranks: unknown key; did you mean 'rank'"):
         _check(tmp_path, lora={"ranks": 2})
     # a linear layer trained whole is not adapted too: a new head takes no adapter
@@ -118,6 +120,7 @@ def test_a_recipe_without_adapters_keeps_its_fingerprint(tmp_path):
     assert "lora" not in plain.recipe()["model"]
     adapted = spec_from_dict({**raw, "model": {**raw["model"], "lora": {"rank": 2}}})
     assert adapted.recipe()["model"]["lora"]["rank"] == 2
+    assert "dropout" not in adapted.recipe()["model"]["lora"]  # (0: as before it existed)
     assert adapted.fingerprint() != plain.fingerprint()
 
 
@@ -231,7 +234,8 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
     checkpoint(base, build_model(base.model, 3).state_dict())
     baton.export(base, str(tmp_path / "base-export"), hf=form == "gpt2")
     tuned = spec_from_dict(tiny_spec(tmp_path / "tuned", tmp_path, name="tuned", model={
-        **model, "init_from": str(tmp_path / "base-export"), "lora": {"rank": 4, "targets": targets}}))
+        **model, "init_from": str(tmp_path / "base-export"),
+        "lora": {"rank": 4, "targets": targets, "dropout": 0.25}}))
     adapted = build_model(tuned.model, 0).eval()
     with torch.no_grad():
         for n, p in adapted.named_parameters():
@@ -259,6 +263,13 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
     # measured: 0 in each form (PEFT computes the same two products); the bound leaves room
     # for another order of them in float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    if form == "baton":  # in training, the adapters' dropout (0.25) draws the masks PEFT's does
+        torch.manual_seed(7)
+        dropped = adapted.train()(tokens)
+        torch.manual_seed(7)
+        torch.testing.assert_close(theirs.train()(tokens), dropped, rtol=0, atol=1e-5)  # measured: 0
+        assert not torch.allclose(dropped, want, atol=1e-3)
+        adapted.eval(), theirs.eval()
 
     # and back: a job that starts from the adapters (model.lora.init_from), baton's folder or
     # the one PEFT itself saves, built whole or layer by layer, is the adapted model, bit for bit

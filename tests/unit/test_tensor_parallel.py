@@ -113,7 +113,7 @@ def test_a_gpt_split_over_two_workers_computes_what_the_whole_one_does(tmp_path,
                                 else sorted(r["params"]))
 
 
-def _dropout_worker(rank: int, port: int, sequence: bool, out: str) -> None:
+def _dropout_worker(rank: int, port: int, sequence: bool, adapted: bool, out: str) -> None:
     from baton.parallel.tensor import OwnRandom
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -121,7 +121,13 @@ def _dropout_worker(rank: int, port: int, sequence: bool, out: str) -> None:
     try:
         spec = ModelSpec(name="gpt", layers=2, width=16, heads=4, seq_len=8, vocab_size=32,
                          dropout=0.5)
+        if adapted:  # the adapters' dropout alone
+            spec = dataclasses.replace(spec, dropout=0.0, lora=LoRASpec(rank=2, dropout=0.5))
         model = build_model(spec, 0)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("lora_b"):  # (zeros as built: a mask would change nothing)
+                    p.normal_(generator=torch.Generator().manual_seed(len(n)))
         own = OwnRandom(100 + rank, torch.device("cpu"))
         before = own.state.clone()
         Shares(model, rank, 2, dist.group.WORLD, sequence=sequence, random=own)
@@ -139,14 +145,20 @@ def _dropout_worker(rank: int, port: int, sequence: bool, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp-sequence-parallel"])
-def test_dropout_on_what_a_worker_alone_holds_draws_from_its_own_stream(tmp_path, sequence):
+@pytest.mark.parametrize("sequence,adapted", [(False, False), (True, False), (False, True)],
+                         ids=["tp", "tp-sequence-parallel", "tp-lora"])
+def test_dropout_on_what_a_worker_alone_holds_draws_from_its_own_stream(tmp_path, sequence,
+                                                                        adapted):
     """Dropout 0.5 in training: each tp worker's attention dropout (and under sequence
     parallelism the dropout on its part of the sequence) draws from a stream of its own
     (`OwnRandom`), so its heads' masks are not the other worker's; what both hold whole draws
-    from the process's stream, the same on both, so they compute the same logits."""
-    _spawn(_dropout_worker, 2, sequence, str(tmp_path))
+    from the process's stream, the same on both, so they compute the same logits. Adapters'
+    dropout (model.lora.dropout, the model's own off): a row layer's adapter drops its
+    worker's share of the inputs from its own stream, a column layer's the whole input from
+    the process's."""
+    _spawn(_dropout_worker, 2, sequence, adapted, str(tmp_path))
     r = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    assert not torch.equal(r[0]["process"], torch.manual_seed(5).get_state())  # drawn from
     assert torch.equal(r[0]["logits"], r[1]["logits"])
     assert torch.equal(r[0]["process"], r[1]["process"])
     for w in r:

@@ -333,7 +333,7 @@ def _write_adapters(spec: JobSpec, target: "_Out", tensors: Iterator[tuple[str, 
                               f"{2 * len(layers)} expected ({len(layers)} adapted layers)")
     conv1d = names == "transformers" and any(layers.values()) or names == "gpt2"
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if names != "baton" else None,
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
               "target_modules": sorted(theirs.values()),
               # (GPT-2's Conv1D layers hold their weight as (in, out))
               "fan_in_fan_out": conv1d, "init_lora_weights": True, "inference_mode": True,

@@ -143,7 +143,8 @@ def _frozen_line(spec) -> str:
     share = f"trains {trained:,} of {total:,} parameters ({trained / total:.2%})"
     if m.lora is None:
         return f"frozen: {', '.join(m.frozen)}; {share}: {some(whole)}"
-    return (f"adapters (LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g}) on {len(names)} linear "
+    dropout = f", dropout {m.lora.dropout:g}" if m.lora.dropout else ""
+    return (f"adapters (LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g}{dropout}) on {len(names)} linear "
             f"layers: {some(names)}; {share}" + (f", {some(whole)} whole" if whole else ""))
 
 

@@ -24,6 +24,7 @@ import math
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from baton.models.frozen import freeze, named, trains
@@ -72,7 +73,7 @@ def attach(module: nn.Module, model: ModelSpec, seed: int, prefix: str = "",
                 b.copy_(start()[name][1])
         layer.register_parameter(A, nn.Parameter(a))
         layer.register_parameter(B, nn.Parameter(b))
-        layer.lora_scale = lora.alpha / lora.rank
+        layer.lora_scale, layer.lora_dropout = lora.alpha / lora.rank, lora.dropout
         layer.register_forward_hook(_adapted, with_kwargs=True)
 
 
@@ -91,9 +92,12 @@ def _adapted(layer: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> 
 
 
 def delta(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What `layer`'s adapter adds to its output for input x: scale · (x Aᵀ) Bᵀ (a layer
-    split over tp workers: parallel/tensor.py, its share of it)."""
+    """What `layer`'s adapter adds to its output for input x: scale · (drop(x) Aᵀ) Bᵀ, as
+    PEFT computes it (`model.lora.dropout` on the input, in training; a layer split over tp
+    workers: parallel/tensor.py, its share of it)."""
     a, b = getattr(layer, A), getattr(layer, B)
+    if layer.lora_dropout and layer.training:
+        x = F.dropout(x, layer.lora_dropout)
     return (x @ a.to(dtype).t()) @ b.to(dtype).t() * layer.lora_scale
 
 

@@ -234,13 +234,22 @@ class _Share(nn.Module):
                     split.take(t.detach(), rank, size) if part == cut else t.detach().clone(),
                     requires_grad=t.requires_grad))
                 (self.split_names if part == cut else self.partial).append(part)
-            self.lora_scale = whole.lora_scale
+            self.lora_scale, self.lora_dropout = whole.lora_scale, whole.lora_dropout
+
+    # the stream the adapter's dropout draws from: the process's, which a replica's tp
+    # workers share (a column layer's input is whole: the same mask on each); a row layer's
+    # input is the worker's own share, whose mask `Shares` has drawn from the worker's own
+    # stream (OwnRandom), as its heads' attention dropout is
+    tp_random = contextlib.nullcontext
 
     def adapter(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y, plus what this worker's share of the adapter adds for input x."""
         from baton.models.lora import delta
 
-        return y + delta(self, x, y.dtype) if self.adapted else y
+        if not self.adapted:
+            return y
+        with self.tp_random():
+            return y + delta(self, x, y.dtype)
 
 
 class ColumnParallel(_Share):
@@ -529,7 +538,9 @@ class Shares:
         self.splits = split_layers(model, rank, size, group, fill, sequence)
         if random is not None:  # a planned module's own draws (the GPT's block: tp_random)
             for module in model.modules():
-                if getattr(module, "tp_plan", None):
+                if isinstance(module, RowParallel):  # its adapter's dropout (_Share.tp_random)
+                    module.tp_random = random.fork
+                elif getattr(module, "tp_plan", None):
                     module.tp_random = random.fork
                     if sequence:
                         module.tp_sequence_random = random.fork
