@@ -30,6 +30,8 @@ class LoRASpec:
 
     rank: int = 8  # the adapters' inner width
     alpha: float = 16.0  # an adapter's product is scaled by alpha / rank
+    # rank-stabilised LoRA (Kalajdzievski 2023, PEFT's use_rslora): scaled by alpha / sqrt(rank)
+    rslora: bool = False
     # the linear layers adapted, by name in the model (shell patterns: "*.qkv", "*.proj")
     targets: list[str] = field(default_factory=lambda: ["*"])
     # parameters trained whole beside them (shell patterns: "*.ln1.*"); model.init_fresh's
@@ -431,9 +433,9 @@ class JobSpec:
         # before them keeps its recipe)
         model = {k: v for k, v in d["model"].items()
                  if k not in ("init_fresh", "init_grow", "frozen", "lora") or v}
-        if model.get("lora"):  # (likewise lora.init_from and dropout)
+        if model.get("lora"):  # (likewise lora.init_from, dropout and rslora)
             model["lora"] = {k: v for k, v in model["lora"].items()
-                             if k not in ("init_from", "dropout") or v}
+                             if k not in ("init_from", "dropout", "rslora") or v}
         return {"name": d["name"], "model": model, "data": data, "train": train, **extra}
 
     def fingerprint(self) -> str:

@@ -208,7 +208,7 @@ HF_GPT2 = {"name": "hf:gpt2", "config": {"n_layer": 1, "n_embd": 16, "n_head": 2
 @pytest.mark.parametrize("form", ["baton", "gpt2", "transformers"])
 def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from(tmp_path, form):
     """`baton export --adapters`: the adapters of a job that fine-tuned an export, as PEFT's
-    LoRA folder. PEFT puts them on that export, loaded as its form loads (baton's own model;
+    LoRA folder (the GPT-2 form's rank-stabilised: scaled by alpha / sqrt(rank)). PEFT puts them on that export, loaded as its form loads (baton's own model;
     GPT-2's from `--hf`, whose Conv1D layers PEFT adapts with fan_in_fan_out; an `hf:` model's),
     and computes what the job's adapted model computes. A job that trains more than its
     adapters, and an adapter folder given as a model, are refused in one line."""
@@ -235,7 +235,7 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
     baton.export(base, str(tmp_path / "base-export"), hf=form == "gpt2")
     tuned = spec_from_dict(tiny_spec(tmp_path / "tuned", tmp_path, name="tuned", model={
         **model, "init_from": str(tmp_path / "base-export"),
-        "lora": {"rank": 4, "targets": targets, "dropout": 0.25}}))
+        "lora": {"rank": 4, "targets": targets, "dropout": 0.25, "rslora": form == "gpt2"}}))
     adapted = build_model(tuned.model, 0).eval()
     with torch.no_grad():
         for n, p in adapted.named_parameters():
@@ -284,6 +284,9 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
     wrong = {**tuned.to_dict()["model"], "lora": {"rank": 2, "targets": targets,
                                                   "init_from": str(tmp_path / "adapters")}}
     with pytest.raises(SpecError, match="model.lora.init_from: .*: its r is 4 and this job's is 2"):
+        api.check_init_from(spec_from_dict({**tuned.to_dict(), "model": wrong}), "<spec>")
+    wrong["lora"] = {**wrong["lora"], "rank": 4, "rslora": form != "gpt2"}
+    with pytest.raises(SpecError, match=r"its use_rslora is .* \(set model.lora.rslora to it\)"):
         api.check_init_from(spec_from_dict({**tuned.to_dict(), "model": wrong}), "<spec>")
 
     with pytest.raises(CheckpointError, match="holds low-rank adapters alone"):

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
 KEYS = sorted(spec_from_dict({"name": "x"}).flat()) + [
     "model.options.embed_dim", "bogus", "train.bogus",
-    *(f"model.lora.{k}" for k in ("rank", "alpha", "targets", "whole", "dropout", "init_from"))]  # (null by default: not in flat())
+    *(f"model.lora.{k}" for k in ("rank", "alpha", "targets", "whole", "dropout", "rslora", "init_from"))]  # (null by default: not in flat())
 EXAMPLES_PER_FILE = int(os.environ.get("BATON_FUZZ_EXAMPLES", 80))  # x 7 job files: 560 mutants a run (the issue asks for at least 500)
 BUDGET_S = 1.0  # a spec is validated in under a second (the hypothesis deadline below too)
 

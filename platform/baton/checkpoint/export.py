@@ -337,7 +337,7 @@ def _write_adapters(spec: JobSpec, target: "_Out", tensors: Iterator[tuple[str, 
               "target_modules": sorted(theirs.values()),
               # (GPT-2's Conv1D layers hold their weight as (in, out))
               "fan_in_fan_out": conv1d, "init_lora_weights": True, "inference_mode": True,
-              "modules_to_save": None, "use_rslora": False, "use_dora": False,
+              "modules_to_save": None, "use_rslora": lora.rslora, "use_dora": False,
               "base_model_name_or_path": spec.model.init_from and redact(spec.model.init_from)}
     with target.fs.open_output_stream(target.file(PEFT_WEIGHTS)) as f:
         tensorfile.write(f, dict(sorted(out.items())), {"format": "pt", "baton.job": spec.name,

@@ -143,8 +143,8 @@ def _frozen_line(spec) -> str:
     share = f"trains {trained:,} of {total:,} parameters ({trained / total:.2%})"
     if m.lora is None:
         return f"frozen: {', '.join(m.frozen)}; {share}: {some(whole)}"
-    dropout = f", dropout {m.lora.dropout:g}" if m.lora.dropout else ""
-    return (f"adapters (LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g}{dropout}) on {len(names)} linear "
+    more = (", rsLoRA" if m.lora.rslora else "") + (f", dropout {m.lora.dropout:g}" if m.lora.dropout else "")
+    return (f"adapters (LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g}{more}) on {len(names)} linear "
             f"layers: {some(names)}; {share}" + (f", {some(whole)} whole" if whole else ""))
 
 

@@ -2,9 +2,9 @@
 names, two small matrices whose product is added to the layer's weight, and leaves the rest of
 the model as it was built (or as `model.init_from` gave it), frozen.
 
-A linear layer y = x Wᵀ + b with an adapter computes y + (alpha / rank) · (x Aᵀ) Bᵀ, A of
-(rank, in) drawn as torch draws a linear layer's weight, B of (out, rank) zeros: at the first
-step the model is the one it was built as. A and B are parameters of the linear layer itself
+A linear layer y = x Wᵀ + b with an adapter computes y + (alpha / rank) · (x Aᵀ) Bᵀ (under
+`rslora`, alpha / sqrt(rank): `scale`), A of (rank, in) drawn as torch draws a linear layer's
+weight, B of (out, rank) zeros: at the first step the model is the one it was built as. A and B are parameters of the linear layer itself
 (`lora_a`, `lora_b`, beside its `weight`), so the model keeps its modules and its names, every
 wrapping baton gives a model (DDP, FSDP2, pipeline stages, compiled blocks, recomputed
 activations) takes them as any parameter, and a checkpoint holds them with the frozen weights:
@@ -73,8 +73,15 @@ def attach(module: nn.Module, model: ModelSpec, seed: int, prefix: str = "",
                 b.copy_(start()[name][1])
         layer.register_parameter(A, nn.Parameter(a))
         layer.register_parameter(B, nn.Parameter(b))
-        layer.lora_scale, layer.lora_dropout = lora.alpha / lora.rank, lora.dropout
+        layer.lora_scale, layer.lora_dropout = scale(lora), lora.dropout
         layer.register_forward_hook(_adapted, with_kwargs=True)
+
+
+def scale(lora: LoRASpec) -> float:
+    """What an adapter's product is multiplied by: alpha / rank, or under rank-stabilised
+    LoRA (`model.lora.rslora`) alpha / sqrt(rank), which keeps the product's scale as the
+    rank grows."""
+    return lora.alpha / (math.sqrt(lora.rank) if lora.rslora else lora.rank)
 
 
 def _draw(a: torch.Tensor, seed: int, name: str) -> None:
@@ -107,7 +114,7 @@ def merged(tensors: Iterator[tuple[str, torch.Tensor]], lora: LoRASpec, adapted:
     (W + scale · B A, transposed for a weight held as (in, out): `adapted[layer]`) and the
     adapters left out, in the order the tensors come: a layer's three parts are held only
     until the last of them has come (neighbours, in name order or in a stage's own order)."""
-    scale = lora.alpha / lora.rank
+    factor = scale(lora)
     held: dict[str, dict[str, torch.Tensor]] = {}  # adapted layer -> its parts seen so far
     for name, t in tensors:
         layer, _, part = name.rpartition(".")
@@ -118,7 +125,7 @@ def merged(tensors: Iterator[tuple[str, torch.Tensor]], lora: LoRASpec, adapted:
         parts[part] = t
         if len(parts) == 3:
             del held[layer]
-            yield f"{layer}.weight", _merge(parts["weight"], parts[A], parts[B], scale, adapted[layer])
+            yield f"{layer}.weight", _merge(parts["weight"], parts[A], parts[B], factor, adapted[layer])
     if held:
         raise ValueError(f"the checkpoint lacks parts of the adapted layers {sorted(held)[:3]}")
 
@@ -212,7 +219,7 @@ def started(model: ModelSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     if config.get("peft_type") != "LORA":
         raise CheckpointError(f"{where} holds {config.get('peft_type')!r} adapters, not LoRA")
     plain = {"r": lora.rank, "lora_alpha": lora.alpha, "bias": "none", "use_dora": False,
-             "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}
+             "use_rslora": lora.rslora, "rank_pattern": {}, "alpha_pattern": {}}
     for key, want in plain.items():
         got = config.get(key, want)
         if key.endswith("_pattern"):  # (PEFT writes none as {} or null)
@@ -220,7 +227,9 @@ def started(model: ModelSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if got != want:
             raise CheckpointError(f"{where}: its {key} is {got!r} and this job's is {want!r} "
                                   + ("(set model.lora.rank and alpha to its r and lora_alpha)"
-                                     if key in ("r", "lora_alpha") else "(baton trains plain LoRA)"))
+                                     if key in ("r", "lora_alpha") else
+                                     "(set model.lora.rslora to it)" if key == "use_rslora" else
+                                     "(baton trains plain LoRA)"))
     mine = {name: layer for name, layer in targets(_on_meta(model), model)}
     have = {k[len("base_model.model."):-len(".lora_A.weight")] for k in tensors
             if k.startswith("base_model.model.") and k.endswith(".lora_A.weight")}
