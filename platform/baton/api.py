@@ -173,6 +173,11 @@ def plan_resume(spec: JobSpec, source: str,
         return None, []
     meta = store.read_meta(step)
     _check_recipe(meta, spec, source, step)
+    from baton.checkpoint import frozen
+
+    left_out = frozen.problem(meta, spec.model)  # (a LoRA job's: the model it adapts)
+    if left_out:
+        raise CheckpointError(f"{source}: model.init_from: {left_out}")
     done = finished_why(spec, meta)
     if done is not None:
         raise CheckpointError(f"{source}: job {spec.name!r} {done}")

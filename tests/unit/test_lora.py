@@ -296,3 +296,46 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
                                                                  "whole": ["*ln*"]}}})
     with pytest.raises(CheckpointError, match="also trains .* parameters whole"):
         baton.export(whole, str(tmp_path / "refused"), adapters=True)
+
+
+def test_a_checkpoint_leaves_out_the_frozen_weights_and_names_their_export(tmp_path):
+    """A job started from an export that freezes part of it (model.lora, model.frozen): its
+    checkpoints leave the frozen parameters out and record where they are (checkpoint/frozen.py).
+    A resume or export takes them from there again, and refuses another export, a changed one
+    or one it cannot read, in one line. A job that trains everything, starts from its seed,
+    or is an hf: model (its init_from is transformers' to read) leaves nothing out."""
+    import baton
+    from baton.checkpoint import CheckpointStore, frozen
+    from baton.models.frozen import from_start
+
+    base = spec_from_dict(tiny_spec(tmp_path / "base", tmp_path, name="base",
+                                    model={**GPT.__dict__, "lora": None}))
+    store = CheckpointStore(base.checkpoint_dir)
+    store.begin(1)
+    state = build_model(base.model, 3).state_dict()
+    parts = [store.write_tensors(1, "model-0000.pt", state),
+             store.write_tensors(1, "optim-0000.pt", {"state": {}, "param_groups": []})]
+    store.commit(1, {"step": 1, "layout": {"pp": 1}}, keep=1, parts=parts)
+    baton.export(base, str(tmp_path / "export"))
+    export = str(tmp_path / "export")
+    adapted = dataclasses.replace(LORA, init_from=export)
+    record = frozen.record(adapted)
+    # every parameter of the model but the two layer norms LORA trains whole
+    assert record["names"] == sorted(n for n in state if ".ln1." not in n or n.startswith("3."))
+    assert record["from"] == export
+    meta = {"step": 7, "frozen": record}
+    assert frozen.problem(meta, adapted) is None
+    got = dict(frozen.read(meta, adapted, ["1.qkv.weight"]))
+    assert torch.equal(got["1.qkv.weight"], state["1.qkv.weight"])
+    assert "set model.init_from to that export" in frozen.problem(
+        meta, dataclasses.replace(adapted, init_from=str(tmp_path / "other")))
+    about = tmp_path / "export" / "baton.json"
+    text = about.read_text()
+    about.write_text(text.replace('"step": 1', '"step": 2'))
+    assert "has changed since checkpoint 7 was written" in frozen.problem(meta, adapted)
+    about.unlink()
+    assert "baton.json cannot be read" in frozen.problem(meta, adapted)
+    assert from_start(dataclasses.replace(GPT, init_from=export)) == []  # trains everything
+    assert from_start(LORA) == []  # from its seed: nothing to take them from
+    assert from_start(dataclasses.replace(GPT, frozen=["1.*"], init_from=export)) == sorted(
+        n for n in state if n.startswith("1."))

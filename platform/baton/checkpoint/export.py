@@ -23,6 +23,7 @@ folder beside `out` and renamed into place once all of them are: `out` is whole 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import posixpath
@@ -34,7 +35,7 @@ import pyarrow.fs as pafs
 import torch
 
 from baton import storage
-from baton.checkpoint import tensorfile
+from baton.checkpoint import frozen, tensorfile
 from baton.checkpoint.store import CheckpointStore
 from baton.errors import CheckpointError, StoreUnavailable
 from baton.models import HF_PREFIX
@@ -82,6 +83,10 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
             target.abandon()
             raise
     tensors = _tensors(store, step, max_shard_bytes, ema)
+    checkpoint = store.read_meta(step)
+    if frozen.left_out(checkpoint):  # the frozen parameters it leaves out: the export's
+        tensors = itertools.chain(tensors, frozen.read(checkpoint, spec.model,
+                                                       frozen.left_out(checkpoint)))
     if spec.model.lora is not None:  # the adapters merged: a model like any other
         tensors = _merged(spec, tensors)
         del model["lora"]

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_state_dict_object
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from baton import storage
@@ -70,6 +71,9 @@ class Location:
     fs: pafs.FileSystem
     path: str
     group: Any = field(default=None, compare=False)
+    # the parameters the checkpoint leaves out (checkpoint/frozen.py), which a load leaves
+    # as the model was built (from the export they are taken from)
+    lacks: frozenset = field(default=frozenset(), compare=False)
 
     @property
     def local(self) -> bool:
@@ -379,6 +383,11 @@ def keys(where: Location) -> set[str]:
     return set(SafeReader(where).read_metadata().state_dict_metadata)
 
 
+def present(where: Location, model_state: dict) -> dict:
+    """A model state to load less the parameters the checkpoint leaves out (`where.lacks`)."""
+    return {n: t for n, t in model_state.items() if n not in where.lacks} if where.lacks else model_state
+
+
 def has_optimizer_state(where: Location) -> bool:
     return any(k.startswith("optim.") for k in keys(where))
 
@@ -426,18 +435,19 @@ def load_into(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, where:
     FSDP, a pipeline stage): each worker reads the pieces of the tensors it holds (`pieces`:
     its state as DCP is to see it, where its tensors are not boxes of the whole)."""
     model_state, optim_state = get_state_dict(wrapped, optimizer)
-    state = {"model": model_state}
+    state = {"model": present(where, model_state)}
     with_optim = has_optimizer_state(where)
     if with_optim:
         state["optim"] = held(where, optim_state["state"])
     dcp.load(pieces(state) if pieces else state, storage_reader=SafeReader(where), planner=_LoadPlanner(),
              process_group=where.group)
+    options = StateDictOptions(strict=not where.lacks)  # (what it leaves out stays as built)
     if not with_optim:
         # a checkpoint of step 0 (no step taken): get_state_dict "initialised" Adam with a
         # zero step; the fresh optimizer is the right one
         optimizer.state.clear()
-        set_model_state_dict(wrapped, state["model"])
+        set_model_state_dict(wrapped, state["model"], options=options)
         return
     set_state_dict(wrapped, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optim"],
-                                     "param_groups": optim_state["param_groups"]})
+                                     "param_groups": optim_state["param_groups"]}, options=options)

@@ -88,26 +88,16 @@ def _guards(spec) -> str:
     return "; ".join(said)
 
 
-def _held(model):
-    """The model on the meta device as a worker holds it: with model.lora's adapters, and
-    what does not train frozen (model.frozen, model.lora)."""
-    from baton.models import _adapter, _on_meta
-
-    module = _on_meta(model)
-    _adapter(model, 0)(module, "")  # (on meta: shapes only)
-    return module
-
-
 def _sharding_line(spec) -> str:
     """The layout of a sharded job and the state each worker holds, next to DDP's."""
-    from baton.models import layer_params, sequential
+    from baton.models import adapted_on_meta, layer_params, sequential
     from baton.models.frozen import counts
     from baton.parallel.partition import bounds, plan_stages
     from baton.parallel.schedule import stage_of
     from baton.parallel.sharding import NAMES, estimate_bytes
 
     d, shards = spec.parallel, spec.dp_shard
-    held = [counts(layer) for layer in sequential(_held(spec.model), spec.model.name)]
+    held = [counts(layer) for layer in sequential(adapted_on_meta(spec.model), spec.model.name)]
     trained, n = map(sum, zip(*held))
     if d.pp > 1:  # the pipeline rank with the most parameters (partition: time, estimated so)
         spans = bounds(plan_stages(spec, lambda: layer_params(spec.model)))
@@ -131,11 +121,11 @@ def _sharding_line(spec) -> str:
 
 def _frozen_line(spec) -> str:
     """What model.lora adapts, or model.frozen freezes, and how much of the model trains."""
-    from baton.models import frozen
+    from baton.models import adapted_on_meta, frozen
     from baton.models.lora import adapted_layers
 
     m = spec.model
-    model = _held(m)
+    model = adapted_on_meta(m)
     names = list(adapted_layers(model, m)) if m.lora is not None else []
     trained, total = frozen.counts(model)
     whole = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n]
@@ -151,12 +141,13 @@ def _frozen_line(spec) -> str:
 def _tensor_line(spec) -> str:
     """What each tensor-parallel worker holds of the model (and of that, under sharding, its
     shard), next to a whole replica."""
+    from baton.models import adapted_on_meta
     from baton.models.frozen import counts
     from baton.parallel.sharding import NAMES, estimate_bytes
     from baton.parallel.tensor import split_layers
 
     d = spec.parallel
-    model = _held(spec.model)
+    model = adapted_on_meta(spec.model)
     whole = counts(model)
     splits = split_layers(model, 0, d.tp, None)
     trained, mine = counts(model)

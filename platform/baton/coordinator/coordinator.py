@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from baton import __version__
-from baton.checkpoint import CheckpointStore
+from baton.checkpoint import CheckpointStore, frozen
 from baton.checkpoint.lease import Lease
 from baton.data.manifest import Manifest
 from baton.data.source import JobData, preflight
@@ -157,6 +157,9 @@ class Coordinator:
         # the start's phases, from here to the first step (finished and kept in the result then)
         self.start: dict = {}  # the start's phases, once its first step is done
         self.store = CheckpointStore(spec.checkpoint_dir)
+        # what its checkpoints leave out: the frozen parameters of a model started from an
+        # export (a LoRA job's checkpoints hold the adapters, not the model: checkpoint/frozen.py)
+        self.left_out = frozen.record(spec.model)
         # this job in the cluster's list, its claims on jobs of lower priority and theirs on it
         self.priorities = None if evaluate_only else Priorities(spec)
         # the largest world `baton scale` and the claims of jobs of higher priority allow
@@ -911,6 +914,7 @@ class Coordinator:
                 # the held-out metrics of this step's state, where it was evaluated (checkpoint.best)
                 **({"eval": self.evaluation.last}
                    if self.evaluation and self.evaluation.step == self.step else {}),
+                **({"frozen": self.left_out} if self.left_out else {}),
                 **({"early_stop": self.early_stop.state_dict()} if self.early_stop else {}),
                 **({"spike": self.spikes.state_dict()} if self.spikes else {})}
 

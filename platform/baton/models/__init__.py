@@ -155,6 +155,14 @@ def build_model(spec, seed: int) -> nn.Module:
     return model
 
 
+def adapted_on_meta(spec) -> nn.Module:
+    """The model on the meta device as a worker holds it: with model.lora's adapters, and
+    what does not train frozen (model.frozen, model.lora)."""
+    module = _on_meta(spec)
+    _adapter(spec, 0)(module, "")  # (on meta: shapes only)
+    return module
+
+
 def _adapter(spec, seed: int) -> Callable[[nn.Module, str], None]:
     """What freezes the parameters of a model built (or of a layer of it, named from
     `prefix` in the whole model) that do not train (`model.frozen`), or adds `model.lora`'s

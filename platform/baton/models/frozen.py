@@ -2,8 +2,10 @@
 none of the model's own but those `model.lora.whole` names (the adapters train). The
 parameters `model.init_fresh` and `init_grow` name always train: `model.init_from` gave them
 no values (or not all of them). A frozen parameter gets no gradient, and the optimizer does
-not hold it (`baton.training.param_groups`), under every parallelism; checkpoints hold it
-as any parameter."""
+not hold it (`baton.training.param_groups`), under every parallelism. A job that starts from
+an export (`model.init_from`) keeps the export's values of its frozen parameters to the end,
+so its checkpoints leave them out (`from_start`): a LoRA job's checkpoint holds its adapters,
+not the model they adapt."""
 
 from __future__ import annotations
 
@@ -29,6 +31,19 @@ def trains(name: str, model: ModelSpec) -> bool:
     if model.lora is not None:
         return named(name, model.lora.whole)
     return not named(name, model.frozen)
+
+
+def from_start(model: ModelSpec) -> list[str]:
+    """The parameters a checkpoint of this job leaves out: the frozen ones of a model started
+    from an export (model.init_from with model.lora or model.frozen), which keep the
+    export's values to the end; a reader takes them from there (the commit records which, and
+    the export's baton.json digest: `baton.checkpoint.frozen`). None for an hf: model (its
+    init_from is transformers' to read, perhaps not an export) or a model built from its seed."""
+    from baton.models import HF_PREFIX, adapted_on_meta
+
+    if model.init_from is None or not model.partly_frozen or model.name.startswith(HF_PREFIX):
+        return []
+    return sorted(n for n, p in adapted_on_meta(model).named_parameters() if not p.requires_grad)
 
 
 def freeze(module: nn.Module, model: ModelSpec, prefix: str = "") -> None:

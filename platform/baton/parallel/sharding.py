@@ -367,7 +367,8 @@ class _ZeroState:
     def load_sharded(self, where: sharded.Location, pieces=None) -> None:
         """The whole model, and this rank's share of the optimizer state, from a sharded
         checkpoint written at any layout (`pieces`: `Replica.load_sharded`)."""
-        state: dict = {"model": dict(self.module.state_dict())}  # the parameters: loaded in place
+        # the parameters: loaded in place (less those the checkpoint leaves out: as built)
+        state: dict = {"model": sharded.present(where, dict(self.module.state_dict()))}
         local = self._local()
         params = [p for g in local.param_groups for p in g["params"]]
         with_optim = sharded.has_optimizer_state(where)

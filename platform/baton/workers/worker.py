@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from baton.checkpoint import CheckpointStore
+from baton.checkpoint import CheckpointStore, frozen
 from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
 from baton.errors import OutOfMemory, WorkerError
+from baton.models.frozen import from_start
 from baton.parallel import ParallelDims
 from baton.parallel.broadcast import broadcast_state
 from baton.parallel.compiled import compile_seconds
@@ -124,6 +125,9 @@ class Worker:
         self.needs_state = False  # a growth's new worker, until `share_state`
         self.kept_save = None  # a sharded `write_kept` between its two rounds
         self.saves = BackgroundSaves(self.device)  # checkpoint.async
+        # what checkpoints leave out: the frozen parameters of a model started from an export
+        # (checkpoint/frozen.py), which a load takes from the export again
+        self.left_out = frozenset(from_start(spec.model))
         self.last_step = 0
         self.assign(spec, dims, rank)
         # what `setup` needs, imported now, so that a warm spare has it before a fault: the
@@ -216,11 +220,13 @@ class Worker:
         if kept_step != step:
             raise RuntimeError(f"this worker kept the state of step {kept_step}, not {step}")
         store = CheckpointStore(root)
-        if is_sharded:
+        if is_sharded:  # (the pieces of the state: {"model": ..., "optim": ...})
+            state = {**state, "model": self._checkpointed(state["model"])}
             self.kept_save = _sharded().PlannedSave(state, store.shards(step))
             return {"plan": self.kept_save.plan()}
         model_state, optim_state = state
-        return {"parts": [store.write_tensors(step, f"model-{pp_rank:04d}.pt", model_state),
+        return {"parts": [store.write_tensors(step, f"model-{pp_rank:04d}.pt",
+                                              self._checkpointed(model_state)),
                           store.write_tensors(step, f"optim-{pp_rank:04d}.pt", optim_state)]}
 
     def write_kept_shards(self, root: str, step: int, plan) -> tuple[list, list[dict]]:
@@ -448,7 +454,10 @@ class Worker:
             rng["cuda"] = torch.cuda.get_rng_state()
         if self.engine.own_random is not None:  # a tp worker's own stream
             rng["own"] = self.engine.own_random.state.clone()
-        state = self.engine.state_dicts() if self.engine.sharded or self.dp_rank == 0 else None
+        state = None
+        if self.engine.sharded or self.dp_rank == 0:
+            model_state, optim_state = self.engine.state_dicts()
+            state = self._checkpointed(model_state), optim_state
         if not background:
             return self._write(store, step, state, rng)
         if self.engine.sharded:
@@ -467,6 +476,11 @@ class Worker:
         self.saves.started(step, self.saves.writer.submit(write))
         return None
 
+    def _checkpointed(self, model_state: dict) -> dict:
+        """A model state as a checkpoint holds it: less the parameters the job's checkpoints
+        leave out (`left_out`)."""
+        return {n: t for n, t in model_state.items() if n not in self.left_out}
+
     def _param_pointers(self) -> set[int]:
         """The parameters' data pointers (of their local shards: a DTensor's own is 0)."""
         return {local(q).data_ptr() for q in self.engine.module.parameters()}
@@ -478,6 +492,7 @@ class Worker:
                 and (self.engine.sharded or self.dp_rank == 0)):
             return
         model_state, optim_state = self.engine.state_dicts()
+        model_state = self._checkpointed(model_state)
         pin = self.use_cuda
         if self.engine.sharded:
             state = {"model": model_state, "optim": optim_state["state"]}
@@ -528,11 +543,15 @@ class Worker:
         checkpoint was written at: by name from per-stage files, or through DCP from shards."""
         store = CheckpointStore(root)
         self.saves.fence()  # loading overwrites what a background copy may still be reading
+        meta = store.read_meta(step)  # (what it leaves out: from model.init_from's export)
         if store.is_sharded(step):
-            self.engine.load_sharded(self._shards(store, step))
+            lacks = frozenset(frozen.left_out(meta))
+            self.engine.load_sharded(dataclasses.replace(self._shards(store, step), lacks=lacks))
         else:
             pp = layout["pp"]
-            self.engine.load_state_dicts(store.read_model(step, pp), store.read_optim(step, pp))
+            model_state = frozen.filled(store.read_model(step, pp), meta, self.spec.model,
+                                        [n for n, _ in self.engine.module.named_parameters()])
+            self.engine.load_state_dicts(model_state, store.read_optim(step, pp))
         self.last_step = step
         if restore_rng:  # same layout: continue each worker's random stream exactly
             rng = store.read_tensors(step, f"rng-rank{self.rank:04d}.pt")
