@@ -173,11 +173,7 @@ def plan_resume(spec: JobSpec, source: str,
         return None, []
     meta = store.read_meta(step)
     _check_recipe(meta, spec, source, step)
-    from baton.checkpoint import frozen
-
-    left_out = frozen.problem(meta, spec.model)  # (a LoRA job's: the model it adapts)
-    if left_out:
-        raise CheckpointError(f"{source}: model.init_from: {left_out}")
+    _check_left_out(meta, spec, source)
     done = finished_why(spec, meta)
     if done is not None:
         raise CheckpointError(f"{source}: job {spec.name!r} {done}")
@@ -206,6 +202,16 @@ def _check_recipe(meta: dict, spec: JobSpec, source: str, step: int) -> None:
             f"{source}: {spec.checkpoint_dir} holds a checkpoint (step {step}) of another recipe "
             f"({changed or 'a different job'}); set checkpoint.path to a new folder, or restore "
             "the old values to resume")
+
+
+def _check_left_out(meta: dict, spec: JobSpec, source: str) -> None:
+    """The export a checkpoint takes its frozen parameters from (a LoRA job's: the model it
+    adapts) is still the one it started from (checkpoint/frozen.py)."""
+    from baton.checkpoint import frozen
+
+    why = frozen.problem(meta, spec.model)
+    if why:
+        raise CheckpointError(f"{source}: model.init_from: {why}")
 
 
 def check_corpus(meta: dict, manifest: Manifest | Mixture, source: str, rebase: bool) -> None:
@@ -455,6 +461,7 @@ def _evaluated_checkpoint(spec: JobSpec, source: str, step: Optional[int | str])
     if changed:
         raise CheckpointError(f"{source}: checkpoint {chosen} in {storage.redact(spec.checkpoint_dir)} "
                               f"holds another model or task ({changed}); restore the old values")
+    _check_left_out(meta, spec, source)
     return meta
 
 

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from baton.checkpoint import CheckpointStore, frozen
 from baton.data.feed import Batch, Columns
 from baton.data.rows import UnitRows
-from baton.errors import OutOfMemory, WorkerError
+from baton.errors import CheckpointError, OutOfMemory, WorkerError
 from baton.models.frozen import from_start
 from baton.parallel import ParallelDims
 from baton.parallel.broadcast import broadcast_state
@@ -544,6 +544,9 @@ class Worker:
         store = CheckpointStore(root)
         self.saves.fence()  # loading overwrites what a background copy may still be reading
         meta = store.read_meta(step)  # (what it leaves out: from model.init_from's export)
+        changed = frozen.problem(meta, self.spec.model)  # (an export replaced mid-run)
+        if changed:
+            raise CheckpointError(changed)
         if store.is_sharded(step):
             lacks = frozenset(frozen.left_out(meta))
             self.engine.load_sharded(dataclasses.replace(self._shards(store, step), lacks=lacks))
