@@ -90,6 +90,18 @@ def write_spec(path: Path, spec: dict) -> Path:
     return path
 
 
+def commit_state(spec, state: dict, step: int = 1) -> None:
+    """A checkpoint of `spec`'s job at `step` holding the model state `state` (and an
+    optimizer that never stepped), written as a job's worker writes a single stage's."""
+    from baton.checkpoint import CheckpointStore
+
+    store = CheckpointStore(spec.checkpoint_dir)
+    store.begin(step)
+    parts = [store.write_tensors(step, "model-0000.pt", state),
+             store.write_tensors(step, "optim-0000.pt", {"state": {}, "param_groups": []})]
+    store.commit(step, {"step": step, "layout": {"pp": 1}}, keep=1, parts=parts)
+
+
 def reference_run(spec, data_dir, steps: int, each_step=None) -> tuple[dict[str, torch.Tensor], list, list]:
     """Plain PyTorch in this process: the whole global batch at once, no Ray, no accumulation.
     Returns the final parameters and each step's loss and gradient norm (before clipping).

@@ -10,8 +10,8 @@ import torch
 from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.spec import spec_from_dict
-from helpers import (assert_like_one_process, assert_params_close, read_table, reference_run, tiny_spec,
-                     write_dataset)
+from helpers import (assert_like_one_process, assert_params_close, commit_state, read_table,
+                     reference_run, tiny_spec, write_dataset)
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
@@ -204,12 +204,8 @@ def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(t
     from baton.models import build_model
 
     source = _spec(tmp_path / "pre", data, "pretrained", 1)
-    store = CheckpointStore(source.checkpoint_dir)
-    store.begin(1)
     pretrained = build_model(source.model, 11).state_dict()
-    parts = [store.write_tensors(1, "model-0000.pt", pretrained),
-             store.write_tensors(1, "optim-0000.pt", {"state": {}, "param_groups": []})]
-    store.commit(1, {"step": 1, "layout": {"pp": 1}}, keep=1, parts=parts)
+    commit_state(source, pretrained)
     baton.export(source, str(tmp_path / "export"))
 
     def adapted(steps, **parallel):

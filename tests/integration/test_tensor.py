@@ -21,8 +21,8 @@ from baton.models import build_model
 from baton.parallel.tensor import split_layers
 from baton.spec import spec_from_dict
 from baton.workers import warm
-from helpers import (assert_like_one_process, await_growth, reference_run, require_cxx, tiny_spec,
-                     write_dataset)
+from helpers import (assert_like_one_process, await_growth, commit_state, reference_run,
+                     require_cxx, tiny_spec, write_dataset)
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
@@ -295,11 +295,7 @@ def test_a_job_fine_tunes_adapters_from_an_export_split_and_sharded(tmp_path, da
     from baton.models.lora import PEFT_WEIGHTS, peft_key
 
     source = _spec(tmp_path / "pre", data, "pretrained", 1)
-    store = CheckpointStore(source.checkpoint_dir)
-    store.begin(1)
-    parts = [store.write_tensors(1, "model-0000.pt", build_model(source.model, 11).state_dict()),
-             store.write_tensors(1, "optim-0000.pt", {"state": {}, "param_groups": []})]
-    store.commit(1, {"step": 1, "layout": {"pp": 1}}, keep=1, parts=parts)
+    commit_state(source, build_model(source.model, 11).state_dict())
     baton.export(source, str(tmp_path / "export"), hf=True)
     spec = _spec(tmp_path, data, "tuned", 2, shard="full", model={
         **GPT, "init_from": str(tmp_path / "export"), "lora": {"rank": 2, "alpha": 4.0}})

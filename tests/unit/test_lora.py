@@ -15,7 +15,7 @@ from baton.models.frozen import counts
 from baton.models.lora import adapted_layers, merged
 from baton.spec import LoRASpec, ModelSpec, spec_from_dict
 from baton.training import make_optimizer
-from helpers import tiny_spec
+from helpers import commit_state, tiny_spec
 
 GPT = ModelSpec(name="gpt", layers=2, width=32, heads=4, seq_len=16, vocab_size=64)
 LORA = dataclasses.replace(GPT, lora=LoRASpec(rank=4, alpha=8.0, targets=["*.qkv", "*.proj", "*.lm"],
@@ -217,21 +217,13 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
 
     import baton
     from baton import api
-    from baton.checkpoint import CheckpointStore
     from baton.errors import CheckpointError
 
     model = HF_GPT2 if form == "transformers" else {**GPT.__dict__, "lora": None}
     targets = ["*.c_attn", "*.c_fc"] if form == "transformers" else ["*.qkv", "*.fc", "*.lm"]
 
-    def checkpoint(spec, state):
-        store = CheckpointStore(spec.checkpoint_dir)
-        store.begin(1)
-        parts = [store.write_tensors(1, "model-0000.pt", state),
-                 store.write_tensors(1, "optim-0000.pt", {"state": {}, "param_groups": []})]
-        store.commit(1, {"step": 1, "layout": {"pp": 1}}, keep=1, parts=parts)
-
     base = spec_from_dict(tiny_spec(tmp_path / "base", tmp_path, name="base", model=model))
-    checkpoint(base, build_model(base.model, 3).state_dict())
+    commit_state(base, build_model(base.model, 3).state_dict())
     baton.export(base, str(tmp_path / "base-export"), hf=form == "gpt2")
     tuned = spec_from_dict(tiny_spec(tmp_path / "tuned", tmp_path, name="tuned", model={
         **model, "init_from": str(tmp_path / "base-export"),
@@ -241,7 +233,7 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
         for n, p in adapted.named_parameters():
             if n.endswith("lora_b"):  # (zeros as built: the adapters would change nothing)
                 p.normal_(generator=torch.Generator().manual_seed(len(n)))
-    checkpoint(tuned, adapted.state_dict())
+    commit_state(tuned, adapted.state_dict())
     about = baton.export(tuned, str(tmp_path / "adapters"), adapters=True, hf=form == "gpt2")
     assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "baton.json"]
@@ -305,17 +297,13 @@ def test_a_checkpoint_leaves_out_the_frozen_weights_and_names_their_export(tmp_p
     or one it cannot read, in one line. A job that trains everything, starts from its seed,
     or is an hf: model (its init_from is transformers' to read) leaves nothing out."""
     import baton
-    from baton.checkpoint import CheckpointStore, frozen
+    from baton.checkpoint import frozen
     from baton.models.frozen import from_start
 
     base = spec_from_dict(tiny_spec(tmp_path / "base", tmp_path, name="base",
                                     model={**GPT.__dict__, "lora": None}))
-    store = CheckpointStore(base.checkpoint_dir)
-    store.begin(1)
     state = build_model(base.model, 3).state_dict()
-    parts = [store.write_tensors(1, "model-0000.pt", state),
-             store.write_tensors(1, "optim-0000.pt", {"state": {}, "param_groups": []})]
-    store.commit(1, {"step": 1, "layout": {"pp": 1}}, keep=1, parts=parts)
+    commit_state(base, state)
     baton.export(base, str(tmp_path / "export"))
     export = str(tmp_path / "export")
     adapted = dataclasses.replace(LORA, init_from=export)
