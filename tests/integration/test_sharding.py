@@ -190,11 +190,12 @@ def test_lamb_sharded_matches_one_process(tmp_path, data, level, dp, group):
 
 def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(tmp_path, data):
     """model.lora on a model started from an export: DDP at dp 2 for 2 steps, then the same
-    job at pp 2 (ZeRO-2 inside the stages) from those per-stage files for 2 more, then ZeRO-3
-    at dp 2 from that sharded checkpoint for 1 more. One process training the same adapters
-    gives the same numbers. Every checkpoint holds the adapters and what trains whole, not the
-    frozen weights: each load takes those from the export again (both checkpoint forms), and
-    an export whose baton.json changed is refused. The export of the end is the model without
+    job at pp 2 (ZeRO-2 inside the stages, saving in the background) from those per-stage
+    files for 2 more, then ZeRO-3 at dp 2 from that sharded checkpoint for 1 more, then ZeRO-1
+    for 1 more. One process training the same adapters gives the same numbers. Every
+    checkpoint holds the adapters and what trains whole, not the frozen weights: each load
+    takes those from the export again (both checkpoint forms), and an export whose
+    baton.json changed is refused. The export of the end is the model without
     adapters, their products merged into the export's weights, computing what the adapted
     model computes."""
     import baton
@@ -208,8 +209,9 @@ def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(t
     commit_state(source, pretrained)
     baton.export(source, str(tmp_path / "export"))
 
-    def adapted(steps, **parallel):
+    def adapted(steps, background=False, **parallel):
         raw = _spec(tmp_path, data, "adapted", steps, schedule="constant", **parallel).to_dict()
+        raw["checkpoint"]["async"] = background
         # nothing in the embedding and the first block trains: the first pipeline stage
         # (and ZeRO-3's first units) hold only frozen weights
         raw["model"].update(init_from=str(tmp_path / "export"),
@@ -223,7 +225,7 @@ def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(t
     checkpoints = CheckpointStore(first.checkpoint_dir)
     assert set(checkpoints.read_model(2)) == trained  # the frozen weights are the export's
     assert set(checkpoints.read_meta(2)["frozen"]["names"]) == set(pretrained) - trained
-    spec = adapted(4, pp=2, microbatches=2, shard="grads")
+    spec = adapted(4, background=True, pp=2, microbatches=2, shard="grads")
     assert api.stage_plan(spec) == "[2, 2]"  # the first stage: the embedding and block 1, frozen
     result = api.run(spec, show_progress=False)
     assert result.state == "finished" and result.resumed_from == 2
@@ -238,8 +240,11 @@ def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(t
     about.write_text(kept)
     result = api.run(last, show_progress=False)
     assert result.state == "finished" and result.resumed_from == 4
-    # measured: 4.9e-6; the equivalence bound holds
-    got, _ = assert_like_one_process(last, data, result, 5)
+    last = adapted(6, shard="optimizer")  # (ZeroRedundancyOptimizer's own load of the shards)
+    result = api.run(last, show_progress=False)
+    assert result.state == "finished" and result.resumed_from == 5
+    # measured: 4.3e-6; the equivalence bound holds
+    got, _ = assert_like_one_process(last, data, result, 6)
     assert all(bool(got[n].abs().sum()) for n in trained if n.endswith("lora_b"))  # they trained
 
     merged_about = baton.export(last, str(tmp_path / "merged"))
@@ -252,8 +257,8 @@ def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(t
     with torch.no_grad():
         merged, unmerged = model(tokens), with_adapters.eval()(tokens)
     print(f"merged logits off by {float((merged - unmerged).abs().max()):.3g}")
-    # measured: 4.8e-7 (float32 rounding: the merged weight is rounded once, the adapted
-    # model adds its two products apart); an eightfold margin
+    # measured: 4.8e-7 and 7.2e-7 (float32 rounding: the merged weight is rounded once, the
+    # adapted model adds its two products apart); a fivefold margin
     torch.testing.assert_close(merged, unmerged, rtol=0, atol=4e-6)
     untouched = model.state_dict()
     assert all(torch.equal(untouched[n], t) for n, t in pretrained.items()

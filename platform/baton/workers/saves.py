@@ -119,7 +119,9 @@ class BackgroundSaves:
             if pin:  # device to host: each copy is queued on the copying stream
                 for v, b in later:
                     b.copy_(v, non_blocking=True)
-            else:  # one call for all: Python's lock taken once, not once a tensor
+            elif later:  # one call for all: Python's lock taken once, not once a tensor
+                # (none: a pipeline stage that trains nothing and saves nothing of its frozen
+                # weights, checkpoint/frozen.py)
                 torch._foreach_copy_([b for _, b in later], [v for v, _ in later])
             return buffers
         return planned, self._beside_next_step(copy_later, [v for v, _ in later])
