@@ -298,6 +298,7 @@ def test_a_checkpoint_leaves_out_the_frozen_weights_and_names_their_export(tmp_p
     or is an hf: model (its init_from is transformers' to read) leaves nothing out."""
     import baton
     from baton.checkpoint import frozen
+    from baton.cli.validate import _frozen_line
     from baton.models.frozen import from_start
 
     base = spec_from_dict(tiny_spec(tmp_path / "base", tmp_path, name="base",
@@ -313,6 +314,11 @@ def test_a_checkpoint_leaves_out_the_frozen_weights_and_names_their_export(tmp_p
     assert record["from"] == export
     meta = {"step": 7, "frozen": record}
     assert frozen.problem(meta, adapted) is None
+    job = spec_from_dict(tiny_spec(tmp_path / "job", tmp_path, name="job",
+                                   model=dataclasses.asdict(adapted)))
+    count = sum(t.numel() for n, t in state.items() if n in record["names"])
+    assert _frozen_line(job).endswith(f"; its checkpoints leave out the {count:,} frozen ones "
+                                      f"(they stay in {export})")  # (baton validate)
     got = dict(frozen.read(meta, adapted, ["1.qkv.weight"]))
     assert torch.equal(got["1.qkv.weight"], state["1.qkv.weight"])
     assert "set model.init_from to that export" in frozen.problem(

@@ -132,10 +132,23 @@ def _frozen_line(spec) -> str:
     some = lambda xs: ", ".join(xs[:6]) + (f", ... ({len(xs)} in all)" if len(xs) > 6 else "")  # noqa: E731
     share = f"trains {trained:,} of {total:,} parameters ({trained / total:.2%})"
     if m.lora is None:
-        return f"frozen: {', '.join(m.frozen)}; {share}: {some(whole)}"
+        return f"frozen: {', '.join(m.frozen)}; {share}: {some(whole)}{_left_out(m, model)}"
     more = (", rsLoRA" if m.lora.rslora else "") + (f", dropout {m.lora.dropout:g}" if m.lora.dropout else "")
     return (f"adapters (LoRA rank {m.lora.rank}, alpha {m.lora.alpha:g}{more}) on {len(names)} linear "
-            f"layers: {some(names)}; {share}" + (f", {some(whole)} whole" if whole else ""))
+            f"layers: {some(names)}; {share}" + (f", {some(whole)} whole" if whole else "")
+            + _left_out(m, model))
+
+
+def _left_out(m, model) -> str:
+    """What the job's checkpoints leave out (checkpoint/frozen.py: `model`, built on meta,
+    counts it), said after what trains."""
+    from baton.models.frozen import from_start
+    from baton.storage import redact
+
+    left_out = set(from_start(m))
+    count = sum(p.numel() for n, p in model.named_parameters() if n in left_out)
+    return (f"; its checkpoints leave out the {count:,} frozen ones (they stay in "
+            f"{redact(m.init_from)})" if left_out else "")
 
 
 def _tensor_line(spec) -> str:
