@@ -350,11 +350,15 @@ def test_validate_shows_the_largest_pipeline_stage_share(tmp_path, capsys):
 
 def test_validate_shows_a_tensor_parallel_workers_shard_of_its_share(tmp_path, capsys):
     data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
-    job = write_spec(tmp_path / "job.yaml", tiny_spec(
-        tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
-        parallel={"dp": 2, "tp": 2, "shard": "full"}))
-    assert cli.main(["validate", str(job)]) == 0
-    line = capsys.readouterr().out.splitlines()[2]
+
+    def tensor_line(**model) -> str:  # dp 2 x tp 2 under ZeRO-3
+        job = write_spec(tmp_path / "job.yaml", tiny_spec(
+            tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
+            parallel={"dp": 2, "tp": 2, "shard": "full"}, **({"model": model} if model else {})))
+        assert cli.main(["validate", str(job)]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines()
+                    if line.startswith("  tensor parallel:"))
+    line = tensor_line()
     # of the tiny GPT's 42,880 parameters, a worker keeps half of each block's 4 linear
     # weights and 2 column biases (the row layers' biases stay whole: 6,256 of a block's
     # 12,704 go) and half of the token embedding's and the head's 256 x 32 (4,096 each go):
@@ -369,12 +373,7 @@ def test_validate_shows_a_tensor_parallel_workers_shard_of_its_share(tmp_path, c
     # its A (1,600: a block's 160 + 96 + 192 + 192, the head's 64 + 256), and gradients and
     # optimizer state for those alone: (23,776 x 4 + 1,600 x 12) / 2 bytes, against
     # 45,504 x 4 + 2,624 x 12 whole
-    job = write_spec(tmp_path / "adapted.yaml", tiny_spec(
-        tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
-        model={"name": "gpt", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
-               "lora": {"rank": 2}}, parallel={"dp": 2, "tp": 2, "shard": "full"}))
-    assert cli.main(["validate", str(job)]) == 0
-    line = capsys.readouterr().out.splitlines()[3]
+    line = tensor_line(name="gpt", layers=2, width=32, heads=4, seq_len=32, lora={"rank": 2})
     assert line == ("  tensor parallel: 10 layers split over 2 workers, full (ZeRO-3) over "
                     "the 2 workers holding each share; per worker 23,776 of the 45,504 "
                     "parameters: 0.1 MiB of parameters, gradients and optimizer state (whole: "

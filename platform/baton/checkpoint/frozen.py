@@ -79,7 +79,8 @@ def problem(meta: dict, model: ModelSpec) -> Optional[str]:
 def filled(tensors: dict, meta: dict, model: ModelSpec, wanted: Iterable[str]) -> dict:
     """`tensors` (of checkpoint `meta`), with those of the parameters it leaves out that
     `wanted` names read from the export (the values they had in training, bit for bit)."""
-    missing = [n for n in left_out(meta) if n not in tensors and n in set(wanted)]
+    wanted = set(wanted)
+    missing = [n for n in left_out(meta) if n not in tensors and n in wanted]
     if not missing:
         return tensors
     return {**tensors, **dict(read(meta, model, missing))}

@@ -4,11 +4,13 @@ the model as it was built (or as `model.init_from` gave it), frozen.
 
 A linear layer y = x Wᵀ + b with an adapter computes y + (alpha / rank) · (x Aᵀ) Bᵀ (under
 `rslora`, alpha / sqrt(rank): `scale`), A of (rank, in) drawn as torch draws a linear layer's
-weight, B of (out, rank) zeros: at the first step the model is the one it was built as. A and B are parameters of the linear layer itself
-(`lora_a`, `lora_b`, beside its `weight`), so the model keeps its modules and its names, every
-wrapping baton gives a model (DDP, FSDP2, pipeline stages, compiled blocks, recomputed
-activations) takes them as any parameter, and a checkpoint holds them with the frozen weights:
-it loads at any layout as any checkpoint does. The optimizer holds only what trains, so its
+weight, B of (out, rank) zeros: at the first step the model is the one it was built as. A and
+B are parameters of the linear layer itself (`lora_a`, `lora_b`, beside its `weight`), so the
+model keeps its modules and its names, every wrapping baton gives a model (DDP, FSDP2,
+pipeline stages, compiled blocks, recomputed activations, tensor parallelism's shares) takes
+them as any parameter, and a checkpoint holds them as any parameter: it loads at any layout
+(the frozen weights of a model started from an export stay in that export:
+checkpoint/frozen.py). The optimizer holds only what trains, so its
 state is the adapters', not the model's. `baton export` writes each adapted weight merged,
 W + (alpha / rank) · B A, as a model without adapters (`merged`).
 
