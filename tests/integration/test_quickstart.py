@@ -1,10 +1,10 @@
 """The README's quick-start job, run as the README runs it, end to end on a local Ray.
 
-It runs the first STEPS of the job's 500 (`--set train.steps=150`) with a checkpoint every 50
+It runs the first STEPS of the job's 500 (`--set train.steps=90`) with a checkpoint every 30
 steps instead of 100: the rest is the same loop again (at 500 steps the test took 306 s of
-the suite on a slow 2-core machine, at 300 199 s). Three checkpoints of `keep: 2` still
-exercise retention, and the loss ends below 2.5 (2.29 at step 150; 2.43-2.51 from step 50
-to 110)."""
+the suite on a slow 2-core machine, at 300 199 s, at 150 114 s). Three checkpoints of
+`keep: 2` still exercise retention, and the loss ends below 2.8 (LOSS90 at step 90; 2.43-2.51
+from step 50 to 110 in an earlier measurement)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from conftest import REPO
 
 
-STEPS, EVERY = 150, 50
+STEPS, EVERY = 90, 30
 
 
 def test_quickstart_as_the_readme_runs_it(tmp_path):
@@ -50,7 +50,7 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
     assert f"step {steps}/{steps}" in stderr  # the progress line
     final = re.search(r"finished at step (\d+), loss ([\d.]+)", stdout)
     assert final and int(final.group(1)) == steps
-    assert float(final.group(2)) < 2.5  # a uniform byte model scores ln 256 = 5.55
+    assert float(final.group(2)) < 2.8  # a uniform byte model scores ln 256 = 5.55
 
     kept = sorted(p.name for p in (tmp_path / "checkpoints" / "quickstart").glob("step_*"))
     assert kept == [f"step_{steps - EVERY:08d}", f"step_{steps:08d}"], kept  # keep: 2

@@ -1286,7 +1286,7 @@ def test_a_run_paused_at_a_step_ends_there_on_a_checkpoint_and_says_so(tmp_path)
 
     c = _coordinator(tmp_path, FakeCluster(free=2), until=5)
     _tick_until(c, lambda c: c.state in (State.PAUSED, State.FINISHED))
-    assert (c.state, c.step, c.submitted) == (State.PAUSED, 5, 5)
+    assert (c.state, c.step, c.flight.submitted) == (State.PAUSED, 5, 5)
     assert c.store.committed_steps()[-1] == 5 and c._result().state == "paused"
     lines = describe(c.status())
     assert lines[0].startswith("fake: paused (updated ")
@@ -1345,7 +1345,7 @@ def test_the_run_stops_once_patience_evaluations_have_not_improved(tmp_path, pat
         assert c.step == 8 and result.stopped_early is None
         return
     assert c.step == stop and c.evaluation.judged == list(range(1, stop + 1))
-    assert c.submitted == stop  # no step past it was handed to the workers
+    assert c.flight.submitted == stop  # no step past it was handed to the workers
     assert c.store.latest() == stop and c.store.verify(stop) is None
     best = 3 if min_delta == 0 else 2  # the improvement that counted last
     assert result.stopped_early == {

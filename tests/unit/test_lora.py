@@ -294,8 +294,8 @@ def test_a_checkpoint_leaves_out_the_frozen_weights_and_names_their_export(tmp_p
     """A job started from an export that freezes part of it (model.lora, model.frozen): its
     checkpoints leave the frozen parameters out and record where they are (checkpoint/frozen.py).
     A resume or export takes them from there again, and refuses another export, a changed one
-    or one it cannot read, in one line. A job that trains everything, starts from its seed,
-    or is an hf: model (its init_from is transformers' to read) leaves nothing out."""
+    or one it cannot read, in one line. A job that trains everything, or starts from its
+    seed, leaves nothing out (an hf: model's save_pretrained folder: the test below)."""
     import baton
     from baton.checkpoint import frozen
     from baton.cli.validate import _frozen_line
@@ -321,7 +321,7 @@ def test_a_checkpoint_leaves_out_the_frozen_weights_and_names_their_export(tmp_p
                                       f"(they stay in {export})")  # (baton validate)
     got = dict(frozen.read(meta, adapted, ["1.qkv.weight"]))
     assert torch.equal(got["1.qkv.weight"], state["1.qkv.weight"])
-    assert "set model.init_from to that export" in frozen.problem(
+    assert "set model.init_from to that folder" in frozen.problem(
         meta, dataclasses.replace(adapted, init_from=str(tmp_path / "other")))
     about = tmp_path / "export" / "baton.json"
     text = about.read_text()
@@ -333,3 +333,43 @@ def test_a_checkpoint_leaves_out_the_frozen_weights_and_names_their_export(tmp_p
     assert from_start(LORA) == []  # from its seed: nothing to take them from
     assert from_start(dataclasses.replace(GPT, frozen=["1.*"], init_from=export)) == sorted(
         n for n in state if n.startswith("1."))
+
+
+def test_an_hf_models_checkpoint_leaves_out_the_weights_of_its_pretrained_folder(tmp_path):
+    """An hf: model started from a save_pretrained folder (no baton.json: the form a model
+    comes in) with model.lora: its checkpoints leave the frozen weights out too, read back
+    from the folder's safetensors by name. The digest sees weights trained further (same
+    shapes, other values) and not a copy of the same bytes; a folder whose weights are a
+    pickle keeps full checkpoints."""
+    import os
+    import shutil
+
+    from baton.checkpoint import frozen
+    from baton.models.frozen import from_start
+
+    folder = tmp_path / "pretrained"
+    model = build_model(ModelSpec(**{**HF_GPT2, "seq_len": 16, "vocab_size": 64}), 0)
+    model.model.save_pretrained(folder)
+    assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors"]
+    adapted = ModelSpec(**{**HF_GPT2, "seq_len": 16, "vocab_size": 64}, init_from=str(folder),
+                        lora=LoRASpec(rank=2, targets=["*.c_attn"]))
+    record = frozen.record(adapted)
+    state = model.state_dict()  # the head, tied to the embedding, under both names
+    assert record["names"] == sorted(state) and "model.lm_head.weight" in record["names"]
+    meta = {"step": 3, "frozen": record}
+    got = dict(frozen.read(meta, adapted, record["names"]))  # the head: the embedding's
+    assert all(torch.equal(got[n], state[n]) for n in state)
+    os.utime(folder / "model.safetensors", (1, 1))
+    shutil.copytree(folder, tmp_path / "copy")
+    assert frozen.problem(meta, dataclasses.replace(adapted, init_from=str(tmp_path / "copy"))
+                          ).endswith("set model.init_from to that folder")  # another folder
+    shutil.rmtree(folder)
+    shutil.copytree(tmp_path / "copy", folder)
+    assert frozen.problem(meta, adapted) is None  # the same bytes
+    with torch.no_grad():
+        model.model.transformer.h[0].mlp.c_fc.weight.add_(1e-3)  # trained further
+    model.model.save_pretrained(folder)
+    assert "has changed since checkpoint 3 was written (its weights are others)" in frozen.problem(
+        meta, adapted)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")  # (not read: a name)
+    assert from_start(adapted) == []

@@ -3,8 +3,9 @@ freezes (`models.frozen.from_start`: model.lora's, model.frozen's), whose values
 export's from the first step to the last. A LoRA job's checkpoint then holds its adapters
 and their optimizer state, not a copy of the model they adapt at every save.
 
-The commit records which parameters are left out, where they are (model.init_from) and the
-digest of that export's `baton.json` (`record`). A resume, an evaluation and an export take
+The commit records which parameters are left out, where they are (model.init_from) and a
+digest of that export (`record`: of its `baton.json`; an hf: model's `save_pretrained` folder,
+which need not be an export: of its configuration and of its weights' files, `_sampled`). A resume, an evaluation and an export take
 them from the export again (`filled`), and refuse one that has changed since (`problem`): the
 export is then an input of the checkpoint, as the corpus is (its manifest is checked the
 same way)."""
@@ -23,16 +24,54 @@ if TYPE_CHECKING:
     from baton.spec import ModelSpec
 
 
-def _digest(folder: str) -> str:
-    """The SHA-256 of an export's baton.json (its files, its source checkpoint, its step)."""
-    from baton.checkpoint.export import ABOUT, located
+SAMPLES = 16  # blocks of a weights' file in its digest, spread over it
+SAMPLE_BYTES = 1 << 16
 
+
+def _digest(model: ModelSpec) -> str:
+    """The SHA-256 of model.init_from's export's baton.json (its files, its source checkpoint,
+    its step); of an hf: model's folder: `_sampled`."""
+    from baton.checkpoint.export import ABOUT, located
+    from baton.models.hf import CONFIG, pretrained_files
+
+    folder = model.init_from
     fs, path = located(folder)
+    pretrained = _pretrained(model)
     try:
+        if pretrained:
+            return _sampled(fs, path, [CONFIG, *(pretrained_files(folder) or [])])
         return hashlib.sha256(storage.read_retried(fs, f"{path}/{ABOUT}")).hexdigest()
     except (OSError, ValueError, StoreUnavailable) as e:
-        raise CheckpointError(f"{storage.redact(folder)}/{ABOUT} cannot be read "
+        what = "" if pretrained else f"/{ABOUT}"
+        raise CheckpointError(f"{storage.redact(folder)}{what} cannot be read "
                               f"({type(e).__name__}: {storage.redact(str(e))[:200]})") from None
+
+
+def _sampled(fs, path: str, files: list[str]) -> str:
+    """A digest of a save_pretrained folder's `files` (its configuration, whole, and its
+    weights): each file's size, its first SAMPLE_BYTES (a safetensors header: every name,
+    shape and place) and SAMPLES blocks spread over the rest. Weights trained further, or
+    others of the same shapes, differ in every block; reading the whole files at every
+    load would cost what reading the model again does. A file copied or touched, its bytes
+    as they were, is the same."""
+    h = hashlib.sha256()
+    for name in files:
+        f = storage.RetryingInput(fs, f"{path}/{name}")
+        try:
+            size = f.size
+            h.update(f"{name}\0{size}\0".encode())
+            starts = ([0] if size <= SAMPLES * SAMPLE_BYTES else
+                      [0, *((size - SAMPLE_BYTES) * i // SAMPLES for i in range(1, SAMPLES + 1))])
+            for at in starts:
+                f.seek(at)
+                n = size if len(starts) == 1 else SAMPLE_BYTES
+                buffer = bytearray(n)
+                if f.readinto(buffer) != n:
+                    raise OSError(f"{name}: {n:,} bytes at {at:,} wanted")
+                h.update(buffer)
+        finally:
+            f.close()
+    return h.hexdigest()
 
 
 def record(model: ModelSpec) -> Optional[dict]:
@@ -43,7 +82,7 @@ def record(model: ModelSpec) -> Optional[dict]:
     names = from_start(model)
     if not names:
         return None
-    return {"from": storage.redact(model.init_from), "about": _digest(model.init_from),
+    return {"from": storage.redact(model.init_from), "about": _digest(model),
             "names": names}
 
 
@@ -61,16 +100,17 @@ def problem(meta: dict, model: ModelSpec) -> Optional[str]:
     step = meta["step"]
     if model.init_from is None or storage.redact(model.init_from) != frozen["from"]:
         return (f"checkpoint {step} holds only what trained: its {len(frozen['names'])} frozen "
-                f"parameters are those of the export {frozen['from']}, and this job's "
+                f"parameters are those of {frozen['from']}, and this job's "
                 f"model.init_from is {model.init_from and storage.redact(model.init_from)}; "
-                "set model.init_from to that export")
+                "set model.init_from to that folder")
     try:
-        digest = _digest(model.init_from)
+        digest = _digest(model)
     except CheckpointError as e:
         return f"checkpoint {step} takes its frozen parameters from {frozen['from']}, and {e}"
     if digest != frozen["about"]:
         return (f"{frozen['from']} has changed since checkpoint {step} was written (its "
-                "baton.json is another): the checkpoint holds only what trained, and its "
+                f"{'weights are others' if _pretrained(model) else 'baton.json is another'}): "
+                "the checkpoint holds only what trained, and its "
                 f"{len(frozen['names'])} frozen parameters are that export's; restore the "
                 "export it started from")
     return None
@@ -90,17 +130,63 @@ def read(meta: dict, model: ModelSpec, names: list[str]) -> Iterator[tuple[str, 
     """(name, tensor) of parameters checkpoint `meta` leaves out, read from the export as
     they are asked for; the export is checked first (here, before any is asked for): it must
     be the one the checkpoint started from."""
-    from baton.checkpoint.export import Exported
-
     why = problem(meta, model)
     if why:
         raise CheckpointError(why)
 
     def each() -> Iterator[tuple[str, torch.Tensor]]:
-        exported = Exported(model.init_from)
+        exported, tied = _reader(model), None
         try:
             for name in names:
-                yield name, exported.get(name)
+                if name not in exported.where:  # a tied head, kept under the embedding's name
+                    if tied is None:
+                        from baton.models import adapted_on_meta
+                        from baton.models.frozen import ties
+
+                        tied = ties(adapted_on_meta(model))
+                    yield name, exported.get(tied.get(name, name))
+                else:
+                    yield name, exported.get(name)
         finally:
             exported.close()
     return each()
+
+
+def _reader(model: ModelSpec):
+    """What reads model.init_from's parameters by the model's names: an export's `Exported`;
+    for an hf: model, its save_pretrained folder's safetensors files (`Pretrained`)."""
+    from baton.checkpoint.export import Exported
+
+    return Pretrained(model.init_from) if _pretrained(model) else Exported(model.init_from)
+
+
+def _pretrained(model: ModelSpec) -> bool:
+    """An hf: model: its init_from is a save_pretrained folder (an export of one or not)."""
+    from baton.models import HF_PREFIX
+
+    return model.name.startswith(HF_PREFIX)
+
+
+class Pretrained:
+    """The parameters of a `save_pretrained` folder's safetensors files, by an hf: model's
+    names (transformers' under `HFModel.model`), each read when asked for."""
+
+    def __init__(self, folder: str):
+        from baton.checkpoint import tensorfile
+        from baton.checkpoint.export import HF_NAMES, located
+        from baton.models.hf import pretrained_files
+
+        fs, path = located(folder)
+        self.files, self.where = [], {}
+        for name in pretrained_files(folder) or []:
+            f = tensorfile.TensorFile(fs, f"{path}/{name}")
+            self.files.append(f)
+            self.where.update((HF_NAMES + stored, (f, stored)) for stored in f.keys())
+
+    def get(self, name: str) -> torch.Tensor:
+        f, stored = self.where[name]
+        return f.get(stored)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()

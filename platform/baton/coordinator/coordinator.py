@@ -31,7 +31,7 @@ workers execute. The decisions about failures and world sizes come from the pure
 room out of turn, room claimed from jobs of lower priority; `priorities.py`), place workers
 (`placement.py`) within the ceiling `baton scale` and jobs of higher priority set
 (`ceiling.py`), commit checkpoints
-(`commits.py`), stop early (`stopping.py`), judge loss spikes (`spikes.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
+(`commits.py`), keep the steps queued on the workers (`flight.py`), stop early (`stopping.py`), judge loss spikes (`spikes.py`), hand out the data and keep the cursor and the ledger (`samples.py`, reading
 through `data/feed.py`), and report (`report.py`: MLflow, live metrics, the progress line,
 the status file). It is the only writer to MLflow, through them.
 """
@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import collections
 import enum
-import math
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 from baton import __version__
@@ -55,7 +53,8 @@ from baton.data.source import JobData, preflight
 from baton.coordinator.admission import Admission, workers
 from baton.coordinator.ceiling import Ceiling
 from baton.coordinator.commits import Commits, Save
-from baton.coordinator.evaluation import Evaluation, Pass, evaluation
+from baton.coordinator.evaluation import Evaluation, evaluation
+from baton.coordinator.flight import Flight, Pending
 from baton.coordinator.stopping import early_stop
 from baton.coordinator.stragglers import Stragglers
 from baton.coordinator.steps import StepStats
@@ -75,7 +74,6 @@ from baton.storage import redact
 from baton.workers import WorkerGroup
 
 
-PIPELINE_DEPTH = 2  # steps queued on the workers at once
 # A survivor that has not left its group this long after a failure is replaced. One waiting
 # on a peer that left or was killed fails at once: `Worker.leave` frees every gloo group of the
 # old world, which closes its connections, and a killed process's sockets close with it
@@ -87,27 +85,6 @@ PIPELINE_DEPTH = 2  # steps queued on the workers at once
 # 5`, and would hold it 130 s under the default). `leave` returns once every survivor has left.
 LEAVE_GRACE_S = 10.0
 LINE_CHECK_S = 1.0  # how often a job waiting for room (queued, suspended) looks for its turn
-
-
-@dataclass
-class _Pending:
-    """A step handed to the workers, and what was queued behind it."""
-
-    step: int
-    samples: int
-    lr: float
-    submitted_at: float
-    refs: list
-    cursor: dict  # the data cursor after this step
-    ledger_refs: Optional[list] = None
-    save: Optional[Save] = None  # a checkpoint of this step, queued behind it
-    evaluation: Optional[Pass] = None  # an evaluation pass after it
-    traced: bool = False
-
-    def all_refs(self) -> list:
-        saving = [*self.save.save_refs, *self.save.digest_refs] if self.save else []
-        evaluating = self.evaluation.all_refs() if self.evaluation else []
-        return [*self.refs, *(self.ledger_refs or []), *saving, *evaluating]
 
 
 class State(enum.Enum):
@@ -184,9 +161,7 @@ class Coordinator:
         self.placement: Optional[Placement] = None  # where the workers come from (_launch)
         self.first_workers = 0  # how many workers the job starts with
         self.last_metrics: dict = {}  # of the last completed step
-        self.inflight: collections.deque[_Pending] = collections.deque()
-        self.submitted = 0  # steps handed to the workers
-        self.last_done_at = 0.0
+        self.flight = Flight()  # the steps handed to the workers, not yet completed
         self.workers: list[dict] = []
         self.stage_layers: Optional[list[int]] = None
         t = spec.train
@@ -272,7 +247,7 @@ class Coordinator:
         self.evaluation = evaluation(self.spec, self.data, self.end)
         meta = self.resume_meta
         if meta:
-            self.step = self.submitted = meta["step"]
+            self.step = self.flight.submitted = meta["step"]
         if self.samples:
             if meta:
                 self.samples.seek(meta)
@@ -282,23 +257,26 @@ class Coordinator:
         run_id = self.tracker.start(
             f"{self.spec.name}-eval" if self.evaluate_only else self.spec.name, self.spec.flat(),
             run_id=meta.get("mlflow_run_id") if meta and not self.evaluate_only else None)
-        self.tracker.set_tags({"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),
-                               "data.samples": self.data.train_samples, "data.manifest": self.manifest.digest(),
-                               "checkpoint.dir": self.spec.checkpoint_dir,
-                               **({"resumed_from_step": self.step} if meta and not self.evaluate_only
-                                  else {}),
-                               **({"forked_from": f"{meta['forked_from']['job']} step {self.step}"}
-                                  if meta and meta.get("forked_from") and not self.evaluate_only
-                                  else {}),
-                               **({"baton.evaluates": self.store.step_dir(self.step) if meta
-                                   else self.spec.model.init_from} if self.evaluate_only else {}),
-                               **self.tags})
+        self.tracker.set_tags(self._run_tags(meta))
         self.run_id = run_id
         self.report.opened(self.spec.train.steps, self.step,
                            "tok" if self.spec.task == "language_model" else "samples")
         self.prepared = True
         timer.lap("tracking")
         return State.SCHEDULING if self.first_workers else State.QUEUED
+
+    def _run_tags(self, meta: Optional[dict]) -> dict:
+        """The MLflow run's tags: what ran on what data, and where it went on from."""
+        training = meta and not self.evaluate_only
+        return {"baton.version": __version__, "spec.fingerprint": self.spec.fingerprint(),
+                "data.samples": self.data.train_samples, "data.manifest": self.manifest.digest(),
+                "checkpoint.dir": self.spec.checkpoint_dir,
+                **({"resumed_from_step": self.step} if training else {}),
+                **({"forked_from": f"{meta['forked_from']['job']} step {self.step}"}
+                   if training and meta.get("forked_from") else {}),
+                **({"baton.evaluates": self.store.step_dir(self.step) if meta
+                    else self.spec.model.init_from} if self.evaluate_only else {}),
+                **self.tags}
 
     def _launch(self) -> None:
         """The workers' processes start: as many as the cluster has room for, up to max_dp;
@@ -378,16 +356,10 @@ class Coordinator:
             return self._suspend()
         if self._rescale_due():
             return State.RESCALING
-        # Keep the next step queued on the workers while this one runs, so that no worker
-        # idles waiting for the coordinator between steps (measured: 3.5 ms a step on CPU,
-        # a larger share of a short GPU step). Workers run calls in order (actor.py), so a
-        # checkpoint queued behind step k sees exactly the state after step k. Under
-        # eval.patience nothing is queued behind an evaluation until it is judged: a step
-        # taken after the one the run stops at would change the state it ends with.
-        while (self.submitted < self.end and len(self.inflight) < PIPELINE_DEPTH
-               and not (self.early_stop and self.inflight and self.inflight[-1].evaluation)):
-            self._submit(self.submitted)
-        if not self.inflight:
+        # the next step queued on the workers while this one runs (flight.py)
+        while self.flight.room(self.end, hold_behind_evaluation=self.early_stop is not None):
+            self._submit(self.flight.submitted)
+        if not self.flight:
             return self._finish()
         self._complete_next()
         return State.RUNNING
@@ -411,17 +383,15 @@ class Coordinator:
         decision = self.failures.decide(f)
         self._record({"kind": "failure", "step": f.step, "cause": f.cause, "ranks": list(f.ranks),
                       "message": f.message, "at": self.failure_at, "recover": decision.recover,
-                      "since_last_step_s": (round(time.perf_counter() - self.last_done_at, 3)
-                                            if self.last_done_at else None)})  # None: no step yet
+                      "since_last_step_s": self.flight.since_last_step_s()})  # None: no step yet
         self.report.note(f"step {f.step}: {f.cause}: {f.message}")
         self.live.failure(f.cause, alive=len(self.group.actors) - len(f.ranks))
         if not decision.recover:
             raise WorkerError(decision.reason)
         # 1. stop the old world: drop queued calls, keep whoever still answers and gets out
-        stale = [ref for p in self.inflight for ref in p.all_refs()]
+        stale = self.flight.drop()
         self.group.abandon(stale)
         self.commits.abandon()
-        self.inflight.clear()
         # ranks named by a death or a silence go; ranks that raised (their own code, a
         # collective's timeout) are alive and stay
         gone = frozenset(f.ranks) if f.cause in ("actor_died", "node_died", "hang") else frozenset()
@@ -462,9 +432,8 @@ class Coordinator:
         spike, timer = self.spike, Phases("rewind")
         self.spikes.rewinding(spike.event)  # past train.rewind_on_spike.most: the run fails
         self.commits.drain(self.group)
-        stale = [ref for p in self.inflight for ref in p.all_refs()]
+        stale = self.flight.drop()
         self.group.abandon(stale)
-        self.inflight.clear()
         self._leave_all("a rewind")
         self.group.discard(stale)
         timer.lap("stop")
@@ -620,7 +589,7 @@ class Coordinator:
 
     def _finish_queued(self, timer: Optional[Phases] = None) -> None:
         """Train the steps queued on the workers (not thrown away) before the world changes."""
-        while self.inflight:
+        while self.flight:
             self._complete_next()
         if timer:
             timer.lap("queued_steps")
@@ -720,7 +689,7 @@ class Coordinator:
                         old == self._layout() and every_rng, what="loading the checkpoint",
                         checkpoint=True)
         self.live.checkpoint_loaded(time.perf_counter() - t0)
-        self.step = self.submitted = meta["step"]
+        self.step = self.flight.submitted = meta["step"]
         if self.samples:
             self.samples.seek(meta)
         self._rewind_judges(meta)
@@ -738,7 +707,7 @@ class Coordinator:
         if meta is None and resuming:
             raise CheckpointError(self.store.none_verifies(failed))
         if meta is None:  # no checkpoint yet: start over (setup built the models from the seed)
-            self.step = self.submitted = 0
+            self.step = self.flight.submitted = 0
             self.samples.seek(None)
             self._rewind_judges(None)
             return
@@ -805,11 +774,10 @@ class Coordinator:
         # profiling slows the step it profiles
         traced = step + 1 == self.trace_step and (
             self.dims.pp > 1 or self.spec.tracking.trace_step is not None)
-        pending = _Pending(step=step, samples=len(batch), lr=lr, submitted_at=time.perf_counter(),
+        pending = Pending(step=step, samples=len(batch), lr=lr, submitted_at=time.perf_counter(),
                            refs=self.group.submit_step(step, batch, lr, traced),
                            cursor=cursor, traced=traced)
-        self.inflight.append(pending)
-        self.submitted += 1
+        self.flight.add(pending)
         if self.record_samples:
             pending.ledger_refs = self.group.submit("take_ledger")
         done = step + 1
@@ -839,21 +807,19 @@ class Coordinator:
     def _complete_next(self) -> None:
         """Complete the oldest queued step (left queued if it fails: recovery cancels it),
         then call `on_step`: after every completed step, those a rescale finishes first too."""
-        self._complete(self.inflight[0])
-        self.inflight.popleft()
+        self._complete(self.flight.oldest())
+        self.flight.pop()
         if self.on_step is not None:
             self.on_step(self)
 
-    def _complete(self, p: "_Pending") -> None:
+    def _complete(self, p: Pending) -> None:
         results = self.group.wait(p.refs, f"training step {p.step + 1}")  # steps count from 1
         # the ledger too before the step counts as done: a failure between the two used to
         # leave the step counted but the cursor a batch behind, and the survivors' checkpoint
         # of that step then trained one batch twice and shifted every later epoch (found by
         # benchmarks/chaos.py: a worker frozen while its ledger was read)
         entries = self.group.wait(p.ledger_refs, "reading the ledger") if p.ledger_refs else []
-        now = time.perf_counter()
-        step_time_s = now - max(p.submitted_at, self.last_done_at)  # queued steps start when the previous ends
-        self.last_done_at = now
+        step_time_s = self.flight.timed(p)
         metrics = self.stats.measure(p.step + 1, results, step_time_s, p.samples, p.lr,
                                      p.cursor["epoch"], self.dims)  # raises on a NaN loss
         if metrics.get("skipped"):
@@ -929,15 +895,11 @@ class Coordinator:
                 # a growth's workers starting, and standby workers (elastic.spares, survivors)
                 "workers_starting": self.placement.joining if self.placement else 0,
                 "spares": len(self.group.spares) if self.group else 0,
-                "loss": None if math.isnan(self.stats.last_loss) else round(self.stats.last_loss, 6),
-                "tokens_per_s": round(self.stats.tokens_per_s[-1], 1) if self.stats.tokens_per_s else None,
-                "unit": "tokens" if self.spec.task == "language_model" else "samples",
-                "memory_mib": {kind: round(held / 2**20) for kind, held in self.stats.memory.items()},
+                **self.stats.status(), "unit": "tokens" if self.spec.task == "language_model" else "samples",
                 "last_checkpoint": self.commits.last, "failures": sum(causes.values()),
                 "failures_by_cause": dict(causes), "rescales": sum(
                     e["kind"] == "rescale" for e in self.events),
                 **({"straggler": self.stragglers.named} if self.stragglers.named else {}),
-                **({"skipped_steps": self.stats.skipped} if self.stats.skipped else {}),
                 **({"skipped_row_groups": skipped} if (skipped := sum(
                     e["kind"] == "bad_rows" for e in self.events)) else {}),
                 **({"spikes": self.spikes.rewinds} if self.spikes and self.spikes.rewinds else {}),
@@ -946,17 +908,9 @@ class Coordinator:
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
                 **({"max_dp": self.ceiling.max_dp, "max_dp_by": self.ceiling.why}
                    if self.ceiling.max_dp is not None else {}),
-                **({"room_from": {self.priorities.names[k]: at for k, at in self.priorities.claimed.items()}}
-                   if self.priorities and self.priorities.claimed else {}),
-                **({"lent_by": self.priorities.lenders}  # started out of turn on their room
-                   if self.priorities and self.priorities.lenders and self.state in WORKING else {}),
-                **({"quota_wait": {"quota": self.priorities.quota, "room": self.priorities.quota_room,
-                                   "held_by": self.priorities.quota_held_by}}
-                   if self.priorities and self.priorities.over_quota else {}),
-                **({"in_line": {"since": round(self.priorities.waiting_since, 3),
-                                "ahead": self.priorities.ahead, "room_held_by": self.priorities.holders}}
-                   if self.state in (State.QUEUED, State.SUSPENDED) and self.ceiling.max_dp != 0
-                   and not (self.priorities and self.priorities.over_quota) else {}),
+                **(self.priorities.status(working=self.state in WORKING, in_line=self.state in (
+                    State.QUEUED, State.SUSPENDED) and self.ceiling.max_dp != 0)
+                   if self.priorities else {}),
                 "mlflow_run_id": self.run_id, "tracking": self.tracker.state, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": round(self.started_at, 3),
                 "updated_at": round(time.time(), 3)}

@@ -481,6 +481,19 @@ class Priorities:
             self.lenders = [e.name for e in read_list()[0] if lends(e, self._entry())]
         return self.holding[0]["max_dp"] if held else None
 
+    def status(self, working: bool, in_line: bool) -> dict:
+        """What `baton status` shows of the job's place among the others: the room it claimed
+        from jobs of lower priority, the jobs whose room it started on (`working`: while it
+        has workers), and (`in_line`: queued or suspended) what it waits for: its quota's
+        room, or its turn in line."""
+        return {**({"room_from": {self.names[k]: at for k, at in self.claimed.items()}}
+                   if self.claimed else {}),
+                **({"lent_by": self.lenders} if self.lenders and working else {}),
+                **({"quota_wait": {"quota": self.quota, "room": self.quota_room,
+                                   "held_by": self.quota_held_by}} if self.over_quota else
+                   {"in_line": {"since": round(self.waiting_since, 3), "ahead": self.ahead,
+                                "room_held_by": self.holders}} if in_line else {})}
+
     def withdraw(self) -> None:
         """The run is ending: its claims go (those jobs may grow back, and a job suspended
         for it is in line again) while its entry still holds its room: freed before, that room

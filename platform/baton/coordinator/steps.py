@@ -148,6 +148,14 @@ class StepStats:
         recent = self.tokens_per_s[len(self.tokens_per_s) // 2:]  # past the warm-up steps
         return float(np.median(recent)) if recent else 0.0
 
+    def status(self) -> dict:
+        """What `baton status` shows of the steps: the last loss, throughput and memory, and
+        the steps whose update was skipped."""
+        return {"loss": None if math.isnan(self.last_loss) else round(self.last_loss, 6),
+                "tokens_per_s": round(self.tokens_per_s[-1], 1) if self.tokens_per_s else None,
+                "memory_mib": {kind: round(held / 2**20) for kind, held in self.memory.items()},
+                **({"skipped_steps": self.skipped} if self.skipped else {})}
+
     def result_fields(self) -> dict:
         return {"loss": self.last_loss, "tokens_per_s": self.median_tokens_per_s(),
                 "step_times_s": self.step_times_s, "bubbles": self.bubbles, "trace": self.trace,

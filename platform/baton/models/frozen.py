@@ -37,13 +37,31 @@ def from_start(model: ModelSpec) -> list[str]:
     """The parameters a checkpoint of this job leaves out: the frozen ones of a model started
     from an export (model.init_from with model.lora or model.frozen), which keep the
     export's values to the end; a reader takes them from there (the commit records which, and
-    the export's baton.json digest: `baton.checkpoint.frozen`). None for an hf: model (its
-    init_from is transformers' to read, perhaps not an export) or a model built from its seed."""
+    the export's baton.json digest: `baton.checkpoint.frozen`); an hf: model's init_from is a
+    save_pretrained folder, left out of its checkpoints where its weights are safetensors (read
+    one by one), not a pickle. None for a model built from its seed."""
     from baton.models import HF_PREFIX, adapted_on_meta
+    from baton.models.hf import pretrained_files
 
-    if model.init_from is None or not model.partly_frozen or model.name.startswith(HF_PREFIX):
+    if model.init_from is None or not model.partly_frozen:
         return []
-    return sorted(n for n, p in adapted_on_meta(model).named_parameters() if not p.requires_grad)
+    if model.name.startswith(HF_PREFIX) and pretrained_files(model.init_from) is None:
+        return []
+    built = adapted_on_meta(model)
+    kept = {id(p) for p in built.parameters() if not p.requires_grad}
+    # every name of each: a head tied to the embedding (one tensor, two names) too
+    return sorted(n for n, t in built.state_dict(keep_vars=True).items() if id(t) in kept)
+
+
+def ties(module: nn.Module) -> dict[str, str]:
+    """{name: the first name of the same tensor} of the tensors a module holds under several
+    names (a head tied to its token embedding)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if first.setdefault(id(t), name) != name:
+            out[name] = first[id(t)]
+    return out
 
 
 def freeze(module: nn.Module, model: ModelSpec, prefix: str = "") -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from baton.models import HF_PREFIX as PREFIX
 
 HEADS = ("causal_lm", "sequence_classification")
+CONFIG = "config.json"  # a save_pretrained folder's configuration
 
 
 class HFModel(nn.Module):
@@ -88,19 +89,21 @@ def build_hf(spec) -> nn.Module:
     if spec.init_from:
         import torch
 
-        with local_copy(spec.init_from) as folder:
-            if torch.empty(0).device.type == "meta":  # names and shapes (the job's checks):
-                # the folder's configuration, without its weights (from_pretrained refuses meta)
+        if torch.empty(0).device.type == "meta":  # names and shapes (the job's checks): the
+            # folder's configuration, without its weights (from_pretrained refuses meta)
+            with local_copy(spec.init_from, only=CONFIG) as folder:
                 config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-                return HFModel(auto.from_config(config))
+            return HFModel(auto.from_config(config))
+        with local_copy(spec.init_from) as folder:
             return HFModel(auto.from_pretrained(folder, local_files_only=True))
     return HFModel(auto.from_config(_config(spec)))
 
 
 @contextlib.contextmanager
-def local_copy(folder: str):
-    """A local folder holding what `folder` holds: itself, or for a URI (`s3://...`) a copy in
-    a temporary folder, removed afterwards (transformers' from_pretrained reads local files)."""
+def local_copy(folder: str, only: Optional[str] = None):
+    """A local folder holding what `folder` holds (`only`: that one file of it): itself, or for
+    a URI (`s3://...`) a copy in a temporary folder, removed afterwards (transformers'
+    from_pretrained reads local files)."""
     from baton import storage
 
     if not storage.is_uri(folder):
@@ -110,5 +113,24 @@ def local_copy(folder: str):
 
     fs, path = storage.resolve(folder)
     with tempfile.TemporaryDirectory(prefix="baton-init-") as tmp:
-        pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        if only:
+            with open(f"{tmp}/{only}", "wb") as f:
+                f.write(storage.read_retried(fs, f"{path}/{only}"))
+        else:
+            pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         yield tmp
+
+
+def pretrained_files(folder: str) -> Optional[list[str]]:
+    """The safetensors files a `save_pretrained` folder holds its weights in: its index's
+    (`model.safetensors.index.json`), or `model.safetensors`. None: neither is there (its
+    weights are a `pytorch_model.bin`, a pickle, which baton reads only through transformers)."""
+    import json
+
+    from baton import storage
+    from baton.checkpoint.export import INDEX, SINGLE, located
+
+    fs, path = located(folder)
+    if storage.exists(fs, f"{path}/{INDEX}"):
+        return sorted(set(json.loads(storage.read_retried(fs, f"{path}/{INDEX}"))["weight_map"].values()))
+    return [SINGLE] if storage.exists(fs, f"{path}/{SINGLE}") else None

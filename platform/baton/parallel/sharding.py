@@ -312,13 +312,18 @@ def load_full(module: nn.Module, wrapped: nn.Module, optimizer, model_state: dic
 
 
 def _mine(module: nn.Module, model_state: dict) -> dict:
-    """The tensors of `model_state` that `module` holds; all of them must be there."""
-    mine = list(module.state_dict())
-    missing = [k for k in mine if k not in model_state]
+    """The tensors of `model_state` that `module` holds; all of them must be there, a tensor
+    held under two names (tied) under either (a checkpoint that leaves frozen weights out
+    leaves out every name of one: checkpoint/frozen.py)."""
+    from baton.models.frozen import ties
+
+    mine, tied = list(module.state_dict()), ties(module)
+    same = {**tied, **{first: name for name, first in tied.items()}}
+    missing = [k for k in mine if k not in model_state and same.get(k) not in model_state]
     if missing:
         raise KeyError(f"the checkpoint lacks {len(missing)} of this stage's tensors, "
                        f"e.g. {missing[:3]}: it was written for another model")
-    return {k: model_state[k] for k in mine}
+    return {k: model_state[k] if k in model_state else model_state[same[k]] for k in mine}
 
 
 class _ZeroState:
