@@ -3,7 +3,7 @@
 It runs the first STEPS of the job's 500 (`--set train.steps=90`) with a checkpoint every 30
 steps instead of 100: the rest is the same loop again (at 500 steps the test took 306 s of
 the suite on a slow 2-core machine, at 300 199 s, at 150 114 s). Three checkpoints of
-`keep: 2` still exercise retention, and the loss ends below 2.8 (LOSS90 at step 90; 2.43-2.51
+`keep: 2` still exercise retention, and the loss ends below 2.8 (2.54 at step 90; 2.43-2.51
 from step 50 to 110 in an earlier measurement)."""
 
 from __future__ import annotations

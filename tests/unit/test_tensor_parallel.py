@@ -202,7 +202,7 @@ def test_compiled_tp_blocks_compute_what_eager_ones_do(tmp_path):
     included, compiled by torch.compile (Inductor's C++ on CPU), against the same shares
     eager: loss and every gradient. Dynamo takes the collectives inside the split layers'
     autograd functions into its graphs (no graph break). Under sequence parallelism:
-    tests/integration/test_tensor.py's compiled job (a second pass here took 25 s of the
+    tests/integration/test_tensor.py's compiled job (a second pass here took 26 s of the
     suite; it measured 7.2e-7 there)."""
     require_cxx()
     _spawn(_compiled_worker, 2, str(tmp_path))
