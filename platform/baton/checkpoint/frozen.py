@@ -4,11 +4,11 @@ export's from the first step to the last. A LoRA job's checkpoint then holds its
 and their optimizer state, not a copy of the model they adapt at every save.
 
 The commit records which parameters are left out, where they are (model.init_from) and a
-digest of that export (`record`: of its `baton.json`; an hf: model's `save_pretrained` folder,
-which need not be an export: of its configuration and of its weights' files, `_sampled`). A resume, an evaluation and an export take
-them from the export again (`filled`), and refuse one that has changed since (`problem`): the
-export is then an input of the checkpoint, as the corpus is (its manifest is checked the
-same way)."""
+digest of that export (`record`: of its `baton.json`; of an hf: model's `save_pretrained`
+folder, which need not be an export, its configuration and its weights' files: `_sampled`).
+A resume, an evaluation and an export take them from the export again (`filled`), and refuse
+one that has changed since (`problem`): the export is then an input of the checkpoint, as the
+corpus is (its manifest is checked the same way)."""
 
 from __future__ import annotations
 
@@ -108,11 +108,12 @@ def problem(meta: dict, model: ModelSpec) -> Optional[str]:
     except CheckpointError as e:
         return f"checkpoint {step} takes its frozen parameters from {frozen['from']}, and {e}"
     if digest != frozen["about"]:
+        what, itself = (("weights are others", "folder") if _pretrained(model) else
+                        ("baton.json is another", "export"))
         return (f"{frozen['from']} has changed since checkpoint {step} was written (its "
-                f"{'weights are others' if _pretrained(model) else 'baton.json is another'}): "
-                "the checkpoint holds only what trained, and its "
-                f"{len(frozen['names'])} frozen parameters are that export's; restore the "
-                "export it started from")
+                f"{what}): the checkpoint holds only what trained, and its "
+                f"{len(frozen['names'])} frozen parameters are that {itself}'s; restore the "
+                f"{itself} it started from")
     return None
 
 
