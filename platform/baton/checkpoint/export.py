@@ -434,12 +434,15 @@ class Exported:
     file when asked for (safetensors reads one tensor without the rest): what `load_model`
     and `model.init_from` take them from, whichever names the export was written under."""
 
-    def __init__(self, folder: str, fresh: Sequence[str] = (), grown: Sequence[str] = ()):
+    def __init__(self, folder: str, fresh: Sequence[str] = (), grown: Sequence[str] = (),
+                 about: Optional[dict] = None):
         """`fresh`: patterns (fnmatch) of the names a model keeps its own values of
         (`model.init_fresh`), which need not be here, or not at the model's shape. `grown`:
         those whose first dimension the model has grown (`model.init_grow`: tokens added at
-        a vocabulary's end), whose rows here fill its first rows."""
-        self.folder, self.about = folder, read_about(folder)
+        a vocabulary's end), whose rows here fill its first rows. `about`: what a folder
+        baton did not write would say in its baton.json (checkpoint/frozen.py: an hf:
+        model's save_pretrained folder)."""
+        self.folder, self.about = folder, about or read_about(folder)
         self.fresh, self.grown = tuple(fresh), tuple(grown)
         self.fs, self.path = located(folder)
         self.files: dict[str, tensorfile.TensorFile] = {}

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from baton.spec import ModelSpec
 
 
-SAMPLES = 16  # blocks of a weights' file in its digest, spread over it
-SAMPLE_BYTES = 1 << 16
+SAMPLES = 16  # blocks of a weights' file in its digest beside its first, spread over it
+SAMPLE_BYTES = storage.READ_WINDOW_BYTES  # a block: one request (smaller ones fetch this much)
 
 
 def _digest(model: ModelSpec) -> str:
@@ -50,27 +50,20 @@ def _digest(model: ModelSpec) -> str:
 def _sampled(fs, path: str, files: list[str]) -> str:
     """A digest of a save_pretrained folder's `files` (its configuration, whole, and its
     weights): each file's size, its first SAMPLE_BYTES (a safetensors header: every name,
-    shape and place) and SAMPLES blocks spread over the rest. Weights trained further, or
-    others of the same shapes, differ in every block; reading the whole files at every
-    load would cost what reading the model again does. A file copied or touched, its bytes
-    as they were, is the same."""
+    shape and place) and SAMPLES more blocks spread over the rest to its end. Weights
+    trained further, or others of the same shapes, differ in every block; reading the whole
+    files at every load would cost what reading the model again does. A file copied or
+    touched, its bytes as they were, is the same."""
     h = hashlib.sha256()
     for name in files:
-        f = storage.RetryingInput(fs, f"{path}/{name}")
-        try:
+        with storage.RetryingInput(fs, f"{path}/{name}") as f:
             size = f.size
             h.update(f"{name}\0{size}\0".encode())
-            starts = ([0] if size <= SAMPLES * SAMPLE_BYTES else
-                      [0, *((size - SAMPLE_BYTES) * i // SAMPLES for i in range(1, SAMPLES + 1))])
-            for at in starts:
+            spans = ([(0, size)] if size <= (SAMPLES + 1) * SAMPLE_BYTES else
+                     [((size - SAMPLE_BYTES) * i // SAMPLES, SAMPLE_BYTES) for i in range(SAMPLES + 1)])
+            for at, n in spans:
                 f.seek(at)
-                n = size if len(starts) == 1 else SAMPLE_BYTES
-                buffer = bytearray(n)
-                if f.readinto(buffer) != n:
-                    raise OSError(f"{name}: {n:,} bytes at {at:,} wanted")
-                h.update(buffer)
-        finally:
-            f.close()
+                h.update(f.read(n))
     return h.hexdigest()
 
 
@@ -136,29 +129,30 @@ def read(meta: dict, model: ModelSpec, names: list[str]) -> Iterator[tuple[str, 
         raise CheckpointError(why)
 
     def each() -> Iterator[tuple[str, torch.Tensor]]:
-        exported, tied = _reader(model), None
-        try:
-            for name in names:
-                if name not in exported.where:  # a tied head, kept under the embedding's name
-                    if tied is None:
-                        from baton.models import adapted_on_meta
-                        from baton.models.frozen import ties
+        from baton.models import adapted_on_meta
+        from baton.models.frozen import ties
 
-                        tied = ties(adapted_on_meta(model))
-                    yield name, exported.get(tied.get(name, name))
-                else:
-                    yield name, exported.get(name)
+        exported = _reader(model)
+        try:
+            # a head tied to the embedding: in the folder under the embedding's name alone
+            tied = ties(adapted_on_meta(model)) if any(n not in exported.where for n in names) else {}
+            for name in names:
+                yield name, exported.get(tied.get(name, name))
         finally:
             exported.close()
     return each()
 
 
 def _reader(model: ModelSpec):
-    """What reads model.init_from's parameters by the model's names: an export's `Exported`;
-    for an hf: model, its save_pretrained folder's safetensors files (`Pretrained`)."""
+    """What reads model.init_from's parameters by the model's names: an export, or an hf:
+    model's save_pretrained folder (its safetensors files, under transformers' names)."""
     from baton.checkpoint.export import Exported
+    from baton.models.hf import pretrained_files
 
-    return Pretrained(model.init_from) if _pretrained(model) else Exported(model.init_from)
+    if not _pretrained(model):
+        return Exported(model.init_from)
+    return Exported(model.init_from, about={"files": pretrained_files(model.init_from) or [],
+                                            "names": "transformers", "model": {"name": model.name}})
 
 
 def _pretrained(model: ModelSpec) -> bool:
@@ -167,27 +161,3 @@ def _pretrained(model: ModelSpec) -> bool:
 
     return model.name.startswith(HF_PREFIX)
 
-
-class Pretrained:
-    """The parameters of a `save_pretrained` folder's safetensors files, by an hf: model's
-    names (transformers' under `HFModel.model`), each read when asked for."""
-
-    def __init__(self, folder: str):
-        from baton.checkpoint import tensorfile
-        from baton.checkpoint.export import HF_NAMES, located
-        from baton.models.hf import pretrained_files
-
-        fs, path = located(folder)
-        self.files, self.where = [], {}
-        for name in pretrained_files(folder) or []:
-            f = tensorfile.TensorFile(fs, f"{path}/{name}")
-            self.files.append(f)
-            self.where.update((HF_NAMES + stored, (f, stored)) for stored in f.keys())
-
-    def get(self, name: str) -> torch.Tensor:
-        f, stored = self.where[name]
-        return f.get(stored)
-
-    def close(self) -> None:
-        for f in self.files:
-            f.close()
