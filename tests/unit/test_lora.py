@@ -371,5 +371,13 @@ def test_an_hf_models_checkpoint_leaves_out_the_weights_of_its_pretrained_folder
     model.model.save_pretrained(folder)
     assert "has changed since checkpoint 3 was written (its weights are others)" in frozen.problem(
         meta, adapted)
+    sharded = tmp_path / "sharded"  # several files, named by model.safetensors.index.json
+    model.model.save_pretrained(sharded, max_shard_size=4000)  # bytes: the model is ~20 KB
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    in_shards = dataclasses.replace(adapted, init_from=str(sharded))
+    record = frozen.record(in_shards)
+    assert record["names"] == sorted(state)
+    got = dict(frozen.read({"step": 4, "frozen": record}, in_shards, record["names"]))
+    assert all(torch.equal(got[n], model.state_dict()[n]) for n in state)
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")  # (not read: a name)
     assert from_start(adapted) == []
