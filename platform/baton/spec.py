@@ -46,10 +46,10 @@ class LoRASpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str = "gpt"  # gpt, mlp, classifier, "hf:TYPE" or "package.module:function"
-    layers: int = 4  # transformer blocks (gpt) or hidden layers (mlp)
-    width: int = 128  # embedding width (gpt) or hidden width (mlp)
-    heads: int = 4  # attention heads (gpt only)
+    name: str = "gpt"  # gpt, llama, mlp, classifier, "hf:TYPE" or "package.module:function"
+    layers: int = 4  # transformer blocks (gpt, llama) or hidden layers (mlp)
+    width: int = 128  # embedding width (gpt, llama) or hidden width (mlp)
+    heads: int = 4  # attention heads (gpt, llama)
     seq_len: int = 128  # tokens of context the model sees per sample
     vocab_size: int = 256
     context: int = 8  # previous tokens an MLP position sees (mlp only)

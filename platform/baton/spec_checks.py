@@ -75,10 +75,12 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
         _check_frozen(spec, need)
     need(not hf or p.pp == 1, "parallel.pp", p.pp, "hf: models are not an nn.Sequential of "
          "layers to cut into stages; use pp: 1 (data parallel or sharded)")
-    if m.name == "gpt" and m.width % m.heads:  # (the hint is only worked out when needed)
+    if m.name in ("gpt", "llama") and m.width % m.heads:  # (the hint is only worked out when needed)
         near = _divisor_near(m.width, m.heads)
         need(False, "model.heads", m.heads,
              f"must divide model.width ({m.width})" + (f"; try {near}" if near else ""))
+    if m.name == "llama":
+        _check_llama(m, need)
     need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
     need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
@@ -551,6 +553,17 @@ def _check_pipeline(spec: JobSpec, source: str, need) -> None:
 
 def _even_split(n: int, parts: int) -> list[int]:
     return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def _check_llama(m, need) -> None:
+    """Rotary positions turn pairs of a head's numbers, and grouped-query attention shares
+    each key-value head among as many query heads."""
+    kv_heads = m.options.get("kv_heads", m.heads)
+    need(m.heads % kv_heads == 0, "model.options.kv_heads", kv_heads,
+         f"must divide model.heads ({m.heads}): each key-value head serves as many query heads")
+    need((m.width // m.heads) % 2 == 0, "model.heads", m.heads,
+         f"must leave an even head width (model.width {m.width} / heads {m.heads} is "
+         f"{m.width // m.heads}): rotary positions turn pairs of numbers")
 
 
 def _divisor_near(n: int, k: int, window: int = 100_000) -> Optional[int]:

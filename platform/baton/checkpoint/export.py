@@ -29,6 +29,7 @@ import os
 import posixpath
 import shutil
 import sys
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import pyarrow.fs as pafs
@@ -38,7 +39,7 @@ from baton import storage
 from baton.checkpoint import frozen, tensorfile
 from baton.checkpoint.store import CheckpointStore
 from baton.errors import CheckpointError, StoreUnavailable
-from baton.models import HF_PREFIX
+from baton.models import HF_PREFIX, llama
 from baton.models.frozen import named
 from baton.spec import JobSpec, ModelSpec
 from baton.storage import redact
@@ -61,10 +62,10 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
     job started from, under the names of the form `hf` says (`_write_adapters`)."""
     # whose names the files use: baton's, transformers' (an hf: model's), or GPT-2's
     names = ("transformers" if spec.model.name.startswith(HF_PREFIX)
-             else "gpt2" if hf and spec.model.name == "gpt" else "baton")
+             else FORMS[spec.model.name].names if hf and spec.model.name in FORMS else "baton")
     if hf and names == "baton":
         raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
-                              "built-in gpt (as GPT-2) and hf: models do")
+                              "built-in gpt (as GPT-2), llama (as Llama) and hf: models do")
     if adapters:
         _can_split(spec)
     target = _Out(out)
@@ -101,8 +102,9 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
             name = f"part-{len(files):05d}.safetensors"
             if names == "transformers":
                 group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
-            elif names == "gpt2":
-                group = dict(_to_gpt2(n, t, spec.model.layers) for n, t in group.items())
+            elif names != "baton":
+                group = dict(FORMS[spec.model.name].to_hf(n, t, spec.model.layers)
+                             for n, t in group.items())
             with target.fs.open_output_stream(target.file(name)) as f:
                 tensorfile.write(f, group, meta)
             files.append(name)
@@ -121,8 +123,8 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
             from baton.models.hf import _config
 
             target.write("config.json", _config(spec.model).to_json_string(use_diff=True))
-        elif names == "gpt2":
-            target.write("config.json", json.dumps(gpt2_config(spec.model), indent=1))
+        elif names != "baton":
+            target.write("config.json", json.dumps(FORMS[spec.model.name].config(spec.model), indent=1))
         about.update(files=final, parameters=count, bytes=total)
         target.write(ABOUT, json.dumps(about, indent=1))  # last: an export without it is none
         target.done()
@@ -392,9 +394,6 @@ def gpt2_name(name: str, layers: int) -> tuple[str, bool]:
     return f"transformer.h.{index - 1}.{theirs}.{kind}", transposed and kind == "weight"
 
 
-def _to_gpt2(name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
-    theirs, transposed = gpt2_name(name, layers)
-    return theirs, t.t() if transposed else t
 
 
 def gpt2_config(model: ModelSpec) -> dict:
@@ -407,6 +406,24 @@ def gpt2_config(model: ModelSpec) -> dict:
             "resid_pdrop": model.dropout, "embd_pdrop": model.dropout, "attn_pdrop": model.dropout,
             "tie_word_embeddings": False, "scale_attn_weights": True,
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+@dataclass(frozen=True)
+class Form:
+    """A built-in model's Hugging Face form (`baton export --hf`): what `baton.json` calls
+    it, each parameter's name there (and whether it is held transposed), its config.json."""
+    names: str
+    name: Callable[[str, int], tuple[str, bool]]  # (baton's name, model.layers) -> (theirs, transposed)
+    config: Callable[[ModelSpec], dict]
+
+    def to_hf(self, name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
+        theirs, transposed = self.name(name, layers)
+        return theirs, t.t() if transposed else t
+
+
+FORMS = {"gpt": Form("gpt2", gpt2_name, gpt2_config),
+         "llama": Form("llama", llama.hf_name, llama.hf_config)}
+FORM_OF = {form.names: form for form in FORMS.values()}  # baton.json's "names" -> its form
 
 
 def read_about(folder: str) -> dict:
@@ -462,17 +479,17 @@ class Exported:
         self.spec = ModelSpec(**{**self.about["model"], "init_from": None, "init_fresh": [],
                                  "init_grow": []})
         kind = self.about.get("names", "baton")
-        # GPT-2's name -> (baton's, transposed in the file)
-        gpt2 = ({theirs: (mine, transposed) for mine in _on_meta(self.spec).state_dict()
-                 for theirs, transposed in [gpt2_name(mine, self.spec.layers)]}
-                if kind == "gpt2" else {})
+        # a Hugging Face form's name (GPT-2's, Llama's) -> (baton's, transposed in the file)
+        hf = ({theirs: (mine, transposed) for mine in _on_meta(self.spec).state_dict()
+               for theirs, transposed in [FORM_OF[kind].name(mine, self.spec.layers)]}
+              if kind in FORM_OF else {})
         # baton's name -> (its file, the file's name for it, transposed in the file)
         self.where: dict[str, tuple[str, str, bool]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}  # baton's name -> its shape, as baton holds it
         for file in self.about["files"]:
             f = self.files[file] = tensorfile.TensorFile(self.fs, f"{self.path}/{file}")
             for stored in f.keys():
-                mine, transposed = (gpt2[stored] if kind == "gpt2" else
+                mine, transposed = (hf[stored] if kind in FORM_OF else
                                     (HF_NAMES + stored if kind == "transformers" else stored, False))
                 shape = f.shape(stored)
                 self.where[mine] = (file, stored, transposed)

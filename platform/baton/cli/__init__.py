@@ -105,8 +105,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="split into files of at most this many MB (default 5000, as "
                           "Hugging Face's save_pretrained)")
     exp.add_argument("--hf", action="store_true",
-                     help="the built-in gpt as Hugging Face's GPT-2 (GPT2LMHeadModel: its names "
-                          "and a config.json), for transformers and what reads its folders")
+                     help="the built-in gpt as Hugging Face's GPT-2 (GPT2LMHeadModel), llama as its "
+                          "Llama (LlamaForCausalLM): their names and a config.json, for "
+                          "transformers and what reads its folders")
     exp.add_argument("--adapters", action="store_true",
                      help="model.lora's adapters alone, as PEFT's adapter folder "
                           "(adapter_model.safetensors, adapter_config.json), for the model the job "
@@ -584,7 +585,7 @@ def _export(args: argparse.Namespace) -> int:
               f"{about['parameters']:,} parameters ({about['bytes'] / 2**20:,.2f} MiB) to {args.out}")
         base = spec.model.init_from or "the model it started from"
         print(f'  load them: peft.PeftModel.from_pretrained(model, "{args.out}"), model: {base}'
-              + (" (exported --hf)" if about["names"] == "gpt2" else ""))
+              + (" (exported --hf)" if about["names"] not in ("baton", "transformers") else ""))
         return 0
     print(f"exported step {about['step']} of {about['job']}"
           + (" (the average of its weights)" if args.ema else "")

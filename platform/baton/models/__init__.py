@@ -1,4 +1,4 @@
-"""The model registry: a name ("gpt", "mlp", "classifier") or "package.module:function" gives a
+"""The model registry: a name ("gpt", "llama", "mlp", "classifier") or "package.module:function" gives a
 builder.
 
 A language model takes tokens (B, T) and returns logits (B, T, vocab); a classifier takes
@@ -56,6 +56,14 @@ def _gpt(spec) -> Layers:
                       **spec.options)
 
 
+def _llama(spec) -> Layers:
+    from baton.models.llama import llama_layers
+
+    return llama_layers(layers=spec.layers, width=spec.width, heads=spec.heads,
+                        seq_len=spec.seq_len, vocab_size=spec.vocab_size, dropout=spec.dropout,
+                        **spec.options)
+
+
 def _mlp(spec) -> Layers:
     from baton.models.mlp import mlp_layers
 
@@ -72,10 +80,14 @@ def _classifier(spec) -> Layers:
 
 # the built-in models, as recipes of layers (models/layers.py): a worker can build the layers
 # it holds without the rest. A builder of the user's may return a recipe too, or a module.
-MODELS: dict[str, Callable[..., Layers]] = {"gpt": _gpt, "mlp": _mlp, "classifier": _classifier}
+MODELS: dict[str, Callable[..., Layers]] = {"gpt": _gpt, "llama": _llama, "mlp": _mlp,
+                                            "classifier": _classifier}
 # the options each built-in model takes: name -> (least, most)
 OPTIONS: dict[str, dict[str, tuple[int, int]]] = {
     "gpt": {}, "mlp": {"embed_dim": (1, 4096)},
+    # llama: key-value heads (grouped-query attention; default: heads), the MLP's hidden
+    # units (default: 8/3 of the width), the rotary embedding's base
+    "llama": {"kv_heads": (1, 2**12), "hidden": (1, 2**20), "rope_theta": (1, 10**9)},
     "classifier": {"inputs": (1, 2**24), "classes": (2, 2**24)}}
 REQUIRED = {"classifier": ("inputs", "classes")}  # options a built-in model cannot do without
 _USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

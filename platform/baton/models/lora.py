@@ -183,16 +183,18 @@ def peft_key(layer: str, part: str) -> str:
 
 def peft_names(layers, model: ModelSpec) -> dict[str, dict[str, str]]:
     """For each form a model's layers are named in (baton's own; transformers' for an hf:
-    model; GPT-2's for the built-in GPT exported --hf), baton's name of each layer by that
+    model; GPT-2's for the built-in GPT exported --hf, Llama's for the built-in llama), baton's name of each layer by that
     form's."""
-    from baton.checkpoint.export import HF_NAMES, gpt2_name
+    from baton.checkpoint.export import FORMS, HF_NAMES
     from baton.models import HF_PREFIX
 
     forms = {"baton": {n: n for n in layers}}
     if model.name.startswith(HF_PREFIX):
         forms["transformers"] = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: n for n in layers}
-    if model.name == "gpt":
-        forms["gpt2"] = {gpt2_name(f"{n}.weight", model.layers)[0][:-len(".weight")]: n for n in layers}
+    if model.name in FORMS:
+        form = FORMS[model.name]
+        forms[form.names] = {form.name(f"{n}.weight", model.layers)[0][:-len(".weight")]: n
+                             for n in layers}
     return forms
 
 
