@@ -15,6 +15,8 @@ from baton.spec import spec_from_dict
 
 SPECS = {
     "gpt": {"name": "gpt", "layers": 4, "width": 32, "heads": 2, "seq_len": 16, "dropout": 0.1},
+    "llama": {"name": "llama", "layers": 3, "width": 32, "heads": 4, "seq_len": 16,
+              "dropout": 0.1, "options": {"kv_heads": 2}},
     "mlp": {"name": "mlp", "layers": 3, "width": 32, "context": 4},
     "classifier": {"name": "classifier", "layers": 3, "width": 16, "options": {"inputs": 8, "classes": 3}},
 }

@@ -9,7 +9,7 @@ from baton.models import build_model, check_model_name
 from baton.spec import ModelSpec, TrainSpec
 
 
-@pytest.mark.parametrize("name", ["gpt", "mlp"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "mlp"])
 def test_causal_language_model(name):
     spec = ModelSpec(name=name, layers=2, width=32, heads=2, seq_len=16, context=4)
     model = build_model(spec, seed=0).eval()
@@ -52,7 +52,7 @@ def test_a_builder_that_cannot_build_on_meta_has_no_flops_and_its_steps_no_mfu()
 
 
 def test_registry_names():
-    assert check_model_name("gpt") is None and check_model_name("mlp") is None
+    assert all(check_model_name(name) is None for name in ("gpt", "llama", "mlp"))
     assert check_model_name("baton.models.gpt:build_gpt") is None
     assert "use one of" in check_model_name("resnet")
     assert "module 'baton.models.gpt' has no 'nope'" == check_model_name("baton.models.gpt:nope")

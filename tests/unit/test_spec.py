@@ -93,7 +93,13 @@ BROKEN = [
      "train.global_batch: 10 is invalid; must be a multiple of parallel.dp x train.micro_batch = 2 x 2 = 4"),
     ({"parallel": {"dp": 512}, "train": {"global_batch": 1024}}, "parallel.dp: 512 is invalid; 512 workers x resources.cpus_per_worker 0.5 need 256 CPUs"),
     ({"data": {"path": "no/such/folder"}}, "data.path: 'no/such/folder' does not exist"),
-    ({"model": {"name": "transformer"}}, "model.name: 'transformer' is invalid; use one of gpt, mlp"),
+    ({"model": {"name": "transformer"}}, "model.name: 'transformer' is invalid; use one of gpt, llama, mlp"),
+    ({"model": {"name": "llama", "heads": 4, "options": {"kv_heads": 3}}},
+     "model.options.kv_heads: 3 is invalid; must divide model.heads (4)"),
+    ({"model": {"name": "llama", "width": 12, "heads": 4}},
+     "model.heads: 4 is invalid; must leave an even head width (model.width 12 / heads 4 is 3)"),
+    ({"model": {"name": "llama", "options": {"kv_head": 2}}},
+     "model.options: {'kv_head': 2} is invalid; llama takes no option 'kv_head'; it takes kv_heads, hidden, rope_theta"),
     ({"model": {"width": 31}}, "model.heads: 2 is invalid; must divide model.width (31); try 1"),
     ({"parallel": {"pp": 5}}, "parallel.pp: 5 is invalid; the model has 4 layers (model.layers plus embedding and head), fewer than 5 stages; use pp <= 4"),
     ({"parallel": {"dp": 1, "pp": 3, "schedule": "interleaved-1f1b"}}, "parallel.pp: 3 is invalid; the model has 4 layers (model.layers plus embedding and head), fewer than 3 stages x 2 chunks; use pp <= 2"),
@@ -255,6 +261,19 @@ TENSOR_ERRORS = [
      "into 1 x 3 equal pieces; make the vocabulary a multiple of that"),
 ]
 LAYOUT_ERRORS = SHARDING_ERRORS + TENSOR_ERRORS
+
+
+def test_a_llamas_key_value_heads_must_split_over_tp(tmp_path):
+    raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
+                    parallel={"dp": 1, "tp": 2},
+                    model={"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
+                           "options": {"kv_heads": 1}})
+    with pytest.raises(SpecError) as e:
+        spec_from_dict(raw, "job.yaml")
+    assert str(e.value) == ("job.yaml: parallel.tp: 2 is invalid; llama's layer 1: its key-value "
+                            "heads (model.options.kv_heads = 1) do not split over tp = 2")
+    raw["model"]["options"] = {"kv_heads": 2}
+    spec_from_dict(raw, "job.yaml")  # one of each worker's
 
 
 @pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,

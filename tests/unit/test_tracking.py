@@ -247,6 +247,13 @@ def test_flops_per_token_of_each_shipped_model_and_a_user_s():
 
     gpt = ModelSpec(name="gpt", layers=2, width=32, heads=2, seq_len=16, vocab_size=256)
     assert model_flops_per_token(gpt) == gpt_flops_per_token(2, 32, 16, 256)
+    # the Llama-style model: 6 x its linear weights (q, k, v, o, gate, up, down, the head)
+    # and the GPT's attention term, grouped key-value heads and all
+    llama = ModelSpec(name="llama", layers=2, width=32, heads=4, seq_len=16, vocab_size=256,
+                      options={"kv_heads": 2})
+    model = __import__("baton.models", fromlist=["build_model"]).build_model(llama, 0)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model_flops_per_token(llama) == 6 * linear + 12 * 2 * 32 * 16
     mlp = ModelSpec(name="mlp", layers=3, width=64, context=8, vocab_size=256)
     model = __import__("baton.models", fromlist=["build_model"]).build_model(mlp, 0)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -93,7 +93,7 @@ class Block(nn.Module):
 
     def tp_problem(self, tp: int) -> str | None:
         if self.kv_heads % tp:
-            return f"{self.kv_heads} key-value heads do not split over tp = {tp}"
+            return f"its key-value heads (model.options.kv_heads = {self.kv_heads}) do not split over tp = {tp}"
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
