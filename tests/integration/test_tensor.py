@@ -1,6 +1,7 @@
-"""Tensor parallelism (parallel.tp) on a local Ray with gloo: each block of the GPT (and the Llama-style model) split over
-tp workers, replicas of those under DDP or FSDP2 (2D). The same numbers as one process, and
-checkpoints written in pieces by every worker that load at any other tp and sharding."""
+"""Tensor parallelism (parallel.tp) on a local Ray with gloo: each block of the GPT (and of
+the Llama-style model) split over tp workers, replicas of those under DDP or FSDP2 (2D). The
+same numbers as one process, and checkpoints written in pieces by every worker that load at
+any other tp and sharding."""
 
 from __future__ import annotations
 
