@@ -82,7 +82,8 @@ def check_data(path: str, overrides: list[str] = (), address: Optional[str] = No
 
 def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> None:
     """`model.init_from` names weights this model can start from: for a model of baton's (or
-    your builder's), a `baton export` folder holding every parameter at its shape; an hf:
+    your builder's), a `baton export` folder holding every parameter at its shape (or, for the
+    built-in llama, a LlamaForCausalLM `save_pretrained` folder of its settings); an hf:
     model's is read by transformers' from_pretrained on the workers. `model.lora.init_from`
     holds adapters for the layers this job adapts, of its rank and alpha. `if_present` (`baton
     validate`, as for the data): a local folder not here (on a cluster's storage) is not
@@ -106,7 +107,7 @@ def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> Non
     try:
         exported = Exported(m.init_from, m.init_fresh, m.init_grow)
         exported.close()
-        problem = exported.problem(_on_meta(m))
+        problem = exported.problem(_on_meta(m)) or exported.settings_problem(m)
     except CheckpointError as e:
         problem = str(e)
     if problem:

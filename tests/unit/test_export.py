@@ -353,6 +353,68 @@ def test_the_built_in_llama_exports_as_hugging_faces_llama(tmp_path, capsys):
     assert all(torch.equal(started.state_dict()[n], q) for n, q in trained.state_dict().items())
 
 
+def test_the_built_in_llama_starts_from_a_llama_save_pretrained_folder(tmp_path):
+    """`model.init_from` for the built-in llama: a LlamaForCausalLM `save_pretrained` folder
+    (no baton.json: the form such models come in), its safetensors read by name. The job's
+    model is that one (0 apart), built whole or layer by layer; a LoRA job's checkpoints
+    leave its weights out, read back from the folder. A job whose settings are not the
+    folder's, and a Llama the built-in model does not compute (a tied head, another norm
+    epsilon), are one line each."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from baton.api import check_init_from
+    from baton.checkpoint import frozen
+    from baton.errors import SpecError
+    from baton.models import build_lazily
+    from baton.spec import LoRASpec
+
+    config = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, rope_theta=500_000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    theirs.save_pretrained(tmp_path / "llama")
+    llama = {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 64,
+             "options": {"kv_heads": 2, "hidden": 48, "rope_theta": 500_000},
+             "init_from": str(tmp_path / "llama")}
+    spec, _ = _job(tmp_path, llama)
+    check_init_from(spec, "job.yaml")
+    mine = build_model(spec.model, 0).eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(mine(tokens), theirs(input_ids=tokens).logits)  # measured: 0 apart
+    lazy, fill = build_lazily(spec.model, 0)
+    fill(list(lazy))
+    assert all(torch.equal(lazy.state_dict()[n], t) for n, t in mine.state_dict().items())
+    adapted = dataclasses.replace(spec.model, lora=LoRASpec(rank=2, targets=["*.q", "*.v"]))
+    record = frozen.record(adapted)  # every weight of the folder's left out of checkpoints
+    assert record["names"] == sorted(mine.state_dict())
+    got = dict(frozen.read({"step": 1, "frozen": record}, adapted, record["names"]))
+    assert all(torch.equal(got[n], t) for n, t in mine.state_dict().items())
+    for change, message in (
+            ({"options": {"kv_heads": 2, "hidden": 48}},  # rope_theta left at its default
+             "its model was trained with rope_theta 500000 (its config.json), and this job's "
+             "model.options.rope_theta is 10000; set it to 500000"),
+            ({"options": {"kv_heads": 4, "hidden": 48, "rope_theta": 500_000}}, "1.k.weight")):
+        other, _ = _job(tmp_path, {**llama, **change})
+        with pytest.raises(SpecError, match="job.yaml: model.init_from: ") as e:
+            check_init_from(other, "job.yaml")
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    for change, why in (({"tie_word_embeddings": True}, "its head is tied to its token embedding"),
+                        ({"rms_norm_eps": 1e-6}, "its rms_norm_eps is 1e-06")):
+        folder = tmp_path / "other"
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **change})).save_pretrained(folder)
+        assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+        other, _ = _job(tmp_path, {**llama, "init_from": str(folder)})
+        with pytest.raises(SpecError) as e:
+            check_init_from(other, "job.yaml")
+        assert str(e.value) == (f"job.yaml: model.init_from: {folder} is a save_pretrained "
+                                f"folder of a llama model, and the built-in llama does not "
+                                f"compute this model: {why}" + (
+                                    "" if "tied" in why else ", and the built-in llama's 1e-05"))
+
+
 def test_the_llamas_cached_decoding_gives_the_logits_of_the_whole_window():
     """The Llama-style model a position at a time on its cached (turned) keys and values:
     every position's logits those of one forward pass; generation the same with and without

@@ -415,6 +415,8 @@ class Form:
     names: str
     name: Callable[[str, int], tuple[str, bool]]  # (baton's name, model.layers) -> (theirs, transposed)
     config: Callable[[ModelSpec], dict]
+    # a save_pretrained folder's config.json -> the job's model section (None: not read)
+    from_config: Optional[Callable[[dict], dict]] = None
 
     def to_hf(self, name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
         theirs, transposed = self.name(name, layers)
@@ -422,19 +424,50 @@ class Form:
 
 
 FORMS = {"gpt": Form("gpt2", gpt2_name, gpt2_config),
-         "llama": Form("llama", llama.hf_name, llama.hf_config)}
+         "llama": Form("llama", llama.hf_name, llama.hf_config, llama.from_config)}
 FORM_OF = {form.names: form for form in FORMS.values()}  # baton.json's "names" -> its form
 
 
 def read_about(folder: str) -> dict:
-    """An export's `baton.json` (`folder`: a local path or a URI)."""
+    """An export's `baton.json` (`folder`: a local path or a URI), or what a `save_pretrained`
+    folder of a model baton builds itself would say in one (`pretrained_about`)."""
     try:
         fs, path = located(folder)
         return json.loads(storage.read_retried(fs, f"{path}/{ABOUT}"))
     except (OSError, ValueError, StoreUnavailable) as e:
+        about = pretrained_about(folder)
+        if about is not None:
+            return about
         why = redact(getattr(e, "strerror", None) or str(e))
         raise CheckpointError(f"{redact(folder)} is not a folder baton export wrote (its {ABOUT}: "
                               f"{type(e).__name__}: {why})") from None
+
+
+def pretrained_about(folder: str) -> Optional[dict]:
+    """A `save_pretrained` folder of a model that a built-in one computes (LlamaForCausalLM,
+    whose safetensors the built-in llama reads by name: `Form.from_config`), as its baton.json
+    would describe it: its files, the model section it is, in that form's names. None where
+    `folder` is no such folder; CheckpointError where its model is one the built-in model
+    does not compute the same way (biases, a tied head, a scaled rotary embedding, ...)."""
+    from baton.models.hf import CONFIG, pretrained_files
+
+    try:
+        fs, path = located(folder)
+        config = json.loads(storage.read_retried(fs, f"{path}/{CONFIG}"))
+        form = next((f for f in FORMS.values()
+                     if f.from_config and f.names == config.get("model_type")), None)
+        files = form and pretrained_files(folder)
+    except (OSError, ValueError, StoreUnavailable):
+        return None
+    if not files:  # (weights in a pytorch_model.bin, a pickle: read only through transformers)
+        return None
+    try:
+        model = form.from_config(config)
+    except (KeyError, TypeError, ValueError) as e:
+        why = str(e) if type(e) is ValueError else f"its {CONFIG} cannot be read ({type(e).__name__}: {e})"
+        raise CheckpointError(f"{redact(folder)} is a save_pretrained folder of a "
+                              f"{config.get('model_type')} model, and {why}") from None
+    return {"files": files, "names": form.names, "model": model, "pretrained": True}
 
 
 def is_export(folder: str) -> bool:
@@ -505,6 +538,20 @@ class Exported:
         for f in self.files.values():
             f.close()
         self.files = {}
+
+    def settings_problem(self, model: ModelSpec) -> Optional[str]:
+        """Why a `save_pretrained` folder's model is not the job's where their shapes agree
+        (None: it is, or this is an export, whose job's settings are the user's to change):
+        the settings that change its maths and no shape (a Llama's rotary base)."""
+        if not self.about.get("pretrained"):
+            return None
+        theirs = self.about["model"].get("options", {})
+        for key, default in (("rope_theta", 10_000),):
+            mine = model.options.get(key, default)
+            if key in theirs and theirs[key] != mine:
+                return (f"its model was trained with {key} {theirs[key]} (its config.json), and "
+                        f"this job's model.options.{key} is {mine}; set it to {theirs[key]}")
+        return None
 
     def problem(self, model: torch.nn.Module) -> Optional[str]:
         """Why `model` (on the meta device will do) cannot take these parameters: the first

@@ -4,8 +4,9 @@ export's from the first step to the last. A LoRA job's checkpoint then holds its
 and their optimizer state, not a copy of the model they adapt at every save.
 
 The commit records which parameters are left out, where they are (model.init_from) and a
-digest of that export (`record`: of its `baton.json`; of an hf: model's `save_pretrained`
-folder, which need not be an export, its configuration and its weights' files: `_sampled`).
+digest of that export (`record`: of its `baton.json`; of a `save_pretrained` folder, an hf:
+model's, which need not be an export, or a Llama's for the built-in llama, its configuration
+and its weights' files: `_sampled`).
 A resume, an evaluation and an export take them from the export again (`filled`), and refuse
 one that has changed since (`problem`): the export is then an input of the checkpoint, as the
 corpus is (its manifest is checked the same way)."""
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 from baton import storage
 from baton.errors import CheckpointError, StoreUnavailable
+from baton.models import HF_PREFIX
 
 if TYPE_CHECKING:
     import torch
@@ -149,15 +151,24 @@ def _reader(model: ModelSpec):
     from baton.checkpoint.export import Exported
     from baton.models.hf import pretrained_files
 
-    if not _pretrained(model):
+    if not model.name.startswith(HF_PREFIX):  # (an export, or a folder it reads as one)
         return Exported(model.init_from)
     return Exported(model.init_from, about={"files": pretrained_files(model.init_from) or [],
                                             "names": "transformers", "model": {"name": model.name}})
 
 
 def _pretrained(model: ModelSpec) -> bool:
-    """An hf: model: its init_from is a save_pretrained folder (an export of one or not)."""
-    from baton.models import HF_PREFIX
+    """Its init_from is a save_pretrained folder, with no baton.json to digest: an hf:
+    model's (an export of one or not), or one a built-in model reads (a Llama's, for the
+    built-in llama: `export.pretrained_about`)."""
+    from baton.checkpoint.export import is_export, pretrained_about
 
-    return model.name.startswith(HF_PREFIX)
+    if model.name.startswith(HF_PREFIX):
+        return True
+    if is_export(model.init_from):
+        return False
+    try:  # (no baton.json: a folder of a Llama's, or an export that lost it)
+        return pretrained_about(model.init_from) is not None
+    except CheckpointError:  # one whose model the built-in one does not compute: refused before
+        return True
 
