@@ -205,11 +205,12 @@ HF_GPT2 = {"name": "hf:gpt2", "config": {"n_layer": 1, "n_embd": 16, "n_head": 2
                                          "vocab_size": 64}}
 
 
-@pytest.mark.parametrize("form", ["baton", "gpt2", "transformers"])
+@pytest.mark.parametrize("form", ["baton", "gpt2", "transformers", "llama"])
 def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from(tmp_path, form):
     """`baton export --adapters`: the adapters of a job that fine-tuned an export, as PEFT's
     LoRA folder (the GPT-2 form's rank-stabilised: scaled by alpha / sqrt(rank)). PEFT puts them on that export, loaded as its form loads (baton's own model;
-    GPT-2's from `--hf`, whose Conv1D layers PEFT adapts with fan_in_fan_out; an `hf:` model's),
+    GPT-2's from `--hf`, whose Conv1D layers PEFT adapts with fan_in_fan_out; Llama's from
+    `--hf` for the built-in llama; an `hf:` model's),
     and computes what the job's adapted model computes. A job that trains more than its
     adapters, and an adapter folder given as a model, are refused in one line."""
     import peft  # (the test extra installs it)
@@ -219,12 +220,16 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
     from baton import api
     from baton.errors import CheckpointError
 
-    model = HF_GPT2 if form == "transformers" else {**GPT.__dict__, "lora": None}
-    targets = ["*.c_attn", "*.c_fc"] if form == "transformers" else ["*.qkv", "*.fc", "*.lm"]
+    model = (HF_GPT2 if form == "transformers" else
+             {**GPT.__dict__, "lora": None, "name": "llama", "options": {"kv_heads": 2}}
+             if form == "llama" else {**GPT.__dict__, "lora": None})
+    targets = (["*.c_attn", "*.c_fc"] if form == "transformers" else
+               ["*.q", "*.v", "*.down", "*.lm"] if form == "llama" else ["*.qkv", "*.fc", "*.lm"])
+    hf = form in ("gpt2", "llama")  # (the built-in model exported --hf: GPT-2's, Llama's)
 
     base = spec_from_dict(tiny_spec(tmp_path / "base", tmp_path, name="base", model=model))
     commit_state(base, build_model(base.model, 3).state_dict())
-    baton.export(base, str(tmp_path / "base-export"), hf=form == "gpt2")
+    baton.export(base, str(tmp_path / "base-export"), hf=hf)
     tuned = spec_from_dict(tiny_spec(tmp_path / "tuned", tmp_path, name="tuned", model={
         **model, "init_from": str(tmp_path / "base-export"),
         "lora": {"rank": 4, "targets": targets, "dropout": 0.25, "rslora": form == "gpt2"}}))
@@ -234,7 +239,7 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
             if n.endswith("lora_b"):  # (zeros as built: the adapters would change nothing)
                 p.normal_(generator=torch.Generator().manual_seed(len(n)))
     commit_state(tuned, adapted.state_dict())
-    about = baton.export(tuned, str(tmp_path / "adapters"), adapters=True, hf=form == "gpt2")
+    about = baton.export(tuned, str(tmp_path / "adapters"), adapters=True, hf=hf)
     assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "baton.json"]
     assert about["parameters"] == sum(p.numel() for n, p in adapted.named_parameters() if ".lora_" in n)
@@ -285,7 +290,7 @@ def test_the_adapters_alone_are_a_peft_folder_for_the_model_the_job_started_from
         baton.load_model(str(tmp_path / "adapters"))
     whole = spec_from_dict({**tuned.to_dict(), "model": {**tuned.to_dict()["model"],
                                                         "lora": {"rank": 4, "targets": targets,
-                                                                 "whole": ["*ln*"]}}})
+                                                                 "whole": ["*norm*" if form == "llama" else "*ln*"]}}})
     with pytest.raises(CheckpointError, match="also trains .* parameters whole"):
         baton.export(whole, str(tmp_path / "refused"), adapters=True)
 
