@@ -599,6 +599,14 @@ def shutdown_ray() -> None:
         gc.enable()
 
 
+AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def _auth_default_line(record: logging.LogRecord) -> bool:
+    """False for Ray's line saying it turned token authentication on by default."""
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def start_local_ray() -> None:
     """The embedded Ray: this machine's CPUs, no dashboard, and every one of its services (GCS,
     raylet, agents, workers, metrics) listening on 127.0.0.1 only. On Linux, Ray replaces a
@@ -610,6 +618,12 @@ def start_local_ray() -> None:
     import ray
     from ray._private import ray_constants
 
+    # Ray 2.60 turns token authentication on for a new local cluster where RAY_AUTH_MODE is
+    # unset (a token in ~/.ray/auth_token, made at the first start), and says so in a WARNING
+    # on the console at every start: a line of Ray's, about a default baton keeps. Setting
+    # the mode here instead does not work: Ray read it when imported (the GCS then never
+    # started, measured), so that one line is filtered out of Ray's log, nothing else.
+    logging.getLogger(AUTH_LOGGER).addFilter(_auth_default_line)
     options = {"num_cpus": os.cpu_count(), "_system_config": dict(ray_settings.SYSTEM_CONFIG)}
     if os.environ.get("BATON_METRICS_PORT"):
         options["_metrics_export_port"] = int(os.environ["BATON_METRICS_PORT"])

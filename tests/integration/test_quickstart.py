@@ -33,11 +33,14 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
     steps = STEPS  # the job as run
     baton = shutil.which("baton")
     assert baton, "the baton console script is installed"
+    # as a user's shell has it: no RAY_AUTH_MODE (the tests' own Ray sets it), so Ray turns
+    # token authentication on by default (the token in the tests' private HOME)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         proc = subprocess.Popen([baton, "run", "jobs/quickstart.yaml", "--set", f"train.steps={steps}",
                                  "--set", f"checkpoint.every_steps={EVERY}"],
                                 cwd=tmp_path,
-                                env=os.environ, stdout=out, stderr=err, text=True)
+                                env=env, stdout=out, stderr=err, text=True)
         listening = listeners_while_running(proc, timeout_s=900)
     stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
     assert proc.returncode == 0, stdout + stderr
@@ -47,6 +50,10 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
     outside = {(name, ip) for name, ip in listening if not is_loopback(ip)}
     assert not outside, f"listening beyond 127.0.0.1: {sorted(outside)}"
     assert "preparing the built-in corpus" in stdout
+    # Ray's line saying it turned token authentication on (every start) is not on the
+    # console; the authentication itself is on: its token was made
+    assert "Token authentication" not in stdout + stderr, stdout + stderr
+    assert os.path.exists(os.path.join(os.environ["HOME"], ".ray", "auth_token"))
     assert f"step {steps}/{steps}" in stderr  # the progress line
     final = re.search(r"finished at step (\d+), loss ([\d.]+)", stdout)
     assert final and int(final.group(1)) == steps
