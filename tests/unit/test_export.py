@@ -357,9 +357,9 @@ def test_the_built_in_llama_starts_from_a_llama_save_pretrained_folder(tmp_path)
     """`model.init_from` for the built-in llama: a LlamaForCausalLM `save_pretrained` folder
     (no baton.json: the form such models come in), its safetensors read by name. The job's
     model is that one (0 apart), built whole or layer by layer; a LoRA job's checkpoints
-    leave its weights out, read back from the folder. A job whose settings are not the
-    folder's, and a Llama the built-in model does not compute (a tied head, another norm
-    epsilon), are one line each."""
+    leave its weights out, read back from the folder. A head tied to the embedding starts as
+    it (untied). A job whose settings are not the folder's, and a Llama the built-in model
+    does not compute (another norm epsilon), are one line each."""
     import json
 
     transformers = pytest.importorskip("transformers")
@@ -401,18 +401,27 @@ def test_the_built_in_llama_starts_from_a_llama_save_pretrained_folder(tmp_path)
         with pytest.raises(SpecError, match="job.yaml: model.init_from: ") as e:
             check_init_from(other, "job.yaml")
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-    for change, why in (({"tie_word_embeddings": True}, "its head is tied to its token embedding"),
-                        ({"rms_norm_eps": 1e-6}, "its rms_norm_eps is 1e-06")):
-        folder = tmp_path / "other"
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **change})).save_pretrained(folder)
-        assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
-        other, _ = _job(tmp_path, {**llama, "init_from": str(folder)})
-        with pytest.raises(SpecError) as e:
-            check_init_from(other, "job.yaml")
-        assert str(e.value) == (f"job.yaml: model.init_from: {folder} is a save_pretrained "
-                                f"folder of a llama model, and the built-in llama does not "
-                                f"compute this model: {why}" + (
-                                    "" if "tied" in why else ", and the built-in llama's 1e-05"))
+    # a head tied to the token embedding (one tensor in the folder, under the embedding's
+    # name): the built-in model's untied head starts as the embedding, the same logits
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, "tie_word_embeddings": True})).eval()
+    tied.save_pretrained(tmp_path / "tied")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    untied = build_model(dataclasses.replace(spec.model, init_from=str(tmp_path / "tied")), 0).eval()
+    assert torch.equal(untied[3].lm.weight, untied[0].tok.weight)
+    assert untied[3].lm.weight.data_ptr() != untied[0].tok.weight.data_ptr()  # (they train apart)
+    with torch.no_grad():
+        assert torch.equal(untied(tokens), tied(input_ids=tokens).logits)  # measured: 0 apart
+    folder = tmp_path / "other"  # a Llama the built-in model does not compute
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, "rms_norm_eps": 1e-6})).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    other, _ = _job(tmp_path, {**llama, "init_from": str(folder)})
+    with pytest.raises(SpecError) as e:
+        check_init_from(other, "job.yaml")
+    assert str(e.value) == (f"job.yaml: model.init_from: {folder} is a save_pretrained folder of "
+                            "a llama model, and the built-in llama does not compute this model: "
+                            "its rms_norm_eps is 1e-06, and the built-in llama's 1e-05")
 
 
 def test_the_llamas_cached_decoding_gives_the_logits_of_the_whole_window():

@@ -415,7 +415,8 @@ class Form:
     names: str
     name: Callable[[str, int], tuple[str, bool]]  # (baton's name, model.layers) -> (theirs, transposed)
     config: Callable[[ModelSpec], dict]
-    # a save_pretrained folder's config.json -> the job's model section (None: not read)
+    # a save_pretrained folder's config.json -> {"model": the job's model section, "tied":
+    # {a parameter: the one whose tensor it starts as}} (None: such folders are not read)
     from_config: Optional[Callable[[dict], dict]] = None
 
     def to_hf(self, name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
@@ -462,12 +463,12 @@ def pretrained_about(folder: str) -> Optional[dict]:
     if not files:  # (weights in a pytorch_model.bin, a pickle: read only through transformers)
         return None
     try:
-        model = form.from_config(config)
+        made = form.from_config(config)  # its model section, and what it holds under another name
     except (KeyError, TypeError, ValueError) as e:
         why = str(e) if type(e) is ValueError else f"its {CONFIG} cannot be read ({type(e).__name__}: {e})"
         raise CheckpointError(f"{redact(folder)} is a save_pretrained folder of a "
                               f"{config.get('model_type')} model, and {why}") from None
-    return {"files": files, "names": form.names, "model": model, "pretrained": True}
+    return {"files": files, "names": form.names, "pretrained": True, **made}
 
 
 def is_export(folder: str) -> bool:
@@ -522,11 +523,15 @@ class Exported:
         for file in self.about["files"]:
             f = self.files[file] = tensorfile.TensorFile(self.fs, f"{self.path}/{file}")
             for stored in f.keys():
-                mine, transposed = (hf[stored] if kind in FORM_OF else
+                # (a name the form does not know stays as it is: `problem` names it)
+                mine, transposed = (hf.get(stored, (stored, False)) if kind in FORM_OF else
                                     (HF_NAMES + stored if kind == "transformers" else stored, False))
                 shape = f.shape(stored)
                 self.where[mine] = (file, stored, transposed)
                 self.shapes[mine] = shape[::-1] if transposed else shape
+        for mine, twin in self.about.get("tied", {}).items():  # (a save_pretrained folder's)
+            if twin in self.where and mine not in self.where:
+                self.where[mine], self.shapes[mine] = self.where[twin], self.shapes[twin]
 
     def get(self, name: str) -> torch.Tensor:
         file, stored, transposed = self.where[name]

@@ -200,16 +200,18 @@ def hf_config(model) -> dict:
 
 
 def from_config(config: dict) -> dict:
-    """The job's model section (`model:` as a dict) for a LlamaForCausalLM configuration
-    (a `save_pretrained` folder's config.json), so that the folder's weights are this
-    model's; ValueError naming what the built-in model does not compute the same way."""
+    """What a LlamaForCausalLM configuration (a `save_pretrained` folder's config.json) makes
+    of the folder for the built-in model: `model`, the job's model section (as a dict) whose
+    weights the folder's are, and `tied`, the parameters it holds under another's name (a
+    head tied to the token embedding, which the built-in model unties: both start from the
+    embedding, and train apart). ValueError naming what the built-in model does not compute
+    the same way."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     width, heads = config["hidden_size"], config["num_attention_heads"]
     for ok, why in (
             (config.get("hidden_act", "silu") == "silu", f"its hidden_act is {config.get('hidden_act')!r}, not 'silu'"),
             (not config.get("attention_bias") and not config.get("mlp_bias"), "its layers have biases"),
-            (not config.get("tie_word_embeddings"), "its head is tied to its token embedding"),
             (kind == "default", f"its rotary embedding is {kind!r} (only the default one is built in)"),
             (config.get("rms_norm_eps", 1e-6) == NORM_EPS,
              f"its rms_norm_eps is {config.get('rms_norm_eps', 1e-6)}, and the built-in llama's {NORM_EPS}"),
@@ -218,7 +220,10 @@ def from_config(config: dict) -> dict:
         if not ok:
             raise ValueError(f"the built-in llama does not compute this model: {why}")
     theta = rope.get("rope_theta", config.get("rope_theta", 10_000))
-    return {"name": "llama", "layers": config["num_hidden_layers"], "width": width, "heads": heads,
-            "seq_len": config.get("max_position_embeddings", 2048), "vocab_size": config["vocab_size"],
-            "options": {"kv_heads": config.get("num_key_value_heads") or heads,
-                        "hidden": config["intermediate_size"], "rope_theta": int(theta)}}
+    layers = config["num_hidden_layers"]
+    model = {"name": "llama", "layers": layers, "width": width, "heads": heads,
+             "seq_len": config.get("max_position_embeddings", 2048), "vocab_size": config["vocab_size"],
+             "options": {"kv_heads": config.get("num_key_value_heads") or heads,
+                         "hidden": config["intermediate_size"], "rope_theta": int(theta)}}
+    tied = config.get("tie_word_embeddings", False)  # (LlamaConfig's default)
+    return {"model": model, "tied": {f"{layers + 1}.lm.weight": "0.tok.weight"} if tied else {}}
