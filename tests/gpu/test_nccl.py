@@ -265,48 +265,33 @@ def test_a_stopwatch_on_cuda_times_the_device_not_the_host_queue():
     assert 0.5 * device < got <= device * 1.05 and watch.read() == 0.0
 
 
+# what each variant changes in the tiny GPT job's model section
+VARIANTS = {"adapters": {"lora": {"rank": 4, "dropout": 0.0}},
+            "llama": {"name": "llama", "heads": 4, "options": {"kv_heads": 2}}}
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_adapters_train_on_cuda_as_on_the_cpu(tmp_path, precision):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_variant_trains_on_cuda_as_on_the_cpu(tmp_path, variant, precision):
     """model.lora on CUDA: the adapters' products under bf16's autocast too (the hook casts A
     and B to the layer's output dtype), fused AdamW over the adapters alone, the frozen
-    weights untouched. fp32: the parameters within the bound of the training test above (not
-    yet run on a GPU: written in a session without one); bf16: the loss after 3 steps within
-    the FSDP bf16 test's 0.5 % of the fp32 CPU reference."""
+    weights untouched. The Llama-style model (rotary positions, grouped-query attention
+    through SDPA's enable_gqa, RMSNorm, SwiGLU) over NCCL. fp32: the parameters within the
+    bound of the training test above; bf16: the loss after 3 steps within the FSDP bf16
+    test's 0.5 % of the fp32 CPU reference. Written in sessions without a GPU: not yet run
+    on one."""
     data = write_dataset(tmp_path / "data", 64, 32)
     spec = _gpu_spec(tmp_path, data, steps=3, precision=precision)
-    spec = spec_from_dict({**spec.to_dict(), "model": {**spec.to_dict()["model"],
-                                                      "lora": {"rank": 4, "dropout": 0.0}}})
+    spec = spec_from_dict({**spec.to_dict(), "model": {**spec.to_dict()["model"], **VARIANTS[variant]}})
     result = api.run(spec, show_progress=False)
     assert result.state == "finished" and {w["backend"] for w in result.workers} == {"nccl"}
     got = CheckpointStore(spec.checkpoint_dir).read_model(3)
     fp32 = spec_from_dict({**spec.to_dict(), "train": {**spec.to_dict()["train"], "precision": "fp32"}})
     want, losses, _ = reference_run(fp32, data, steps=3)
-    print(f"{precision} adapters: loss {result.loss:.6f}, fp32 CPU reference {losses[-1]:.6f}")
-    frozen = [n for n in want if "lora" not in n]
-    assert all(torch.equal(got[n], want[n]) for n in frozen)  # (both: the seed's weights)
-    if precision == "fp32":
-        _assert_close(got, want, rtol=1e-3, atol=spec.train.lr / 10)
-    else:
-        assert result.loss == pytest.approx(losses[-1], rel=0.005)
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_llama_trains_on_cuda_as_on_the_cpu(tmp_path, precision):
-    """The Llama-style model (rotary positions, grouped-query attention through SDPA's
-    enable_gqa, RMSNorm, SwiGLU) over NCCL with fused AdamW: fp32 within the GPT training
-    test's bound of one CPU process; bf16 (autocast) with the loss after 3 steps within the
-    FSDP bf16 test's 0.5 % of the fp32 CPU reference. Written in a session without a GPU:
-    not yet run on one."""
-    data = write_dataset(tmp_path / "data", 64, 32)
-    spec = _gpu_spec(tmp_path, data, steps=3, precision=precision)
-    spec = spec_from_dict({**spec.to_dict(), "model": {**spec.to_dict()["model"], "name": "llama",
-                                                      "heads": 4, "options": {"kv_heads": 2}}})
-    result = api.run(spec, show_progress=False)
-    assert result.state == "finished" and {w["backend"] for w in result.workers} == {"nccl"}
-    got = CheckpointStore(spec.checkpoint_dir).read_model(3)
-    fp32 = spec_from_dict({**spec.to_dict(), "train": {**spec.to_dict()["train"], "precision": "fp32"}})
-    want, losses, _ = reference_run(fp32, data, steps=3)
-    print(f"{precision} llama: loss {result.loss:.6f}, fp32 CPU reference {losses[-1]:.6f}")
+    print(f"{precision} {variant}: loss {result.loss:.6f}, fp32 CPU reference {losses[-1]:.6f}")
+    if variant == "adapters":
+        frozen = [n for n in want if "lora" not in n]
+        assert all(torch.equal(got[n], want[n]) for n in frozen)  # (both: the seed's weights)
     if precision == "fp32":
         _assert_close(got, want, rtol=1e-3, atol=spec.train.lr / 10)
     else:

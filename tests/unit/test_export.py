@@ -296,61 +296,45 @@ def test_sample_writes_text_after_the_prompt_with_the_corpus_tokenizer(tmp_path,
         assert err.startswith("baton: error: ") and message in err and err.count("\n") == 1, err
 
 
-def test_the_built_in_gpt_exports_as_hugging_faces_gpt2(tmp_path, capsys):
+LLAMA = {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
+         "options": {"kv_heads": 2, "hidden": 48}}
+
+
+@pytest.mark.parametrize("model,theirs", [(GPT, "GPT2LMHeadModel"), (LLAMA, "LlamaForCausalLM")],
+                         ids=["gpt", "llama"])
+def test_a_built_in_model_exports_as_hugging_faces(tmp_path, capsys, model, theirs):
     """`--hf`: the built-in GPT under GPT2LMHeadModel's names (its linear weights transposed to
-    GPT-2's Conv1D), with a config.json: transformers loads it and computes the same logits;
-    baton.load_model reads it back to the same parameters."""
+    GPT-2's Conv1D), the built-in llama (4 heads on 2 key-value heads) under
+    LlamaForCausalLM's (renamed, nothing transposed or permuted), each with a config.json:
+    transformers loads it and computes the same logits; baton.load_model reads it back to the
+    same parameters, and a job's `init_from` starts from them."""
     transformers = pytest.importorskip("transformers")
-    spec, job = _job(tmp_path)
-    trained = build_model(spec.model, 4).eval()
-    _stages(CheckpointStore(spec.checkpoint_dir), 2, trained.state_dict())
-    assert cli.main(["export", str(job), "--out", str(tmp_path / "gpt2"), "--hf"]) == 0
-    assert f'from_pretrained("{tmp_path / "gpt2"}")' in capsys.readouterr().out
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "gpt2"), local_files_only=True).eval()
-    assert type(hf).__name__ == "GPT2LMHeadModel"
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        got, want = hf(input_ids=tokens).logits, trained(tokens)
-    # the same maths through transformers' code: measured 0 here and on the quick-start model
-    # (its attention is torch's SDPA too); the bound leaves room for another attention kernel
-    # (transformers' eager one sums in another order), logits up to 0.47 in size here
-    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
-    back = baton.load_model(str(tmp_path / "gpt2")).state_dict()
-    assert all(torch.equal(back[n], q) for n, q in trained.state_dict().items())
-    # a model with no Hugging Face form says so
-    (tmp_path / "mlp").mkdir()
-    mlp, mlp_job = _job(tmp_path / "mlp", {"name": "mlp", "layers": 2, "width": 16, "seq_len": 32})
-    _stages(CheckpointStore(mlp.checkpoint_dir), 2, build_model(mlp.model, 0).state_dict(), cut="1.")
-    assert cli.main(["export", str(mlp_job), "--out", str(tmp_path / "no"), "--hf"]) == 2
-    assert "--hf: model 'mlp' has no Hugging Face form" in capsys.readouterr().err
-
-
-def test_the_built_in_llama_exports_as_hugging_faces_llama(tmp_path, capsys):
-    """`--hf` for `model.name: llama` (grouped-query attention, 4 heads on 2 key-value heads):
-    LlamaForCausalLM's names (renamed, nothing transposed or permuted) and its config.json:
-    transformers loads it and computes the same logits; baton.load_model reads it back; a
-    job's `init_from` takes it; `baton sample` draws from it."""
-    transformers = pytest.importorskip("transformers")
-    llama = {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
-             "options": {"kv_heads": 2, "hidden": 48}}
-    spec, job = _job(tmp_path, llama)
+    spec, job = _job(tmp_path, model)
     trained = build_model(spec.model, 4).eval()
     _stages(CheckpointStore(spec.checkpoint_dir), 2, trained.state_dict())
     assert cli.main(["export", str(job), "--out", str(tmp_path / "hf"), "--hf"]) == 0
     assert f'from_pretrained("{tmp_path / "hf"}")' in capsys.readouterr().out
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
-    assert type(hf).__name__ == "LlamaForCausalLM"
-    assert (hf.config.num_key_value_heads, hf.config.intermediate_size) == (2, 48)
+    assert type(hf).__name__ == theirs
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = hf(input_ids=tokens).logits, trained(tokens)
-    # measured 0 (transformers' rotary embedding, RMSNorm and SDPA attention in the same
-    # order of operations); the bound leaves room for another attention kernel, as GPT-2's
+    # the same maths through transformers' code: measured 0 for both here and on the
+    # quick-start models (their attention is torch's SDPA too); the bound leaves room for
+    # another attention kernel (transformers' eager one sums in another order), logits up to
+    # 0.47 in size here
     assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
     back = baton.load_model(str(tmp_path / "hf")).state_dict()
     assert all(torch.equal(back[n], q) for n, q in trained.state_dict().items())
     started = build_model(dataclasses.replace(spec.model, init_from=str(tmp_path / "hf")), 0)
     assert all(torch.equal(started.state_dict()[n], q) for n, q in trained.state_dict().items())
+
+
+def test_a_model_with_no_hugging_face_form_says_so(tmp_path, capsys):
+    mlp, mlp_job = _job(tmp_path, {"name": "mlp", "layers": 2, "width": 16, "seq_len": 32})
+    _stages(CheckpointStore(mlp.checkpoint_dir), 2, build_model(mlp.model, 0).state_dict(), cut="1.")
+    assert cli.main(["export", str(mlp_job), "--out", str(tmp_path / "no"), "--hf"]) == 2
+    assert "--hf: model 'mlp' has no Hugging Face form" in capsys.readouterr().err
 
 
 def test_the_built_in_llama_starts_from_a_llama_save_pretrained_folder(tmp_path):
