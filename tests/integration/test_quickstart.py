@@ -34,8 +34,11 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
     baton = shutil.which("baton")
     assert baton, "the baton console script is installed"
     # as a user's shell has it: no RAY_AUTH_MODE (the tests' own Ray sets it), so Ray turns
-    # token authentication on by default (the token in the tests' private HOME)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    # token authentication on by default, its token in a HOME of the run's own (in the
+    # tests' HOME it would be a token the submission tests find there, and must not)
+    (tmp_path / "home").mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"},
+           "HOME": str(tmp_path / "home")}
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         proc = subprocess.Popen([baton, "run", "jobs/quickstart.yaml", "--set", f"train.steps={steps}",
                                  "--set", f"checkpoint.every_steps={EVERY}"],
@@ -53,7 +56,7 @@ def test_quickstart_as_the_readme_runs_it(tmp_path):
     # Ray's line saying it turned token authentication on (every start) is not on the
     # console; the authentication itself is on: its token was made
     assert "Token authentication" not in stdout + stderr, stdout + stderr
-    assert os.path.exists(os.path.join(os.environ["HOME"], ".ray", "auth_token"))
+    assert (tmp_path / "home" / ".ray" / "auth_token").exists()
     assert f"step {steps}/{steps}" in stderr  # the progress line
     final = re.search(r"finished at step (\d+), loss ([\d.]+)", stdout)
     assert final and int(final.group(1)) == steps
