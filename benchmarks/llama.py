@@ -6,6 +6,7 @@ training loss of their last 50 steps and their median tokens/s.
 
     python benchmarks/llama.py                  # 500 steps each, 2 rounds
     python benchmarks/llama.py --steps 200 --rounds 1
+    python benchmarks/llama.py --profile        # where each model's step goes (one process)
 """
 
 from __future__ import annotations
@@ -46,12 +47,57 @@ def run(model: str, data: str, tmp: str, steps: int) -> dict:
     return row
 
 
+def profile(model: str, passes: int = 10) -> dict:
+    """torch's profiler over `passes` forward and backward passes of the job's model in this
+    process (one thread, a micro-batch of 8 x 128), and the mean time of a pass over 3 x 30
+    more: the self CPU time of the matrix products and of the elementwise multiplies."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile as profiled
+
+    from baton.tasks import loss_sum
+
+    torch.set_num_threads(1)
+    net = build_model(load_spec(JOBS[model]).model, 0)
+    x = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        loss_sum(net(x[:, :-1]), x[:, 1:]).backward()
+    for _ in range(3):
+        step()
+    with profiled(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(passes):
+            step()
+    ops = {e.key: e for e in p.key_averages()}
+    ms = lambda *keys: round(sum(ops[k].self_cpu_time_total for k in keys if k in ops) / 1e3, 1)  # noqa: E731
+    timed = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(30):
+            step()
+        timed.append((time.perf_counter() - t0) / 30 * 1e3)
+    row = {"model": model, "passes": passes, "matmul_ms": ms("aten::mm", "aten::addmm"),
+           "mul_ms": ms("aten::mul"), "mul_calls": ops["aten::mul"].count if "aten::mul" in ops else 0,
+           "total_ms": round(sum(e.self_cpu_time_total for e in ops.values()) / 1e3, 1),
+           "pass_ms": [round(t, 1) for t in timed]}
+    print(f"{model:<6} over {passes} passes: matrix products {row['matmul_ms']} ms, aten::mul "
+          f"{row['mul_ms']} ms in {row['mul_calls']} calls, all {row['total_ms']} ms; a pass "
+          f"{', '.join(map(str, row['pass_ms']))} ms", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results" / "llama_cpu.json"))
+    ap.add_argument("--profile", action="store_true", help="only profile each model's pass")
     args = ap.parse_args()
+    if args.profile:
+        rows = [profile(model) for model in JOBS]
+        write_result(HERE / "results" / "llama_profile_cpu.json", {"rows": rows})
+        return
     with tempfile.TemporaryDirectory() as tmp:
         data = f"{tmp}/stdlib"
         prepare_stdlib(data, 128)

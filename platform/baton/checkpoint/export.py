@@ -60,9 +60,11 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
     one's weights are its average). `adapters`: `model.lora`'s adapters alone, as PEFT's
     adapter folder (`adapter_model.safetensors`, `adapter_config.json`), for the model the
     job started from, under the names of the form `hf` says (`_write_adapters`)."""
-    # whose names the files use: baton's, transformers' (an hf: model's), or GPT-2's
+    # whose names the files use: baton's, transformers' (an hf: model's), or a built-in
+    # model's Hugging Face form's (GPT-2's, Llama's)
+    form = FORMS.get(spec.model.name) if hf else None
     names = ("transformers" if spec.model.name.startswith(HF_PREFIX)
-             else FORMS[spec.model.name].names if hf and spec.model.name in FORMS else "baton")
+             else form.names if form else "baton")
     if hf and names == "baton":
         raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
                               "built-in gpt (as GPT-2), llama (as Llama) and hf: models do")
@@ -102,9 +104,8 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
             name = f"part-{len(files):05d}.safetensors"
             if names == "transformers":
                 group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
-            elif names != "baton":
-                group = dict(FORMS[spec.model.name].to_hf(n, t, spec.model.layers)
-                             for n, t in group.items())
+            elif form:
+                group = dict(form.to_hf(n, t, spec.model.layers) for n, t in group.items())
             with target.fs.open_output_stream(target.file(name)) as f:
                 tensorfile.write(f, group, meta)
             files.append(name)
@@ -123,8 +124,8 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
             from baton.models.hf import _config
 
             target.write("config.json", _config(spec.model).to_json_string(use_diff=True))
-        elif names != "baton":
-            target.write("config.json", json.dumps(FORMS[spec.model.name].config(spec.model), indent=1))
+        elif form:
+            target.write("config.json", json.dumps(form.config(spec.model), indent=1))
         about.update(files=final, parameters=count, bytes=total)
         target.write(ABOUT, json.dumps(about, indent=1))  # last: an export without it is none
         target.done()
@@ -394,8 +395,6 @@ def gpt2_name(name: str, layers: int) -> tuple[str, bool]:
     return f"transformer.h.{index - 1}.{theirs}.{kind}", transposed and kind == "weight"
 
 
-
-
 def gpt2_config(model: ModelSpec) -> dict:
     """The built-in GPT as GPT-2's configuration (what `GPT2Config.to_dict` writes, less what
     its defaults already say)."""
@@ -547,16 +546,15 @@ class Exported:
     def settings_problem(self, model: ModelSpec) -> Optional[str]:
         """Why a `save_pretrained` folder's model is not the job's where their shapes agree
         (None: it is, or this is an export, whose job's settings are the user's to change):
-        the settings that change its maths and no shape (a Llama's rotary base)."""
+        the one setting that changes a Llama's maths and no shape, its rotary base."""
         if not self.about.get("pretrained"):
             return None
-        theirs = self.about["model"].get("options", {})
-        for key, default in (("rope_theta", 10_000),):
-            mine = model.options.get(key, default)
-            if key in theirs and theirs[key] != mine:
-                return (f"its model was trained with {key} {theirs[key]} (its config.json), and "
-                        f"this job's model.options.{key} is {mine}; set it to {theirs[key]}")
-        return None
+        theirs = self.about["model"]["options"]["rope_theta"]  # (llama.from_config's)
+        mine = model.options.get("rope_theta", llama.ROPE_THETA)
+        if theirs == mine:
+            return None
+        return (f"its model was trained with rope_theta {theirs} (its config.json), and this "
+                f"job's model.options.rope_theta is {mine}; set it to {theirs}")
 
     def problem(self, model: torch.nn.Module) -> Optional[str]:
         """Why `model` (on the meta device will do) cannot take these parameters: the first

@@ -161,14 +161,14 @@ def _pretrained(model: ModelSpec) -> bool:
     """Its init_from is a save_pretrained folder, with no baton.json to digest: an hf:
     model's (an export of one or not), or one a built-in model reads (a Llama's, for the
     built-in llama: `export.pretrained_about`)."""
-    from baton.checkpoint.export import is_export, pretrained_about
+    from baton.checkpoint.export import is_export, located
+    from baton.models.hf import CONFIG
 
     if model.name.startswith(HF_PREFIX):
         return True
-    if is_export(model.init_from):
+    try:  # (no baton.json and no config.json: an export that lost its baton.json)
+        fs, path = located(model.init_from)
+        return not is_export(model.init_from) and storage.exists(fs, f"{path}/{CONFIG}")
+    except (OSError, ValueError):
         return False
-    try:  # (no baton.json: a folder of a Llama's, or an export that lost it)
-        return pretrained_about(model.init_from) is not None
-    except CheckpointError:  # one whose model the built-in one does not compute: refused before
-        return True
 

@@ -567,7 +567,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from baton.checkpoint.export import export
+    from baton.checkpoint.export import FORM_OF, export
     from baton.spec import load_spec
 
     if args.max_file_mb < 1:
@@ -585,7 +585,7 @@ def _export(args: argparse.Namespace) -> int:
               f"{about['parameters']:,} parameters ({about['bytes'] / 2**20:,.2f} MiB) to {args.out}")
         base = spec.model.init_from or "the model it started from"
         print(f'  load them: peft.PeftModel.from_pretrained(model, "{args.out}"), model: {base}'
-              + (" (exported --hf)" if about["names"] not in ("baton", "transformers") else ""))
+              + (" (exported --hf)" if about["names"] in FORM_OF else ""))
         return 0
     print(f"exported step {about['step']} of {about['job']}"
           + (" (the average of its weights)" if args.ema else "")

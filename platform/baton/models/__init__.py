@@ -1,5 +1,5 @@
-"""The model registry: a name ("gpt", "llama", "mlp", "classifier") or "package.module:function" gives a
-builder.
+"""The model registry: a name ("gpt", "llama", "mlp", "classifier") or "package.module:function"
+gives a builder.
 
 A language model takes tokens (B, T) and returns logits (B, T, vocab); a classifier takes
 features (B, inputs) and returns logits (B, classes). A user builder is called with the job's

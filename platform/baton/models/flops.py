@@ -2,10 +2,11 @@
 
 Training FLOPs per token = 6 x (matmul parameters) + 12 x layers x width x seq_len (attention
 scores and values, forward and backward), as in the PaLM paper's appendix B. Embedding lookups
-are not matmuls and are left out (the Llama-style model's count: models/llama.py). The MLP model and a user's model count 6 x the weights of
-their nn.Linear layers (a user's attention, if any, is not counted: MFU is then a lower bound).
-A frozen weight (`model.frozen`, `model.lora`) counts 4 (its forward and its input's gradient,
-not its own), and each adapter's parameters 6.
+are not matmuls and are left out (the Llama-style model's count: models/llama.py). The MLP
+model and a user's model count 6 x the weights of their nn.Linear layers (a user's attention,
+if any, is not counted: MFU is then a lower bound). A frozen weight (`model.frozen`,
+`model.lora`) counts 4 (its forward and its input's gradient, not its own), and each
+adapter's parameters 6.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from torch import nn
 from baton.models.layers import Layers
 
 NORM_EPS = 1e-5  # RMSNorm's epsilon (written into the export's config as rms_norm_eps)
+ROPE_THETA = 10_000  # the rotary embedding's base when model.options.rope_theta is not given
 
 
 def default_hidden(width: int) -> int:
@@ -63,7 +64,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x (B, heads, T, d) turned by its positions' angles (the rotate-half form)."""
     half = x.shape[-1] // 2
     turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos.to(x.dtype) + turned * sin.to(x.dtype))
+    return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
 
 
 class Block(nn.Module):
@@ -142,7 +143,7 @@ class Head(nn.Module):
 
 def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
                  dropout: float = 0.0, kv_heads: int | None = None, hidden: int | None = None,
-                 rope_theta: int = 10_000) -> Layers:
+                 rope_theta: int = ROPE_THETA) -> Layers:
     kv_heads = kv_heads or heads
     hidden = hidden or default_hidden(width)
 
@@ -193,7 +194,7 @@ def hf_config(model) -> dict:
             "num_hidden_layers": model.layers, "num_attention_heads": model.heads,
             "num_key_value_heads": o.get("kv_heads") or model.heads,
             "head_dim": model.width // model.heads, "max_position_embeddings": model.seq_len,
-            "rms_norm_eps": NORM_EPS, "rope_theta": float(o.get("rope_theta", 10_000)),
+            "rms_norm_eps": NORM_EPS, "rope_theta": float(o.get("rope_theta", ROPE_THETA)),
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "attention_dropout": model.dropout, "tie_word_embeddings": False,
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
@@ -219,7 +220,7 @@ def from_config(config: dict) -> dict:
              f"its head_dim {config.get('head_dim')} is not hidden_size / num_attention_heads")):
         if not ok:
             raise ValueError(f"the built-in llama does not compute this model: {why}")
-    theta = rope.get("rope_theta", config.get("rope_theta", 10_000))
+    theta = rope.get("rope_theta", config.get("rope_theta", ROPE_THETA))
     layers = config["num_hidden_layers"]
     model = {"name": "llama", "layers": layers, "width": width, "heads": heads,
              "seq_len": config.get("max_position_embeddings", 2048), "vocab_size": config["vocab_size"],

@@ -183,8 +183,8 @@ def peft_key(layer: str, part: str) -> str:
 
 def peft_names(layers, model: ModelSpec) -> dict[str, dict[str, str]]:
     """For each form a model's layers are named in (baton's own; transformers' for an hf:
-    model; GPT-2's for the built-in GPT exported --hf, Llama's for the built-in llama), baton's name of each layer by that
-    form's."""
+    model; GPT-2's for the built-in GPT exported --hf, Llama's for the built-in llama),
+    baton's name of each layer by that form's."""
     from baton.checkpoint.export import FORMS, HF_NAMES
     from baton.models import HF_PREFIX
 
