@@ -107,7 +107,7 @@ def check_init_from(spec: JobSpec, source: str, if_present: bool = False) -> Non
     try:
         exported = Exported(m.init_from, m.init_fresh, m.init_grow)
         exported.close()
-        problem = exported.problem(_on_meta(m)) or exported.settings_problem(m)
+        problem = exported.settings_problem(m) or exported.problem(_on_meta(m))
     except CheckpointError as e:
         problem = str(e)
     if problem:

@@ -564,6 +564,15 @@ def _check_llama(m, need) -> None:
     need((m.width // m.heads) % 2 == 0, "model.heads", m.heads,
          f"must leave an even head width (model.width {m.width} / heads {m.heads} is "
          f"{m.width // m.heads}): rotary positions turn pairs of numbers")
+    scaling = [k for k in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
+               if k in m.options]
+    need("rope_factor" in m.options or not scaling, f"model.options.{scaling[0] if scaling else ''}",
+         m.options.get(scaling[0]) if scaling else None,
+         "scales the rotary embedding with model.options.rope_factor (Llama 3.1's scaling), "
+         "which is not given")
+    low, high = m.options.get("rope_low_freq_factor", 1.0), m.options.get("rope_high_freq_factor", 4.0)
+    need(low < high, "model.options.rope_high_freq_factor", high,
+         f"must be more than rope_low_freq_factor ({low}): between them the frequencies are interpolated")
 
 
 def _divisor_near(n: int, k: int, window: int = 100_000) -> Optional[int]:

@@ -11,6 +11,7 @@ import difflib
 import functools
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -71,12 +72,23 @@ def _apply_override(raw: dict, item: str, source: str) -> None:
     node[parts[-1]] = _yaml(value, f"{source}: override {_show(item)}: ")
 
 
+class _Loader(yaml.SafeLoader):
+    """safe_load's loader, reading "1e-6" (an exponent, no dot) as the number YAML 1.2 and a
+    user mean: YAML 1.1 reads it as text, which a typed key turns back into a number
+    (`_coerce`) but a value under model.options would keep."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
 def _yaml(text: str, where: str) -> Any:
     """YAML text as plain data (safe_load: no tags that build objects), checked by _check_tree."""
     if _flow_depth(text) > 4 * MAX_DEPTH:  # before PyYAML's recursion spends a second on it
         raise SpecError(f"{where}the YAML is nested too deeply")
     try:
-        value = yaml.safe_load(text)
+        value = yaml.load(text, Loader=_Loader)  # (safe: a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

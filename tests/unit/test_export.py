@@ -378,8 +378,8 @@ def test_the_built_in_llama_starts_from_a_llama_save_pretrained_folder(tmp_path)
     assert all(torch.equal(got[n], t) for n, t in mine.state_dict().items())
     for change, message in (
             ({"options": {"kv_heads": 2, "hidden": 48}},  # rope_theta left at its default
-             "its model was trained with rope_theta 500000 (its config.json), and this job's "
-             "model.options.rope_theta is 10000; set it to 500000"),
+             "its model has rope_theta 500000 (its config.json), and this job's model.options "
+             "says rope_theta 10000: set rope_theta: 500000"),
             ({"options": {"kv_heads": 4, "hidden": 48, "rope_theta": 500_000}}, "1.k.weight")):
         other, _ = _job(tmp_path, {**llama, **change})
         with pytest.raises(SpecError, match="job.yaml: model.init_from: ") as e:
@@ -398,14 +398,83 @@ def test_the_built_in_llama_starts_from_a_llama_save_pretrained_folder(tmp_path)
     with torch.no_grad():
         assert torch.equal(untied(tokens), tied(input_ids=tokens).logits)  # measured: 0 apart
     folder = tmp_path / "other"  # a Llama the built-in model does not compute
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, "rms_norm_eps": 1e-6})).save_pretrained(folder)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, "attention_bias": True})).save_pretrained(folder)
     assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
     other, _ = _job(tmp_path, {**llama, "init_from": str(folder)})
     with pytest.raises(SpecError) as e:
         check_init_from(other, "job.yaml")
     assert str(e.value) == (f"job.yaml: model.init_from: {folder} is a save_pretrained folder of "
                             "a llama model, and the built-in llama does not compute this model: "
-                            "its rms_norm_eps is 1e-06, and the built-in llama's 1e-05")
+                            "its attention's layers have biases (o_proj's too)")
+
+
+# other models of Llama's kind, as transformers makes them: (its class, its config, the job's
+# model.options that are that model, a job's change the folder refuses, the refusal)
+FAMILIES = {
+    # Llama 3.1's and 3.2's: a scaled rotary embedding (head width 8, theta 5e5: wavelengths
+    # 6.3, 167, 4,450 and 118,000 positions against 256 / 4 and 256: one of each kind kept,
+    # interpolated, divided), a head tied to the embedding
+    "llama-3.1": ("LlamaForCausalLM", "LlamaConfig",
+                  dict(rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=2048,
+                       rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0, factor=8.0,
+                                            low_freq_factor=1.0, high_freq_factor=4.0,
+                                            original_max_position_embeddings=256)),
+                  {"rope_theta": 500_000, "rope_factor": 8, "rope_original_seq_len": 256},
+                  {"rope_factor": 4}, "model.options says rope_factor 4: set rope_factor: 8"),
+    # Qwen2's and 2.5's: biases on q, k and v, another epsilon and base, a tied head
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True),
+              {"rope_theta": 1_000_000, "norm_eps": 1e-6, "qkv_bias": True},
+              {"qkv_bias": False}, "model.options says qkv_bias false: set qkv_bias: true"),
+    # Mistral's: attention within a sliding window, which the job's sequence must not pass
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=32), {"norm_eps": 1e-6},
+                {"seq_len": 33}, "sliding window of 32 positions (its config.json's "
+                "sliding_window), and the built-in llama over the whole sequence: set model.seq_len "
+                "to at most 32, not 33"),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_built_in_llama_computes_llama_31_qwen2_and_mistral(tmp_path, capsys, family):
+    """A `save_pretrained` folder of each of the other models of Llama's kind the built-in
+    llama computes, made by transformers with its own classes: the job whose options say
+    that model starts from it with the same logits (0 apart), and `baton export --hf` gives
+    transformers back the same logits (Qwen2's as a Qwen2ForCausalLM: LlamaConfig's
+    attention_bias puts one on o_proj too). A job whose settings are not the folder's model
+    is one line naming the setting."""
+    transformers = pytest.importorskip("transformers")
+    from baton.api import check_init_from
+    from baton.errors import SpecError
+
+    cls, config_cls, extra, options, change, message = FAMILIES[family]
+    config = {**dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64), **extra}
+    torch.manual_seed(0)
+    theirs = getattr(transformers, cls)(getattr(transformers, config_cls)(**config)).eval()
+    with torch.no_grad():  # (biases and norms away from their zeros and ones)
+        for name, p in theirs.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.1)
+    theirs.save_pretrained(tmp_path / "folder")
+    model = {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
+             "options": {"kv_heads": 2, "hidden": 48, **options}, "init_from": str(tmp_path / "folder")}
+    spec, job = _job(tmp_path, model)
+    check_init_from(spec, "job.yaml")
+    mine = build_model(spec.model, 0).eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = theirs(input_ids=tokens).logits
+        assert torch.equal(mine(tokens), want)  # measured: 0 apart for each
+    _stages(CheckpointStore(spec.checkpoint_dir), 2, mine.state_dict())
+    assert cli.main(["export", str(job), "--out", str(tmp_path / "hf"), "--hf"]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
+    assert type(back).__name__ == ("Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM")
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=tokens).logits, want)  # measured: 0 apart
+    wrong = {**model, **change} if "seq_len" in change else {**model, "options": {**model["options"], **change}}
+    other, _ = _job(tmp_path, wrong)
+    with pytest.raises(SpecError, match="job.yaml: model.init_from: ") as e:
+        check_init_from(other, "job.yaml")
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_the_llamas_cached_decoding_gives_the_logits_of_the_whole_window():

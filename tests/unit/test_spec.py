@@ -37,6 +37,15 @@ def test_overrides_and_flat_params(tmp_path):
     assert (spec.train.steps, spec.train.lr, spec.parallel.dp) == (42, 3e-2, 1)
     flat = spec.flat()
     assert flat["train.steps"] == 42 and flat["model.name"] == "gpt"
+    # an exponent without a dot is a number, as in YAML 1.2 (1.1 reads "1e-6" as text), where
+    # no typed key turns it back into one: a model's options
+    llama = {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32}
+    path = write_spec(tmp_path / "llama.yaml", tiny_spec(tmp_path, data, model=llama))
+    (path.parent / "text.yaml").write_text(path.read_text().replace("name: llama", "name: llama\n  options: {norm_eps: 1e-6}"))
+    for spec, want in ((load_spec(path, ["model.options.norm_eps=2E-6"]), 2e-6),
+                       (load_spec(path.parent / "text.yaml"), 1e-6)):
+        eps = spec.model.options["norm_eps"]
+        assert type(eps) is float and eps == want
 
 
 def test_micro_batching_resolves_from_either_key(tmp_path):
@@ -99,7 +108,16 @@ BROKEN = [
     ({"model": {"name": "llama", "width": 12, "heads": 4}},
      "model.heads: 4 is invalid; must leave an even head width (model.width 12 / heads 4 is 3)"),
     ({"model": {"name": "llama", "options": {"kv_head": 2}}},
-     "model.options: {'kv_head': 2} is invalid; llama takes no option 'kv_head'; it takes kv_heads, hidden, rope_theta"),
+     "model.options: {'kv_head': 2} is invalid; llama takes no option 'kv_head'; it takes kv_heads, hidden, rope_theta, norm_eps, qkv_bias, rope_factor"),
+    ({"model": {"name": "llama", "options": {"norm_eps": "tiny"}}},
+     "model.options: {'norm_eps': 'tiny'} is invalid; norm_eps must be a number in [1e-12, 0.1], not 'tiny'"),
+    ({"model": {"name": "llama", "options": {"qkv_bias": 1}}},
+     "model.options: {'qkv_bias': 1} is invalid; qkv_bias must be true or false, not 1"),
+    ({"model": {"name": "llama", "options": {"rope_original_seq_len": 8192}}},
+     "model.options.rope_original_seq_len: 8192 is invalid; scales the rotary embedding with "
+     "model.options.rope_factor (Llama 3.1's scaling), which is not given"),
+    ({"model": {"name": "llama", "options": {"rope_factor": 8, "rope_high_freq_factor": 1}}},
+     "model.options.rope_high_freq_factor: 1 is invalid; must be more than rope_low_freq_factor (1.0)"),
     ({"model": {"width": 31}}, "model.heads: 2 is invalid; must divide model.width (31); try 1"),
     ({"parallel": {"pp": 5}}, "parallel.pp: 5 is invalid; the model has 4 layers (model.layers plus embedding and head), fewer than 5 stages; use pp <= 4"),
     ({"parallel": {"dp": 1, "pp": 3, "schedule": "interleaved-1f1b"}}, "parallel.pp: 3 is invalid; the model has 4 layers (model.layers plus embedding and head), fewer than 3 stages x 2 chunks; use pp <= 2"),

@@ -415,8 +415,9 @@ class Form:
     name: Callable[[str, int], tuple[str, bool]]  # (baton's name, model.layers) -> (theirs, transposed)
     config: Callable[[ModelSpec], dict]
     # a save_pretrained folder's config.json -> {"model": the job's model section, "tied":
-    # {a parameter: the one whose tensor it starts as}} (None: such folders are not read)
+    # {a parameter: the one whose tensor it starts as}, "window": a sliding window or None}
     from_config: Optional[Callable[[dict], dict]] = None
+    model_types: tuple[str, ...] = ()  # the config.json model_types from_config reads
 
     def to_hf(self, name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
         theirs, transposed = self.name(name, layers)
@@ -424,7 +425,7 @@ class Form:
 
 
 FORMS = {"gpt": Form("gpt2", gpt2_name, gpt2_config),
-         "llama": Form("llama", llama.hf_name, llama.hf_config, llama.from_config)}
+         "llama": Form("llama", llama.hf_name, llama.hf_config, llama.from_config, tuple(llama.FOLDERS))}
 FORM_OF = {form.names: form for form in FORMS.values()}  # baton.json's "names" -> its form
 
 
@@ -445,17 +446,17 @@ def read_about(folder: str) -> dict:
 
 def pretrained_about(folder: str) -> Optional[dict]:
     """A `save_pretrained` folder of a model that a built-in one computes (LlamaForCausalLM,
-    whose safetensors the built-in llama reads by name: `Form.from_config`), as its baton.json
-    would describe it: its files, the model section it is, in that form's names. None where
-    `folder` is no such folder; CheckpointError where its model is one the built-in model
-    does not compute the same way (biases, a tied head, a scaled rotary embedding, ...)."""
+    MistralForCausalLM, Qwen2ForCausalLM, whose safetensors the built-in llama reads by name:
+    `Form.from_config`), as its baton.json would describe it: its files, the model section
+    it is, in that form's names. None where `folder` is no such folder; CheckpointError where
+    its model is one the built-in model does not compute the same way (biases on o_proj, a
+    rotary embedding scaled other than Llama 3.1's, ...)."""
     from baton.models.hf import CONFIG, pretrained_files
 
     try:
         fs, path = located(folder)
         config = json.loads(storage.read_retried(fs, f"{path}/{CONFIG}"))
-        form = next((f for f in FORMS.values()
-                     if f.from_config and f.names == config.get("model_type")), None)
+        form = next((f for f in FORMS.values() if config.get("model_type") in f.model_types), None)
         files = form and pretrained_files(folder)
     except (OSError, ValueError, StoreUnavailable):
         return None
@@ -544,17 +545,29 @@ class Exported:
         self.files = {}
 
     def settings_problem(self, model: ModelSpec) -> Optional[str]:
-        """Why a `save_pretrained` folder's model is not the job's where their shapes agree
+        """Why a `save_pretrained` folder's model is not the job's where their shapes may agree
         (None: it is, or this is an export, whose job's settings are the user's to change):
-        the one setting that changes a Llama's maths and no shape, its rotary base."""
+        the settings that change a Llama's maths and no shape (`llama.MATHS`: its rotary
+        embedding, RMSNorm's epsilon; and q, k and v's biases, named more plainly here than
+        by the shape check), and a sliding window the job's sequence is longer than."""
         if not self.about.get("pretrained"):
             return None
-        theirs = self.about["model"]["options"]["rope_theta"]  # (llama.from_config's)
-        mine = model.options.get("rope_theta", llama.ROPE_THETA)
-        if theirs == mine:
-            return None
-        return (f"its model was trained with rope_theta {theirs} (its config.json), and this "
-                f"job's model.options.rope_theta is {mine}; set it to {theirs}")
+        theirs = {**llama.MATHS, **self.about["model"]["options"]}  # (llama.from_config's)
+        mine = {**llama.MATHS, **model.options}
+        wrong = [k for k in llama.MATHS if theirs[k] != mine[k]]
+        if wrong:
+            def shown(side: dict) -> str:
+                return ", ".join(f"{k} {_yaml(side[k])}" for k in wrong)
+            return (f"its model has {shown(theirs)} (its config.json), and this job's "
+                    f"model.options {'say' if len(wrong) > 1 else 'says'} {shown(mine)}: set "
+                    + ", ".join(f"{k}: {_yaml(theirs[k])}" if theirs[k] is not None else f"no {k}"
+                                for k in wrong))
+        window = self.about.get("window")
+        if window is not None and model.seq_len > window:
+            return (f"its model attends within a sliding window of {window} positions (its "
+                    f"config.json's sliding_window), and the built-in llama over the whole "
+                    f"sequence: set model.seq_len to at most {window}, not {model.seq_len}")
+        return None
 
     def problem(self, model: torch.nn.Module) -> Optional[str]:
         """Why `model` (on the meta device will do) cannot take these parameters: the first
@@ -603,6 +616,13 @@ class Exported:
                 if prefix + name in self.where and not named(prefix + name, self.fresh):
                     theirs = self.get(prefix + name)
                     (t[:len(theirs)] if named(prefix + name, self.grown) else t).copy_(theirs)
+
+
+def _yaml(value) -> str:
+    """A setting's value as a job file would write it."""
+    if value is None or isinstance(value, bool):
+        return {None: "(none)", True: "true", False: "false"}[value]
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _some(names, most: int = 6) -> str:

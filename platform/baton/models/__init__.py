@@ -82,12 +82,17 @@ def _classifier(spec) -> Layers:
 # it holds without the rest. A builder of the user's may return a recipe too, or a module.
 MODELS: dict[str, Callable[..., Layers]] = {"gpt": _gpt, "llama": _llama, "mlp": _mlp,
                                             "classifier": _classifier}
-# the options each built-in model takes: name -> (least, most)
-OPTIONS: dict[str, dict[str, tuple[int, int]]] = {
+# the options each built-in model takes: name -> (least, most), whose type is the option's
+# (an int, a float, which an integer also is, or a bool: (False, True))
+OPTIONS: dict[str, dict[str, tuple]] = {
     "gpt": {}, "mlp": {"embed_dim": (1, 4096)},
     # llama: key-value heads (grouped-query attention; default: heads), the MLP's hidden
-    # units (default: 8/3 of the width), the rotary embedding's base
-    "llama": {"kv_heads": (1, 2**12), "hidden": (1, 2**20), "rope_theta": (1, 10**9)},
+    # units (default: 8/3 of the width), the rotary embedding's base, RMSNorm's epsilon,
+    # biases on q, k and v (Qwen2's), Llama 3.1's rotary scaling (models/llama.py)
+    "llama": {"kv_heads": (1, 2**12), "hidden": (1, 2**20), "rope_theta": (1.0, 1e12),
+              "norm_eps": (1e-12, 0.1), "qkv_bias": (False, True), "rope_factor": (1.0, 1024.0),
+              "rope_low_freq_factor": (0.01, 1024.0), "rope_high_freq_factor": (0.01, 1024.0),
+              "rope_original_seq_len": (1, 2**24)},
     "classifier": {"inputs": (1, 2**24), "classes": (2, 2**24)}}
 REQUIRED = {"classifier": ("inputs", "classes")}  # options a built-in model cannot do without
 _USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
@@ -130,9 +135,9 @@ def options_problem(spec, on_meta: bool) -> Optional[str]:
             if key not in allowed:
                 return (f"{spec.name} takes no option {key!r}" +
                         (f"; it takes {', '.join(allowed)}" if allowed else "; it takes none"))
-            least, most = allowed[key]
-            if not (isinstance(value, int) and not isinstance(value, bool) and least <= value <= most):
-                return f"{key} must be an integer in [{least}, {most}], not {value!r}"[:200]
+            problem = _option_problem(key, value, *allowed[key])
+            if problem:
+                return problem
         return None
     if not on_meta:
         return None
@@ -140,6 +145,16 @@ def options_problem(spec, on_meta: bool) -> Optional[str]:
         _on_meta(spec)
     except Exception as e:
         return f"the builder {spec.name} failed on these settings: {reason(e)}"
+    return None
+
+
+def _option_problem(key: str, value: Any, least: Any, most: Any) -> Optional[str]:
+    if isinstance(least, bool):
+        return None if isinstance(value, bool) else f"{key} must be true or false, not {value!r}"[:200]
+    kind, what = (float, "a number") if isinstance(least, float) else (int, "an integer")
+    if isinstance(value, bool) or not isinstance(value, (int, kind)) or not least <= value <= most:
+        shown = "g" if kind is float else "d"
+        return f"{key} must be {what} in [{least:{shown}}, {most:{shown}}], not {value!r}"[:200]
     return None
 
 

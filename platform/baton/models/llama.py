@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +25,13 @@ from torch import nn
 
 from baton.models.layers import Layers
 
-NORM_EPS = 1e-5  # RMSNorm's epsilon (written into the export's config as rms_norm_eps)
+NORM_EPS = 1e-5  # RMSNorm's epsilon when model.options.norm_eps is not given (rms_norm_eps)
 ROPE_THETA = 10_000  # the rotary embedding's base when model.options.rope_theta is not given
+# the options that change the model's maths and no shape (what a save_pretrained folder's
+# config.json must agree with: checkpoint/export.py's settings_problem), and their defaults:
+# Llama 3.1's rotary scaling's ("llama3") where the job sets rope_factor
+MATHS = {"rope_theta": ROPE_THETA, "norm_eps": NORM_EPS, "qkv_bias": False, "rope_factor": None,
+         "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_seq_len": 8192}
 
 
 def default_hidden(width: int) -> int:
@@ -50,12 +57,38 @@ class Embedding(nn.Module):
         return self(tokens)  # (positions enter in the blocks' attention)
 
 
-def rotary(positions: torch.Tensor, head_width: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position's angles, (T, head_width): transformers' default rotary
-    embedding (frequencies theta^(-2i/d), each repeated over both halves of a head)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_width, 2, device=positions.device,
-                                            dtype=torch.float32) / head_width)
-    angles = torch.outer(positions.float(), inv_freq)
+@dataclass(frozen=True)
+class Rope:
+    """The rotary embedding: its base, and Llama 3.1's scaling of its frequencies (`factor`;
+    None: none), transformers' default and "llama3" rotary embeddings."""
+    theta: float = ROPE_THETA
+    factor: Optional[float] = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_seq_len: int = 8192
+
+    def inv_freq(self, head_width: int, device) -> torch.Tensor:
+        """The frequency of each pair of a head's dimensions, (head_width / 2,), in float32:
+        theta^(-2i/d); scaled, those of wavelengths beyond original_seq_len / low_freq_factor
+        divided by factor, those under original_seq_len / high_freq_factor kept, and those
+        between interpolated (transformers' _compute_llama3_parameters)."""
+        f = 1.0 / self.theta ** (torch.arange(0, head_width, 2, device=device,
+                                              dtype=torch.float32) / head_width)
+        if self.factor is None:
+            return f
+        wavelength = 2 * math.pi / f
+        scaled = torch.where(wavelength > self.original_seq_len / self.low_freq_factor, f / self.factor, f)
+        smooth = ((self.original_seq_len / wavelength - self.low_freq_factor)
+                  / (self.high_freq_factor - self.low_freq_factor))
+        between = ((wavelength >= self.original_seq_len / self.high_freq_factor)
+                   & (wavelength <= self.original_seq_len / self.low_freq_factor))
+        return torch.where(between, (1 - smooth) * scaled / self.factor + smooth * scaled, scaled)
+
+
+def rotary(positions: torch.Tensor, head_width: int, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's angles, (T, head_width): each pair's frequency
+    (`Rope.inv_freq`) repeated over both halves of a head, as transformers' are."""
+    angles = torch.outer(positions.float(), rope.inv_freq(head_width, positions.device))
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -75,19 +108,19 @@ class Block(nn.Module):
                "gate": "column", "up": "column", "down": "row"}
     tp_random = tp_sequence_random = contextlib.nullcontext
 
-    def __init__(self, width: int, heads: int, kv_heads: int, hidden: int, theta: float,
-                 dropout: float):
+    def __init__(self, width: int, heads: int, kv_heads: int, hidden: int, rope: Rope,
+                 dropout: float, norm_eps: float = NORM_EPS, qkv_bias: bool = False):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
         self.head_width = width // heads
-        self.theta = theta
+        self.rope = rope
         self.dropout = dropout
-        self.attn_norm = nn.RMSNorm(width, eps=NORM_EPS)
-        self.q = nn.Linear(width, width, bias=False)
-        self.k = nn.Linear(width, kv_heads * self.head_width, bias=False)
-        self.v = nn.Linear(width, kv_heads * self.head_width, bias=False)
+        self.attn_norm = nn.RMSNorm(width, eps=norm_eps)
+        self.q = nn.Linear(width, width, bias=qkv_bias)
+        self.k = nn.Linear(width, kv_heads * self.head_width, bias=qkv_bias)
+        self.v = nn.Linear(width, kv_heads * self.head_width, bias=qkv_bias)
         self.o = nn.Linear(width, width, bias=False)
-        self.mlp_norm = nn.RMSNorm(width, eps=NORM_EPS)
+        self.mlp_norm = nn.RMSNorm(width, eps=norm_eps)
         self.gate = nn.Linear(width, hidden, bias=False)
         self.up = nn.Linear(width, hidden, bias=False)
         self.down = nn.Linear(hidden, width, bias=False)
@@ -110,7 +143,7 @@ class Block(nn.Module):
         B, T = q.shape[:2]
         q = q.view(B, T, -1, self.head_width).transpose(1, 2)
         k, v = (t.view(B, T, -1, self.head_width).transpose(1, 2) for t in (k, v))
-        cos, sin = rotary(torch.arange(start, start + T, device=x.device), self.head_width, self.theta)
+        cos, sin = rotary(torch.arange(start, start + T, device=x.device), self.head_width, self.rope)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             if start:
@@ -129,9 +162,9 @@ class Head(nn.Module):
     # tensor parallelism: each worker computes the logits of its share of the vocabulary
     tp_plan = {"lm": "gather"}
 
-    def __init__(self, width: int, vocab_size: int):
+    def __init__(self, width: int, vocab_size: int, norm_eps: float = NORM_EPS):
         super().__init__()
-        self.norm = nn.RMSNorm(width, eps=NORM_EPS)
+        self.norm = nn.RMSNorm(width, eps=norm_eps)
         self.lm = nn.Linear(width, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, V)
@@ -142,20 +175,26 @@ class Head(nn.Module):
 
 
 def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
-                 dropout: float = 0.0, kv_heads: int | None = None, hidden: int | None = None,
-                 rope_theta: int = ROPE_THETA) -> Layers:
+                 dropout: float = 0.0, kv_heads: Optional[int] = None, hidden: Optional[int] = None,
+                 rope_theta: float = ROPE_THETA, norm_eps: float = NORM_EPS, qkv_bias: bool = False,
+                 rope_factor: Optional[float] = None, rope_low_freq_factor: float = 1.0,
+                 rope_high_freq_factor: float = 4.0, rope_original_seq_len: int = 8192) -> Layers:
     kv_heads = kv_heads or heads
     hidden = hidden or default_hidden(width)
+    rope = Rope(float(rope_theta), rope_factor and float(rope_factor), float(rope_low_freq_factor),
+                float(rope_high_freq_factor), rope_original_seq_len)
 
     def init(name: str, p: torch.Tensor) -> None:
         if p.dim() >= 2:  # (the norms keep their ones)
             # as the GPT: residual projections scaled down by depth
             std = 0.02 / math.sqrt(2 * layers) if name.endswith(("o.weight", "down.weight")) else 0.02
             nn.init.normal_(p, mean=0.0, std=std)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(p)
 
     return Layers([lambda: Embedding(vocab_size, width),
-                   *[lambda: Block(width, heads, kv_heads, hidden, float(rope_theta), dropout)] * layers,
-                   lambda: Head(width, vocab_size)], init)
+                   *[lambda: Block(width, heads, kv_heads, hidden, rope, dropout, norm_eps, qkv_bias)] * layers,
+                   lambda: Head(width, vocab_size, norm_eps)], init)
 
 
 def flops_per_token(layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
@@ -186,45 +225,78 @@ def hf_name(name: str, layers: int) -> tuple[str, bool]:
 
 
 def hf_config(model) -> dict:
-    """The model as LlamaConfig's configuration (`model`: the job's ModelSpec)."""
-    o = model.options
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": model.vocab_size, "hidden_size": model.width,
-            "intermediate_size": o.get("hidden") or default_hidden(model.width),
-            "num_hidden_layers": model.layers, "num_attention_heads": model.heads,
-            "num_key_value_heads": o.get("kv_heads") or model.heads,
-            "head_dim": model.width // model.heads, "max_position_embeddings": model.seq_len,
-            "rms_norm_eps": NORM_EPS, "rope_theta": float(o.get("rope_theta", ROPE_THETA)),
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": model.dropout, "tie_word_embeddings": False,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    """The model as transformers' configuration (`model`: the job's ModelSpec): LlamaConfig's,
+    or Qwen2Config's where q, k and v have biases (LlamaConfig's attention_bias gives o one
+    too; Qwen2's layers are otherwise Llama's, under the same names)."""
+    o = {**MATHS, **model.options}
+    config = {"vocab_size": model.vocab_size, "hidden_size": model.width,
+              "intermediate_size": o.get("hidden") or default_hidden(model.width),
+              "num_hidden_layers": model.layers, "num_attention_heads": model.heads,
+              "num_key_value_heads": o.get("kv_heads") or model.heads,
+              "head_dim": model.width // model.heads, "max_position_embeddings": model.seq_len,
+              "rms_norm_eps": o["norm_eps"], "rope_theta": float(o["rope_theta"]),
+              "hidden_act": "silu", "attention_dropout": model.dropout, "tie_word_embeddings": False,
+              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    if o["rope_factor"] is not None:
+        config["rope_scaling"] = {
+            "rope_type": "llama3", "factor": float(o["rope_factor"]),
+            "low_freq_factor": float(o["rope_low_freq_factor"]),
+            "high_freq_factor": float(o["rope_high_freq_factor"]),
+            "original_max_position_embeddings": o["rope_original_seq_len"]}
+        config["max_position_embeddings"] = max(model.seq_len, round(o["rope_original_seq_len"] * o["rope_factor"]))
+    if o["qkv_bias"]:
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **config,
+                "use_sliding_window": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
+            "attention_bias": False, "mlp_bias": False}
+
+
+# the save_pretrained folders whose models the built-in llama computes: config.json's
+# model_type -> (its q, k and v have biases, the config's defaults where a key is left out)
+FOLDERS = {"llama": (False, {"rms_norm_eps": 1e-6}),
+           "mistral": (False, {"rms_norm_eps": 1e-6, "sliding_window": 4096}),
+           "qwen2": (True, {"rms_norm_eps": 1e-6, "use_sliding_window": False})}
 
 
 def from_config(config: dict) -> dict:
-    """What a LlamaForCausalLM configuration (a `save_pretrained` folder's config.json) makes
-    of the folder for the built-in model: `model`, the job's model section (as a dict) whose
-    weights the folder's are, and `tied`, the parameters it holds under another's name (a
-    head tied to the token embedding, which the built-in model unties: both start from the
-    embedding, and train apart). ValueError naming what the built-in model does not compute
-    the same way."""
+    """What a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM configuration (a
+    `save_pretrained` folder's config.json: `FOLDERS`) makes of the folder for the built-in
+    model: `model`, the job's model section (as a dict) whose weights the folder's are;
+    `tied`, the parameters it holds under another's name (a head tied to the token embedding,
+    which the built-in model unties: both start from the embedding, and train apart);
+    `window`, the sliding window its attention keeps to (None: none), which the job's
+    sequence must not pass. ValueError naming what the built-in model does not compute the
+    same way."""
+    qkv_bias, defaults = FOLDERS[config.get("model_type")]
+    config = {**defaults, **config}
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     width, heads = config["hidden_size"], config["num_attention_heads"]
+    eps = config["rms_norm_eps"]
     for ok, why in (
             (config.get("hidden_act", "silu") == "silu", f"its hidden_act is {config.get('hidden_act')!r}, not 'silu'"),
-            (not config.get("attention_bias") and not config.get("mlp_bias"), "its layers have biases"),
-            (kind == "default", f"its rotary embedding is {kind!r} (only the default one is built in)"),
-            (config.get("rms_norm_eps", 1e-6) == NORM_EPS,
-             f"its rms_norm_eps is {config.get('rms_norm_eps', 1e-6)}, and the built-in llama's {NORM_EPS}"),
+            (not config.get("attention_bias"), "its attention's layers have biases (o_proj's too)"),
+            (not config.get("mlp_bias"), "its MLP's layers have biases"),
+            (kind in ("default", "llama3"),
+             f"its rotary embedding is {kind!r} (the default one and Llama 3.1's 'llama3' are built in)"),
+            (isinstance(eps, (int, float)) and 1e-12 <= eps <= 0.1, f"its rms_norm_eps {eps!r} is not in [1e-12, 0.1]"),
             (config.get("head_dim") in (None, width // heads),
              f"its head_dim {config.get('head_dim')} is not hidden_size / num_attention_heads")):
         if not ok:
             raise ValueError(f"the built-in llama does not compute this model: {why}")
     theta = rope.get("rope_theta", config.get("rope_theta", ROPE_THETA))
     layers = config["num_hidden_layers"]
+    options = {"kv_heads": config.get("num_key_value_heads") or heads, "hidden": config["intermediate_size"],
+               "rope_theta": theta, "norm_eps": eps, "qkv_bias": qkv_bias}
+    if kind == "llama3":
+        options.update(rope_factor=rope["factor"], rope_low_freq_factor=rope["low_freq_factor"],
+                       rope_high_freq_factor=rope["high_freq_factor"],
+                       rope_original_seq_len=rope["original_max_position_embeddings"])
     model = {"name": "llama", "layers": layers, "width": width, "heads": heads,
              "seq_len": config.get("max_position_embeddings", 2048), "vocab_size": config["vocab_size"],
-             "options": {"kv_heads": config.get("num_key_value_heads") or heads,
-                         "hidden": config["intermediate_size"], "rope_theta": int(theta)}}
-    tied = config.get("tie_word_embeddings", False)  # (LlamaConfig's default)
-    return {"model": model, "tied": {f"{layers + 1}.lm.weight": "0.tok.weight"} if tied else {}}
+             "options": options}
+    # (Mistral's window is on wherever it has one; Qwen2's where it says so)
+    sliding = config.get("use_sliding_window", True) or "sliding_attention" in (config.get("layer_types") or ())
+    tied = config.get("tie_word_embeddings", False)  # (the three configs' default)
+    return {"model": model, "tied": {f"{layers + 1}.lm.weight": "0.tok.weight"} if tied else {},
+            "window": config.get("sliding_window") if sliding else None}
