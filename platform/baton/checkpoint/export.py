@@ -468,7 +468,7 @@ def pretrained_about(folder: str) -> Optional[dict]:
         why = str(e) if type(e) is ValueError else f"its {CONFIG} cannot be read ({type(e).__name__}: {e})"
         raise CheckpointError(f"{redact(folder)} is a save_pretrained folder of a "
                               f"{config.get('model_type')} model, and {why}") from None
-    return {"files": files, "names": form.names, "pretrained": True, **made}
+    return {"files": files, "names": form.names, "pretrained": config.get("model_type"), **made}
 
 
 def is_export(folder: str) -> bool:
@@ -622,6 +622,8 @@ def _yaml(value) -> str:
     """A setting's value as a job file would write it."""
     if value is None or isinstance(value, bool):
         return {None: "(none)", True: "true", False: "false"}[value]
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))  # (a rotary base of 1e6: 1000000)
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 

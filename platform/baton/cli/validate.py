@@ -38,17 +38,23 @@ def validate(args: argparse.Namespace) -> int:
                   + (f"; stops after {e.patience} evaluation{'s' * (e.patience > 1)} without "
                      f"an improvement" + (f" larger than {e.min_delta:g}" if e.min_delta else "")
                      if e.patience else ""))
-    from baton.checkpoint.export import is_export, read_about
+    from baton.checkpoint.export import is_export, pretrained_about, read_about
     from baton.storage import redact
 
-    if spec.model.init_from and is_export(spec.model.init_from):
-        about = read_about(spec.model.init_from)
-        print(f"  starts from {redact(spec.model.init_from)}: step {about.get('step')} of "
+    start = spec.model.init_from
+    if start and is_export(start):
+        about = read_about(start)
+        print(f"  starts from {redact(start)}: step {about.get('step')} of "
               f"{about.get('job')} ({about.get('parameters', 0):,} parameters)")
-        if spec.model.init_fresh:
-            print(f"  fresh (its own initialization): {api.fresh_names(spec)}")
-        if spec.model.init_grow:
-            print(f"  grown (the export's rows first): {api.grown_names(spec)}")
+    elif start and spec.model.name == "llama" and pretrained_about(start):
+        print(f"  starts from {redact(start)}: a save_pretrained folder of a "
+              f"{pretrained_about(start)['pretrained']} model")
+    else:
+        start = None
+    if start and spec.model.init_fresh:
+        print(f"  fresh (its own initialization): {api.fresh_names(spec)}")
+    if start and spec.model.init_grow:
+        print(f"  grown (the export's rows first): {api.grown_names(spec)}")
     if spec.model.partly_frozen:
         print(f"  {_frozen_line(spec)}")
     if d.pp > 1:

@@ -2,8 +2,12 @@
 a SwiGLU MLP and RMSNorm, written as a flat sequence of layers (embedding, blocks, head) as
 the GPT is, so that pipelines, sharding, tensor parallelism and the layer-by-layer build take
 it as they take the GPT. Its maths and parameter layout are Hugging Face's LlamaForCausalLM
-(rotate-half rotary embedding, no biases, an untied head): `baton export --hf` writes its
-weights under transformers' names, renamed, never permuted (`hf_name`, `hf_config`).
+(rotate-half rotary embedding, an untied head): `baton export --hf` writes its weights under
+transformers' names, renamed, never permuted (`hf_name`, `hf_config`). Its options make it
+the other models of that kind, to the same logits: Llama 3.1's and 3.2's (`rope_factor`:
+their scaled rotary embedding), Qwen2's and 2.5's (`qkv_bias`, `norm_eps`), Mistral's
+(whose sliding window the job's sequence must not pass); `from_config` reads their
+save_pretrained folders' configurations (`FOLDERS`).
 
 q, k, v, gate and up are separate layers, as transformers' are: each is a column layer under
 tensor parallelism (a worker holds its query heads, its share of the key-value heads and of
