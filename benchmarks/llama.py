@@ -7,6 +7,8 @@ training loss of their last 50 steps and their median tokens/s.
     python benchmarks/llama.py                  # 500 steps each, 2 rounds
     python benchmarks/llama.py --steps 200 --rounds 1
     python benchmarks/llama.py --profile        # where each model's step goes (one process)
+    python benchmarks/llama.py --tp             # the llama at tp 2: one collective for the
+                                                # layers that share an input, or one each
 """
 
 from __future__ import annotations
@@ -87,13 +89,107 @@ def profile(model: str, passes: int = 10) -> dict:
     return row
 
 
+def _tp_worker(rank: int, port: int, sequence: bool, rounds: int, passes: int, out: str) -> None:
+    """One of two tp workers (gloo, one thread each): the job's llama split twice, as baton
+    splits it (each block's q, k and v entering the split region through one collective,
+    gate and up through another: `tp_entered`) and with a collective for each column layer
+    (tp_entered emptied), forward and backward passes of a micro-batch of 8 x 128 timed in
+    rounds that alternate which goes first; each pass's collectives counted."""
+    import json
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from baton.parallel.tensor import Shares
+    from baton.tasks import loss_sum
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    spec = load_spec(JOBS["llama"]).model
+    nets = {}
+    for way in ("once", "each"):
+        net = build_model(spec, 0)
+        if way == "each":
+            for block in net[1:-1]:
+                block.tp_entered = ()
+        Shares(net, rank, 2, dist.group.WORLD, sequence=sequence)
+        nets[way] = net
+    x = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(0))
+    calls = {"all_reduce": 0, "all_gather": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    def step(net) -> None:
+        loss_sum(net(x[:, :-1]), x[:, 1:]).backward()
+    counts = {}
+    for way, net in nets.items():
+        for name in calls:
+            calls[name] = 0
+            setattr(dist, name, counted(name))
+        step(net)
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        counts[way] = dict(calls)
+    times: dict = {way: [] for way in nets}
+    for r in range(rounds):
+        for way in (("once", "each") if r % 2 == 0 else ("each", "once")):
+            for _ in range(3):
+                step(nets[way])
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(passes):
+                step(nets[way])
+            times[way].append((time.perf_counter() - t0) / passes * 1e3)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"counts": counts, "pass_ms": times}))
+    dist.destroy_process_group()
+
+
+def tensor_parallel(rounds: int = 5, passes: int = 20) -> list[dict]:
+    """The llama's forward and backward pass at tp 2, plain and sequence parallel: its layers
+    that share an input entering the split region through one collective against one each."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    rows = []
+    for sequence in (False, True):
+        with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            mp.spawn(_tp_worker, args=(port, sequence, rounds, passes, f"{tmp}/out.json"), nprocs=2)
+            got = json.loads(Path(f"{tmp}/out.json").read_text())
+        ratio = statistics.median(e / o for e, o in zip(got["pass_ms"]["each"], got["pass_ms"]["once"]))
+        row = {"sequence_parallel": sequence, "collectives": got["counts"],
+               "pass_ms": {k: [round(t, 1) for t in v] for k, v in got["pass_ms"].items()},
+               "each_over_once": round(ratio, 3)}
+        print(f"tp 2{' sp' if sequence else ''}: a pass {statistics.median(got['pass_ms']['once']):.1f} ms "
+              f"with one collective per shared input ({got['counts']['once']}), "
+              f"{statistics.median(got['pass_ms']['each']):.1f} ms with one per layer "
+              f"({got['counts']['each']}): {ratio:.3f}x the time", flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results" / "llama_cpu.json"))
     ap.add_argument("--profile", action="store_true", help="only profile each model's pass")
+    ap.add_argument("--tp", action="store_true", help="only time the llama's pass at tp 2")
     args = ap.parse_args()
+    if args.tp:
+        write_result(HERE / "results" / "llama_tp_cpu.json", {"rows": tensor_parallel()})
+        return
     if args.profile:
         rows = [profile(model) for model in JOBS]
         write_result(HERE / "results" / "llama_profile_cpu.json", {"rows": rows})

@@ -57,17 +57,33 @@ def _worker(rank: int, port: int, sequence: bool, split_logits: bool, adapted: b
         tokens = torch.randint(0, 32, (2, 8), generator=g)
         targets = torch.randint(0, 32, (2, 8), generator=g)
         targets[0, :3] = IGNORE  # padding the loss leaves out
-        got, want = model(tokens), whole(tokens)
+        calls = {"all_reduce": 0, "all_gather": 0}  # the tp collectives of a step's passes
+        originals = {name: getattr(dist, name) for name in calls}
+
+        def counted(name):
+            def call(*args, **kwargs):
+                calls[name] += 1
+                return originals[name](*args, **kwargs)
+            return call
+        for name in calls:
+            setattr(dist, name, counted(name))
+        try:
+            got = model(tokens)
+            loss = loss_sum(got, targets)
+            loss.backward()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        want = whole(tokens)
         logits = torch.cat(_pieces(got), dim=-1) if split_logits else got
-        loss, ref = loss_sum(got, targets), loss_sum(want, targets)
-        loss.backward()
+        ref = loss_sum(want, targets)
         ref.backward()
         shares.sum_partial_grads(model)
         grads = {n: shares.splits[n].join(_pieces(q.grad)) if n in shares.splits else q.grad
                  for n, q in model.named_parameters() if q.requires_grad}
         torch.save({"logits": (logits - want).abs().max().item(), "scale": want.abs().max().item(),
                     "loss": abs(loss.item() - ref.item()), "norm_input": seen,
-                    "split": getattr(got, "vocab_split", None) is not None,
+                    "split": getattr(got, "vocab_split", None) is not None, "calls": calls,
                     "partial": shares.partial, "params": [n for n, _ in whole.named_parameters()],
                     "trained": sorted(n for n, q in model.named_parameters() if q.requires_grad),
                     # each trained parameter's gradient, apart by at most this part of its
@@ -134,6 +150,14 @@ def test_a_llama_split_over_two_workers_computes_what_the_whole_one_does(tmp_pat
         assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r
         assert r["norm_input"] == [(2, 4 if sequence else 8, 16)]
         assert sorted(r["partial"]) == (norms if sequence else [])
+        # each block's q, k and v take their input through one collective, gate and up
+        # through another (tp_enter): forward, the embedding's all-reduce, each block's two
+        # row layers' (under sequence parallelism: two gathers in and two reduce-scatters
+        # out, which gloo does as all-reduces) and the head's gathered logits; backward, two
+        # a block and the head's (16 all-reduces, and 17 gathers under sequence
+        # parallelism, with a collective for each layer)
+        assert r["calls"] == ({"all_reduce": 10, "all_gather": 11} if sequence else
+                              {"all_reduce": 10, "all_gather": 1}), r["calls"]
 
 
 def _dropout_worker(rank: int, port: int, sequence: bool, adapted: bool, out: str) -> None:

@@ -11,10 +11,10 @@ save_pretrained folders' configurations (`FOLDERS`).
 
 q, k, v, gate and up are separate layers, as transformers' are: each is a column layer under
 tensor parallelism (a worker holds its query heads, its share of the key-value heads and of
-the MLP's hidden units), o and down row layers. That costs collectives a fused layer would
-share: each column layer sums its input's gradient on its own (five all-reduces a block
-backward where the GPT's fused qkv and fc take two), and under sequence parallelism each
-gathers its input (five all-gathers a block forward where the GPT takes two)."""
+the MLP's hidden units), o and down row layers. The block brings each normed input into the
+split region once (`tp_enter`, `tp_entered`) for the layers that take it: two all-reduces a
+block backward (under sequence parallelism two all-gathers forward), as the GPT's fused qkv
+and fc take, not one for each layer."""
 
 from __future__ import annotations
 
@@ -110,7 +110,12 @@ class Block(nn.Module):
     # the matching shares of o and down; attention dropout draws from its own stream
     tp_plan = {"q": "column", "k": "column", "v": "column", "o": "row",
                "gate": "column", "up": "column", "down": "row"}
+    tp_entered = ("q", "k", "v", "gate", "up")  # (their inputs enter through tp_enter, once)
     tp_random = tp_sequence_random = contextlib.nullcontext
+
+    @staticmethod
+    def tp_enter(x: torch.Tensor) -> torch.Tensor:  # (under tp: parallel/tensor.py's Enter)
+        return x
 
     def __init__(self, width: int, heads: int, kv_heads: int, hidden: int, rope: Rope,
                  dropout: float, norm_eps: float = NORM_EPS, qkv_bias: bool = False):
@@ -140,9 +145,9 @@ class Block(nn.Module):
     def decode(self, x: torch.Tensor, cache: dict | None, start: int) -> torch.Tensor:
         """The block on positions start.. of a sequence whose earlier positions' keys and
         values (turned) `cache` holds (`baton sample`), which it extends; training passes none."""
-        h = self.attn_norm(x)
+        h = self.tp_enter(self.attn_norm(x))
         # this worker's heads (all, or its share under tp), over the whole sequence (x may be
-        # its part of it: sequence parallelism, whose column layers gather it)
+        # its part of it: sequence parallelism, whose tp_enter gathers it)
         q, k, v = self.q(h), self.k(h), self.v(h)
         B, T = q.shape[:2]
         q = q.view(B, T, -1, self.head_width).transpose(1, 2)
@@ -158,7 +163,7 @@ class Block(nn.Module):
                 q, k, v, is_causal=start == 0, enable_gqa=q.shape[1] != k.shape[1],
                 dropout_p=self.dropout if self.training else 0.0)
         x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
-        h = self.mlp_norm(x)
+        h = self.tp_enter(self.mlp_norm(x))
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 

@@ -12,9 +12,11 @@ A module says how its layers split with a class attribute, `tp_plan`: {child nam
 "column" | "row" | ("column", parts) | "vocab" | "gather"}. `parts` is for a fused projection
 (the GPT's `qkv` holds q, k and v one after the other): each of its parts is split, so that
 every worker holds its heads' q, k and v. "vocab" splits an nn.Embedding's rows, "gather" is
-"column" with the outputs gathered whole (a head). The module's forward must take its widths
-from its layers' outputs (the GPT's block counts its heads from q's width), so that the same
-code runs whole or split. Sequence parallelism (`sequence_region`) also splits what runs
+"column" with the outputs gathered whole (a head). Column layers that take one input (the
+llama's separate q, k and v) are named in `tp_entered`, and the module's forward passes
+their input through its `tp_enter` (the identity, whole) before them: one collective for
+them all (`Enter`). The module's forward must take its widths from its layers' outputs (the
+GPT's block counts its heads from q's width), so that the same code runs whole or split. Sequence parallelism (`sequence_region`) also splits what runs
 between the split layers along the sequence.
 
 The split is this module's own rather than torch's DTensor plans
@@ -252,12 +254,32 @@ class _Share(nn.Module):
             return y + delta(self, x, y.dtype)
 
 
+class Enter:
+    """Into the split region: a column layer's input as it is, its gradient summed over the tp
+    workers; under sequence parallelism, the whole sequence gathered from every worker's part,
+    its gradient summed and split again. A planned module whose column layers take one input
+    (the llama's q, k and v, its gate and up: `tp_entered`) enters it once, by calling its
+    `tp_enter` with it, which is one of these under tp: one collective where each layer
+    would have had its own."""
+
+    def __init__(self, group, rank: int, size: int, sequence: bool):
+        self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence:
+            return _GatherSequence.apply(x, self.group, self.rank, self.size)
+        return _ToSplit.apply(x, self.group)
+
+
 class ColumnParallel(_Share):
-    """This worker's share of a linear layer's outputs: y_r = x W_r^T + b_r."""
+    """This worker's share of a linear layer's outputs: y_r = x W_r^T + b_r. `entered`: its
+    module has brought its input into the split region already (`Enter`)."""
+
+    entered = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = (_GatherSequence.apply(x, self.group, self.rank, self.size) if self.sequence
-             else _ToSplit.apply(x, self.group))
+        if not self.entered:
+            x = Enter(self.group, self.rank, self.size, self.sequence)(x)
         return self.adapter(x, F.linear(x, self.weight, self.bias))
 
 
@@ -404,6 +426,11 @@ def plan_problem(model: nn.Module, name: str, tp: int) -> Optional[str]:
             if length % (parts * tp):
                 return (f"{name}'s {path}.{child} has {length} {cls.across}, which do not "
                         f"split into {parts} x {tp} equal pieces{getattr(cls, 'hint', '')}")
+        styles = _styles(module.tp_plan)
+        stray = next((c for c in getattr(module, "tp_entered", ()) if styles.get(c, ("",))[0] != "column"), None)
+        if stray is not None:
+            return (f"{name}'s {path} names {stray} in tp_entered, which its tp_plan does not "
+                    "split column")
         problem = getattr(module, "tp_problem", lambda tp: None)(tp)
         if problem:
             return f"{name}'s layer {path}: {problem}"
@@ -430,12 +457,16 @@ def split_layers(model: nn.Module, rank: int, size: int, group, fill=None,
             filled += 1
 
     for path, module in list(model.named_modules()):
+        entered = getattr(module, "tp_entered", ())
+        if entered:  # (its forward brings their input in once: Enter)
+            module.tp_enter = Enter(group, rank, size, sequence)
         for child, (style, parts) in _styles(getattr(module, "tp_plan", None) or {}).items():
             prefix = f"{path}.{child}" if path else child
             if fill is not None:
                 fill_to(prefix)
             split = Split(STYLES[style].dim, parts)
             share = STYLES[style](getattr(module, child), split, rank, size, group, sequence)
+            share.entered = child in entered
             setattr(module, child, share)
             splits.update({f"{prefix}.{p}": split for p in share.split_names})
     if fill is not None:
