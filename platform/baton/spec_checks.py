@@ -75,7 +75,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
         _check_frozen(spec, need)
     need(not hf or p.pp == 1, "parallel.pp", p.pp, "hf: models are not an nn.Sequential of "
          "layers to cut into stages; use pp: 1 (data parallel or sharded)")
-    if m.name in ("gpt", "llama") and m.width % m.heads:  # (the hint is only worked out when needed)
+    # (the hint is only worked out when needed; a llama's head width may be given instead)
+    if m.name in ("gpt", "llama") and m.width % m.heads and not (m.name == "llama" and "head_dim" in m.options):
         near = _divisor_near(m.width, m.heads)
         need(False, "model.heads", m.heads,
              f"must divide model.width ({m.width})" + (f"; try {near}" if near else ""))
@@ -561,9 +562,13 @@ def _check_llama(m, need) -> None:
     kv_heads = m.options.get("kv_heads", m.heads)
     need(m.heads % kv_heads == 0, "model.options.kv_heads", kv_heads,
          f"must divide model.heads ({m.heads}): each key-value head serves as many query heads")
-    need((m.width // m.heads) % 2 == 0, "model.heads", m.heads,
-         f"must leave an even head width (model.width {m.width} / heads {m.heads} is "
-         f"{m.width // m.heads}): rotary positions turn pairs of numbers")
+    if "head_dim" in m.options:
+        need(m.options["head_dim"] % 2 == 0, "model.options.head_dim", m.options["head_dim"],
+             "must be even: rotary positions turn pairs of numbers")
+    else:
+        need((m.width // m.heads) % 2 == 0, "model.heads", m.heads,
+             f"must leave an even head width (model.width {m.width} / heads {m.heads} is "
+             f"{m.width // m.heads}): rotary positions turn pairs of numbers")
     scaling = [k for k in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
                if k in m.options]
     need("rope_factor" in m.options or not scaling, f"model.options.{scaling[0] if scaling else ''}",

@@ -335,6 +335,14 @@ def test_a_model_with_no_hugging_face_form_says_so(tmp_path, capsys):
     _stages(CheckpointStore(mlp.checkpoint_dir), 2, build_model(mlp.model, 0).state_dict(), cut="1.")
     assert cli.main(["export", str(mlp_job), "--out", str(tmp_path / "no"), "--hf"]) == 2
     assert "--hf: model 'mlp' has no Hugging Face form" in capsys.readouterr().err
+    both = {**LLAMA, "options": {"qkv_bias": True, "qk_norm": True}}  # (Qwen2's and Qwen3's)
+    (tmp_path / "both").mkdir()
+    llama, llama_job = _job(tmp_path / "both", both)
+    _stages(CheckpointStore(llama.checkpoint_dir), 2, build_model(llama.model, 0).state_dict())
+    assert cli.main(["export", str(llama_job), "--out", str(tmp_path / "both" / "no"), "--hf"]) == 2
+    assert ("--hf: no transformers model has both biases on q, k and v alone and normed "
+            "queries and keys") in capsys.readouterr().err
+    assert not (tmp_path / "both" / "no").exists()
 
 
 def test_the_built_in_llama_starts_from_a_llama_save_pretrained_folder(tmp_path):
@@ -430,17 +438,22 @@ FAMILIES = {
                 {"seq_len": 33}, "sliding window of 32 positions (its config.json's "
                 "sliding_window), and the built-in llama over the whole sequence: set model.seq_len "
                 "to at most 32, not 33"),
+    # Qwen3's: each head's query and key normed, heads wider than width / heads (16, not 8)
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(rope_theta=1e6, head_dim=16, tie_word_embeddings=True),
+              {"rope_theta": 1_000_000, "norm_eps": 1e-6, "qk_norm": True, "head_dim": 16},
+              {"qk_norm": False}, "model.options says qk_norm false: set qk_norm: true"),
 }
+EXPORTED = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # (the rest: LlamaForCausalLM)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_built_in_llama_computes_llama_31_qwen2_and_mistral(tmp_path, capsys, family):
+def test_the_built_in_llama_computes_llama_31_qwen2_qwen3_and_mistral(tmp_path, capsys, family):
     """A `save_pretrained` folder of each of the other models of Llama's kind the built-in
     llama computes, made by transformers with its own classes: the job whose options say
     that model starts from it with the same logits (0 apart), and `baton export --hf` gives
     transformers back the same logits (Qwen2's as a Qwen2ForCausalLM: LlamaConfig's
-    attention_bias puts one on o_proj too). A job whose settings are not the folder's model
-    is one line naming the setting."""
+    attention_bias puts one on o_proj too; Qwen3's as a Qwen3ForCausalLM). A job whose
+    settings are not the folder's model is one line naming the setting."""
     transformers = pytest.importorskip("transformers")
     from baton.api import check_init_from
     from baton.errors import SpecError
@@ -467,7 +480,7 @@ def test_the_built_in_llama_computes_llama_31_qwen2_and_mistral(tmp_path, capsys
     _stages(CheckpointStore(spec.checkpoint_dir), 2, mine.state_dict())
     assert cli.main(["export", str(job), "--out", str(tmp_path / "hf"), "--hf"]) == 0
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
-    assert type(back).__name__ == ("Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM")
+    assert type(back).__name__ == EXPORTED.get(family, "LlamaForCausalLM")
     with torch.no_grad():
         assert torch.equal(back(input_ids=tokens).logits, want)  # measured: 0 apart
     wrong = {**model, **change} if "seq_len" in change else {**model, "options": {**model["options"], **change}}

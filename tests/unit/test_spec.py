@@ -108,7 +108,10 @@ BROKEN = [
     ({"model": {"name": "llama", "width": 12, "heads": 4}},
      "model.heads: 4 is invalid; must leave an even head width (model.width 12 / heads 4 is 3)"),
     ({"model": {"name": "llama", "options": {"kv_head": 2}}},
-     "model.options: {'kv_head': 2} is invalid; llama takes no option 'kv_head'; it takes kv_heads, hidden, rope_theta, norm_eps, qkv_bias, rope_factor"),
+     "model.options: {'kv_head': 2} is invalid; llama takes no option 'kv_head' (did you mean 'kv_heads'?); "
+     "it takes kv_heads, hidden, rope_theta, norm_eps, qkv_bias, qk_norm, head_dim, rope_factor"),
+    ({"model": {"name": "llama", "width": 12, "heads": 4, "options": {"head_dim": 5}}},
+     "model.options.head_dim: 5 is invalid; must be even: rotary positions turn pairs of numbers"),
     ({"model": {"name": "llama", "options": {"norm_eps": "tiny"}}},
      "model.options: {'norm_eps': 'tiny'} is invalid; norm_eps must be a number in [1e-12, 0.1], not 'tiny'"),
     ({"model": {"name": "llama", "options": {"qkv_bias": 1}}},

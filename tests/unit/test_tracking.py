@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -254,6 +256,11 @@ def test_flops_per_token_of_each_shipped_model_and_a_user_s():
     model = __import__("baton.models", fromlist=["build_model"]).build_model(llama, 0)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert model_flops_per_token(llama) == 6 * linear + 12 * 2 * 32 * 16
+    # heads wider than width / heads (Qwen3's): their width, 4 x 16, in the attention term
+    wide = dataclasses.replace(llama, options={"kv_heads": 2, "head_dim": 16, "qk_norm": True})
+    model = __import__("baton.models", fromlist=["build_model"]).build_model(wide, 0)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model_flops_per_token(wide) == 6 * linear + 12 * 2 * 64 * 16
     mlp = ModelSpec(name="mlp", layers=3, width=64, context=8, vocab_size=256)
     model = __import__("baton.models", fromlist=["build_model"]).build_model(mlp, 0)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -67,7 +67,12 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
              else form.names if form else "baton")
     if hf and names == "baton":
         raise CheckpointError(f"--hf: model {spec.model.name!r} has no Hugging Face form; the "
-                              "built-in gpt (as GPT-2), llama (as Llama) and hf: models do")
+                              "built-in gpt (as GPT-2), llama (as Llama, Qwen2 or Qwen3) and "
+                              "hf: models do")
+    try:
+        config = form.config(spec.model) if form and not adapters else None
+    except ValueError as e:
+        raise CheckpointError(f"--hf: {e}") from None
     if adapters:
         _can_split(spec)
     target = _Out(out)
@@ -125,7 +130,7 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
 
             target.write("config.json", _config(spec.model).to_json_string(use_diff=True))
         elif form:
-            target.write("config.json", json.dumps(form.config(spec.model), indent=1))
+            target.write("config.json", json.dumps(config, indent=1))
         about.update(files=final, parameters=count, bytes=total)
         target.write(ABOUT, json.dumps(about, indent=1))  # last: an export without it is none
         target.done()

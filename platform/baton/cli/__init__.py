@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
                           "Hugging Face's save_pretrained)")
     exp.add_argument("--hf", action="store_true",
                      help="the built-in gpt as Hugging Face's GPT-2 (GPT2LMHeadModel), llama as its "
-                          "Llama (LlamaForCausalLM): their names and a config.json, for "
+                          "Llama (LlamaForCausalLM; Qwen2ForCausalLM or Qwen3ForCausalLM where "
+                          "its options are theirs): their names and a config.json, for "
                           "transformers and what reads its folders")
     exp.add_argument("--adapters", action="store_true",
                      help="model.lora's adapters alone, as PEFT's adapter folder "

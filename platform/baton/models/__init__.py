@@ -9,6 +9,7 @@ can later be cut into stages.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
@@ -88,9 +89,11 @@ OPTIONS: dict[str, dict[str, tuple]] = {
     "gpt": {}, "mlp": {"embed_dim": (1, 4096)},
     # llama: key-value heads (grouped-query attention; default: heads), the MLP's hidden
     # units (default: 8/3 of the width), the rotary embedding's base, RMSNorm's epsilon,
-    # biases on q, k and v (Qwen2's), Llama 3.1's rotary scaling (models/llama.py)
+    # biases on q, k and v (Qwen2's), queries and keys normed (Qwen3's), a head's width
+    # (default: width / heads), Llama 3.1's rotary scaling (models/llama.py)
     "llama": {"kv_heads": (1, 2**12), "hidden": (1, 2**20), "rope_theta": (1.0, 1e12),
-              "norm_eps": (1e-12, 0.1), "qkv_bias": (False, True), "rope_factor": (1.0, 1024.0),
+              "norm_eps": (1e-12, 0.1), "qkv_bias": (False, True), "qk_norm": (False, True),
+              "head_dim": (2, 2**12), "rope_factor": (1.0, 1024.0),
               "rope_low_freq_factor": (0.01, 1024.0), "rope_high_freq_factor": (0.01, 1024.0),
               "rope_original_seq_len": (1, 2**24)},
     "classifier": {"inputs": (1, 2**24), "classes": (2, 2**24)}}
@@ -133,8 +136,10 @@ def options_problem(spec, on_meta: bool) -> Optional[str]:
                     f"(e.g. {{inputs: 64, classes: 10}}: features per sample, classes)")
         for key, value in spec.options.items():
             if key not in allowed:
-                return (f"{spec.name} takes no option {key!r}" +
-                        (f"; it takes {', '.join(allowed)}" if allowed else "; it takes none"))
+                near = difflib.get_close_matches(str(key), allowed, n=1)
+                return (f"{spec.name} takes no option {key!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else "")
+                        + (f"; it takes {', '.join(allowed)}" if allowed else "; it takes none"))
             problem = _option_problem(key, value, *allowed[key])
             if problem:
                 return problem

@@ -5,9 +5,10 @@ it as they take the GPT. Its maths and parameter layout are Hugging Face's Llama
 (rotate-half rotary embedding, an untied head): `baton export --hf` writes its weights under
 transformers' names, renamed, never permuted (`hf_name`, `hf_config`). Its options make it
 the other models of that kind, to the same logits: Llama 3.1's and 3.2's (`rope_factor`:
-their scaled rotary embedding), Qwen2's and 2.5's (`qkv_bias`, `norm_eps`), Mistral's
-(whose sliding window the job's sequence must not pass); `from_config` reads their
-save_pretrained folders' configurations (`FOLDERS`).
+their scaled rotary embedding), Qwen2's and 2.5's (`qkv_bias`, `norm_eps`), Qwen3's
+(`qk_norm`: each head's query and key normed; `head_dim`: heads of another width than
+width / heads), Mistral's (whose sliding window the job's sequence must not pass);
+`from_config` reads their save_pretrained folders' configurations (`FOLDERS`).
 
 q, k, v, gate and up are separate layers, as transformers' are: each is a column layer under
 tensor parallelism (a worker holds its query heads, its share of the key-value heads and of
@@ -34,8 +35,9 @@ ROPE_THETA = 10_000  # the rotary embedding's base when model.options.rope_theta
 # the options that change the model's maths and no shape (what a save_pretrained folder's
 # config.json must agree with: checkpoint/export.py's settings_problem), and their defaults:
 # Llama 3.1's rotary scaling's ("llama3") where the job sets rope_factor
-MATHS = {"rope_theta": ROPE_THETA, "norm_eps": NORM_EPS, "qkv_bias": False, "rope_factor": None,
-         "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_seq_len": 8192}
+MATHS = {"rope_theta": ROPE_THETA, "norm_eps": NORM_EPS, "qkv_bias": False, "qk_norm": False,
+         "rope_factor": None, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+         "rope_original_seq_len": 8192}
 
 
 def default_hidden(width: int) -> int:
@@ -111,6 +113,8 @@ class Block(nn.Module):
     tp_plan = {"q": "column", "k": "column", "v": "column", "o": "row",
                "gate": "column", "up": "column", "down": "row"}
     tp_entered = ("q", "k", "v", "gate", "up")  # (their inputs enter through tp_enter, once)
+    # whole on every worker, used on its own heads: each worker's gradient is its heads' part
+    tp_partial = ("q_norm", "k_norm")
     tp_random = tp_sequence_random = contextlib.nullcontext
 
     @staticmethod
@@ -118,17 +122,20 @@ class Block(nn.Module):
         return x
 
     def __init__(self, width: int, heads: int, kv_heads: int, hidden: int, rope: Rope,
-                 dropout: float, norm_eps: float = NORM_EPS, qkv_bias: bool = False):
+                 dropout: float, norm_eps: float = NORM_EPS, qkv_bias: bool = False,
+                 head_dim: Optional[int] = None, qk_norm: bool = False):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
-        self.head_width = width // heads
+        self.head_width = hd = head_dim or width // heads
         self.rope = rope
         self.dropout = dropout
         self.attn_norm = nn.RMSNorm(width, eps=norm_eps)
-        self.q = nn.Linear(width, width, bias=qkv_bias)
-        self.k = nn.Linear(width, kv_heads * self.head_width, bias=qkv_bias)
-        self.v = nn.Linear(width, kv_heads * self.head_width, bias=qkv_bias)
-        self.o = nn.Linear(width, width, bias=False)
+        self.q = nn.Linear(width, heads * hd, bias=qkv_bias)
+        self.k = nn.Linear(width, kv_heads * hd, bias=qkv_bias)
+        self.v = nn.Linear(width, kv_heads * hd, bias=qkv_bias)
+        if qk_norm:  # (Qwen3's: each head's query and key normed over its width)
+            self.q_norm, self.k_norm = nn.RMSNorm(hd, eps=norm_eps), nn.RMSNorm(hd, eps=norm_eps)
+        self.o = nn.Linear(heads * hd, width, bias=False)
         self.mlp_norm = nn.RMSNorm(width, eps=norm_eps)
         self.gate = nn.Linear(width, hidden, bias=False)
         self.up = nn.Linear(width, hidden, bias=False)
@@ -150,8 +157,10 @@ class Block(nn.Module):
         # its part of it: sequence parallelism, whose tp_enter gathers it)
         q, k, v = self.q(h), self.k(h), self.v(h)
         B, T = q.shape[:2]
-        q = q.view(B, T, -1, self.head_width).transpose(1, 2)
-        k, v = (t.view(B, T, -1, self.head_width).transpose(1, 2) for t in (k, v))
+        q, k, v = (t.view(B, T, -1, self.head_width) for t in (q, k, v))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cos, sin = rotary(torch.arange(start, start + T, device=x.device), self.head_width, self.rope)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
@@ -187,7 +196,8 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
                  dropout: float = 0.0, kv_heads: Optional[int] = None, hidden: Optional[int] = None,
                  rope_theta: float = ROPE_THETA, norm_eps: float = NORM_EPS, qkv_bias: bool = False,
                  rope_factor: Optional[float] = None, rope_low_freq_factor: float = 1.0,
-                 rope_high_freq_factor: float = 4.0, rope_original_seq_len: int = 8192) -> Layers:
+                 rope_high_freq_factor: float = 4.0, rope_original_seq_len: int = 8192,
+                 head_dim: Optional[int] = None, qk_norm: bool = False) -> Layers:
     kv_heads = kv_heads or heads
     hidden = hidden or default_hidden(width)
     rope = Rope(float(rope_theta), rope_factor and float(rope_factor), float(rope_low_freq_factor),
@@ -202,23 +212,28 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
             nn.init.zeros_(p)
 
     return Layers([lambda: Embedding(vocab_size, width),
-                   *[lambda: Block(width, heads, kv_heads, hidden, rope, dropout, norm_eps, qkv_bias)] * layers,
+                   *[lambda: Block(width, heads, kv_heads, hidden, rope, dropout, norm_eps, qkv_bias,
+                                   head_dim, qk_norm)] * layers,
                    lambda: Head(width, vocab_size, norm_eps)], init)
 
 
 def flops_per_token(layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
-                    kv_heads: int | None = None, hidden: int | None = None, **_) -> float:
-    """6 x the matmul weights + 12 x layers x width x seq_len (attention's scores and values,
-    forward and backward: grouped key-value heads change neither), as flops.py counts the GPT."""
-    kv = (kv_heads or heads) * (width // heads)
-    block = 2 * width * width + 2 * width * kv + 3 * width * (hidden or default_hidden(width))
-    return 6.0 * (layers * block + width * vocab_size) + 12.0 * layers * width * seq_len
+                    kv_heads: int | None = None, hidden: int | None = None,
+                    head_dim: int | None = None, **_) -> float:
+    """6 x the matmul weights + 12 x layers x the query heads' width x seq_len (attention's
+    scores and values, forward and backward: grouped key-value heads change neither), as
+    flops.py counts the GPT."""
+    hd = head_dim or width // heads
+    kv = (kv_heads or heads) * hd
+    block = 2 * width * heads * hd + 2 * width * kv + 3 * width * (hidden or default_hidden(width))
+    return 6.0 * (layers * block + width * vocab_size) + 12.0 * layers * heads * hd * seq_len
 
 
 # baton's layer names -> transformers' (LlamaForCausalLM), in a block
 _BLOCK = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
           "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
-          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+          "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
 def hf_name(name: str, layers: int) -> tuple[str, bool]:
@@ -235,14 +250,19 @@ def hf_name(name: str, layers: int) -> tuple[str, bool]:
 
 def hf_config(model) -> dict:
     """The model as transformers' configuration (`model`: the job's ModelSpec): LlamaConfig's,
-    or Qwen2Config's where q, k and v have biases (LlamaConfig's attention_bias gives o one
-    too; Qwen2's layers are otherwise Llama's, under the same names)."""
+    Qwen2Config's where q, k and v have biases (LlamaConfig's attention_bias gives o one
+    too; Qwen2's layers are otherwise Llama's, under the same names), Qwen3Config's where
+    queries and keys are normed. ValueError for a model that is none of them."""
     o = {**MATHS, **model.options}
+    if o["qkv_bias"] and o["qk_norm"]:
+        raise ValueError("no transformers model has both biases on q, k and v alone and "
+                         "normed queries and keys (Qwen2's and Qwen3's)")
     config = {"vocab_size": model.vocab_size, "hidden_size": model.width,
               "intermediate_size": o.get("hidden") or default_hidden(model.width),
               "num_hidden_layers": model.layers, "num_attention_heads": model.heads,
               "num_key_value_heads": o.get("kv_heads") or model.heads,
-              "head_dim": model.width // model.heads, "max_position_embeddings": model.seq_len,
+              "head_dim": o.get("head_dim") or model.width // model.heads,
+              "max_position_embeddings": model.seq_len,
               "rms_norm_eps": o["norm_eps"], "rope_theta": float(o["rope_theta"]),
               "hidden_act": "silu", "attention_dropout": model.dropout, "tie_word_embeddings": False,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
@@ -256,19 +276,23 @@ def hf_config(model) -> dict:
     if o["qkv_bias"]:
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **config,
                 "use_sliding_window": False}
+    if o["qk_norm"]:
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **config,
+                "use_sliding_window": False, "attention_bias": False}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
             "attention_bias": False, "mlp_bias": False}
 
 
 # the save_pretrained folders whose models the built-in llama computes: config.json's
-# model_type -> (its q, k and v have biases, the config's defaults where a key is left out)
-FOLDERS = {"llama": (False, {"rms_norm_eps": 1e-6}),
-           "mistral": (False, {"rms_norm_eps": 1e-6, "sliding_window": 4096}),
-           "qwen2": (True, {"rms_norm_eps": 1e-6, "use_sliding_window": False})}
+# model_type -> (the options its type implies, the config's defaults where a key is left out)
+FOLDERS = {"llama": ({}, {"rms_norm_eps": 1e-6}),
+           "mistral": ({}, {"rms_norm_eps": 1e-6, "sliding_window": 4096}),
+           "qwen2": ({"qkv_bias": True}, {"rms_norm_eps": 1e-6, "use_sliding_window": False}),
+           "qwen3": ({"qk_norm": True}, {"rms_norm_eps": 1e-6, "use_sliding_window": False, "head_dim": 128})}
 
 
 def from_config(config: dict) -> dict:
-    """What a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM configuration (a
+    """What a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM configuration (a
     `save_pretrained` folder's config.json: `FOLDERS`) makes of the folder for the built-in
     model: `model`, the job's model section (as a dict) whose weights the folder's are;
     `tied`, the parameters it holds under another's name (a head tied to the token embedding,
@@ -276,7 +300,7 @@ def from_config(config: dict) -> dict:
     `window`, the sliding window its attention keeps to (None: none), which the job's
     sequence must not pass. ValueError naming what the built-in model does not compute the
     same way."""
-    qkv_bias, defaults = FOLDERS[config.get("model_type")]
+    implied, defaults = FOLDERS[config.get("model_type")]
     config = {**defaults, **config}
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -288,15 +312,15 @@ def from_config(config: dict) -> dict:
             (not config.get("mlp_bias"), "its MLP's layers have biases"),
             (kind in ("default", "llama3"),
              f"its rotary embedding is {kind!r} (the default one and Llama 3.1's 'llama3' are built in)"),
-            (isinstance(eps, (int, float)) and 1e-12 <= eps <= 0.1, f"its rms_norm_eps {eps!r} is not in [1e-12, 0.1]"),
-            (config.get("head_dim") in (None, width // heads),
-             f"its head_dim {config.get('head_dim')} is not hidden_size / num_attention_heads")):
+            (isinstance(eps, (int, float)) and 1e-12 <= eps <= 0.1, f"its rms_norm_eps {eps!r} is not in [1e-12, 0.1]")):
         if not ok:
             raise ValueError(f"the built-in llama does not compute this model: {why}")
     theta = rope.get("rope_theta", config.get("rope_theta", ROPE_THETA))
     layers = config["num_hidden_layers"]
     options = {"kv_heads": config.get("num_key_value_heads") or heads, "hidden": config["intermediate_size"],
-               "rope_theta": theta, "norm_eps": eps, "qkv_bias": qkv_bias}
+               "rope_theta": theta, "norm_eps": eps, "qkv_bias": False, "qk_norm": False, **implied}
+    if (config.get("head_dim") or width // heads) != width // heads:
+        options["head_dim"] = config["head_dim"]
     if kind == "llama3":
         options.update(rope_factor=rope["factor"], rope_low_freq_factor=rope["low_freq_factor"],
                        rope_high_freq_factor=rope["high_freq_factor"],

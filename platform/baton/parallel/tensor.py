@@ -15,7 +15,9 @@ every worker holds its heads' q, k and v. "vocab" splits an nn.Embedding's rows,
 "column" with the outputs gathered whole (a head). Column layers that take one input (the
 llama's separate q, k and v) are named in `tp_entered`, and the module's forward passes
 their input through its `tp_enter` (the identity, whole) before them: one collective for
-them all (`Enter`). The module's forward must take its widths from its layers' outputs (the
+them all (`Enter`). A layer it holds whole and uses on its share alone (the llama's query
+and key norms, on its heads) is named in `tp_partial`: each worker's gradient of it is its
+share's part, summed over the tp workers before the step. The module's forward must take its widths from its layers' outputs (the
 GPT's block counts its heads from q's width), so that the same code runs whole or split. Sequence parallelism (`sequence_region`) also splits what runs
 between the split layers along the sequence.
 
@@ -584,6 +586,12 @@ class Shares:
                          if n not in self.splits] if sequence else [])
         self.partial += [n for path, m in model.named_modules() if isinstance(m, _Share)
                          for n in (f"{path}.{p}" for p in m.partial) if n not in self.partial]
+        # a planned module's whole layers that each worker uses on its share alone
+        # (`tp_partial`: the llama's per-head query and key norms, on its heads)
+        self.partial += [n for path, m in model.named_modules()
+                         for child in getattr(m, "tp_partial", ()) if hasattr(m, child)
+                         for n in (f"{path}.{child}.{p}" for p, _ in getattr(m, child).named_parameters())
+                         if n not in self.partial]
 
     def _split(self, name: str, t) -> bool:
         """Whether `t`, a parameter's or its optimizer state's, is split (Adam's step is not)."""
