@@ -267,11 +267,11 @@ def test_a_stopwatch_on_cuda_times_the_device_not_the_host_queue():
 
 # what each variant changes in the tiny GPT job's model section
 VARIANTS = {"adapters": {"lora": {"rank": 4, "dropout": 0.0}},
-            # (with Qwen2's biases and Llama 3.1's scaled rotary embedding: the options'
-            # maths on the device too)
+            # (with Qwen2's biases, Qwen3's head norms and Llama 3.1's scaled rotary
+            # embedding: the options' maths on the device too)
             "llama": {"name": "llama", "heads": 4,
-                      "options": {"kv_heads": 2, "qkv_bias": True, "rope_factor": 8,
-                                  "rope_original_seq_len": 64}}}
+                      "options": {"kv_heads": 2, "qkv_bias": True, "qk_norm": True,
+                                  "rope_factor": 8, "rope_original_seq_len": 64}}}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
