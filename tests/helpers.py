@@ -24,6 +24,7 @@ from baton.data.corpus import stdlib_stream, windows
 from baton.data.feed import IDS, TOKENS, Batch
 from baton.data.local import job_order as _job_order, read_corpus
 from baton.models import build_model, loss_sum
+from baton.tasks import IGNORE
 from baton.training import clip_and_norm, make_optimizer, set_lr
 
 _STREAM = None
@@ -107,20 +108,27 @@ def reference_run(spec, data_dir, steps: int, each_step=None) -> tuple[dict[str,
     Returns the final parameters and each step's loss and gradient norm (before clipping).
     `each_step(step, model)`: called after each step (1-based), e.g. to keep its weights."""
     _, tokens = read_table(data_dir)
+    mask = spec.data.loss_mask_column
+    masks = read_corpus(str(data_dir), mask)[1] if mask else None
     order, cursor = job_order(spec, data_dir), Cursor()
     return train_on(spec, tokens, [order.next_batch(cursor, spec.train.global_batch)
-                                   for _ in range(steps)], each_step)
+                                   for _ in range(steps)], each_step, masks)
 
 
-def train_on(spec, tokens: np.ndarray, batches: list,
-             each_step=None) -> tuple[dict[str, torch.Tensor], list, list]:
-    """reference_run's loop over given batches (positions into `tokens`)."""
+def train_on(spec, tokens: np.ndarray, batches: list, each_step=None,
+             masks: np.ndarray | None = None) -> tuple[dict[str, torch.Tensor], list, list]:
+    """reference_run's loop over given batches (positions into `tokens`); `masks`: the rows'
+    loss masks (data.loss_mask_column), the loss the mean over the tokens they mark."""
     model = build_model(spec.model, spec.train.seed)
     optimizer = make_optimizer(model, spec.train)
     losses, norms = [], []
     for step, positions in enumerate(batches):
         batch = torch.from_numpy(tokens[positions]).long()
-        loss = loss_sum(model(batch[:, :-1]), batch[:, 1:]) / batch[:, 1:].numel()
+        targets, count = batch[:, 1:], batch[:, 1:].numel()
+        if masks is not None:
+            kept = torch.from_numpy(masks[positions][:, 1:]).bool()
+            targets, count = targets.masked_fill(~kept, IGNORE), max(int(kept.sum()), 1)
+        loss = loss_sum(model(batch[:, :-1]), targets) / count
         loss.backward()
         set_lr(optimizer, spec.train.lr_at(step))
         norms.append(clip_and_norm(model, spec.train.grad_clip))

@@ -103,6 +103,10 @@ class DataSpec:
     source: Literal["stdlib", "digits", "parquet"] = "stdlib"
     path: str = "data/stdlib"  # local folder or a pyarrow filesystem URI (s3://, gs://)
     token_column: str = "tokens"  # what a language model reads
+    # a language model's targets: a column of seq_len + 1 values a row, beside the tokens, 1
+    # where a token is one to predict (a response's), 0 where not (a prompt's, padding): the
+    # loss is the mean over the batch's targets (null: every token but a row's first is one)
+    loss_mask_column: Optional[str] = None
     # what other tasks read: batch key -> a Parquet column, or a list of them concatenated
     # (inputs: [pixels] and label: label for classification; any keys for a user's task)
     columns: dict = field(default_factory=dict)

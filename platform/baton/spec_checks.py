@@ -285,7 +285,13 @@ def _check_task(spec: JobSpec, need) -> None:
     if spec.task == "language_model":
         need(not d.columns, "data.columns", d.columns, "a language model reads "
              "data.token_column; data.columns is for task: classification or a task of your own")
-    else:
+    need(spec.task == "language_model" or d.loss_mask_column is None, "data.loss_mask_column",
+         d.loss_mask_column, f"marks a language model's targets; task {spec.task} reads "
+         "data.columns (a task of your own may read a mask column there)")
+    need(d.source == "parquet" or d.loss_mask_column is None, "data.loss_mask_column",
+         d.loss_mask_column, f"the built-in {d.source} data has no loss mask; prepare yours "
+         "(baton data prepare text --prompt-column ...) and set data.source: parquet")
+    if spec.task != "language_model":
         need(d.source != "stdlib", "data.source", d.source, f"the built-in corpus is token rows "
              f"for a language model; task {spec.task} needs data.source: parquet (or digits)")
         missing = [k for k in make_task(spec).needs if k not in d.columns]

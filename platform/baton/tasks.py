@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
 VALID = "valid"
+LOSS_MASK = "loss_mask"  # a language model's targets (data.loss_mask_column), when it has them
 IGNORE = -100  # target of a padding position: no loss, no gradient
 
 
@@ -43,6 +44,9 @@ class Task:
     name = ""
     needs: tuple[str, ...] = ("inputs",)  # data.columns keys the task reads
     per_sample = 1  # loss terms a sample contributes
+    # its loss terms are counted from the data (a language model's loss mask: `targets`),
+    # not per_sample a row: the loss is their mean over the whole batch
+    masked = False
     # what its evaluation reports besides the loss; None: known only when it runs (a task of
     # your own), which checkpoint.best's check cannot look into
     metrics: Optional[tuple[str, ...]] = None
@@ -56,21 +60,38 @@ class Task:
 
 
 class LanguageModel(Task):
-    """Next-token prediction over rows of seq_len + 1 token ids."""
+    """Next-token prediction over rows of seq_len + 1 token ids; `masked`: only the tokens
+    the row's loss mask marks are targets (a response's, not its prompt's)."""
 
     name, needs = "language_model", ("tokens",)
     metrics = ()
     split_logits = True  # its loss takes logits split by vocabulary (tensor parallelism)
 
-    def __init__(self, seq_len: int):
-        self.per_sample = seq_len
+    def __init__(self, seq_len: int, masked: bool = False):
+        self.per_sample, self.masked = seq_len, masked
+        if masked:
+            self.needs = ("tokens", LOSS_MASK)
 
     def inputs(self, batch: dict) -> torch.Tensor:
         return batch["tokens"][:, :-1]
 
+    def _kept(self, batch: dict) -> torch.Tensor:
+        kept = batch[VALID][:, None]
+        return kept & batch[LOSS_MASK][:, 1:].bool() if self.masked else kept
+
     def loss(self, output, batch):
-        targets = batch["tokens"][:, 1:].masked_fill(~batch[VALID][:, None], IGNORE)
+        targets = batch["tokens"][:, 1:].masked_fill(~self._kept(batch), IGNORE)
         return loss_sum(output, targets), {}
+
+    def count(self, batch: dict) -> torch.Tensor:
+        """The batch's targets (the loss's terms)."""
+        return self._kept(batch).expand(-1, self.per_sample).sum()
+
+    @staticmethod
+    def targets(columns: dict) -> int:
+        """The targets of rows as read (numpy columns), before they are a batch: what the
+        worker counts to scale a step's loss by the whole batch's targets."""
+        return int(columns[LOSS_MASK][:, 1:].sum())
 
 
 class Classification(Task):
@@ -123,7 +144,7 @@ _USER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 def make_task(spec) -> Task:
     if spec.task == "language_model":
-        return LanguageModel(spec.model.seq_len)
+        return LanguageModel(spec.model.seq_len, spec.data.loss_mask_column is not None)
     if spec.task == "classification":
         return Classification()
     return UserTask(spec.task)
@@ -297,6 +318,7 @@ class Sums:
 
     def __init__(self):
         self.loss = self.count = 0
+        self.targets = None  # a masked task's loss terms (`count` is then its tokens)
         self.metrics: dict = {}
         self.ratios: dict = {}  # name -> [numerator, denominator]
         self.counts: dict = {}  # name -> Counts
@@ -312,10 +334,14 @@ class Sums:
             else:
                 self.metrics[k] = self.metrics.get(k, 0) + v.detach()
         self.count = self.count + batch[VALID].sum() * task.per_sample
+        if task.masked:
+            self.targets = (self.targets or 0) + task.count(batch)
 
     def out(self) -> dict:
         out = {"loss_sum": float(self.loss), "tokens": int(self.count),
                "metrics": {k: float(v) for k, v in self.metrics.items()}}
+        if self.targets is not None:
+            out["targets"] = int(self.targets)
         if self.ratios:
             out["ratios"] = {k: [_plain(num), _plain(den)] for k, (num, den) in self.ratios.items()}
         if self.counts:

@@ -139,6 +139,10 @@ BROKEN = [
     ({"train": {"compile": 1}}, "train.compile: 1 is not one of true | false | auto"),  # 1 == True in Python
     ({"model": {"seq_len": 64}}, "model.seq_len: 64 does not fit the data; rows of"),
     ({"name": "has space"}, "name: 'has space' is invalid"),
+    ({"data": {"source": "stdlib", "loss_mask_column": "loss_mask"}},
+     "data.loss_mask_column: 'loss_mask' is invalid; the built-in stdlib data has no loss mask"),
+    ({"task": "classification", "data": {"loss_mask_column": "loss_mask"}},
+     "data.loss_mask_column: 'loss_mask' is invalid; marks a language model's targets"),
     ({"checkpoint": {"keep": 0}}, "checkpoint.keep: 0 is invalid; must be at least 1"),
     ({"data": {"mix": [{"path": "../data"}, {"path": "no/such"}]}}, "data.mix[1].path: 'no/such' does not exist"),
     ({"data": {"mix": [{"path": "../data"}]}}, "data.mix: ['../data'] is invalid; mixes two or more datasets"),

@@ -683,3 +683,49 @@ def test_a_task_that_takes_its_valid_rows_by_a_mask_passes_the_check_before_ray(
     spec = spec_from_dict(_spec(tmp_path, data, task="helpers:binary", **{
         "model.options": {"inputs": 6, "classes": 2}}))
     assert preflight(spec, "job.yaml").manifest.num_samples == 96
+
+
+def test_a_loss_mask_is_checked_before_the_run_and_as_its_rows_are_read(tmp_path):
+    """data.loss_mask_column: a column of seq_len + 1 zeros and ones a row beside the tokens.
+    One that is not there, of another length, or of other values is one line before the
+    run; a row group whose values the footers did not record is refused as it is read. The
+    task's loss is the mean over the tokens it marks (0 apart from the loss over those
+    tokens alone), and counts them."""
+    from helpers import tiny_spec, write_dataset
+
+    data = write_dataset(tmp_path / "data", 16, 32, shards=1, row_group_rows=8)
+    table = pq.read_table(data / "part-0.parquet")
+    mask = (np.arange(33)[None, :] >= 20).repeat(16, axis=0).astype(np.uint8)  # the last 13 tokens
+
+    def job(**data_section):
+        return spec_from_dict(tiny_spec(tmp_path, data, tracking={"enabled": False},
+                                        data={"loss_mask_column": "mask", **data_section}), "job.yaml")
+    for values, message in (
+            (None, "data.loss_mask_column: 'mask' is not a column of"),
+            (mask[:, :32], "data.loss_mask_column: rows of 'mask' hold 32 values, and of 'tokens' "
+                           "33: a loss mask marks each token of its row"),
+            (mask * 2, "data.loss_mask_column: values in {data}/part-0.parquet lie in [0, 2]; a "
+                       "loss mask holds 1 where a token is a target, 0 where not")):
+        columns = {n: table.column(n) for n in table.column_names}
+        if values is not None:
+            columns["mask"] = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+        pq.write_table(pa.table(columns), data / "part-0.parquet", row_group_size=8)
+        with pytest.raises(SpecError) as e:
+            preflight(job(), "job.yaml")
+        assert message.format(data=data) in str(e.value) and "\n" not in str(e.value), str(e.value)
+    columns["mask"] = pa.FixedSizeListArray.from_arrays(pa.array(mask.reshape(-1).astype(bool)), 33)
+    pq.write_table(pa.table(columns), data / "part-0.parquet", row_group_size=8)
+    found = preflight(job(), "job.yaml")  # (booleans do as well as integers)
+    manifest = Manifest.build(str(data))
+    unit = read_unit(str(data), manifest.units[0], found.columns)
+    assert unit.column("loss_mask").to_pylist()[0] == mask[0].tolist()
+    task = LanguageModel(32, masked=True)
+    torch.manual_seed(0)
+    logits = torch.randn(2, 32, 256)
+    tokens = torch.from_numpy(np.stack(table.column("tokens").to_pylist()[:2])).long()
+    batch = {"tokens": tokens, "loss_mask": torch.from_numpy(mask[:2]).long(),
+             VALID: torch.tensor([True, False])}  # (the second row: padding)
+    loss, _ = task.loss(logits, batch)
+    want = torch.nn.functional.cross_entropy(logits[0, 19:], tokens[0, 20:], reduction="sum")
+    assert torch.equal(loss, want) and int(task.count(batch)) == 13
+    assert task.targets({"loss_mask": mask[:2]}) == 26  # (rows as read: both counted)

@@ -151,6 +151,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="tokens of context per sample (rows hold seq_len + 1 tokens)")
     prep.add_argument("--input", help="text: a Parquet or JSON Lines file, or a folder of them")
     prep.add_argument("--column", default="text", help="text: the column or field holding documents")
+    prep.add_argument("--prompt-column",
+                      help="text: the column or field holding each document's prompt: each row "
+                           "then has a loss_mask column, 1 on the responses (--column), for "
+                           "data.loss_mask_column")
     prep.add_argument("--tokenizer", help="text: module:function, texts -> token id lists "
                                           "(default: bytes, end of document 0)")
     prep.add_argument("--eod-token", type=int, help="text: your tokenizer's end-of-document id")
@@ -188,12 +192,15 @@ def _prepare_text(args) -> int:
     logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     try:
         info = prepare_text(args.input, args.out, args.seq_len, args.column, args.tokenizer,
-                            args.eod_token)
+                            args.eod_token, prompt_column=args.prompt_column)
     finally:
         shutdown_ray()
     print(f"wrote {info['samples']:,} samples of {args.seq_len + 1} tokens from "
           f"{info['documents']:,} documents in {info['files']} files ({info['tokens']:,} tokens, "
           f"vocabulary {info['vocab_size']}) to {args.out}")
+    if args.prompt_column:
+        print(f"  {info['targets']:,} of the tokens are targets (the responses'): train on them "
+              f"alone with data.loss_mask_column: loss_mask")
     return 0
 
 

@@ -20,6 +20,9 @@ def validate(args: argparse.Namespace) -> int:
         m = data.manifest.summary()
         for line in _data_lines(m, spec.data.shuffle_block, [s.path for s in spec.data.mix]):
             print(line)
+        if spec.data.loss_mask_column:
+            print(f"  targets: the tokens {spec.data.loss_mask_column!r} marks 1 (the loss is "
+                  "their mean over each batch; the other tokens are context)")
         if spec.task != "language_model":
             print("  columns: " + ", ".join(
                 f"{f.name} <- {'+'.join(f.sources)} ({f.dtype}{list(f.shape) if f.shape else ''})"

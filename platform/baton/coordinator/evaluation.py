@@ -94,7 +94,8 @@ def _metrics(results: list[dict]) -> dict:
     """The metrics of the workers' sums: eval_loss and the task's, and with train.ema those of
     the average of the weights as eval_ema_loss and eval_ema_*."""
     count = sum(r["tokens"] for r in results)
-    out = {"eval_loss": sum(r["loss_sum"] for r in results) / count,
+    targets = sum(r.get("targets", r["tokens"]) for r in results)  # (a loss mask's)
+    out = {"eval_loss": sum(r["loss_sum"] for r in results) / max(targets, 1),
            **{f"eval_{k}": v for k, v in metric_values(results, count).items()}}
     if results and "ema" in results[0]:
         out.update({f"eval_ema_{k[len('eval_'):]}": v

@@ -55,7 +55,9 @@ class StepStats:
         not finite: train.skip_nonfinite), up to that many steps in a row, or the run rewinds
         from it (train.rewind_on_spike)."""
         tokens = sum(r["tokens"] for r in results)
-        loss = sum(r["loss_sum"] for r in results) / tokens
+        # (a loss mask's targets, where it has one: a step of none logs 0)
+        targets = sum(r.get("targets", r["tokens"]) for r in results)
+        loss = sum(r["loss_sum"] for r in results) / max(targets, 1)
         skipped = any(r.get("skipped") for r in results)
         if skipped:
             self.skipped.append(step)

@@ -36,6 +36,7 @@ from baton import storage
 from baton.data.manifest import Manifest, Unit
 from baton.data.order import Cursor, EpochOrder, rebased
 from baton.errors import DataError, reason
+from baton.tasks import LOSS_MASK
 
 # Read tasks ask for no CPU: the workers hold the CPUs (all of them on a small machine), and a
 # task asking for any would never be scheduled beside them. Decoding a row group is cheap next
@@ -118,10 +119,14 @@ class Columns:
         return out
 
 
-def token_columns(token: str, id_column: Optional[str], width: int, vocab_size: int) -> Columns:
-    """A language model's rows: `width` token ids each (seq_len + 1)."""
-    return Columns((Field(TOKENS, (token,), (width,), "int64", vocab_size, "data.token_column"),),
-                   id_column)
+def token_columns(token: str, id_column: Optional[str], width: int, vocab_size: int,
+                  loss_mask: Optional[str] = None) -> Columns:
+    """A language model's rows: `width` token ids each (seq_len + 1), and as many 0s and 1s
+    of its loss mask where it has one."""
+    fields = (Field(TOKENS, (token,), (width,), "int64", vocab_size, "data.token_column"),)
+    if loss_mask is not None:
+        fields += (Field(LOSS_MASK, (loss_mask,), (width,), "int64", 2, "data.loss_mask_column"),)
+    return Columns(fields, id_column)
 
 
 def read_marked(root: str, unit: Unit, columns: Columns, home: Optional[str] = None) -> pa.Table:
@@ -206,9 +211,10 @@ def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
             raise DataError(f"{where}: {field.key} {name!r} has {column.null_count} null rows")
         if _is_list(column.type):
             lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-            if field.name == TOKENS and (lengths != field.shape[0]).any():
-                raise DataError(f"{where}: every token row must hold {field.shape[0]} tokens "
-                                f"(model.seq_len + 1); found lengths "
+            if field.name in (TOKENS, LOSS_MASK) and (lengths != field.shape[0]).any():
+                what = ("token row must hold {} tokens" if field.name == TOKENS else
+                        "loss mask row (data.loss_mask_column) must hold {} values").format(field.shape[0])
+                raise DataError(f"{where}: every {what} (model.seq_len + 1); found lengths "
                                 f"{sorted(set(lengths.tolist()))[:5]} and 0 null rows")
             if len(lengths) and (lengths != lengths[0]).any():
                 raise DataError(f"{where}: {field.key} {name!r} holds lists of "
@@ -231,6 +237,8 @@ def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
     if data.shape[1] != math.prod(field.shape):
         raise DataError(f"{where}: {field.key} gives {data.shape[1]} values a row, not "
                         f"{math.prod(field.shape)} as in the first row group (did the files change?)")
+    if field.name == LOSS_MASK and data.dtype == bool:
+        data = data.astype(np.uint8)
     if field.high is not None and data.size:
         if not np.issubdtype(data.dtype, np.integer):
             raise DataError(f"{where}: {field.key} holds {data.dtype} values; it must hold integers")
@@ -239,6 +247,9 @@ def _field(table: pa.Table, field: Field, where: str) -> pa.Array:
             if field.name == TOKENS:
                 raise DataError(f"{where}: token ids lie in [{low}, {high}] but model.vocab_size "
                                 f"is {field.high}; set model.vocab_size: {high + 1} or more")
+            if field.name == LOSS_MASK:
+                raise DataError(f"{where}: {field.key} values lie in [{low}, {high}]; a loss mask "
+                                "holds 1 where a token is a target, 0 where not")
             raise DataError(f"{where}: {field.key} values lie in [{low}, {high}] but the model has "
                             f"{field.high} classes (model.options.classes); labels must lie in "
                             f"[0, {field.high})")

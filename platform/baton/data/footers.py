@@ -140,6 +140,9 @@ def _check_column(field, name: str, first: pa.DataType, theirs: pa.Schema,
             raise SpecError(f"{key}: token ids in {file} lie in [{low}, {high}]{others} but "
                             f"model.vocab_size is {field.high}; set model.vocab_size: {top + 1} "
                             "or more")
+        if field.key == "data.loss_mask_column":
+            raise SpecError(f"{key}: values in {file} lie in [{low}, {high}]{others}; a loss mask "
+                            "holds 1 where a token is a target, 0 where not")
         raise SpecError(f"{key}: values in {file} lie in [{low}, {high}]{others} but the model "
                         f"has {field.high} classes (model.options.classes); labels must lie in "
                         f"[0, {field.high})")
@@ -147,10 +150,11 @@ def _check_column(field, name: str, first: pa.DataType, theirs: pa.Schema,
         want = math.prod(field.shape) if single else None
         odd = facts.odd_group if want is None or facts.per_row == want else facts.first_group
         if odd is not None:
+            tokens = field.key in ("data.token_column", "data.loss_mask_column")
             what = (f"{field.shape[0]} tokens (model.seq_len + 1)" if field.key == "data.token_column"
+                    else f"{field.shape[0]} values (model.seq_len + 1, as its token row does)" if tokens
                     else f"{want} values" if want is not None else "as many values")
             raise SpecError(f"{key}: {name!r} holds rows of another length in row group {odd} of "
                             f"{file}: every row must hold {what}"
-                            + ("" if field.key == "data.token_column"
-                               else " (lists of any length: data.pad)"))
+                            + ("" if tokens else " (lists of any length: data.pad)"))
 

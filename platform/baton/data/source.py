@@ -260,8 +260,8 @@ def _dataset(spec: JobSpec, where: str, key: str, source: str) -> tuple[Manifest
 def read_columns(spec: JobSpec) -> set[str]:
     """The columns a job reads: its tokens, or `data.columns`'s, and its ids."""
     d = spec.data
-    named = ([d.token_column] if spec.task == "language_model"
-             else [c for v in d.columns.values() for c in (v if isinstance(v, list) else [v])])
+    named = ([d.token_column, *([d.loss_mask_column] if d.loss_mask_column else [])]
+             if spec.task == "language_model" else [c for v in d.columns.values() for c in (v if isinstance(v, list) else [v])])
     return {*named, *([d.id_column] if d.id_column else [])}
 
 
@@ -285,7 +285,23 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
                 f"{source}: model.seq_len: {spec.model.seq_len} does not fit the data; rows of "
                 f"{where!r} hold {length} tokens, so set model.seq_len: {length - 1} or prepare "
                 f"data with --seq-len {spec.model.seq_len}")
-        tokens = token_columns(d.token_column, d.id_column, want, spec.model.vocab_size)
+        mask = d.loss_mask_column
+        if mask is not None:
+            if mask not in schema.names:
+                near = difflib.get_close_matches(mask, schema.names, 1)
+                raise SpecError(f"{source}: data.loss_mask_column: {mask!r} is not a column of "
+                                f"{where!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+                                + f" (columns: {', '.join(schema.names)[:300]})")
+            t = schema.field(mask).type
+            if not (pa_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_boolean(t.value_type))):
+                raise SpecError(f"{source}: data.loss_mask_column: {mask!r} holds {t}; a loss mask "
+                                f"is a list of {want} integers (0 or 1) a row, as its token row")
+            length = _first_length(manifest, mask)
+            if length != want:
+                raise SpecError(f"{source}: data.loss_mask_column: rows of {mask!r} hold {length} "
+                                f"values, and of {d.token_column!r} {want}: a loss mask marks each "
+                                "token of its row")
+        tokens = token_columns(d.token_column, d.id_column, want, spec.model.vocab_size, mask)
         check_footers(manifest, tokens, schema, source, where)
         return tokens
     fields = []
@@ -344,7 +360,8 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
 def columns(spec: JobSpec) -> Columns:
     """A language model's columns, from the spec alone (no schema to read)."""
     d = spec.data
-    return token_columns(d.token_column, d.id_column, spec.model.seq_len + 1, spec.model.vocab_size)
+    return token_columns(d.token_column, d.id_column, spec.model.seq_len + 1, spec.model.vocab_size,
+                         d.loss_mask_column)
 
 
 def pa_list(t: pa.DataType) -> bool:

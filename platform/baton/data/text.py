@@ -10,6 +10,12 @@ a failure leaves nothing. Deterministic: input files are taken in path order and
 one, so the same input gives the same rows, whatever the cluster.
 
 A user tokenizer is `fn(texts: list[str]) -> list[list[int]]` (token ids per document).
+
+With a prompt column (`--prompt-column`: instruction tuning), each document is a prompt and
+its response (`--column`): the prompt's tokens, the response's and the end of document, with
+a loss mask beside the tokens (a `loss_mask` column: 0 on the prompt's tokens, 1 on the
+response's and its end), which `data.loss_mask_column` names for the job: it trains on the
+responses alone. A response that is empty is a document of its prompt with nothing to learn.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def input_files(path: str) -> list[Path]:
     return files
 
 
-def read_texts(file: Path, column: str) -> list[str]:
+def read_texts(file: Path, column: str, flag: str = "--column") -> list[str]:
     """The documents of one file; one line naming the file for anything that is not text."""
     if file.stat().st_size == 0:
         raise DataError(f"{file}: the file is empty")
@@ -70,7 +76,7 @@ def read_texts(file: Path, column: str) -> list[str]:
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{file}: not readable as {file.suffix[1:]} ({str(e).splitlines()[0]})") from None
     if column not in table.column_names:
-        raise DataError(f"{file}: no column {column!r} (--column); columns: "
+        raise DataError(f"{file}: no column {column!r} ({flag}); columns: "
                         f"{', '.join(table.column_names) or 'none'}")
     col = table.column(column)
     if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
@@ -80,17 +86,26 @@ def read_texts(file: Path, column: str) -> list[str]:
     return col.to_pylist()
 
 
-def pack(docs: list[list[int]], seq_len: int, eod: Optional[int]) -> np.ndarray:
-    """Rows of seq_len + 1 tokens from the documents joined (each followed by `eod`)."""
-    parts = []
-    for doc in docs:
-        parts.append(np.asarray(doc, dtype=np.int64))
+def pack(docs: list[list[int]], seq_len: int, eod: Optional[int],
+         prompts: Optional[list[list[int]]] = None) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """Rows of seq_len + 1 tokens from the documents joined (each followed by `eod`), and with
+    `prompts` (one before each document) the rows' loss masks: 1 on a document's tokens and
+    its `eod`, 0 on its prompt's."""
+    parts, marks = [], []
+    for i, doc in enumerate(docs):
+        if prompts is not None:
+            parts.append(np.asarray(prompts[i], dtype=np.int64))
+            marks.append(np.zeros(len(prompts[i]), dtype=np.uint8))
+        doc = np.asarray(doc, dtype=np.int64)
+        parts.append(doc)
+        marks.append(np.ones(len(doc) + (eod is not None), dtype=np.uint8))
         if eod is not None:
             parts.append(np.array([eod], dtype=np.int64))
     stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if len(stream) <= seq_len:
-        return np.zeros((0, seq_len + 1), dtype=np.int64)
-    return windows(stream, seq_len)
+        empty = np.zeros((0, seq_len + 1), dtype=np.int64)
+        return empty, None if prompts is None else empty.astype(np.uint8)
+    return windows(stream, seq_len), None if prompts is None else windows(np.concatenate(marks), seq_len)
 
 
 def _token_type(vocab: int) -> pa.DataType:
@@ -98,15 +113,23 @@ def _token_type(vocab: int) -> pa.DataType:
 
 
 def prepare_part(index: int, file: str, out_dir: str, column: str, seq_len: int,
-                 tokenizer: Optional[str], eod: int) -> dict:
+                 tokenizer: Optional[str], eod: int, prompt_column: Optional[str] = None) -> dict:
     """One input file -> part-{index}.parquet in `out_dir` (run as a Ray task)."""
     texts = read_texts(Path(file), column)
-    docs = load_tokenizer(tokenizer)(texts)
+    tokenize = load_tokenizer(tokenizer)
+    docs = tokenize(texts)
     if len(docs) != len(texts):
         raise DataError(f"--tokenizer {tokenizer}: gave {len(docs)} token lists for {len(texts)} texts")
-    rows = pack(docs, seq_len, eod)
+    prompts = None
+    if prompt_column is not None:
+        asked = read_texts(Path(file), prompt_column, "--prompt-column")
+        prompts = tokenize(asked)
+        if len(prompts) != len(asked):
+            raise DataError(f"--tokenizer {tokenizer}: gave {len(prompts)} token lists for "
+                            f"{len(asked)} texts")
+    rows, masks = pack(docs, seq_len, eod, prompts)
     stats = {"index": index, "documents": len(texts), "samples": len(rows),
-             "tokens": int(sum(map(len, docs))), "max_token": eod}
+             "tokens": int(sum(map(len, docs)) + sum(map(len, prompts or ()))), "max_token": eod}
     if not len(rows):
         return stats  # too short for one row: no part (a part of no rows would be a unit of none)
     top = int(max(rows.max(initial=0), eod))
@@ -116,19 +139,26 @@ def prepare_part(index: int, file: str, out_dir: str, column: str, seq_len: int,
                                                seq_len + 1)
     ids = pa.array(index * ID_STRIDE + np.arange(len(rows), dtype=np.int64))
     row_bytes = rows.shape[1] * tokens.type.value_type.byte_width
-    pq.write_table(pa.table({"sample_id": ids, "tokens": tokens}),
+    columns = {"sample_id": ids, "tokens": tokens}
+    if masks is not None:
+        columns["loss_mask"] = pa.FixedSizeListArray.from_arrays(pa.array(masks.reshape(-1)), seq_len + 1)
+    pq.write_table(pa.table(columns),
                    Path(out_dir) / f"part-{index:05d}.parquet",
                    row_group_size=max(1, ROW_GROUP_BYTES // row_bytes))
-    return stats | {"max_token": top}
+    return stats | {"max_token": top,
+                    **({"targets": int(masks[:, 1:].sum())} if masks is not None else {})}
 
 
 def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
                  tokenizer: Optional[str] = None, eod: Optional[int] = None,
-                 on_ray: bool = True, about: Optional[dict] = None) -> dict:
+                 on_ray: bool = True, about: Optional[dict] = None,
+                 prompt_column: Optional[str] = None) -> dict:
     """Tokenise and pack every input file: on the connected Ray, one task per file on this
     node (`out` is a local folder); or, `on_ray=False`, one after the other in this process
     (the built-in corpus, prepared before Ray starts). Both write the same bytes. `about`
-    is merged into the corpus description (`_corpus.json`, and what this returns)."""
+    is merged into the corpus description (`_corpus.json`, and what this returns).
+    `prompt_column`: each document is that column's prompt and `column`'s response, and
+    the rows get a loss mask (the module's docstring)."""
     if tokenizer is not None and eod is None:
         raise DataError("--eod-token: give the end-of-document id of your tokenizer")
     eod = BYTE_EOD if eod is None else eod
@@ -136,7 +166,7 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
     files = input_files(input_path)
     with staged_corpus(Path(out)) as tmp:
         def part(index: int, file: str) -> dict:
-            return prepare_part(index, file, str(tmp), column, seq_len, tokenizer, eod)
+            return prepare_part(index, file, str(tmp), column, seq_len, tokenizer, eod, prompt_column)
 
         parts = _on_ray(files, part) if on_ray else [part(i, str(f)) for i, f in enumerate(files)]
         samples = sum(p["samples"] for p in parts)
@@ -147,6 +177,8 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
                 "documents": sum(p["documents"] for p in parts), "samples": samples,
                 "tokens": sum(p["tokens"] for p in parts), "tokenizer": tokenizer or "bytes",
                 "eod_token": eod, "vocab_size": max(p["max_token"] for p in parts) + 1,
+                **({"loss_mask_column": "loss_mask", "prompt_column": prompt_column,
+                    "targets": sum(p.get("targets", 0) for p in parts)} if prompt_column else {}),
                 **(about or {})}
         (tmp / "_corpus.json").write_text(json.dumps(info, indent=2) + "\n")
     return info

@@ -73,6 +73,20 @@ class _Engine:
     sharded: bool = False  # state split across workers: checkpoints go through DCP
     own_random: Optional[tensor.OwnRandom] = None  # a tp worker's own stream (checkpointed)
     grad_bytes: int = 0  # this worker's gradients at its first step (local shards)
+    computes_loss = True  # (a pipeline's stages before the last do not)
+
+    def replica_groups(self) -> list:
+        """The groups whose sums, one after another, add up a number over every replica (each
+        worker's from its own rows), this worker's part of the model alike: the world's."""
+        return [None]
+
+    def over_replicas(self, n: int) -> int:
+        """`n` summed over the replicas (a collective of their workers that hold this one's
+        part): a loss mask's targets, counted from each replica's rows."""
+        total = torch.tensor(n, dtype=torch.int64, device=self.device)
+        for group in self.replica_groups():
+            dist.all_reduce(total, group=group)
+        return int(total)
 
     def compute_s(self) -> Optional[float]:
         """Seconds of the last step that this worker computed without waiting for a peer
@@ -136,7 +150,7 @@ class DataParallelEngine(_Engine):
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         self.spec, self.device, self.task = spec, device, task
         self.bf16 = spec.train.precision == "bf16"
-        self.dp = spec.parallel.dp
+        self.dp, self.tp = spec.parallel.dp, dims.tp
         level = spec.parallel.shard
         self.mesh = (dims.device_mesh(device.type, spec.parallel.timeout_s)
                      if level != "none" or dims.tp > 1 else None)
@@ -165,6 +179,10 @@ class DataParallelEngine(_Engine):
 
     def compute_s(self) -> Optional[float]:
         return self.forwards.read() if self.forwards else None
+
+    def replica_groups(self) -> list:
+        # a replica's tp workers read the same rows: their dp group, one worker of each replica
+        return [axis(self.mesh, "dp").get_group()] if self.tp > 1 else [None]
 
     def forget_comm(self) -> None:
         self.replica.forget_comm()
@@ -329,6 +347,14 @@ class PipelineEngine(_Engine):
         self.optimizer = make_optimizer(self.module, spec.train)
         self.actions = sched.build(spec.parallel.schedule, p, spec.microbatches, v)[self.pp_rank]
         self.first, self.last = self.pp_rank == 0, self.pp_rank == p - 1
+        self.computes_loss = self.last
+        self.mesh = mesh
+
+    def replica_groups(self) -> list:
+        # the last stage's workers of this share of it, one in each replica: over the
+        # replica groups and the shards within each (every dp rank reads rows of its own)
+        return [self.mesh[name].get_group() for name in ("dp_shard", "dp_replicate")
+                if self.mesh[name].size() > 1]
 
     def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
                          trace: bool) -> tuple[Sums, dict]:

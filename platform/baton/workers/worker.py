@@ -333,7 +333,7 @@ class Worker:
         # the traced step: a pipeline's timeline needs every rank's events, a data-parallel
         # profile one replica's (rank 0's: the others train unprofiled)
         trace = trace and (self.dims.pp > 1 or self.rank == 0)
-        sums, out = self.engine.forward_backward(micro, self._batch, self._scale(batch), trace)
+        sums, out = self.engine.forward_backward(micro, self._batch, self._scale(batch, micro), trace)
         self.saves.fence()  # a background save's copy has read what the step changes
         skip = self.spec.train.skip_nonfinite > 0
         grad_norm = self.engine.apply(lr, skip)
@@ -385,8 +385,8 @@ class Worker:
         """This worker's gradients for `batch`, by parameter name, without stepping: what
         the equivalence tests compare with one process's."""
         self.rows.use(batch)
-        sums, _ = self.engine.forward_backward(self._micro_batches(batch.positions), self._batch,
-                                               self._scale(batch), False)
+        micro = self._micro_batches(batch.positions)
+        sums, _ = self.engine.forward_backward(micro, self._batch, self._scale(batch, micro), False)
         out = sums.out()
         grads = {n: _whole(q.grad).detach().cpu().clone()
                  for n, q in self.engine.module.named_parameters()}
@@ -413,8 +413,17 @@ class Worker:
         with self.engine.averaged():
             return {**live, "ema": sums()}
 
-    def _scale(self, batch: Batch) -> float:
-        return 1.0 / (len(batch) * self.task.per_sample)
+    def _scale(self, batch: Batch, micro: list[np.ndarray]) -> float:
+        """What each loss sum is multiplied by: 1 over the global batch's loss terms, so that
+        the gradients summed over the replicas are those of the mean. A loss mask's targets
+        are counted from the rows, this replica's, summed over the replicas (a collective
+        of one number; 1 where there are none); tokens are known from the rows' count."""
+        if not self.task.masked:
+            return 1.0 / (len(batch) * self.task.per_sample)
+        if not self.engine.computes_loss:  # (a pipeline's stages before the last)
+            return 1.0
+        mine = sum(self.task.targets(self.rows.gather(rows)[1]) for rows in micro if len(rows))
+        return 1.0 / max(1, self.engine.over_replicas(mine))
 
     def _batch(self, rows: np.ndarray, pad_to: Optional[int] = None,
                source: Optional[UnitRows] = None) -> dict:
@@ -615,7 +624,8 @@ def _shapes(spec: JobSpec, columns: Optional[Columns]) -> dict:
     if columns is None:
         from baton.data.feed import token_columns
 
-        columns = token_columns("tokens", None, spec.model.seq_len + 1, spec.model.vocab_size)
+        columns = token_columns("tokens", None, spec.model.seq_len + 1, spec.model.vocab_size,
+                                spec.data.loss_mask_column)
     return columns.shapes()
 
 
