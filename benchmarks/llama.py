@@ -101,7 +101,7 @@ def _tp_worker(rank: int, port: int, sequence: bool, rounds: int, passes: int, o
     import torch
     import torch.distributed as dist
 
-    from baton.parallel.tensor import Shares
+    from baton.parallel.tensor import Shares, counted
     from baton.tasks import loss_sum
 
     torch.set_num_threads(1)
@@ -116,25 +116,13 @@ def _tp_worker(rank: int, port: int, sequence: bool, rounds: int, passes: int, o
         Shares(net, rank, 2, dist.group.WORLD, sequence=sequence)
         nets[way] = net
     x = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(0))
-    calls = {"all_reduce": 0, "all_gather": 0}
-    originals = {name: getattr(dist, name) for name in calls}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
 
     def step(net) -> None:
         loss_sum(net(x[:, :-1]), x[:, 1:]).backward()
     counts = {}
     for way, net in nets.items():
-        for name in calls:
-            calls[name] = 0
-            setattr(dist, name, counted(name))
-        step(net)
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        with counted() as calls:
+            step(net)
         counts[way] = dict(calls)
     times: dict = {way: [] for way in nets}
     for r in range(rounds):

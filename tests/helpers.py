@@ -31,9 +31,12 @@ _STREAM = None
 
 
 def write_dataset(folder: Path, num_samples: int, seq_len: int, shards: int = 2,
-                  id_offset: int = 1000, row_group_rows: int | None = None) -> Path:
+                  id_offset: int = 1000, row_group_rows: int | None = None,
+                  loss_mask: bool = False) -> Path:
     """`num_samples` rows of stdlib text, seq_len + 1 tokens each, ids id_offset.. in shuffled
-    shard order (so nothing may rely on file order); row groups of `row_group_rows`."""
+    shard order (so nothing may rely on file order); row groups of `row_group_rows`.
+    `loss_mask`: with a `loss_mask` column (data.loss_mask_column) marking about two thirds
+    of each row's tokens, in a pattern of its own a row."""
     global _STREAM
     if _STREAM is None:
         _STREAM = stdlib_stream()[0]
@@ -43,8 +46,11 @@ def write_dataset(folder: Path, num_samples: int, seq_len: int, shards: int = 2,
     ids = np.arange(id_offset, id_offset + num_samples)
     for k, part in enumerate(np.array_split(np.arange(num_samples), shards)[::-1]):
         tokens = pa.FixedSizeListArray.from_arrays(pa.array(rows[part].reshape(-1)), seq_len + 1)
-        pq.write_table(pa.table({"sample_id": ids[part], "tokens": tokens}),
-                       folder / f"part-{k}.parquet", row_group_size=row_group_rows)
+        columns = {"sample_id": ids[part], "tokens": tokens}
+        if loss_mask:
+            marks = ((rows[part] + np.arange(seq_len + 1)) % 3 != 0).astype(np.uint8)
+            columns["loss_mask"] = pa.FixedSizeListArray.from_arrays(pa.array(marks.reshape(-1)), seq_len + 1)
+        pq.write_table(pa.table(columns), folder / f"part-{k}.parquet", row_group_size=row_group_rows)
     return folder
 
 

@@ -132,6 +132,19 @@ def test_prompts_and_responses_train_on_the_responses_alone(tmp_path):
     for r in range(rows):  # the rows of the stream, and their masks beside them
         assert tokens[r].tolist() == list(stream[r * 32:r * 32 + 33])
         assert masks[r].tolist() == marks[r * 32:r * 32 + 33].tolist()
+    # --one-per-row: each pair at the start of a row of its own, padded with the end token
+    # the mask leaves out (none here is longer than a row)
+    done = _baton(tmp_path, "--input", "sft.jsonl", "--out", "rows", "--seq-len", "32",
+                  "--prompt-column", "prompt", "--column", "response", "--one-per-row")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "a document a row, padded; 0 longer than a row cut to it" in done.stdout
+    _, tokens = read_corpus(str(tmp_path / "rows"))
+    _, masks = read_corpus(str(tmp_path / "rows"), "loss_mask")
+    assert len(tokens) == len(pairs)
+    for p, row, mask in zip(pairs, tokens, masks):
+        asked, said = p["prompt"].encode(), p["response"].encode() + b"\0"
+        assert row.tolist() == list(asked + said) + [0] * (33 - len(asked) - len(said))
+        assert mask.tolist() == [0] * len(asked) + [1] * len(said) + [0] * (33 - len(asked) - len(said))
     # (a constant schedule: the second run's 5 steps would change a cosine's first 3)
     train = {"schedule": "constant"}
     spec = spec_from_dict(tiny_spec(tmp_path, tmp_path / "sft", name="sft", train=train,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from baton.models import build_model
-from baton.parallel.tensor import Shares
+from baton.parallel.tensor import Shares, counted
 from baton.spec import LoRASpec, ModelSpec
 from baton.tasks import IGNORE, loss_sum
 from helpers import require_cxx
@@ -57,23 +57,10 @@ def _worker(rank: int, port: int, sequence: bool, split_logits: bool, adapted: b
         tokens = torch.randint(0, 32, (2, 8), generator=g)
         targets = torch.randint(0, 32, (2, 8), generator=g)
         targets[0, :3] = IGNORE  # padding the loss leaves out
-        calls = {"all_reduce": 0, "all_gather": 0}  # the tp collectives of a step's passes
-        originals = {name: getattr(dist, name) for name in calls}
-
-        def counted(name):
-            def call(*args, **kwargs):
-                calls[name] += 1
-                return originals[name](*args, **kwargs)
-            return call
-        for name in calls:
-            setattr(dist, name, counted(name))
-        try:
+        with counted() as calls:  # the tp collectives of a step's passes
             got = model(tokens)
             loss = loss_sum(got, targets)
             loss.backward()
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
         want = whole(tokens)
         logits = torch.cat(_pieces(got), dim=-1) if split_logits else got
         ref = loss_sum(want, targets)

@@ -155,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="text: the column or field holding each document's prompt: each row "
                            "then has a loss_mask column, 1 on the responses (--column), for "
                            "data.loss_mask_column")
+    prep.add_argument("--one-per-row", action="store_true",
+                      help="text: each document (and its prompt) at the start of a row of its own, "
+                           "padded, the padding left out by a loss_mask column, not packed")
     prep.add_argument("--tokenizer", help="text: module:function, texts -> token id lists "
                                           "(default: bytes, end of document 0)")
     prep.add_argument("--eod-token", type=int, help="text: your tokenizer's end-of-document id")
@@ -192,15 +195,19 @@ def _prepare_text(args) -> int:
     logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     try:
         info = prepare_text(args.input, args.out, args.seq_len, args.column, args.tokenizer,
-                            args.eod_token, prompt_column=args.prompt_column)
+                            args.eod_token, prompt_column=args.prompt_column,
+                            one_per_row=args.one_per_row)
     finally:
         shutdown_ray()
     print(f"wrote {info['samples']:,} samples of {args.seq_len + 1} tokens from "
           f"{info['documents']:,} documents in {info['files']} files ({info['tokens']:,} tokens, "
           f"vocabulary {info['vocab_size']}) to {args.out}")
-    if args.prompt_column:
-        print(f"  {info['targets']:,} of the tokens are targets (the responses'): train on them "
-              f"alone with data.loss_mask_column: loss_mask")
+    if args.one_per_row:
+        print(f"  a document a row, padded; {info['cut']:,} longer than a row cut to it")
+    if args.prompt_column or args.one_per_row:
+        print(f"  {info['targets']:,} of the tokens are targets ("
+              + ("the responses'" if args.prompt_column else "the documents', not the padding")
+              + "): train on them alone with data.loss_mask_column: loss_mask")
     return 0
 
 

@@ -11,6 +11,10 @@ one, so the same input gives the same rows, whatever the cluster.
 
 A user tokenizer is `fn(texts: list[str]) -> list[list[int]]` (token ids per document).
 
+With `--one-per-row`, each document starts a row of its own instead, the rest of the row
+filled with the end-of-document token, which a loss mask beside the tokens leaves out (a
+document longer than a row is cut to it): no document attends to another.
+
 With a prompt column (`--prompt-column`: instruction tuning), each document is a prompt and
 its response (`--column`): the prompt's tokens, the response's and the end of document, with
 a loss mask beside the tokens (a `loss_mask` column: 0 on the prompt's tokens, 1 on the
@@ -87,25 +91,33 @@ def read_texts(file: Path, column: str, flag: str = "--column") -> list[str]:
 
 
 def pack(docs: list[list[int]], seq_len: int, eod: Optional[int],
-         prompts: Optional[list[list[int]]] = None) -> tuple[np.ndarray, Optional[np.ndarray]]:
+         prompts: Optional[list[list[int]]] = None,
+         one_per_row: bool = False) -> tuple[np.ndarray, Optional[np.ndarray]]:
     """Rows of seq_len + 1 tokens from the documents joined (each followed by `eod`), and with
     `prompts` (one before each document) the rows' loss masks: 1 on a document's tokens and
-    its `eod`, 0 on its prompt's."""
-    parts, marks = [], []
+    its `eod`, 0 on its prompt's. `one_per_row`: each document (after its prompt) at the
+    start of a row of its own instead, the rest of the row `eod`s its mask leaves out, a
+    longer one cut to the row: masks for every row."""
+    examples = []  # each document's tokens (its prompt's first) and their marks
     for i, doc in enumerate(docs):
-        if prompts is not None:
-            parts.append(np.asarray(prompts[i], dtype=np.int64))
-            marks.append(np.zeros(len(prompts[i]), dtype=np.uint8))
-        doc = np.asarray(doc, dtype=np.int64)
-        parts.append(doc)
-        marks.append(np.ones(len(doc) + (eod is not None), dtype=np.uint8))
-        if eod is not None:
-            parts.append(np.array([eod], dtype=np.int64))
-    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        prompt = np.asarray(prompts[i] if prompts is not None else [], dtype=np.int64)
+        doc = np.concatenate([np.asarray(doc, dtype=np.int64), [eod] if eod is not None else []])
+        examples.append((np.concatenate([prompt, doc]).astype(np.int64),
+                         np.r_[np.zeros(len(prompt), np.uint8), np.ones(len(doc), np.uint8)]))
+    width = seq_len + 1
+    if one_per_row:
+        rows = np.full((len(examples), width), eod or 0, dtype=np.int64)
+        masks = np.zeros((len(examples), width), dtype=np.uint8)
+        for r, (tokens, marks) in enumerate(examples):
+            rows[r, :len(tokens[:width])], masks[r, :len(marks[:width])] = tokens[:width], marks[:width]
+        return rows, masks
+    stream = np.concatenate([t for t, _ in examples]) if examples else np.zeros(0, dtype=np.int64)
     if len(stream) <= seq_len:
-        empty = np.zeros((0, seq_len + 1), dtype=np.int64)
+        empty = np.zeros((0, width), dtype=np.int64)
         return empty, None if prompts is None else empty.astype(np.uint8)
-    return windows(stream, seq_len), None if prompts is None else windows(np.concatenate(marks), seq_len)
+    if prompts is None:
+        return windows(stream, seq_len), None
+    return windows(stream, seq_len), windows(np.concatenate([m for _, m in examples]), seq_len)
 
 
 def _token_type(vocab: int) -> pa.DataType:
@@ -113,7 +125,8 @@ def _token_type(vocab: int) -> pa.DataType:
 
 
 def prepare_part(index: int, file: str, out_dir: str, column: str, seq_len: int,
-                 tokenizer: Optional[str], eod: int, prompt_column: Optional[str] = None) -> dict:
+                 tokenizer: Optional[str], eod: int, prompt_column: Optional[str] = None,
+                 one_per_row: bool = False) -> dict:
     """One input file -> part-{index}.parquet in `out_dir` (run as a Ray task)."""
     texts = read_texts(Path(file), column)
     tokenize = load_tokenizer(tokenizer)
@@ -127,9 +140,12 @@ def prepare_part(index: int, file: str, out_dir: str, column: str, seq_len: int,
         if len(prompts) != len(asked):
             raise DataError(f"--tokenizer {tokenizer}: gave {len(prompts)} token lists for "
                             f"{len(asked)} texts")
-    rows, masks = pack(docs, seq_len, eod, prompts)
+    rows, masks = pack(docs, seq_len, eod, prompts, one_per_row)
     stats = {"index": index, "documents": len(texts), "samples": len(rows),
              "tokens": int(sum(map(len, docs)) + sum(map(len, prompts or ()))), "max_token": eod}
+    if one_per_row:  # (a document, its prompt and its end longer than a row: cut to it)
+        stats["cut"] = sum(len(d) + len(prompts[i] if prompts else ()) + 1 > seq_len + 1
+                           for i, d in enumerate(docs))
     if not len(rows):
         return stats  # too short for one row: no part (a part of no rows would be a unit of none)
     top = int(max(rows.max(initial=0), eod))
@@ -152,13 +168,14 @@ def prepare_part(index: int, file: str, out_dir: str, column: str, seq_len: int,
 def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
                  tokenizer: Optional[str] = None, eod: Optional[int] = None,
                  on_ray: bool = True, about: Optional[dict] = None,
-                 prompt_column: Optional[str] = None) -> dict:
+                 prompt_column: Optional[str] = None, one_per_row: bool = False) -> dict:
     """Tokenise and pack every input file: on the connected Ray, one task per file on this
     node (`out` is a local folder); or, `on_ray=False`, one after the other in this process
     (the built-in corpus, prepared before Ray starts). Both write the same bytes. `about`
     is merged into the corpus description (`_corpus.json`, and what this returns).
     `prompt_column`: each document is that column's prompt and `column`'s response, and
-    the rows get a loss mask (the module's docstring)."""
+    the rows get a loss mask (the module's docstring); `one_per_row`: a document (and its
+    prompt) a row, padded (`pack`)."""
     if tokenizer is not None and eod is None:
         raise DataError("--eod-token: give the end-of-document id of your tokenizer")
     eod = BYTE_EOD if eod is None else eod
@@ -166,7 +183,8 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
     files = input_files(input_path)
     with staged_corpus(Path(out)) as tmp:
         def part(index: int, file: str) -> dict:
-            return prepare_part(index, file, str(tmp), column, seq_len, tokenizer, eod, prompt_column)
+            return prepare_part(index, file, str(tmp), column, seq_len, tokenizer, eod, prompt_column,
+                                one_per_row)
 
         parts = _on_ray(files, part) if on_ray else [part(i, str(f)) for i, f in enumerate(files)]
         samples = sum(p["samples"] for p in parts)
@@ -178,7 +196,9 @@ def prepare_text(input_path: str, out: str, seq_len: int, column: str = "text",
                 "tokens": sum(p["tokens"] for p in parts), "tokenizer": tokenizer or "bytes",
                 "eod_token": eod, "vocab_size": max(p["max_token"] for p in parts) + 1,
                 **({"loss_mask_column": "loss_mask", "prompt_column": prompt_column,
-                    "targets": sum(p.get("targets", 0) for p in parts)} if prompt_column else {}),
+                    "targets": sum(p.get("targets", 0) for p in parts)}
+                   if prompt_column or one_per_row else {}),
+                **({"one_per_row": True, "cut": sum(p["cut"] for p in parts)} if one_per_row else {}),
                 **(about or {})}
         (tmp / "_corpus.json").write_text(json.dumps(info, indent=2) + "\n")
     return info

@@ -520,6 +520,28 @@ def sequence_region(model: nn.Module, rank: int, size: int, group,
     return [name for name, _ in model.named_parameters() if name.rsplit(".", 1)[0] in after]
 
 
+@contextlib.contextmanager
+def counted(names: tuple[str, ...] = ("all_reduce", "all_gather")) -> Iterator[dict]:
+    """How many times each of these torch.distributed collectives is called in this process
+    while inside ({name: calls}, filled as they come): what a pass of a split model costs
+    (the tests and `benchmarks/llama.py --tp` count tp's collectives with it)."""
+    calls = dict.fromkeys(names, 0)
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 class OwnRandom:
     """A random stream of this tp worker's own, beside the process's, which a replica's tp
     workers share (the activations they hold whole must draw the same dropout masks): for
