@@ -9,7 +9,14 @@ training loss of their last 50 steps and their median tokens/s.
     python benchmarks/llama.py --profile        # where each model's step goes (one process)
     python benchmarks/llama.py --tp             # the llama at tp 2: one collective for the
                                                 # layers that share an input, or one each
-"""
+    python benchmarks/llama.py --experts        # the llama against a mixture of 4 experts
+                                                # (2 a token) of the same active parameters
+
+With --experts the two runs are `jobs/llama.yaml` and the same job whose blocks' MLPs are
+mixtures of 4 experts of 176 hidden units, 2 a token (Mixtral's kind: the weights a token
+meets are the dense MLP's 344 units' to 2%, its parameters nearly twice as many), and each
+mixture's load after training: the share of 16 x 128 tokens of the corpus each block's
+router sends to each expert (balanced: 1/4 each)."""
 
 from __future__ import annotations
 
@@ -33,20 +40,53 @@ from results_io import median_ratio, rotating, write_result  # noqa: E402
 JOBS = {"gpt": HERE.parent / "jobs" / "quickstart.yaml", "llama": HERE.parent / "jobs" / "llama.yaml"}
 
 
-def run(model: str, data: str, tmp: str, steps: int) -> dict:
-    spec = load_spec(JOBS[model], [f"name=bench-{model}", f"train.steps={steps}",
-                                   "data.source=parquet", f"data.path={data}",
-                                   f"checkpoint.path={tmp}/ckpt", "checkpoint.every_steps=1000000",
-                                   f"tracking.uri=sqlite:///{tmp}/mlflow.db"])
+# the mixture of --experts: the llama's job with each block's MLP 4 experts of 176 units
+MIXTURE = ["model.options.experts=4", "model.options.experts_per_token=2", "model.options.hidden=176"]
+
+
+def run(model: str, data: str, tmp: str, steps: int, extra: list[str] = ()) -> dict:
+    job = JOBS["llama" if model == "mixture" else model]
+    spec = load_spec(job, [f"name=bench-{model}", f"train.steps={steps}",
+                           "data.source=parquet", f"data.path={data}",
+                           f"checkpoint.path={tmp}/ckpt", "checkpoint.every_steps=1000000",
+                           f"tracking.uri=sqlite:///{tmp}/mlflow.db", *extra])
     result = api.run(spec, show_progress=False, log=lambda _: None)
     losses = [v for _, v in result.history("loss")]
     speeds = [v for _, v in result.history("tokens_per_s")]
     row = {"model": model, "steps": steps, "loss_last_50": round(sum(losses[-50:]) / len(losses[-50:]), 4),
            "tokens_per_s": round(statistics.median(speeds)),
            "parameters": sum(p.numel() for p in build_model(spec.model, 0).parameters())}
+    if spec.model.options.get("experts"):
+        row["expert_shares"] = expert_shares(spec, data, result.step)
     print(f"{model:<6} {steps} steps: loss (last 50) {row['loss_last_50']}, "
-          f"{row['tokens_per_s']:,} tokens/s (median)", flush=True)
+          f"{row['tokens_per_s']:,} tokens/s (median)"
+          + (f", expert shares {row['expert_shares']}" if "expert_shares" in row else ""), flush=True)
     return row
+
+
+def expert_shares(spec, data: str, step: int, rows: int = 16) -> list[list[float]]:
+    """Each block's share of the tokens of `rows` rows of the corpus that its router sends to
+    each expert (a token's experts_per_token choices counted each), the trained model's."""
+    import numpy as np
+    import torch
+
+    from baton.checkpoint import CheckpointStore
+    from baton.data.local import read_corpus
+
+    model = build_model(spec.model, 0).eval()
+    model.load_state_dict(CheckpointStore(spec.checkpoint_dir).read_model(step))
+    tokens = torch.from_numpy(np.asarray(read_corpus(data)[1][:rows, :-1])).long()
+    counts = []
+
+    def count(module, inputs, logits) -> None:
+        chosen = logits.topk(spec.model.options["experts_per_token"], dim=-1).indices
+        counts.append(torch.bincount(chosen.flatten(), minlength=logits.shape[-1]))
+    hooks = [block.router.register_forward_hook(count) for block in model if hasattr(block, "router")]
+    with torch.no_grad():
+        model(tokens)
+    for hook in hooks:
+        hook.remove()
+    return [[round(float(c) / float(each.sum()), 3) for c in each] for each in counts]
 
 
 def profile(model: str, passes: int = 10) -> dict:
@@ -174,6 +214,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "llama_cpu.json"))
     ap.add_argument("--profile", action="store_true", help="only profile each model's pass")
     ap.add_argument("--tp", action="store_true", help="only time the llama's pass at tp 2")
+    ap.add_argument("--experts", action="store_true", help="the llama against a mixture of experts")
     args = ap.parse_args()
     if args.tp:
         write_result(HERE / "results" / "llama_tp_cpu.json", {"rows": tensor_parallel()})
@@ -190,9 +231,12 @@ def main() -> None:
 
         def measure(model: str) -> dict:
             with tempfile.TemporaryDirectory(dir=tmp) as run_tmp:
-                return run(model, data, run_tmp, args.steps)
-        runs = rotating(list(JOBS), args.rounds, measure)
+                return run(model, data, run_tmp, args.steps, MIXTURE if model == "mixture" else [])
+        runs = rotating(["llama", "mixture"] if args.experts else list(JOBS), args.rounds, measure)
         ray.shutdown()
+    if args.experts:
+        mixtures(runs, args)
+        return
     speed = median_ratio(runs["llama"], runs["gpt"], "tokens_per_s")
     print(f"\n| model | parameters | loss, last 50 of {args.steps} steps (each round) | tokens/s (median of rounds) |")
     print("|---|---:|---|---:|")
@@ -202,6 +246,22 @@ def main() -> None:
     print(f"\nllama / gpt tokens/s, median of each round's ratio: {speed:.3f}")
     write_result(args.out, {"steps": args.steps, "rounds": args.rounds, "runs": runs,
                             "llama_over_gpt_tokens_per_s": round(speed, 3)})
+
+
+def mixtures(runs: dict, args) -> None:
+    speed = median_ratio(runs["mixture"], runs["llama"], "tokens_per_s")
+    print(f"\n| model | parameters | loss, last 50 of {args.steps} steps (each round) | tokens/s (median of rounds) |")
+    print("|---|---:|---|---:|")
+    for model, rows in runs.items():
+        print(f"| {model} | {rows[0]['parameters']:,} | {', '.join(str(r['loss_last_50']) for r in rows)} | "
+              f"{statistics.median(r['tokens_per_s'] for r in rows):,.0f} |")
+    print(f"\nmixture / llama tokens/s, median of each round's ratio: {speed:.3f}")
+    for i, shares in enumerate(runs["mixture"][-1]["expert_shares"]):
+        print(f"block {i + 1}: each expert's share of the tokens {shares}")
+    write_result(args.out if args.out != str(HERE / "results" / "llama_cpu.json")
+                 else HERE / "results" / "llama_experts_cpu.json",
+                 {"steps": args.steps, "rounds": args.rounds, "runs": runs,
+                  "mixture_over_llama_tokens_per_s": round(speed, 3)})
 
 
 if __name__ == "__main__":

@@ -581,6 +581,14 @@ def _check_llama(m, need) -> None:
          m.options.get(scaling[0]) if scaling else None,
          "scales the rotary embedding with model.options.rope_factor (Llama 3.1's scaling), "
          "which is not given")
+    experts = m.options.get("experts", 0)
+    routing = [k for k in ("experts_per_token", "norm_topk") if k in m.options]
+    need(experts or not routing, f"model.options.{routing[0] if routing else ''}",
+         m.options.get(routing[0]) if routing else None,
+         "routes tokens among a mixture's experts, and model.options.experts is not given")
+    k = m.options.get("experts_per_token", 2)
+    need(not experts or k <= experts, "model.options.experts_per_token", k,
+         f"must be at most model.options.experts ({experts}): each token goes to that many experts")
     low, high = m.options.get("rope_low_freq_factor", 1.0), m.options.get("rope_high_freq_factor", 4.0)
     need(low < high, "model.options.rope_high_freq_factor", high,
          f"must be more than rope_low_freq_factor ({low}): between them the frequencies are interpolated")

@@ -18,6 +18,9 @@ pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 MODELS = {
     "gpt": {"name": "gpt", "layers": 2, "width": 32, "heads": 2, "seq_len": 32},
     "mlp": {"name": "mlp", "layers": 2, "width": 64, "context": 4, "seq_len": 32},
+    # Mixtral's kind of llama: each block's MLP a mixture of 4 experts, 2 for each token
+    "mixtral": {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
+                "options": {"kv_heads": 2, "hidden": 32, "experts": 4, "experts_per_token": 2}},
 }
 
 
@@ -140,6 +143,22 @@ def test_checkpoints_load_at_any_layout(tmp_path, data):
     # measured: 1.1e-5 after 6 steps through six layouts, 3.9e-6 after 8 through eight (the key
     # bias left out: helpers.assert_params_close); the equivalence bound holds
     assert_params_close(got, want, rtol=1e-5, atol=4e-5)
+
+
+def test_a_mixture_of_experts_trains_as_one_process_under_ddp_zero3_and_pipeline_stages(tmp_path, data):
+    """The llama with a mixture of experts in each block (every expert in every step's graph:
+    DDP's reducer and FSDP's gather need each parameter's gradient, zeros for an expert no
+    token of a micro-batch chose) at dp 2 under DDP, then resumed at dp 2 x pp 2 under ZeRO-3
+    (its blocks' experts sharded, their routers too): one process's numbers."""
+    spec = _spec(tmp_path, data, "moe", 2, "mixtral", schedule="constant")
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished" and {w["wrapper"] for w in result.workers} == {"DistributedDataParallel"}
+    assert_like_one_process(spec, data, result, 2)  # measured: 2.1e-6 at most
+    staged = _spec(tmp_path, data, "moe", 3, "mixtral", schedule="constant", pp=2, microbatches=2,
+                   shard="full")
+    result = api.run(staged, show_progress=False)
+    assert result.resumed_from == 2 and len(result.workers) == 4
+    assert_like_one_process(staged, data, result, 3)  # measured: 2.1e-6 at most
 
 
 @pytest.mark.parametrize("shard", ["full", "none"], ids=["zero3", "ddp"])

@@ -332,3 +332,34 @@ def test_a_user_tp_plan_that_cannot_split_is_named(plan, problem):
             self.fc, self.emb = nn.Linear(4, 4), nn.Embedding(9, 4)
 
     assert plan_problem(nn.Sequential(Layer()), "m", 2).startswith(problem)
+
+
+def test_a_mixture_of_experts_routes_each_token_to_its_top_experts_and_every_expert_has_a_gradient():
+    """The llama's mixture (models/llama.py's MoEBlock) against the plainest form of it, token
+    by token: each token's top-2 experts by the router's softmax, their outputs summed weighted
+    by those probabilities renormalised. Experts no token chose still get a gradient (zeros),
+    as DDP's reducer and FSDP need of every parameter each step."""
+    from baton.models.llama import Mixture, MoEBlock, Rope
+
+    torch.manual_seed(0)
+    block = MoEBlock(16, 2, 2, 24, Rope(), 0.0, mixture=Mixture(experts=4, per_token=2))
+    h = torch.randn(2, 5, 16)
+    want = []
+    for token in h.reshape(-1, 16):
+        p = torch.softmax(block.router(token), -1)
+        top = p.topk(2)
+        want.append(sum(w / top.values.sum() * block.experts[int(e)](token)
+                        for w, e in zip(top.values, top.indices)))
+    # measured: 6.0e-8 apart on outputs of 0.5 (the same sums; the weights divided first here)
+    torch.testing.assert_close(block.mlp(h), torch.stack(want).view(2, 5, 16), rtol=0, atol=1e-6)
+    with torch.no_grad():  # every token to experts 0 and 1: 2 and 3 get none
+        block.router.weight[2:] = 0
+        block.router.weight[:2] = 0
+        block.router.weight[0, 0], block.router.weight[1, 0] = 50, 49
+    h = h.abs()  # (so that feature 0 puts experts 0 and 1 first for every token)
+    block.mlp(h).sum().backward()
+    for e, expert in enumerate(block.experts):
+        grads = [p.grad for p in expert.parameters()]
+        assert all(g is not None for g in grads), e
+        assert all(bool(g.abs().sum() > 0) == (e < 2) for g in grads), e
+    assert block.tp_problem(2) and "mixture of experts" in block.tp_problem(2)

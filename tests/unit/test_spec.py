@@ -301,6 +301,24 @@ def test_a_llamas_key_value_heads_must_split_over_tp(tmp_path):
     spec_from_dict(raw, "job.yaml")  # one of each worker's
 
 
+@pytest.mark.parametrize("options,tp,message", [
+    ({"experts": 4}, 2, "parallel.tp: 2 is invalid; llama's layer 1: its MLP is a mixture of "
+     "experts (model.options.experts), which tensor parallelism does not split: use parallel.tp 1 "
+     "(dp, ZeRO and pipelines do)"),
+    ({"experts": 4, "experts_per_token": 5}, 1, "model.options.experts_per_token: 5 is invalid; "
+     "must be at most model.options.experts (4): each token goes to that many experts"),
+    ({"norm_topk": False}, 1, "model.options.norm_topk: False is invalid; routes tokens among a "
+     "mixture's experts, and model.options.experts is not given")])
+def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, tp, message):
+    raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
+                    parallel={"dp": 1, "tp": tp},
+                    model={"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
+                           "options": options})
+    with pytest.raises(SpecError) as e:
+        spec_from_dict(raw, "job.yaml")
+    assert str(e.value) == f"job.yaml: {message}"
+
+
 @pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,
                          ids=[f"{i}-{m.split(':')[0]}" for i, (_, m) in enumerate(LAYOUT_ERRORS)])
 def test_sharding_and_tensor_parallel_mistakes_are_one_line_each(tmp_path, parallel, message):

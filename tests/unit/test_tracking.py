@@ -261,6 +261,12 @@ def test_flops_per_token_of_each_shipped_model_and_a_user_s():
     model = __import__("baton.models", fromlist=["build_model"]).build_model(wide, 0)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert model_flops_per_token(wide) == 6 * linear + 12 * 2 * 64 * 16
+    # a mixture of 4 experts, 2 a token: the router's weights and 2 of the 4 experts' count
+    moe = dataclasses.replace(llama, options={"kv_heads": 2, "experts": 4, "experts_per_token": 2})
+    model = __import__("baton.models", fromlist=["build_model"]).build_model(moe, 0)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert model_flops_per_token(moe) == 6 * (linear - experts / 2) + 12 * 2 * 32 * 16
     mlp = ModelSpec(name="mlp", layers=3, width=64, context=8, vocab_size=256)
     model = __import__("baton.models", fromlist=["build_model"]).build_model(mlp, 0)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -110,7 +110,7 @@ def export(spec: JobSpec, out: str, step: Optional[int | str] = None,
             if names == "transformers":
                 group = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: t for n, t in group.items()}
             elif form:
-                group = dict(form.to_hf(n, t, spec.model.layers) for n, t in group.items())
+                group = dict(form.to_hf(n, t, spec.model) for n, t in group.items())
             with target.fs.open_output_stream(target.file(name)) as f:
                 tensorfile.write(f, group, meta)
             files.append(name)
@@ -387,14 +387,14 @@ _BLOCK = {"ln1": ("ln_1", False), "qkv": ("attn.c_attn", True), "proj": ("attn.c
           "ln2": ("ln_2", False), "fc": ("mlp.c_fc", True), "out": ("mlp.c_proj", True)}
 
 
-def gpt2_name(name: str, layers: int) -> tuple[str, bool]:
+def gpt2_name(name: str, model: ModelSpec) -> tuple[str, bool]:
     """One of the built-in GPT's parameter names as GPT2LMHeadModel names it, and whether
     GPT-2 holds it transposed."""
     index, layer, kind = name.split(".")
     index = int(index)
     if index == 0:
         return f"transformer.{dict(tok='wte', pos='wpe')[layer]}.{kind}", False
-    if index == layers + 1:
+    if index == model.layers + 1:
         return ("lm_head.weight" if layer == "lm" else f"transformer.ln_f.{kind}"), False
     theirs, transposed = _BLOCK[layer]
     return f"transformer.h.{index - 1}.{theirs}.{kind}", transposed and kind == "weight"
@@ -417,15 +417,15 @@ class Form:
     """A built-in model's Hugging Face form (`baton export --hf`): what `baton.json` calls
     it, each parameter's name there (and whether it is held transposed), its config.json."""
     names: str
-    name: Callable[[str, int], tuple[str, bool]]  # (baton's name, model.layers) -> (theirs, transposed)
+    name: Callable[[str, ModelSpec], tuple[str, bool]]  # (baton's name, the model) -> (theirs, transposed)
     config: Callable[[ModelSpec], dict]
     # a save_pretrained folder's config.json -> {"model": the job's model section, "tied":
     # {a parameter: the one whose tensor it starts as}, "window": a sliding window or None}
     from_config: Optional[Callable[[dict], dict]] = None
     model_types: tuple[str, ...] = ()  # the config.json model_types from_config reads
 
-    def to_hf(self, name: str, t: torch.Tensor, layers: int) -> tuple[str, torch.Tensor]:
-        theirs, transposed = self.name(name, layers)
+    def to_hf(self, name: str, t: torch.Tensor, model: ModelSpec) -> tuple[str, torch.Tensor]:
+        theirs, transposed = self.name(name, model)
         return theirs, t.t() if transposed else t
 
 
@@ -520,7 +520,7 @@ class Exported:
         kind = self.about.get("names", "baton")
         # a Hugging Face form's name (GPT-2's, Llama's) -> (baton's, transposed in the file)
         hf = ({theirs: (mine, transposed) for mine in _on_meta(self.spec).state_dict()
-               for theirs, transposed in [FORM_OF[kind].name(mine, self.spec.layers)]}
+               for theirs, transposed in [FORM_OF[kind].name(mine, self.spec)]}
               if kind in FORM_OF else {})
         # baton's name -> (its file, the file's name for it, transposed in the file)
         self.where: dict[str, tuple[str, str, bool]] = {}

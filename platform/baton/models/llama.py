@@ -20,6 +20,7 @@ and fc take, not one for each layer."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -37,7 +38,7 @@ ROPE_THETA = 10_000  # the rotary embedding's base when model.options.rope_theta
 # Llama 3.1's rotary scaling's ("llama3") where the job sets rope_factor
 MATHS = {"rope_theta": ROPE_THETA, "norm_eps": NORM_EPS, "qkv_bias": False, "qk_norm": False,
          "rope_factor": None, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-         "rope_original_seq_len": 8192}
+         "rope_original_seq_len": 8192, "experts_per_token": 2, "norm_topk": True}
 
 
 def default_hidden(width: int) -> int:
@@ -137,9 +138,15 @@ class Block(nn.Module):
             self.q_norm, self.k_norm = nn.RMSNorm(hd, eps=norm_eps), nn.RMSNorm(hd, eps=norm_eps)
         self.o = nn.Linear(heads * hd, width, bias=False)
         self.mlp_norm = nn.RMSNorm(width, eps=norm_eps)
+        self.add_mlp(width, hidden)
+
+    def add_mlp(self, width: int, hidden: int) -> None:
         self.gate = nn.Linear(width, hidden, bias=False)
         self.up = nn.Linear(width, hidden, bias=False)
         self.down = nn.Linear(hidden, width, bias=False)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # SwiGLU
+        return self.down(F.silu(self.gate(h)) * self.up(h))
 
     def tp_problem(self, tp: int) -> str | None:
         if self.kv_heads % tp:
@@ -172,8 +179,71 @@ class Block(nn.Module):
                 q, k, v, is_causal=start == 0, enable_gqa=q.shape[1] != k.shape[1],
                 dropout_p=self.dropout if self.training else 0.0)
         x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
-        h = self.tp_enter(self.mlp_norm(x))
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.mlp(self.tp_enter(self.mlp_norm(x)))
+
+
+class Expert(nn.Module):
+    """One of a mixture's SwiGLU MLPs (Mixtral's w1, w3 and w2; Qwen3-MoE's gate_proj,
+    up_proj and down_proj)."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """A block's MLP as a mixture of experts: `experts` MLPs, of which a router picks
+    `per_token` for each token (the highest of its softmax), whose outputs it sums weighted
+    by their probabilities, renormalised to sum to 1 where `norm_topk` (Mixtral's always,
+    Qwen3-MoE's where its norm_topk_prob says so)."""
+    experts: int
+    per_token: int = 2
+    norm_topk: bool = True
+
+
+class MoEBlock(Block):
+    """A block whose MLP is a mixture of experts (`Mixture`): Mixtral's and Qwen3-MoE's.
+    Every expert runs every step, on the tokens routed to it (none, some or all), so that
+    each parameter has a gradient (zero where no token chose it), as DDP and ZeRO reduce
+    them; the tokens are grouped by expert once (one sort, one count read to the host a
+    block) and each expert's product is one matrix product. No tensor parallelism: the
+    router would need its input's gradient reduced apart from the experts' (not built)."""
+    tp_plan = {name: style for name, style in Block.tp_plan.items() if name in ("q", "k", "v", "o")}
+    tp_entered = ("q", "k", "v")
+
+    def __init__(self, *block, mixture: Mixture, **options):
+        self.mixture = mixture  # (a plain value: set before nn.Module's own, which add_mlp needs)
+        super().__init__(*block, **options)
+
+    def add_mlp(self, width: int, hidden: int) -> None:
+        self.router = nn.Linear(width, self.mixture.experts, bias=False)
+        self.experts = nn.ModuleList(Expert(width, hidden) for _ in range(self.mixture.experts))
+
+    def tp_problem(self, tp: int) -> str | None:
+        return ("its MLP is a mixture of experts (model.options.experts), which tensor "
+                "parallelism does not split: use parallel.tp 1 (dp, ZeRO and pipelines do)")
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        k = self.mixture.per_token
+        flat = h.reshape(-1, h.shape[-1])
+        probs = F.softmax(self.router(flat).float(), dim=-1)
+        weights, chosen = torch.topk(probs, k, dim=-1)  # (N, k): in float32, as transformers'
+        if self.mixture.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        chosen = chosen.flatten()
+        order = torch.argsort(chosen, stable=True)  # the (token, choice) pairs, by expert
+        counts = torch.bincount(chosen, minlength=self.mixture.experts).tolist()
+        tokens = order // k
+        outs = torch.cat([expert(part) for expert, part in zip(self.experts, flat[tokens].split(counts))])
+        outs = outs * weights.flatten()[order, None]
+        # each token's k outputs summed in the experts' order, as transformers' loop sums them
+        return torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype)).view_as(h)
 
 
 class Head(nn.Module):
@@ -197,7 +267,10 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
                  rope_theta: float = ROPE_THETA, norm_eps: float = NORM_EPS, qkv_bias: bool = False,
                  rope_factor: Optional[float] = None, rope_low_freq_factor: float = 1.0,
                  rope_high_freq_factor: float = 4.0, rope_original_seq_len: int = 8192,
-                 head_dim: Optional[int] = None, qk_norm: bool = False) -> Layers:
+                 head_dim: Optional[int] = None, qk_norm: bool = False, experts: int = 0,
+                 experts_per_token: int = 2, norm_topk: bool = True) -> Layers:
+    """`experts`: each block's MLP a mixture of that many experts, each of `hidden` hidden
+    units, `experts_per_token` of them for each token (`Mixture`; 0: a plain MLP)."""
     kv_heads = kv_heads or heads
     hidden = hidden or default_hidden(width)
     rope = Rope(float(rope_theta), rope_factor and float(rope_factor), float(rope_low_freq_factor),
@@ -211,21 +284,27 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
         elif name.endswith(".bias"):
             nn.init.zeros_(p)
 
+    block = (functools.partial(MoEBlock, mixture=Mixture(experts, experts_per_token, norm_topk))
+             if experts else Block)
     return Layers([lambda: Embedding(vocab_size, width),
-                   *[lambda: Block(width, heads, kv_heads, hidden, rope, dropout, norm_eps, qkv_bias,
+                   *[lambda: block(width, heads, kv_heads, hidden, rope, dropout, norm_eps, qkv_bias,
                                    head_dim, qk_norm)] * layers,
                    lambda: Head(width, vocab_size, norm_eps)], init)
 
 
 def flops_per_token(layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
                     kv_heads: int | None = None, hidden: int | None = None,
-                    head_dim: int | None = None, **_) -> float:
+                    head_dim: int | None = None, experts: int = 0, experts_per_token: int = 2,
+                    **_) -> float:
     """6 x the matmul weights + 12 x layers x the query heads' width x seq_len (attention's
     scores and values, forward and backward: grouped key-value heads change neither), as
-    flops.py counts the GPT."""
+    flops.py counts the GPT. A mixture of experts counts the weights a token meets: its
+    router's and those of the experts it is routed to (experts_per_token MLPs), not all."""
     hd = head_dim or width // heads
     kv = (kv_heads or heads) * hd
-    block = 2 * width * heads * hd + 2 * width * kv + 3 * width * (hidden or default_hidden(width))
+    mlp = 3 * width * (hidden or default_hidden(width))
+    mlp = experts_per_token * mlp + width * experts if experts else mlp
+    block = 2 * width * heads * hd + 2 * width * kv + mlp
     return 6.0 * (layers * block + width * vocab_size) + 12.0 * layers * heads * hd * seq_len
 
 
@@ -236,15 +315,27 @@ _BLOCK = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_at
           "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
-def hf_name(name: str, layers: int) -> tuple[str, bool]:
-    """One of the model's parameter names as LlamaForCausalLM names it (never transposed:
-    its layers are nn.Linear, as baton's)."""
-    index, layer, kind = name.split(".")
-    index = int(index)
+# a mixture's router and experts' layers (baton's "router", "experts.E.gate", ...), in
+# MixtralForCausalLM and in Qwen3MoeForCausalLM (whose queries and keys are normed)
+_MIXTURE = {False: ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+            True: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
+
+
+def hf_name(name: str, model) -> tuple[str, bool]:
+    """One of the model's parameter names as transformers' model of it (`hf_config`) names
+    it (`model`: the job's ModelSpec), never transposed: its layers are nn.Linear, as baton's."""
+    index, *layer, kind = name.split(".")
+    index, layer = int(index), ".".join(layer)
     if index == 0:
         return f"model.embed_tokens.{kind}", False
-    if index == layers + 1:
+    if index == model.layers + 1:
         return ("lm_head.weight" if layer == "lm" else f"model.norm.{kind}"), False
+    if layer == "router" or layer.startswith("experts."):
+        mlp, projections = _MIXTURE[bool(model.options.get("qk_norm"))]
+        if layer == "router":
+            return f"model.layers.{index - 1}.{mlp}.gate.{kind}", False
+        _, expert, projection = layer.split(".")
+        return f"model.layers.{index - 1}.{mlp}.experts.{expert}.{projections[projection]}.{kind}", False
     return f"model.layers.{index - 1}.{_BLOCK[layer]}.{kind}", False
 
 
@@ -252,7 +343,8 @@ def hf_config(model) -> dict:
     """The model as transformers' configuration (`model`: the job's ModelSpec): LlamaConfig's,
     Qwen2Config's where q, k and v have biases (LlamaConfig's attention_bias gives o one
     too; Qwen2's layers are otherwise Llama's, under the same names), Qwen3Config's where
-    queries and keys are normed. ValueError for a model that is none of them."""
+    queries and keys are normed; a mixture of experts MixtralConfig's, or Qwen3MoeConfig's
+    where queries and keys are normed. ValueError for a model that is none of them."""
     o = {**MATHS, **model.options}
     if o["qkv_bias"] and o["qk_norm"]:
         raise ValueError("no transformers model has both biases on q, k and v alone and "
@@ -273,6 +365,8 @@ def hf_config(model) -> dict:
             "high_freq_factor": float(o["rope_high_freq_factor"]),
             "original_max_position_embeddings": o["rope_original_seq_len"]}
         config["max_position_embeddings"] = max(model.seq_len, round(o["rope_original_seq_len"] * o["rope_factor"]))
+    if o.get("experts"):
+        return _mixture_config(o, config)
     if o["qkv_bias"]:
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **config,
                 "use_sliding_window": False}
@@ -283,17 +377,42 @@ def hf_config(model) -> dict:
             "attention_bias": False, "mlp_bias": False}
 
 
+def _mixture_config(o: dict, config: dict) -> dict:
+    """A mixture of experts as MixtralConfig's, or Qwen3MoeConfig's where queries and keys
+    are normed (`hf_config`: `config`, the rest of it)."""
+    if o["qkv_bias"]:
+        raise ValueError("no transformers model has a mixture of experts and biases on q, k and "
+                         "v alone (Qwen2-MoE's has shared experts too)")
+    routing = {"num_experts_per_tok": o["experts_per_token"], "output_router_logits": False}
+    if o["qk_norm"]:
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config, **routing,
+                "num_experts": o["experts"], "moe_intermediate_size": config["intermediate_size"],
+                "norm_topk_prob": o["norm_topk"], "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "use_sliding_window": False, "attention_bias": False}
+    if not o["norm_topk"]:
+        raise ValueError("Mixtral renormalises each token's experts' weights (norm_topk: true); a "
+                         "mixture that does not is Qwen3-MoE's, whose queries and keys are normed (qk_norm)")
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **config, **routing,
+            "num_local_experts": o["experts"], "router_jitter_noise": 0.0, "sliding_window": None}
+
+
 # the save_pretrained folders whose models the built-in llama computes: config.json's
 # model_type -> (the options its type implies, the config's defaults where a key is left out)
 FOLDERS = {"llama": ({}, {"rms_norm_eps": 1e-6}),
            "mistral": ({}, {"rms_norm_eps": 1e-6, "sliding_window": 4096}),
            "qwen2": ({"qkv_bias": True}, {"rms_norm_eps": 1e-6, "use_sliding_window": False}),
-           "qwen3": ({"qk_norm": True}, {"rms_norm_eps": 1e-6, "use_sliding_window": False, "head_dim": 128})}
+           "qwen3": ({"qk_norm": True}, {"rms_norm_eps": 1e-6, "use_sliding_window": False, "head_dim": 128}),
+           "mixtral": ({"norm_topk": True}, {"rms_norm_eps": 1e-5, "sliding_window": None, "rope_theta": 1e6,
+                                            "num_local_experts": 8, "num_experts_per_tok": 2}),
+           "qwen3_moe": ({"qk_norm": True}, {"rms_norm_eps": 1e-6, "use_sliding_window": False,
+                                             "num_local_experts": 128, "num_experts_per_tok": 8,
+                                             "moe_intermediate_size": 768, "norm_topk_prob": False,
+                                             "decoder_sparse_step": 1, "mlp_only_layers": []})}
 
 
 def from_config(config: dict) -> dict:
-    """What a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM configuration (a
-    `save_pretrained` folder's config.json: `FOLDERS`) makes of the folder for the built-in
+    """What a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    MixtralForCausalLM or Qwen3MoeForCausalLM configuration (a `save_pretrained` folder's config.json: `FOLDERS`) makes of the folder for the built-in
     model: `model`, the job's model section (as a dict) whose weights the folder's are;
     `tied`, the parameters it holds under another's name (a head tied to the token embedding,
     which the built-in model unties: both start from the embedding, and train apart);
@@ -321,6 +440,8 @@ def from_config(config: dict) -> dict:
                "rope_theta": theta, "norm_eps": eps, "qkv_bias": False, "qk_norm": False, **implied}
     if (config.get("head_dim") or width // heads) != width // heads:
         options["head_dim"] = config["head_dim"]
+    if config.get("model_type") in ("mixtral", "qwen3_moe"):
+        options.update(_mixture_options(config))
     if kind == "llama3":
         options.update(rope_factor=rope["factor"], rope_low_freq_factor=rope["low_freq_factor"],
                        rope_high_freq_factor=rope["high_freq_factor"],
@@ -333,3 +454,18 @@ def from_config(config: dict) -> dict:
     tied = config.get("tie_word_embeddings", False)  # (the three configs' default)
     return {"model": model, "tied": {f"{layers + 1}.lm.weight": "0.tok.weight"} if tied else {},
             "window": config.get("sliding_window") if sliding else None}
+
+
+def _mixture_options(config: dict) -> dict:
+    """A Mixtral's or Qwen3-MoE's configuration's mixture, as the built-in llama's options
+    (`from_config`): Qwen3-MoE's where every layer's MLP is one (no dense layers between)."""
+    moe = config["model_type"] == "qwen3_moe"
+    if moe and (config["decoder_sparse_step"] != 1 or config["mlp_only_layers"]):
+        raise ValueError("the built-in llama does not compute this model: some of its layers' MLPs "
+                         f"are dense (decoder_sparse_step {config['decoder_sparse_step']}, mlp_only_layers "
+                         f"{config['mlp_only_layers']}), and it builds a mixture in every block or in none")
+    options = {"experts": config.get("num_experts") or config["num_local_experts"],
+               "experts_per_token": config["num_experts_per_tok"]}
+    if moe:
+        options.update(hidden=config["moe_intermediate_size"], norm_topk=bool(config["norm_topk_prob"]))
+    return options

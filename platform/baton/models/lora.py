@@ -193,7 +193,7 @@ def peft_names(layers, model: ModelSpec) -> dict[str, dict[str, str]]:
         forms["transformers"] = {n[len(HF_NAMES):] if n.startswith(HF_NAMES) else n: n for n in layers}
     if model.name in FORMS:
         form = FORMS[model.name]
-        forms[form.names] = {form.name(f"{n}.weight", model.layers)[0][:-len(".weight")]: n
+        forms[form.names] = {form.name(f"{n}.weight", model)[0][:-len(".weight")]: n
                              for n in layers}
     return forms
 
