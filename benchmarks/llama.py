@@ -13,8 +13,9 @@ training loss of their last 50 steps and their median tokens/s.
                                                 # (2 a token) of the same active parameters
 
 With --experts the two runs are `jobs/llama.yaml` and the same job whose blocks' MLPs are
-mixtures of 4 experts of 176 hidden units, 2 a token (Mixtral's kind: the weights a token
-meets are the dense MLP's 344 units' to 2%, its parameters nearly twice as many), and each
+mixtures of 4 experts of 176 hidden units, 2 a token (Mixtral's kind: a token meets 2% more
+MLP weights than the dense 344 units, its parameters 1.7x), without
+and with a load-balancing loss (model.options.router_aux_loss 0.02, Mixtral's), and each
 mixture's load after training: the share of 16 x 128 tokens of the corpus each block's
 router sends to each expert (balanced: 1/4 each)."""
 
@@ -42,10 +43,11 @@ JOBS = {"gpt": HERE.parent / "jobs" / "quickstart.yaml", "llama": HERE.parent / 
 
 # the mixture of --experts: the llama's job with each block's MLP 4 experts of 176 units
 MIXTURE = ["model.options.experts=4", "model.options.experts_per_token=2", "model.options.hidden=176"]
+VARIANTS = {"llama": [], "mixture": MIXTURE, "balanced": [*MIXTURE, "model.options.router_aux_loss=0.02"]}
 
 
 def run(model: str, data: str, tmp: str, steps: int, extra: list[str] = ()) -> dict:
-    job = JOBS["llama" if model == "mixture" else model]
+    job = JOBS.get(model, JOBS["llama"])
     spec = load_spec(job, [f"name=bench-{model}", f"train.steps={steps}",
                            "data.source=parquet", f"data.path={data}",
                            f"checkpoint.path={tmp}/ckpt", "checkpoint.every_steps=1000000",
@@ -75,7 +77,7 @@ def expert_shares(spec, data: str, step: int, rows: int = 16) -> list[list[float
 
     model = build_model(spec.model, 0).eval()
     model.load_state_dict(CheckpointStore(spec.checkpoint_dir).read_model(step))
-    tokens = torch.from_numpy(np.asarray(read_corpus(data)[1][:rows, :-1])).long()
+    tokens = torch.from_numpy(np.array(read_corpus(data)[1][:rows, :-1])).long()
     counts = []
 
     def count(module, inputs, logits) -> None:
@@ -231,8 +233,8 @@ def main() -> None:
 
         def measure(model: str) -> dict:
             with tempfile.TemporaryDirectory(dir=tmp) as run_tmp:
-                return run(model, data, run_tmp, args.steps, MIXTURE if model == "mixture" else [])
-        runs = rotating(["llama", "mixture"] if args.experts else list(JOBS), args.rounds, measure)
+                return run(model, data, run_tmp, args.steps, VARIANTS.get(model, []))
+        runs = rotating(list(VARIANTS) if args.experts else list(JOBS), args.rounds, measure)
         ray.shutdown()
     if args.experts:
         mixtures(runs, args)
@@ -249,19 +251,21 @@ def main() -> None:
 
 
 def mixtures(runs: dict, args) -> None:
-    speed = median_ratio(runs["mixture"], runs["llama"], "tokens_per_s")
+    speeds = {m: median_ratio(runs[m], runs["llama"], "tokens_per_s") for m in ("mixture", "balanced")}
     print(f"\n| model | parameters | loss, last 50 of {args.steps} steps (each round) | tokens/s (median of rounds) |")
     print("|---|---:|---|---:|")
     for model, rows in runs.items():
         print(f"| {model} | {rows[0]['parameters']:,} | {', '.join(str(r['loss_last_50']) for r in rows)} | "
               f"{statistics.median(r['tokens_per_s'] for r in rows):,.0f} |")
-    print(f"\nmixture / llama tokens/s, median of each round's ratio: {speed:.3f}")
-    for i, shares in enumerate(runs["mixture"][-1]["expert_shares"]):
-        print(f"block {i + 1}: each expert's share of the tokens {shares}")
+    for m, speed in speeds.items():
+        print(f"{m} / llama tokens/s, median of each round's ratio: {speed:.3f}")
+    for m in speeds:
+        for i, shares in enumerate(runs[m][-1]["expert_shares"]):
+            print(f"{m}, block {i + 1}: each expert's share of the tokens {shares}")
     write_result(args.out if args.out != str(HERE / "results" / "llama_cpu.json")
                  else HERE / "results" / "llama_experts_cpu.json",
                  {"steps": args.steps, "rounds": args.rounds, "runs": runs,
-                  "mixture_over_llama_tokens_per_s": round(speed, 3)})
+                  "over_llama_tokens_per_s": {m: round(v, 3) for m, v in speeds.items()}})
 
 
 if __name__ == "__main__":

@@ -82,6 +82,9 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
              f"must divide model.width ({m.width})" + (f"; try {near}" if near else ""))
     if m.name == "llama":
         _check_llama(m, need)
+        need(not m.options.get("router_aux_loss") or p.pp == 1, "model.options.router_aux_loss",
+             m.options.get("router_aux_loss"), "is not carried through pipeline stages yet: set "
+             "parallel.pp 1 (dp and ZeRO train it), or no router_aux_loss")
     need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
     need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")
@@ -582,7 +585,7 @@ def _check_llama(m, need) -> None:
          "scales the rotary embedding with model.options.rope_factor (Llama 3.1's scaling), "
          "which is not given")
     experts = m.options.get("experts", 0)
-    routing = [k for k in ("experts_per_token", "norm_topk") if k in m.options]
+    routing = [k for k in ("experts_per_token", "norm_topk", "router_aux_loss") if k in m.options]
     need(experts or not routing, f"model.options.{routing[0] if routing else ''}",
          m.options.get(routing[0]) if routing else None,
          "routes tokens among a mixture's experts, and model.options.experts is not given")

@@ -161,6 +161,28 @@ def test_a_mixture_of_experts_trains_as_one_process_under_ddp_zero3_and_pipeline
     assert_like_one_process(staged, data, result, 3)  # measured: 2.1e-6 at most
 
 
+def test_a_load_balancing_loss_trains_as_one_process_under_zero3(tmp_path, data):
+    """model.options.router_aux_loss at dp 2 under ZeRO-3, 6 micro-batches a replica: each
+    block's loss over each sequence, weighted as the task's loss sums are, its gradient
+    joining the router's in the backward: one process's numbers (which weighs the whole
+    batch at once), and its mean logged as train_router_aux_loss."""
+    from mlflow.tracking import MlflowClient
+
+    raw = _spec(tmp_path, data, "moe-aux", 2, "mixtral", shard="full").to_dict()
+    raw["model"]["options"]["router_aux_loss"] = 0.1
+    spec = spec_from_dict(raw)
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished"
+    # measured: 2.1e-6 at most. At 0.5 and 1.0 the runs ended 2.6e-5 and 1.1e-5 apart, in one
+    # block's two experts alone: a token whose second and third experts' probabilities tie
+    # within float32's rounding goes to one or the other by the order of the sums (the loss's
+    # sums split by micro-batch are the whole batch's to 7e-16 in float64: test_models.py)
+    assert_like_one_process(spec, data, result, 2)
+    logged = [m.value for m in MlflowClient(spec.tracking.uri).get_metric_history(result.run_id, "train_router_aux_loss")]
+    # 2 a token when balanced (experts_per_token), at most 4 (every choice on 2 experts)
+    assert len(logged) == 2 and all(2.0 <= v <= 4.0 for v in logged), logged
+
+
 @pytest.mark.parametrize("shard", ["full", "none"], ids=["zero3", "ddp"])
 def test_checkpoints_written_in_the_background_equal_the_synchronous_ones(tmp_path, data, shard):
     """checkpoint.async, a checkpoint every step. The copy of the parameters and optimizer

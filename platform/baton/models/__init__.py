@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # options below before Ray starts, and `baton run` imports torch while Ray starts (api.py)
 HF_PREFIX = "hf:"  # model.name: hf:TYPE (models/hf.py)
 
-__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "build_lazily", "build_model", "blocks", "check_model_name",
+__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "balanced", "build_lazily", "build_model", "blocks", "check_model_name",
            "layer_count", "layer_params", "loss_sum", "options_problem", "sequential"]
 
 
@@ -47,6 +47,14 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     if isinstance(model, nn.Sequential) and len(model) > 1:
         return [m for m in model if any(True for _ in m.parameters())]
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
+def balanced(model: nn.Module) -> list[nn.Module]:
+    """The layers of `model` that add a load-balancing loss to training (a mixture of
+    experts' blocks with `model.options.router_aux_loss`): before each training forward the
+    engine tells each the rows that count and the weight of a loss summed over them
+    (`layer.balance(rows, weight)`), and reads what it was after (`layer.aux_sum`)."""
+    return [m for m in model.modules() if getattr(m, "balances", False)]
 
 
 def _gpt(spec) -> Layers:
@@ -97,7 +105,7 @@ OPTIONS: dict[str, dict[str, tuple]] = {
               "head_dim": (2, 2**12), "rope_factor": (1.0, 1024.0),
               "rope_low_freq_factor": (0.01, 1024.0), "rope_high_freq_factor": (0.01, 1024.0),
               "rope_original_seq_len": (1, 2**24), "experts": (1, 2**12),
-              "experts_per_token": (1, 2**12), "norm_topk": (False, True)},
+              "experts_per_token": (1, 2**12), "norm_topk": (False, True), "router_aux_loss": (0.0, 100.0)},
     "classifier": {"inputs": (1, 2**24), "classes": (2, 2**24)}}
 REQUIRED = {"classifier": ("inputs", "classes")}  # options a built-in model cannot do without
 _USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

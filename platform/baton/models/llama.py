@@ -205,6 +205,23 @@ class Mixture:
     experts: int
     per_token: int = 2
     norm_topk: bool = True
+    # the load-balancing loss's coefficient (0: none) and the blocks it is averaged over
+    aux: float = 0.0
+    layers: int = 1
+
+
+class _Balance(torch.autograd.Function):
+    """The activations unchanged forward; backward, the load-balancing loss's gradient joins
+    theirs: `weight` x d(aux) (Megatron-LM's way: the loss need not travel with the output)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.weight, dtype=torch.float32, device=grad.device), None
 
 
 class MoEBlock(Block):
@@ -220,6 +237,18 @@ class MoEBlock(Block):
     def __init__(self, *block, mixture: Mixture, **options):
         self.mixture = mixture  # (a plain value: set before nn.Module's own, which add_mlp needs)
         super().__init__(*block, **options)
+        # what `balance` weighs this block's load-balancing loss by, and the rows it counts
+        # (None: the mean over the rows of each forward, every row counted)
+        self.balances = bool(mixture.aux)  # (what models.balanced finds)
+        self.aux_weight: Optional[float] = None
+        self.aux_rows: Optional[torch.Tensor] = None
+        self.aux_sum: Optional[torch.Tensor] = None  # the loss over the rows of the last forward
+
+    def balance(self, rows: torch.Tensor, weight: float) -> None:
+        """Before a training forward: `rows` (B,) marks the rows that count (a padding row
+        does not), and `weight` is what a loss summed over them is multiplied by in the
+        backward that follows (as the task's loss sum is: the engine's scale)."""
+        self.aux_rows, self.aux_weight = rows, weight
 
     def add_mlp(self, width: int, hidden: int) -> None:
         self.router = nn.Linear(width, self.mixture.experts, bias=False)
@@ -243,7 +272,30 @@ class MoEBlock(Block):
         outs = torch.cat([expert(part) for expert, part in zip(self.experts, flat[tokens].split(counts))])
         outs = outs * weights.flatten()[order, None]
         # each token's k outputs summed in the experts' order, as transformers' loop sums them
-        return torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype)).view_as(h)
+        out = torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype)).view_as(h)
+        if self.mixture.aux and self.training and torch.is_grad_enabled():
+            out = self._balanced(out, probs.view(*h.shape[:2], -1), chosen.view(h.shape[0], -1))
+        return out
+
+    @torch.compiler.disable  # (its weight changes every step: no graph to guard on it)
+    def _balanced(self, out: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """`out` carrying the load-balancing loss's gradient: for each row (a sequence),
+        experts x the sum over experts of the share of its tokens' choices that went to the
+        expert (each of its experts_per_token choices a token counted: no gradient) times
+        the expert's mean probability over its tokens (transformers' load_balancing_loss_func,
+        per sequence as DeepSeek-V3's sequence-wise loss, so that a row's loss is its own
+        whatever rows it is batched with: any layout trains as one process). 1 a choice when
+        balanced (experts_per_token in all), more as the load gathers on fewer. Summed over the
+        rows that count, times the coefficient over the blocks (the loss is their mean)."""
+        B, T, E = probs.shape
+        shares = torch.zeros(B, E, device=probs.device).scatter_add_(
+            1, chosen, torch.ones_like(chosen, dtype=torch.float32)) / T
+        per_row = E * (shares * probs.mean(dim=1)).sum(dim=1)  # (B,)
+        rows = self.aux_rows if self.aux_rows is not None else torch.ones(B, dtype=torch.bool)
+        aux = (per_row * rows.to(per_row.device, per_row.dtype)).sum()
+        self.aux_sum = aux.detach()
+        weight = self.aux_weight if self.aux_weight is not None else 1.0 / B
+        return _Balance.apply(out, aux, self.mixture.aux / self.mixture.layers * weight)
 
 
 class Head(nn.Module):
@@ -268,9 +320,11 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
                  rope_factor: Optional[float] = None, rope_low_freq_factor: float = 1.0,
                  rope_high_freq_factor: float = 4.0, rope_original_seq_len: int = 8192,
                  head_dim: Optional[int] = None, qk_norm: bool = False, experts: int = 0,
-                 experts_per_token: int = 2, norm_topk: bool = True) -> Layers:
+                 experts_per_token: int = 2, norm_topk: bool = True,
+                 router_aux_loss: float = 0.0) -> Layers:
     """`experts`: each block's MLP a mixture of that many experts, each of `hidden` hidden
-    units, `experts_per_token` of them for each token (`Mixture`; 0: a plain MLP)."""
+    units, `experts_per_token` of them for each token (`Mixture`; 0: a plain MLP), its
+    load-balancing loss weighted by `router_aux_loss` (0: none)."""
     kv_heads = kv_heads or heads
     hidden = hidden or default_hidden(width)
     rope = Rope(float(rope_theta), rope_factor and float(rope_factor), float(rope_low_freq_factor),
@@ -284,7 +338,8 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
         elif name.endswith(".bias"):
             nn.init.zeros_(p)
 
-    block = (functools.partial(MoEBlock, mixture=Mixture(experts, experts_per_token, norm_topk))
+    block = (functools.partial(MoEBlock, mixture=Mixture(experts, experts_per_token, norm_topk,
+                                                              float(router_aux_loss), layers))
              if experts else Block)
     return Layers([lambda: Embedding(vocab_size, width),
                    *[lambda: block(width, heads, kv_heads, hidden, rope, dropout, norm_eps, qkv_bias,
@@ -383,7 +438,9 @@ def _mixture_config(o: dict, config: dict) -> dict:
     if o["qkv_bias"]:
         raise ValueError("no transformers model has a mixture of experts and biases on q, k and "
                          "v alone (Qwen2-MoE's has shared experts too)")
-    routing = {"num_experts_per_tok": o["experts_per_token"], "output_router_logits": False}
+    # (transformers' load-balancing loss is over the whole batch, baton's over each sequence)
+    routing = {"num_experts_per_tok": o["experts_per_token"], "output_router_logits": False,
+               "router_aux_loss_coef": float(o.get("router_aux_loss", 0.0))}
     if o["qk_norm"]:
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config, **routing,
                 "num_experts": o["experts"], "moe_intermediate_size": config["intermediate_size"],

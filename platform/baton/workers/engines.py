@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from baton.checkpoint import sharded
-from baton.models import build_lazily, build_model, sequential
+from baton.models import balanced, build_lazily, build_model, sequential
 from baton.optim import average_pairs, averages_in
 from baton.parallel import ParallelDims
 from baton.parallel import comm
@@ -30,7 +30,7 @@ from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard,
                                      state_dicts)
 from baton.spec import JobSpec
-from baton.tasks import Sums, Task, example_inputs, to_device
+from baton.tasks import VALID, Sums, Task, example_inputs, to_device
 from baton.tracking.profile import profiled
 from baton.parallel import tensor
 from baton.training import clip_grads, local, make_optimizer, scale_to_norm, set_lr
@@ -172,6 +172,7 @@ class DataParallelEngine(_Engine):
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
+        self.balanced = balanced(self.module)  # (layers with a load-balancing loss)
         # a forward waits for no peer where the parameters are whole and unsplit (DDP and
         # ZeRO-1 all-reduce in the backward; FSDP gathers, and tp all-reduces, in the forward)
         self.forwards = (Stopwatch(device) if "params" not in SHARDED_PARTS[level] and dims.tp == 1
@@ -215,23 +216,31 @@ class DataParallelEngine(_Engine):
         """Gradients of this replica's micro-batches, summed over the replicas; the loss sums
         (still on the device), and with `trace` the profile of it all (tracking/profile.py)."""
         sums, extra = Sums(), {}
+        # a load-balancing loss summed over a micro-batch's rows weighs as its loss sum does,
+        # a row as many terms as it has (models.balanced)
+        weight = scale * self.dp * self.task.per_sample
         with profiled(extra) if trace else contextlib.nullcontext():
             for i, rows in enumerate(micro):
                 sync = i == len(micro) - 1
                 with contextlib.nullcontext() if sync else self.replica.no_sync():
-                    ls = self._loss(batch_fn, rows, sums, self.forwards)
+                    ls = self._loss(batch_fn, rows, sums, self.forwards, weight)
                     (ls * scale * self.dp).backward()  # DDP and FSDP average over dp; this undoes it
         return sums, extra
 
     def _loss(self, batch_fn: BatchFn, rows: np.ndarray, sums: Sums,
-              watch: Optional[Stopwatch] = None) -> torch.Tensor:
+              watch: Optional[Stopwatch] = None, weight: Optional[float] = None) -> torch.Tensor:
         # every replica joins every collective: an empty micro-batch runs one padding row,
         # which the task leaves out (zero loss, zero gradient)
         batch = to_device(batch_fn(rows, pad_to=None if len(rows) else 1), self.device)
+        for layer in self.balanced:  # (which leave the padding row out too)
+            layer.balance(batch[VALID], weight)
         with watch.timed() if watch else contextlib.nullcontext():
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
                 output = self.wrapped(self.task.inputs(batch))
             ls, metrics = self.task.loss(output, batch)
+        if self.balanced and weight is not None:  # (a training forward's: train_router_aux_loss)
+            metrics["router_aux_loss"] = (sum(layer.aux_sum for layer in self.balanced) / len(self.balanced),
+                                          batch[VALID].sum())
         sums.add(self.task, ls, metrics, batch)
         return ls
 
