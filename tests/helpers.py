@@ -23,7 +23,7 @@ from baton.data import Cursor, EpochOrder
 from baton.data.corpus import stdlib_stream, windows
 from baton.data.feed import IDS, TOKENS, Batch
 from baton.data.local import job_order as _job_order, read_corpus
-from baton.models import balanced, build_model, loss_sum
+from baton.models import build_model, loss_sum, routed
 from baton.tasks import IGNORE
 from baton.training import clip_and_norm, make_optimizer, set_lr
 
@@ -134,7 +134,7 @@ def train_on(spec, tokens: np.ndarray, batches: list, each_step=None,
         if masks is not None:
             kept = torch.from_numpy(masks[positions][:, 1:]).bool()
             targets, count = targets.masked_fill(~kept, IGNORE), max(int(kept.sum()), 1)
-        for layer in balanced(model):  # a load-balancing loss weighs as the task's does
+        for layer in routed(model):  # a load-balancing loss weighs as the task's does
             layer.balance(torch.ones(len(batch), dtype=torch.bool), targets.shape[1] / count)
         loss = loss_sum(model(batch[:, :-1]), targets) / count
         loss.backward()

@@ -305,8 +305,22 @@ def _macro(of: Callable) -> Callable:
     return mean
 
 
+def _busiest_of(chosen, passed) -> Optional[float]:
+    """A mixture of experts' load (a row a block, an entry an expert: the tokens' choices
+    that went to it, and those that went to the others): the busiest expert's share of its
+    block's choices over an even share, 1 when balanced, up to experts / experts_per_token."""
+    import numpy as np
+
+    total = chosen + passed
+    if not total.any():
+        return None
+    return float(np.max(np.divide(chosen, total, out=np.zeros(chosen.shape), where=total > 0))
+                 * chosen.shape[-1])
+
+
 COUNTED = {"auroc": _auroc_of, "average_precision": _average_precision_of,
-           "macro_auroc": _macro(_auroc_of), "macro_average_precision": _macro(_average_precision_of)}
+           "macro_auroc": _macro(_auroc_of), "macro_average_precision": _macro(_average_precision_of),
+           "expert_load": _busiest_of}
 MOST_AUROC_CLASSES = 10_000  # a classifier's evaluation counts scores for its AUROC up to here
 
 

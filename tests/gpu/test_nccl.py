@@ -271,7 +271,11 @@ VARIANTS = {"adapters": {"lora": {"rank": 4, "dropout": 0.0}},
             # embedding: the options' maths on the device too)
             "llama": {"name": "llama", "heads": 4,
                       "options": {"kv_heads": 2, "qkv_bias": True, "qk_norm": True,
-                                  "rope_factor": 8, "rope_original_seq_len": 64}}}
+                                  "rope_factor": 8, "rope_original_seq_len": 64}},
+            # a mixture of experts with its load-balancing loss: routing, the grouped experts'
+            # products and the loss's gradient on the device
+            "mixture": {"name": "llama", "heads": 4,
+                        "options": {"kv_heads": 2, "experts": 4, "router_aux_loss": 0.1}}}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -181,6 +181,36 @@ def test_a_load_balancing_loss_trains_as_one_process_under_zero3(tmp_path, data)
     logged = [m.value for m in MlflowClient(spec.tracking.uri).get_metric_history(result.run_id, "train_router_aux_loss")]
     # 2 a token when balanced (experts_per_token), at most 4 (every choice on 2 experts)
     assert len(logged) == 2 and all(2.0 <= v <= 4.0 for v in logged), logged
+    # the busiest expert's share of its block's choices over an even one, counted from the
+    # one-process model's routing of the steps' batches: the same figure from the run's
+    client = MlflowClient(spec.tracking.uri)
+    loads = [m.value for m in sorted(client.get_metric_history(result.run_id, "train_expert_load_max"),
+                                     key=lambda m: m.step)]
+    print(f"train_expert_load_max: {loads}")
+    assert loads == pytest.approx(_busiest(spec, data, 2), rel=1e-6), loads
+
+
+def _busiest(spec, data, steps: int) -> list[float]:
+    """One process's train_expert_load_max for each of `steps` steps: the step's batch routed
+    by reference_run's model before it, the busiest expert's share of its block's choices
+    over an even share."""
+    import copy
+
+    from baton.data import Cursor
+    from baton.models import build_model, routed
+    from helpers import job_order
+
+    _, tokens = read_table(data)
+    order, cursor = job_order(spec, data), Cursor()
+    batches = [order.next_batch(cursor, spec.train.global_batch) for _ in range(steps)]
+    models = [build_model(spec.model, spec.train.seed)]
+    reference_run(spec, data, steps - 1, each_step=lambda step, model: models.append(copy.deepcopy(model)))
+    out = []
+    for model, positions in zip(models, batches):
+        model.train()(torch.from_numpy(tokens[positions][:, :-1]).long())  # (a training forward)
+        load = torch.stack([layer.load for layer in routed(model)]).double()
+        out.append(float((load / load.sum(dim=1, keepdim=True)).max() * load.shape[1]))
+    return out
 
 
 @pytest.mark.parametrize("shard", ["full", "none"], ids=["zero3", "ddp"])

@@ -363,6 +363,9 @@ def test_a_mixture_of_experts_routes_each_token_to_its_top_experts_and_every_exp
         assert all(g is not None for g in grads), e
         assert all(bool(g.abs().sum() > 0) == (e < 2) for g in grads), e
     assert block.tp_problem(2) and "mixture of experts" in block.tp_problem(2)
+    block.balance(torch.tensor([True, False]), 1.0)  # (the second row padding)
+    block.mlp(h)
+    assert block.load.tolist() == [5, 5, 0, 0]  # the first row's 5 tokens, 2 choices each
 
 
 def test_a_load_balancing_loss_over_micro_batches_is_the_whole_batch_s():
@@ -370,7 +373,7 @@ def test_a_load_balancing_loss_over_micro_batches_is_the_whole_batch_s():
     loss sums are (models.balanced's `balance`), so that gradients summed over micro-batches
     of 2 rows are the whole batch's (in float64: rounding alone apart); and the loss pulls
     the router (its gradient differs from the run without it)."""
-    from baton.models import balanced, loss_sum
+    from baton.models import loss_sum, routed
     from baton.models.llama import llama_layers
 
     x = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(1))
@@ -382,11 +385,11 @@ def test_a_load_balancing_loss_over_micro_batches_is_the_whole_batch_s():
                              router_aux_loss=aux).build().double().train()
         for i in range(0, 8, rows):
             part = x[i:i + rows]
-            for layer in balanced(model):
+            for layer in routed(model):
                 layer.balance(torch.ones(rows, dtype=torch.bool), 16 / count)
             (loss_sum(model(part[:, :-1]), part[:, 1:]) / count).backward()
         grads[aux, rows] = {n: p.grad for n, p in model.named_parameters()}
-    assert len(balanced(model)) == 0 and grads[0.5, 8].keys() == grads[0.0, 8].keys()
+    assert not any(layer.balances for layer in routed(model)) and grads[0.5, 8].keys() == grads[0.0, 8].keys()
     for name, whole in grads[0.5, 8].items():
         # measured: 2.4e-17 apart at most, 7.3e-16 of the largest (float64)
         torch.testing.assert_close(grads[0.5, 2][name], whole, rtol=1e-12, atol=1e-14)

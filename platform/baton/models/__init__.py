@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 # options below before Ray starts, and `baton run` imports torch while Ray starts (api.py)
 HF_PREFIX = "hf:"  # model.name: hf:TYPE (models/hf.py)
 
-__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "balanced", "build_lazily", "build_model", "blocks", "check_model_name",
-           "layer_count", "layer_params", "loss_sum", "options_problem", "sequential"]
+__all__ = ["IGNORE", "MODELS", "OPTIONS", "REQUIRED", "build_lazily", "build_model", "blocks", "check_model_name",
+           "layer_count", "layer_params", "loss_sum", "options_problem", "routed", "sequential"]
 
 
 def __getattr__(name: str) -> Any:
@@ -49,12 +49,14 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
-def balanced(model: nn.Module) -> list[nn.Module]:
-    """The layers of `model` that add a load-balancing loss to training (a mixture of
-    experts' blocks with `model.options.router_aux_loss`): before each training forward the
-    engine tells each the rows that count and the weight of a loss summed over them
-    (`layer.balance(rows, weight)`), and reads what it was after (`layer.aux_sum`)."""
-    return [m for m in model.modules() if getattr(m, "balances", False)]
+def routed(model: nn.Module) -> list[nn.Module]:
+    """The layers of `model` that route tokens among experts (a mixture of experts' blocks:
+    models/llama.py's MoEBlock). Before each training forward the engine tells each the rows
+    that count and the weight of a loss summed over them (`layer.balance(rows, weight)`);
+    after it, it reads each one's choices (`layer.load`, a count an expert) and, where it
+    adds a load-balancing loss (`layer.balances`: model.options.router_aux_loss), what the
+    loss was (`layer.aux_sum`)."""
+    return [m for m in model.modules() if callable(getattr(m, "balance", None))]
 
 
 def _gpt(spec) -> Layers:

@@ -239,7 +239,8 @@ class MoEBlock(Block):
         super().__init__(*block, **options)
         # what `balance` weighs this block's load-balancing loss by, and the rows it counts
         # (None: the mean over the rows of each forward, every row counted)
-        self.balances = bool(mixture.aux)  # (what models.balanced finds)
+        self.balances = bool(mixture.aux)  # (a load-balancing loss: models.routed)
+        self.load: Optional[torch.Tensor] = None  # each expert's choices in the last training forward
         self.aux_weight: Optional[float] = None
         self.aux_rows: Optional[torch.Tensor] = None
         self.aux_sum: Optional[torch.Tensor] = None  # the loss over the rows of the last forward
@@ -267,14 +268,20 @@ class MoEBlock(Block):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         chosen = chosen.flatten()
         order = torch.argsort(chosen, stable=True)  # the (token, choice) pairs, by expert
-        counts = torch.bincount(chosen, minlength=self.mixture.experts).tolist()
+        load = torch.bincount(chosen, minlength=self.mixture.experts)
+        counts = load.tolist()
         tokens = order // k
         outs = torch.cat([expert(part) for expert, part in zip(self.experts, flat[tokens].split(counts))])
         outs = outs * weights.flatten()[order, None]
         # each token's k outputs summed in the experts' order, as transformers' loop sums them
         out = torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype)).view_as(h)
-        if self.mixture.aux and self.training and torch.is_grad_enabled():
-            out = self._balanced(out, probs.view(*h.shape[:2], -1), chosen.view(h.shape[0], -1))
+        if self.training and torch.is_grad_enabled():
+            rows = self.aux_rows.to(h.device) if self.aux_rows is not None else None
+            # the choices of the rows that count (a padding row's not): train_expert_load_max
+            self.load = load if rows is None or rows.all() else torch.bincount(
+                chosen.view(h.shape[0], -1)[rows].flatten(), minlength=self.mixture.experts)
+            if self.mixture.aux:
+                out = self._balanced(out, probs.view(*h.shape[:2], -1), chosen.view(h.shape[0], -1))
         return out
 
     @torch.compiler.disable  # (its weight changes every step: no graph to guard on it)

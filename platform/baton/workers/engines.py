@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from baton.checkpoint import sharded
-from baton.models import balanced, build_lazily, build_model, sequential
+from baton.models import build_lazily, build_model, routed, sequential
 from baton.optim import average_pairs, averages_in
 from baton.parallel import ParallelDims
 from baton.parallel import comm
@@ -30,7 +30,7 @@ from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard,
                                      state_dicts)
 from baton.spec import JobSpec
-from baton.tasks import VALID, Sums, Task, example_inputs, to_device
+from baton.tasks import VALID, Counts, Sums, Task, example_inputs, to_device
 from baton.tracking.profile import profiled
 from baton.parallel import tensor
 from baton.training import clip_grads, local, make_optimizer, scale_to_norm, set_lr
@@ -172,7 +172,7 @@ class DataParallelEngine(_Engine):
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
-        self.balanced = balanced(self.module)  # (layers with a load-balancing loss)
+        self.routed = routed(self.module)  # (a mixture of experts' blocks)
         # a forward waits for no peer where the parameters are whole and unsplit (DDP and
         # ZeRO-1 all-reduce in the backward; FSDP gathers, and tp all-reduces, in the forward)
         self.forwards = (Stopwatch(device) if "params" not in SHARDED_PARTS[level] and dims.tp == 1
@@ -232,15 +232,14 @@ class DataParallelEngine(_Engine):
         # every replica joins every collective: an empty micro-batch runs one padding row,
         # which the task leaves out (zero loss, zero gradient)
         batch = to_device(batch_fn(rows, pad_to=None if len(rows) else 1), self.device)
-        for layer in self.balanced:  # (which leave the padding row out too)
+        for layer in self.routed:  # (which leave the padding row out too)
             layer.balance(batch[VALID], weight)
         with watch.timed() if watch else contextlib.nullcontext():
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
                 output = self.wrapped(self.task.inputs(batch))
             ls, metrics = self.task.loss(output, batch)
-        if self.balanced and weight is not None:  # (a training forward's: train_router_aux_loss)
-            metrics["router_aux_loss"] = (sum(layer.aux_sum for layer in self.balanced) / len(self.balanced),
-                                          batch[VALID].sum())
+        if self.routed and weight is not None:  # a training forward's
+            metrics.update(_routing(self.routed, batch[VALID].sum()))
         sums.add(self.task, ls, metrics, batch)
         return ls
 
@@ -260,6 +259,19 @@ class DataParallelEngine(_Engine):
 
     def clip(self) -> torch.Tensor:
         return clip_grads(self.module, self.spec.train.grad_clip)
+
+
+def _routing(layers: list[nn.Module], rows: torch.Tensor) -> dict:
+    """A training forward's metrics of a mixture of experts' blocks (`models.routed`):
+    train_expert_load_max, the busiest expert's share of its block's choices over an even
+    share (tasks.COUNTED's expert_load), and train_router_aux_loss, the load-balancing loss's
+    mean over the blocks and rows, where they add one."""
+    load = torch.stack([layer.load for layer in layers])  # (blocks, experts)
+    out = {"expert_load_max": Counts("expert_load", load, load.sum(dim=1, keepdim=True) - load)}
+    balancing = [layer for layer in layers if layer.balances]
+    if balancing:
+        out["router_aux_loss"] = (sum(layer.aux_sum for layer in balancing) / len(balancing), rows)
+    return out
 
 
 class TensorParallelEngine(DataParallelEngine):
