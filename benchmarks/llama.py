@@ -74,21 +74,13 @@ def expert_shares(spec, data: str, step: int, rows: int = 16) -> list[list[float
 
     from baton.checkpoint import CheckpointStore
     from baton.data.local import read_corpus
+    from baton.models import routed
 
-    model = build_model(spec.model, 0).eval()
+    model = build_model(spec.model, 0)
     model.load_state_dict(CheckpointStore(spec.checkpoint_dir).read_model(step))
-    tokens = torch.from_numpy(np.array(read_corpus(data)[1][:rows, :-1])).long()
-    counts = []
-
-    def count(module, inputs, logits) -> None:
-        chosen = logits.topk(spec.model.options["experts_per_token"], dim=-1).indices
-        counts.append(torch.bincount(chosen.flatten(), minlength=logits.shape[-1]))
-    hooks = [block.router.register_forward_hook(count) for block in model if hasattr(block, "router")]
-    with torch.no_grad():
-        model(tokens)
-    for hook in hooks:
-        hook.remove()
-    return [[round(float(c) / float(each.sum()), 3) for c in each] for each in counts]
+    model.train()(torch.from_numpy(np.array(read_corpus(data)[1][:rows, :-1])).long())  # (a
+    # training forward, no backward: each block counts its choices, `load`; no dropout here)
+    return [[round(float(c) / float(layer.load.sum()), 3) for c in layer.load] for layer in routed(model)]
 
 
 def profile(model: str, passes: int = 10) -> dict:
@@ -213,7 +205,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default=str(HERE / "results" / "llama_cpu.json"))
+    ap.add_argument("--out", help="the JSON written (default: results/llama_cpu.json, "
+                    "with --experts results/llama_experts_cpu.json)")
     ap.add_argument("--profile", action="store_true", help="only profile each model's pass")
     ap.add_argument("--tp", action="store_true", help="only time the llama's pass at tp 2")
     ap.add_argument("--experts", action="store_true", help="the llama against a mixture of experts")
@@ -246,8 +239,9 @@ def main() -> None:
         print(f"| {model} | {rows[0]['parameters']:,} | {', '.join(str(r['loss_last_50']) for r in rows)} | "
               f"{statistics.median(r['tokens_per_s'] for r in rows):,.0f} |")
     print(f"\nllama / gpt tokens/s, median of each round's ratio: {speed:.3f}")
-    write_result(args.out, {"steps": args.steps, "rounds": args.rounds, "runs": runs,
-                            "llama_over_gpt_tokens_per_s": round(speed, 3)})
+    write_result(args.out or HERE / "results" / "llama_cpu.json",
+                 {"steps": args.steps, "rounds": args.rounds, "runs": runs,
+                  "llama_over_gpt_tokens_per_s": round(speed, 3)})
 
 
 def mixtures(runs: dict, args) -> None:
@@ -262,8 +256,7 @@ def mixtures(runs: dict, args) -> None:
     for m in speeds:
         for i, shares in enumerate(runs[m][-1]["expert_shares"]):
             print(f"{m}, block {i + 1}: each expert's share of the tokens {shares}")
-    write_result(args.out if args.out != str(HERE / "results" / "llama_cpu.json")
-                 else HERE / "results" / "llama_experts_cpu.json",
+    write_result(args.out or HERE / "results" / "llama_experts_cpu.json",
                  {"steps": args.steps, "rounds": args.rounds, "runs": runs,
                   "over_llama_tokens_per_s": {m: round(v, 3) for m, v in speeds.items()}})
 

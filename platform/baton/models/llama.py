@@ -141,12 +141,10 @@ class Block(nn.Module):
         self.add_mlp(width, hidden)
 
     def add_mlp(self, width: int, hidden: int) -> None:
-        self.gate = nn.Linear(width, hidden, bias=False)
-        self.up = nn.Linear(width, hidden, bias=False)
-        self.down = nn.Linear(hidden, width, bias=False)
+        add_swiglu(self, width, hidden)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # SwiGLU
-        return self.down(F.silu(self.gate(h)) * self.up(h))
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return swiglu(self, h)
 
     def tp_problem(self, tp: int) -> str | None:
         if self.kv_heads % tp:
@@ -182,18 +180,27 @@ class Block(nn.Module):
         return x + self.mlp(self.tp_enter(self.mlp_norm(x)))
 
 
+def add_swiglu(module: nn.Module, width: int, hidden: int) -> None:
+    """A SwiGLU MLP's layers on `module`: gate, up (width -> hidden) and down."""
+    module.gate = nn.Linear(width, hidden, bias=False)
+    module.up = nn.Linear(width, hidden, bias=False)
+    module.down = nn.Linear(hidden, width, bias=False)
+
+
+def swiglu(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return module.down(F.silu(module.gate(h)) * module.up(h))
+
+
 class Expert(nn.Module):
     """One of a mixture's SwiGLU MLPs (Mixtral's w1, w3 and w2; Qwen3-MoE's gate_proj,
     up_proj and down_proj)."""
 
     def __init__(self, width: int, hidden: int):
         super().__init__()
-        self.gate = nn.Linear(width, hidden, bias=False)
-        self.up = nn.Linear(width, hidden, bias=False)
-        self.down = nn.Linear(hidden, width, bias=False)
+        add_swiglu(self, width, hidden)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(h)) * self.up(h))
+        return swiglu(self, h)
 
 
 @dataclass(frozen=True)
@@ -276,10 +283,11 @@ class MoEBlock(Block):
         # each token's k outputs summed in the experts' order, as transformers' loop sums them
         out = torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype)).view_as(h)
         if self.training and torch.is_grad_enabled():
-            rows = self.aux_rows.to(h.device) if self.aux_rows is not None else None
-            # the choices of the rows that count (a padding row's not): train_expert_load_max
-            self.load = load if rows is None or rows.all() else torch.bincount(
-                chosen.view(h.shape[0], -1)[rows].flatten(), minlength=self.mixture.experts)
+            if self.aux_rows is not None:  # the choices of the rows that count (a padding
+                # row's not), on the device: train_expert_load_max
+                counted = self.aux_rows.to(h.device, torch.int64).repeat_interleave(chosen.numel() // h.shape[0])
+                load = torch.zeros_like(load).index_add_(0, chosen, counted)
+            self.load = load
             if self.mixture.aux:
                 out = self._balanced(out, probs.view(*h.shape[:2], -1), chosen.view(h.shape[0], -1))
         return out

@@ -217,7 +217,7 @@ class DataParallelEngine(_Engine):
         (still on the device), and with `trace` the profile of it all (tracking/profile.py)."""
         sums, extra = Sums(), {}
         # a load-balancing loss summed over a micro-batch's rows weighs as its loss sum does,
-        # a row as many terms as it has (models.balanced)
+        # a row as many terms as it has (models.routed)
         weight = scale * self.dp * self.task.per_sample
         with profiled(extra) if trace else contextlib.nullcontext():
             for i, rows in enumerate(micro):
