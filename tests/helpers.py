@@ -24,7 +24,8 @@ from baton.data.corpus import stdlib_stream, windows
 from baton.data.feed import IDS, TOKENS, Batch
 from baton.data.local import job_order as _job_order, read_corpus
 from baton.models import build_model, loss_sum, routed
-from baton.tasks import IGNORE
+from baton.models.documents import attend_within, attending
+from baton.tasks import IGNORE, make_task
 from baton.training import clip_and_norm, make_optimizer, set_lr
 
 _STREAM = None
@@ -127,6 +128,7 @@ def train_on(spec, tokens: np.ndarray, batches: list, each_step=None,
     loss masks (data.loss_mask_column), the loss the mean over the tokens they mark."""
     model = build_model(spec.model, spec.train.seed)
     optimizer = make_optimizer(model, spec.train)
+    task = make_task(spec)  # (data.document_mask: the documents of each batch, by data.eod_token)
     losses, norms = [], []
     for step, positions in enumerate(batches):
         batch = torch.from_numpy(tokens[positions]).long()
@@ -136,6 +138,7 @@ def train_on(spec, tokens: np.ndarray, batches: list, each_step=None,
             targets, count = targets.masked_fill(~kept, IGNORE), max(int(kept.sum()), 1)
         for layer in routed(model):  # a load-balancing loss weighs as the task's does
             layer.balance(torch.ones(len(batch), dtype=torch.bool), targets.shape[1] / count)
+        attend_within(attending(model), task.documents({"tokens": batch}))
         loss = loss_sum(model(batch[:, :-1]), targets) / count
         loss.backward()
         set_lr(optimizer, spec.train.lr_at(step))

@@ -107,6 +107,11 @@ class DataSpec:
     # where a token is one to predict (a response's), 0 where not (a prompt's, padding): the
     # loss is the mean over the batch's targets (null: every token but a row's first is one)
     loss_mask_column: Optional[str] = None
+    # documents packed into a row attend each to itself alone, positions counted from each
+    # document's start (models/documents.py); where a document ends: after each eod_token
+    # (null: the one the corpus's _corpus.json records, `baton data prepare`'s)
+    document_mask: bool = False
+    eod_token: Optional[int] = None
     # what other tasks read: batch key -> a Parquet column, or a list of them concatenated
     # (inputs: [pixels] and label: label for classification; any keys for a user's task)
     columns: dict = field(default_factory=dict)

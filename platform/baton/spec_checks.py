@@ -294,6 +294,16 @@ def _check_task(spec: JobSpec, need) -> None:
     need(d.source == "parquet" or d.loss_mask_column is None, "data.loss_mask_column",
          d.loss_mask_column, f"the built-in {d.source} data has no loss mask; prepare yours "
          "(baton data prepare text --prompt-column ...) and set data.source: parquet")
+    need(spec.task == "language_model" or not d.document_mask, "data.document_mask",
+         d.document_mask, f"separates the documents of a language model's rows; task "
+         f"{spec.task} reads data.columns")
+    need(not (d.document_mask and spec.model.name.startswith("hf:")), "data.document_mask",
+         d.document_mask, f"{spec.model.name}'s attention takes no document mask here: use "
+         "model.name: gpt or llama, or prepare one document a row (baton data prepare text --one-per-row)")
+    need(d.eod_token is None or d.document_mask, "data.eod_token", d.eod_token,
+         "is read by data.document_mask alone: set data.document_mask: true, or leave it out")
+    need(d.eod_token is None or 0 <= d.eod_token < spec.model.vocab_size, "data.eod_token",
+         d.eod_token, f"give a token id of the vocabulary, 0 to {spec.model.vocab_size - 1}")
     if spec.task != "language_model":
         need(d.source != "stdlib", "data.source", d.source, f"the built-in corpus is token rows "
              f"for a language model; task {spec.task} needs data.source: parquet (or digits)")

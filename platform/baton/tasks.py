@@ -50,9 +50,20 @@ class Task:
     # what its evaluation reports besides the loss; None: known only when it runs (a task of
     # your own), which checkpoint.best's check cannot look into
     metrics: Optional[tuple[str, ...]] = None
+    eod: Optional[int] = None  # the end-of-document token of data.document_mask's rows
 
     def inputs(self, batch: dict) -> torch.Tensor:
         return batch["inputs"]
+
+    def documents(self, batch: dict, device=None):
+        """Where the documents packed into the rows of the batch's inputs (token ids) end,
+        for a model whose attention keeps each to itself (models/documents.py); None: the
+        inputs attend as one sequence (no `eod`: not data.document_mask's)."""
+        if self.eod is None:
+            return None
+        from baton.models.documents import documents
+
+        return documents(self.inputs(batch), self.eod, device)
 
     def loss(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
         """(loss sum, {metric: sum}) over the batch's valid rows."""
@@ -67,13 +78,14 @@ class LanguageModel(Task):
     metrics = ()
     split_logits = True  # its loss takes logits split by vocabulary (tensor parallelism)
 
-    def __init__(self, seq_len: int, masked: bool = False):
-        self.per_sample, self.masked = seq_len, masked
+    def __init__(self, seq_len: int, masked: bool = False, eod: Optional[int] = None):
+        self.per_sample, self.masked, self.eod = seq_len, masked, eod
         if masked:
             self.needs = ("tokens", LOSS_MASK)
 
     def inputs(self, batch: dict) -> torch.Tensor:
         return batch["tokens"][:, :-1]
+
 
     def _kept(self, batch: dict) -> torch.Tensor:
         kept = batch[VALID][:, None]
@@ -142,9 +154,13 @@ BUILT_IN = ("language_model", "classification")
 _USER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
-def make_task(spec) -> Task:
+def make_task(spec, columns=None) -> Task:
+    """The job's task; `columns`: what its workers read (data/feed.py's Columns, checked
+    against the data before Ray started), where a language model's documents end."""
     if spec.task == "language_model":
-        return LanguageModel(spec.model.seq_len, spec.data.loss_mask_column is not None)
+        eod = columns.eod if columns is not None else spec.data.eod_token
+        return LanguageModel(spec.model.seq_len, spec.data.loss_mask_column is not None,
+                             eod if spec.data.document_mask else None)
     if spec.task == "classification":
         return Classification()
     return UserTask(spec.task)

@@ -23,6 +23,9 @@ def validate(args: argparse.Namespace) -> int:
         if spec.data.loss_mask_column:
             print(f"  targets: the tokens {spec.data.loss_mask_column!r} marks 1 (the loss is "
                   "their mean over each batch; the other tokens are context)")
+        if data.columns.eod is not None:
+            print(f"  documents: each attends to itself alone, its positions counted from its "
+                  f"start (data.document_mask; a document ends at token {data.columns.eod})")
         if spec.task != "language_model":
             print("  columns: " + ", ".join(
                 f"{f.name} <- {'+'.join(f.sources)} ({f.dtype}{list(f.shape) if f.shape else ''})"

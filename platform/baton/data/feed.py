@@ -106,6 +106,9 @@ class Field:
 class Columns:
     fields: tuple[Field, ...]
     id: Optional[str]
+    # a language model's end-of-document token, where each row's documents attend each to
+    # itself alone (data.document_mask: the job's data.eod_token, or its corpus's)
+    eod: Optional[int] = None
 
     def shapes(self) -> dict:
         """name -> (row shape, torch dtype): what a padding row looks like."""
@@ -120,13 +123,13 @@ class Columns:
 
 
 def token_columns(token: str, id_column: Optional[str], width: int, vocab_size: int,
-                  loss_mask: Optional[str] = None) -> Columns:
+                  loss_mask: Optional[str] = None, eod: Optional[int] = None) -> Columns:
     """A language model's rows: `width` token ids each (seq_len + 1), and as many 0s and 1s
-    of its loss mask where it has one."""
+    of its loss mask where it has one; `eod`: where its documents end (data.document_mask)."""
     fields = (Field(TOKENS, (token,), (width,), "int64", vocab_size, "data.token_column"),)
     if loss_mask is not None:
         fields += (Field(LOSS_MASK, (loss_mask,), (width,), "int64", 2, "data.loss_mask_column"),)
-    return Columns(fields, id_column)
+    return Columns(fields, id_column, eod)
 
 
 def read_marked(root: str, unit: Unit, columns: Columns, home: Optional[str] = None) -> pa.Table:

@@ -301,7 +301,8 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
                 raise SpecError(f"{source}: data.loss_mask_column: rows of {mask!r} hold {length} "
                                 f"values, and of {d.token_column!r} {want}: a loss mask marks each "
                                 "token of its row")
-        tokens = token_columns(d.token_column, d.id_column, want, spec.model.vocab_size, mask)
+        tokens = token_columns(d.token_column, d.id_column, want, spec.model.vocab_size, mask,
+                               _document_end(spec, source, key, where))
         check_footers(manifest, tokens, schema, source, where)
         return tokens
     fields = []
@@ -355,6 +356,23 @@ def job_columns(spec: JobSpec, schema: pa.Schema, source: str, manifest: Manifes
     found = Columns(tuple(fields), d.id_column)
     check_footers(manifest, found, schema, source, where)
     return found
+
+
+def _document_end(spec: JobSpec, source: str, key: str, where: str) -> Optional[int]:
+    """The token after which a document of the corpus at `where` ends, where the job masks
+    attention between documents (data.document_mask): data.eod_token, or the one
+    `baton data prepare` recorded in the corpus's _corpus.json."""
+    d = spec.data
+    if not d.document_mask or d.eod_token is not None:
+        return d.eod_token if d.document_mask else None
+    from baton.data.text import tokenised_by
+
+    eod = (tokenised_by(where) or {}).get("eod_token")
+    if eod is None:
+        raise SpecError(f"{source}: data.document_mask: {key} {where!r} does not say where its "
+                        "documents end (it has no _corpus.json of baton data prepare); set "
+                        "data.eod_token to its end-of-document token id")
+    return int(eod)
 
 
 def columns(spec: JobSpec) -> Columns:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.models.documents import Documents
 from baton.models.layers import Layers
 
 
@@ -24,9 +25,14 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(vocab_size, width)
         self.pos = nn.Embedding(seq_len, width)
         self.drop = nn.Dropout(dropout)
+        self.docs: Documents | None = None  # data.document_mask: positions count in each document
+
+    def attend_within(self, docs: Documents | None) -> None:
+        self.docs = docs
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:  # (B, T) -> (B, T, C)
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        positions = (self.docs.positions if self.docs is not None and not start else
+                     torch.arange(start, start + tokens.shape[1], device=tokens.device))
         return self.drop(self.tok(tokens) + self.pos(positions))
 
     def decode(self, tokens: torch.Tensor, cache: dict, start: int) -> torch.Tensor:
@@ -53,6 +59,10 @@ class Block(nn.Module):
         self.fc = nn.Linear(width, 4 * width)
         self.out = nn.Linear(4 * width, width)
         self.drop = nn.Dropout(dropout)
+        self.docs: Documents | None = None  # data.document_mask: each token sees its document
+
+    def attend_within(self, docs: Documents | None) -> None:
+        self.docs = docs
 
     def tp_problem(self, tp: int) -> str | None:
         return None if self.heads % tp == 0 else f"{self.heads} heads do not split over tp = {tp}"
@@ -75,14 +85,25 @@ class Block(nn.Module):
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
         with self.tp_random():  # (a position after the first call sees every cached one)
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=start == 0, dropout_p=self.dropout if self.training else 0.0)
+            y = attention(q, k, v, self.docs if cache is None else None, start,
+                          self.dropout if self.training else 0.0)
         h = self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_width))
         with self.tp_sequence_random():
             x = x + self.drop(h)
         h = self.out(F.gelu(self.fc(self.ln2(x))))
         with self.tp_sequence_random():
             return x + self.drop(h)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None,
+              start: int, dropout: float, gqa: bool = False) -> torch.Tensor:
+    """Causal attention (B, heads, T, d), within each document where `docs` says where they
+    are (data.document_mask); from position `start` on, of a sequence k and v hold from 0."""
+    if docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, dropout_p=dropout,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=dropout,
+                                          enable_gqa=gqa)
 
 
 class Head(nn.Module):

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.models.documents import Documents
+from baton.models.gpt import attention
 from baton.models.layers import Layers
 
 NORM_EPS = 1e-5  # RMSNorm's epsilon when model.options.norm_eps is not given (rms_norm_eps)
@@ -93,9 +95,10 @@ class Rope:
 
 
 def rotary(positions: torch.Tensor, head_width: int, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position's angles, (T, head_width): each pair's frequency
+    """cos and sin of each position's angles, (T, head_width) for positions (T,), (B, T,
+    head_width) for each row's (B, T): each pair's frequency
     (`Rope.inv_freq`) repeated over both halves of a head, as transformers' are."""
-    angles = torch.outer(positions.float(), rope.inv_freq(head_width, positions.device))
+    angles = positions.float()[..., None] * rope.inv_freq(head_width, positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -139,6 +142,10 @@ class Block(nn.Module):
         self.o = nn.Linear(heads * hd, width, bias=False)
         self.mlp_norm = nn.RMSNorm(width, eps=norm_eps)
         self.add_mlp(width, hidden)
+        self.docs: Optional[Documents] = None  # data.document_mask: each token sees its document
+
+    def attend_within(self, docs: Optional[Documents]) -> None:
+        self.docs = docs
 
     def add_mlp(self, width: int, hidden: int) -> None:
         add_swiglu(self, width, hidden)
@@ -166,16 +173,19 @@ class Block(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        cos, sin = rotary(torch.arange(start, start + T, device=x.device), self.head_width, self.rope)
+        docs = self.docs if cache is None else None
+        if docs is None:
+            cos, sin = rotary(torch.arange(start, start + T, device=x.device), self.head_width, self.rope)
+        else:  # each row's positions, counted in each document: (B, 1, T, d) over the heads
+            cos, sin = (t.unsqueeze(1) for t in rotary(docs.positions, self.head_width, self.rope))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             if start:
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
         with self.tp_random():
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=start == 0, enable_gqa=q.shape[1] != k.shape[1],
-                dropout_p=self.dropout if self.training else 0.0)
+            y = attention(q, k, v, docs, start, self.dropout if self.training else 0.0,
+                          gqa=q.shape[1] != k.shape[1])
         x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.mlp(self.tp_enter(self.mlp_norm(x)))
 

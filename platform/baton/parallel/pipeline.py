@@ -108,10 +108,13 @@ class PipelineRuntime:
     # -- one step -------------------------------------------------------------------------------
 
     def run(self, actions: list[Action], inputs: Optional[list[torch.Tensor]],
-            targets: Optional[list[torch.Tensor]], loss_fn: Callable, scale: float) -> StepTrace:
+            targets: Optional[list[torch.Tensor]], loss_fn: Callable, scale: float,
+            enter: Optional[Callable[[int], None]] = None) -> StepTrace:
         """Run this rank's actions for one step; gradients accumulate in the parameters.
         `inputs` (first stage) and `targets` (last stage) are per micro-batch; the loss of a
-        micro-batch is loss_fn(output, target) * scale."""
+        micro-batch is loss_fn(output, target) * scale. `enter(mb)` is called before each
+        forward and backward of micro-batch mb (what its layers read besides the activations:
+        a backward's recomputation under activation checkpointing reads it again)."""
         trace = StepTrace()
         stash: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output or loss)
         act_bytes: dict[tuple[int, int], int] = {}
@@ -124,6 +127,8 @@ class PipelineRuntime:
             got = self._wait(recvs.pop(i, None), trace, a, s)
             t0 = time.time()
             out = []
+            if enter:
+                enter(a.mb)
             if a.kind == "F":
                 x = inputs[a.mb].to(self.device) if s == 0 else got.requires_grad_()
                 with self._count_saved(act_bytes, (a.mb, a.chunk)), self._autocast():

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from baton.checkpoint import sharded
+from baton.errors import WorkerError
 from baton.models import build_lazily, build_model, routed, sequential
+from baton.models.documents import attend_within, attending
 from baton.optim import average_pairs, averages_in
 from baton.parallel import ParallelDims
 from baton.parallel import comm
@@ -173,6 +175,7 @@ class DataParallelEngine(_Engine):
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
         self.routed = routed(self.module)  # (a mixture of experts' blocks)
+        self.attending = _attending(self.module, task, spec.model.name)
         # a forward waits for no peer where the parameters are whole and unsplit (DDP and
         # ZeRO-1 all-reduce in the backward; FSDP gathers, and tp all-reduces, in the forward)
         self.forwards = (Stopwatch(device) if "params" not in SHARDED_PARTS[level] and dims.tp == 1
@@ -234,6 +237,8 @@ class DataParallelEngine(_Engine):
         batch = to_device(batch_fn(rows, pad_to=None if len(rows) else 1), self.device)
         for layer in self.routed:  # (which leave the padding row out too)
             layer.balance(batch[VALID], weight)
+        if self.attending:  # (a backward follows at once: a recomputation sees these too)
+            attend_within(self.attending, self.task.documents(batch))
         with watch.timed() if watch else contextlib.nullcontext():
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
                 output = self.wrapped(self.task.inputs(batch))
@@ -259,6 +264,17 @@ class DataParallelEngine(_Engine):
 
     def clip(self) -> torch.Tensor:
         return clip_grads(self.module, self.spec.train.grad_clip)
+
+
+def _attending(model: nn.Module, task: Task, name: str) -> list[nn.Module]:
+    """The layers of `model` told where each micro-batch's documents are (data.document_mask:
+    models/documents.py), refused in one line where the job masks and none of them can."""
+    layers = attending(model) if task.eod is not None else []
+    if task.eod is not None and not layers:
+        raise WorkerError(f"data.document_mask: model {name} has no layer that "
+                          "keeps documents apart (a layer with an attend_within(documents) "
+                          "method: baton.models.documents); set data.document_mask: false")
+    return layers
 
 
 def _routing(layers: list[nn.Module], rows: torch.Tensor) -> dict:
@@ -335,6 +351,8 @@ class PipelineEngine(_Engine):
         fill(layer for chunk in chunks for layer in chunk)
         self.module = nn.Sequential(OrderedDict(
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
+        # (the whole model's layers refused where none takes documents; this rank's told)
+        self.attending = attending(self.module) if _attending(full, task, spec.model.name) else []
         del full
         # every rank builds every group, in one order
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
@@ -403,16 +421,20 @@ class PipelineEngine(_Engine):
                 else None)
 
     def _run(self, actions, micro: list[np.ndarray], batch_fn: BatchFn, sums: Sums, scale: float):
+        # every stage whose layers keep documents apart reads the rows too, to see where they are
         batches = ([batch_fn(rows, pad_to=self.spec.micro_batch) for rows in micro]
-                   if self.first or self.last else None)
+                   if self.first or self.last or self.attending else None)
 
         def loss_fn(output: torch.Tensor, batch: dict) -> torch.Tensor:
             ls, metrics = self.task.loss(output, batch)
             sums.add(self.task, ls, metrics, batch)
             return ls
 
+        def enter(mb: int) -> None:  # before each forward and backward of micro-batch mb
+            attend_within(self.attending, self.task.documents(batches[mb], self.device))
+
         return self.runtime.run(actions, batches and [self.task.inputs(b) for b in batches],
-                                batches, loss_fn, scale)
+                                batches, loss_fn, scale, enter if self.attending else None)
 
     def evaluate(self, micro: list[np.ndarray], batch_fn: BatchFn) -> dict:
         """The schedule's forwards alone, without gradients: the last stage's task sums."""

@@ -287,7 +287,7 @@ class Worker:
         self.checkpoint_group = dist.new_group(
             backend="gloo", timeout=timedelta(seconds=spec.checkpoint.timeout_s))
         self.shapes = _shapes(spec, columns)  # each column's row: what padding looks like
-        self.task = make_task(spec)
+        self.task = make_task(spec, columns)
         self.rows = UnitRows(self.shapes)  # the units of each step's batch
         self.eval_rows = UnitRows(self.shapes)  # and of evaluation's, kept apart
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0

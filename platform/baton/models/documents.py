@@ -1,0 +1,57 @@
+"""Documents packed into a row, each attending to itself alone (`data.document_mask`).
+
+`baton data prepare` packs documents end to end into rows, each ending in the
+end-of-document token; without a mask a document's tokens attend to the documents before
+them in the row. With one, each token attends only to the tokens of its own document at or
+before it, and its position counts from its document's start, so a document computes what
+it would at the start of a row of its own (Megatron-LM's `reset_attention_mask` and
+`reset_position_ids`; torchtitan's block-causal mask). The end-of-document token belongs to
+the document it ends.
+
+The engines make a row's `Documents` from its tokens and hand it to every layer that takes
+one (`attending`: a layer with an `attend_within(documents)` method: the built-in models'
+blocks and the GPT's embedding, or a layer of your own) before each forward, and before a
+pipeline stage's backward of that micro-batch too, whose activation checkpointing recomputes
+the forward then, after other micro-batches' forwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Documents:
+    mask: torch.Tensor  # (B, 1, T, T) bool: True where a query position may see a key position
+    positions: torch.Tensor  # (B, T) int64: each token's position within its document
+
+
+def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = None) -> Documents:
+    """The documents of rows of tokens (B, T), each ending at an `eod` (the row's first ends
+    at its first, or is cut by the row's start: a document longer than a row goes on in the
+    next)."""
+    tokens = tokens.to(device) if device is not None else tokens
+    T = tokens.shape[1]
+    at = torch.arange(T, device=tokens.device)
+    # a document starts at a row's first token and after each end-of-document token
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == eod
+    doc = starts.long().cumsum(1)  # (B, T): which document of its row each token is in
+    first = torch.where(starts, at, 0).cummax(1).values  # where each token's document starts
+    causal = at[:, None] >= at[None, :]
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    return Documents(mask.unsqueeze(1), at - first)
+
+
+def attending(model: nn.Module) -> list[nn.Module]:
+    """The layers of `model` that take a row's documents before each forward
+    (`layer.attend_within(documents)`)."""
+    return [m for m in model.modules() if callable(getattr(m, "attend_within", None))]
+
+
+def attend_within(layers: list[nn.Module], docs: Optional[Documents]) -> None:
+    for layer in layers:
+        layer.attend_within(docs)

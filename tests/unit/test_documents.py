@@ -1,0 +1,78 @@
+"""data.document_mask: documents packed into a row attend each to itself alone, their
+positions counted from their own starts (models/documents.py), in the built-in models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.models import build_model
+from baton.models.documents import attend_within, attending, documents
+from baton.spec import ModelSpec
+
+EOD = 0
+MODELS = {
+    "gpt": {"name": "gpt", "layers": 2, "width": 32, "heads": 2, "seq_len": 24, "vocab_size": 16},
+    # grouped-query attention, Qwen3's normed heads and a mixture of experts: every path of
+    # the llama's attention
+    "llama": {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 24, "vocab_size": 16,
+              "options": {"kv_heads": 2, "qk_norm": True}},
+    "mixtral": {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 24, "vocab_size": 16,
+                "options": {"kv_heads": 2, "hidden": 32, "experts": 4}},
+}
+
+
+def test_each_token_sees_its_own_document_up_to_itself():
+    rows = torch.tensor([[5, 6, EOD, 7, 8, 9, EOD, 3],
+                         [EOD, 1, 2, 3, 4, EOD, EOD, 9]])
+    docs = documents(rows, EOD)
+    # the end-of-document token is its document's last; the next token starts one
+    assert docs.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 0, 1, 2, 3, 4, 0, 0]]
+    doc = [[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 2, 3]]
+    want = torch.tensor([[[doc[b][i] == doc[b][j] and j <= i for j in range(8)] for i in range(8)]
+                         for b in range(2)])
+    assert docs.mask.shape == (2, 1, 8, 8) and torch.equal(docs.mask[:, 0], want)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_packed_document_computes_what_it_would_alone(name):
+    """Each document of a packed row gives the logits it gives at the start of a row of its
+    own; without the mask the second and third do not (they see the first)."""
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(**MODELS[name]), seed=3).eval()
+    layers = attending(model)
+    assert layers  # (the gpt's embedding and blocks, the llama's blocks)
+    row = torch.randint(1, 16, (1, 24))
+    row[0, 6] = row[0, 15] = EOD  # documents at 0..6, 7..15 and 16..23
+    with torch.no_grad():
+        attend_within(layers, documents(row, EOD))
+        packed = model(row)
+        attend_within(layers, None)
+        alone = [model(row[:, a:b]) for a, b in ((0, 7), (7, 16), (16, 24))]
+        plain = model(row)
+    worst = max(float((packed[:, a:b] - one).abs().max())
+                for (a, b), one in zip(((0, 7), (7, 16), (16, 24)), alone))
+    # measured: 6.0e-8 (gpt), 4.5e-8 (llama), 3.0e-8 (mixtral) on logits of about 1: the same
+    # products over other shapes (a 24 x 24 masked softmax against a 9 x 9 causal one)
+    print(f"{name}: {worst:.2g}")
+    assert worst < 1e-6, worst
+    assert float((plain[:, 7:16] - alone[1]).abs().max()) > 1e-2  # the mask is what did it
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_rows_of_one_document_train_as_without_the_mask(name):
+    """Rows with no end-of-document token: the mask is the causal one, and the gradients are
+    those of the plain model (the masked kernel against is_causal's)."""
+    torch.manual_seed(1)
+    rows = torch.randint(1, 16, (3, 24))
+    grads = []
+    for masked in (False, True):
+        model = build_model(ModelSpec(**MODELS[name]), seed=3)
+        attend_within(attending(model), documents(rows, EOD) if masked else None)
+        model(rows).logsumexp(-1).sum().backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    worst = max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0])
+    print(f"{name}: {worst:.2g}")
+    # measured: 0.0 for both on this CPU (torch's CPU attention kernel takes the mask); the
+    # bound is float32 rounding of sums over 72 rows, for kernels that differ (a GPU's)
+    assert worst < 1e-5, worst
