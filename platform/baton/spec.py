@@ -429,7 +429,8 @@ class JobSpec:
                               "compile", "skip_nonfinite", "rewind_on_spike", "ema")
                  and not (k == "optimizer" and v == "adamw")}  # (v0.7's recipes had none)
         data = {k: v for k, v in d["data"].items()
-                if k not in ("mix_phases", "skip_bad_row_groups") and (k not in ("columns", "pad", "mix") or v)}
+                if k not in ("mix_phases", "skip_bad_row_groups") and (k not in ("columns", "pad", "mix") or v)
+                and (k not in ("document_mask", "eod_token") or (v is not False and v is not None))}  # (where set)
         if "mix" in data:  # its sources; their weights are pinned with their files (a change
             # is resumed with --rebase-data: api.check_corpus), their names label metrics, and
             # the phases that have begun are pinned with them (Mixture.trained)

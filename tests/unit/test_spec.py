@@ -90,6 +90,12 @@ def test_fingerprint_ignores_steps_and_layout_but_not_the_model(tmp_path):
                                               "mix_phases": [{"after_step": 5, "weights": [0, 1]}]}})
     assert phased.fingerprint() == mixed[0].fingerprint()  # pinned with the files, as weights are
     assert a.fingerprint() != mixed[0].fingerprint()
+    # documents kept apart are the recipe where set; unset, the recipe of a checkpoint
+    # written before data.document_mask existed (no key for it)
+    assert "document_mask" not in a.recipe()["data"] and "eod_token" not in a.recipe()["data"]
+    masked = [spec_from_dict({**base, "data": {**base["data"], "document_mask": True, **eod}})
+              for eod in ({}, {"eod_token": 0}, {"eod_token": 10})]
+    assert len({a.fingerprint(), *(m.fingerprint() for m in masked)}) == 4
 
 
 # (override of the valid tiny spec, or raw YAML text; the message the user must see)

@@ -208,6 +208,9 @@ def _prepare_text(args) -> int:
         print(f"  {info['targets']:,} of the tokens are targets ("
               + ("the responses'" if args.prompt_column else "the documents', not the padding")
               + "): train on them alone with data.loss_mask_column: loss_mask")
+    if not args.one_per_row and info["documents"] > info["samples"]:  # (short documents)
+        print(f"  {info['documents'] / info['samples']:.1f} documents a row, each attending to those "
+              "before it in its row unless data.document_mask: true keeps them apart")
     return 0
 
 

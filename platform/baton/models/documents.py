@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -44,6 +45,17 @@ def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = N
     causal = at[:, None] >= at[None, :]
     mask = (doc[:, :, None] == doc[:, None, :]) & causal
     return Documents(mask.unsqueeze(1), at - first)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None,
+              start: int, dropout: float, gqa: bool = False) -> torch.Tensor:
+    """Causal attention (B, heads, T, d), within each document where `docs` says where they
+    are (data.document_mask); from position `start` on, of a sequence k and v hold from 0."""
+    if docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, dropout_p=dropout,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=dropout,
+                                          enable_gqa=gqa)
 
 
 def attending(model: nn.Module) -> list[nn.Module]:

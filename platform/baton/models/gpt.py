@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.models.documents import Documents
+from baton.models.documents import Documents, attention
 from baton.models.layers import Layers
 
 
@@ -93,17 +93,6 @@ class Block(nn.Module):
         h = self.out(F.gelu(self.fc(self.ln2(x))))
         with self.tp_sequence_random():
             return x + self.drop(h)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None,
-              start: int, dropout: float, gqa: bool = False) -> torch.Tensor:
-    """Causal attention (B, heads, T, d), within each document where `docs` says where they
-    are (data.document_mask); from position `start` on, of a sequence k and v hold from 0."""
-    if docs is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, dropout_p=dropout,
-                                              enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=dropout,
-                                          enable_gqa=gqa)
 
 
 class Head(nn.Module):

@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.models.documents import Documents
-from baton.models.gpt import attention
+from baton.models.documents import Documents, attention
 from baton.models.layers import Layers
 
 NORM_EPS = 1e-5  # RMSNorm's epsilon when model.options.norm_eps is not given (rms_norm_eps)
