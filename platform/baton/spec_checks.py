@@ -82,9 +82,6 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
              f"must divide model.width ({m.width})" + (f"; try {near}" if near else ""))
     if m.name == "llama":
         _check_llama(m, need)
-        need(not m.options.get("router_aux_loss") or p.pp == 1, "model.options.router_aux_loss",
-             m.options.get("router_aux_loss"), "is not carried through pipeline stages yet: set "
-             "parallel.pp 1 (dp and ZeRO train it), or no router_aux_loss")
     need(bool(d.path), "data.path", d.path, "give a folder or URI of Parquet files")
     need(bool(d.token_column), "data.token_column", d.token_column, "name the token column")
     need(d.shuffle_block >= 1, "data.shuffle_block", d.shuffle_block, "must be at least 1 sample")

@@ -76,6 +76,9 @@ class _Engine:
     own_random: Optional[tensor.OwnRandom] = None  # a tp worker's own stream (checkpointed)
     grad_bytes: int = 0  # this worker's gradients at its first step (local shards)
     computes_loss = True  # (a pipeline's stages before the last do not)
+    # needs the step's scale (a loss mask's targets counted over the replicas): the loss's
+    # stage, and a stage whose mixture blocks add a load-balancing loss
+    weighs_loss = True
 
     def replica_groups(self) -> list:
         """The groups whose sums, one after another, add up a number over every replica (each
@@ -353,6 +356,9 @@ class PipelineEngine(_Engine):
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
         # (the whole model's layers refused where none takes documents; this rank's told)
         self.attending = attending(self.module) if _attending(full, task, spec.model.name) else []
+        # this rank's mixture blocks that add a load-balancing loss: told each micro-batch's
+        # rows that count and the weight of their loss, as its attending layers are told
+        self.balancing = [layer for layer in routed(self.module) if layer.balances]
         del full
         # every rank builds every group, in one order
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
@@ -387,6 +393,7 @@ class PipelineEngine(_Engine):
         self.actions = sched.build(spec.parallel.schedule, p, spec.microbatches, v)[self.pp_rank]
         self.first, self.last = self.pp_rank == 0, self.pp_rank == p - 1
         self.computes_loss = self.last
+        self.weighs_loss = self.last or bool(self.balancing)
         self.mesh = mesh
 
     def replica_groups(self) -> list:
@@ -421,9 +428,13 @@ class PipelineEngine(_Engine):
                 else None)
 
     def _run(self, actions, micro: list[np.ndarray], batch_fn: BatchFn, sums: Sums, scale: float):
-        # every stage whose layers keep documents apart reads the rows too, to see where they are
+        # every stage whose layers keep documents apart, or balance experts, reads the rows
+        # too: where their documents are, which of them count
         batches = ([batch_fn(rows, pad_to=self.spec.micro_batch) for rows in micro]
-                   if self.first or self.last or self.attending else None)
+                   if self.first or self.last or self.attending or self.balancing else None)
+        # a load-balancing loss summed over a micro-batch's rows weighs as its loss sum does
+        # (the runtime's scale), a row as many terms as it has (models.routed)
+        weight = scale * self.task.per_sample
 
         def loss_fn(output: torch.Tensor, batch: dict) -> torch.Tensor:
             ls, metrics = self.task.loss(output, batch)
@@ -431,10 +442,14 @@ class PipelineEngine(_Engine):
             return ls
 
         def enter(mb: int) -> None:  # before each forward and backward of micro-batch mb
-            attend_within(self.attending, self.task.documents(batches[mb], self.device))
+            if self.attending:
+                attend_within(self.attending, self.task.documents(batches[mb], self.device))
+            for layer in self.balancing:
+                layer.balance(batches[mb][VALID].to(self.device), weight)
 
         return self.runtime.run(actions, batches and [self.task.inputs(b) for b in batches],
-                                batches, loss_fn, scale, enter if self.attending else None)
+                                batches, loss_fn, scale,
+                                enter if self.attending or self.balancing else None)
 
     def evaluate(self, micro: list[np.ndarray], batch_fn: BatchFn) -> dict:
         """The schedule's forwards alone, without gradients: the last stage's task sums."""

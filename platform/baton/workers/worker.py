@@ -420,7 +420,7 @@ class Worker:
         of one number; 1 where there are none); tokens are known from the rows' count."""
         if not self.task.masked:
             return 1.0 / (len(batch) * self.task.per_sample)
-        if not self.engine.computes_loss:  # (a pipeline's stages before the last)
+        if not self.engine.weighs_loss:  # (a pipeline's stages before the last, mostly)
             return 1.0
         mine = sum(self.task.targets(self.rows.gather(rows)[1]) for rows in micro if len(rows))
         return 1.0 / max(1, self.engine.over_replicas(mine))
