@@ -86,7 +86,6 @@ class LanguageModel(Task):
     def inputs(self, batch: dict) -> torch.Tensor:
         return batch["tokens"][:, :-1]
 
-
     def _kept(self, batch: dict) -> torch.Tensor:
         kept = batch[VALID][:, None]
         return kept & batch[LOSS_MASK][:, 1:].bool() if self.masked else kept

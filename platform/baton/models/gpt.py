@@ -30,13 +30,15 @@ class Embedding(nn.Module):
     def attend_within(self, docs: Documents | None) -> None:
         self.docs = docs
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:  # (B, T) -> (B, T, C)
-        positions = (self.docs.positions if self.docs is not None and not start else
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
+        return self.decode(tokens, None, 0)
+
+    def decode(self, tokens: torch.Tensor, cache: dict | None, start: int) -> torch.Tensor:
+        """Positions start.. (`baton sample`: its cache holds none of this layer's), or in
+        training each token's in its document where the job keeps them apart."""
+        positions = (self.docs.positions if self.docs is not None and cache is None else
                      torch.arange(start, start + tokens.shape[1], device=tokens.device))
         return self.drop(self.tok(tokens) + self.pos(positions))
-
-    def decode(self, tokens: torch.Tensor, cache: dict, start: int) -> torch.Tensor:
-        return self(tokens, start)
 
 
 class Block(nn.Module):

@@ -75,9 +75,8 @@ class _Engine:
     sharded: bool = False  # state split across workers: checkpoints go through DCP
     own_random: Optional[tensor.OwnRandom] = None  # a tp worker's own stream (checkpointed)
     grad_bytes: int = 0  # this worker's gradients at its first step (local shards)
-    computes_loss = True  # (a pipeline's stages before the last do not)
-    # needs the step's scale (a loss mask's targets counted over the replicas): the loss's
-    # stage, and a stage whose mixture blocks add a load-balancing loss
+    # needs the step's scale (a loss mask's targets counted over the replicas): not a
+    # pipeline's stages before the last, unless their mixture blocks add a load-balancing loss
     weighs_loss = True
 
     def replica_groups(self) -> list:
@@ -392,7 +391,6 @@ class PipelineEngine(_Engine):
         self.optimizer = make_optimizer(self.module, spec.train)
         self.actions = sched.build(spec.parallel.schedule, p, spec.microbatches, v)[self.pp_rank]
         self.first, self.last = self.pp_rank == 0, self.pp_rank == p - 1
-        self.computes_loss = self.last
         self.weighs_loss = self.last or bool(self.balancing)
         self.mesh = mesh
 
