@@ -354,6 +354,13 @@ class Sums:
 
     def add(self, task: Task, loss: torch.Tensor, metrics: dict, batch: dict) -> None:
         self.loss = self.loss + loss.detach()
+        self.add_metrics(metrics)
+        self.count = self.count + batch[VALID].sum() * task.per_sample
+        if task.masked:
+            self.targets = (self.targets or 0) + task.count(batch)
+
+    def add_metrics(self, metrics: dict) -> None:
+        """Metrics alone (a pipeline stage's measures before the loss's stage)."""
         for k, v in metrics.items():
             if isinstance(v, (tuple, list)):
                 num, den = self.ratios.get(k, (0, 0))
@@ -362,9 +369,6 @@ class Sums:
                 self.counts[k] = self.counts[k] + v.detach() if k in self.counts else v.detach()
             else:
                 self.metrics[k] = self.metrics.get(k, 0) + v.detach()
-        self.count = self.count + batch[VALID].sum() * task.per_sample
-        if task.masked:
-            self.targets = (self.targets or 0) + task.count(batch)
 
     def out(self) -> dict:
         out = {"loss_sum": float(self.loss), "tokens": int(self.count),

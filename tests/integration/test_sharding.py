@@ -196,7 +196,10 @@ def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp
     recomputes a micro-batch's forward after others' forwards) under a loss mask: each stage
     reads its micro-batches' rows to know which count, and the step's scale (the targets
     counted over the replicas) weighs its blocks' loss as the last stage weighs the task's:
-    one process's numbers."""
+    one process's numbers. Each stage reports its blocks' load at their places among the
+    model's, summed over the stages: train_expert_load_max is one process's too."""
+    from mlflow.tracking import MlflowClient
+
     masked = write_dataset(tmp_path / "masked", num_samples=11, seq_len=32, loss_mask=True)
     raw = tiny_spec(tmp_path, masked, name="moe-pp", model={**MODELS["mixtral"], "layers": 3},
                     data={"loss_mask_column": "loss_mask"},
@@ -211,6 +214,14 @@ def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp
     # measured: 1.0e-5 at most, in block 1's experts (few tokens each: AdamW's step scales up the
     # rounding of a small gradient); the default bound (rtol 1e-5, atol 4e-5) holds
     assert_like_one_process(spec, masked, result, 2)
+    client = MlflowClient(spec.tracking.uri)
+    logged = {key: [m.value for m in sorted(client.get_metric_history(result.run_id, key),
+                                            key=lambda m: m.step)]
+              for key in ("train_expert_load_max", "train_router_aux_loss")}
+    assert len(logged["train_router_aux_loss"]) == 2
+    assert all(2.0 <= v <= 4.0 for v in logged["train_router_aux_loss"]), logged
+    # (ratios of integer counts, as in the test above)
+    assert logged["train_expert_load_max"] == pytest.approx(_busiest(spec, masked, 2), rel=1e-6)
 
 
 def _busiest(spec, data, steps: int) -> list[float]:
@@ -230,6 +241,8 @@ def _busiest(spec, data, steps: int) -> list[float]:
     reference_run(spec, data, steps - 1, each_step=lambda step, model: models.append(copy.deepcopy(model)))
     out = []
     for model, positions in zip(models, batches):
+        for layer in routed(model):  # every row of this batch counts (not the last one's rows)
+            layer.balance(torch.ones(len(positions), dtype=torch.bool), 1.0)
         model.train()(torch.from_numpy(tokens[positions][:, :-1]).long())  # (a training forward)
         load = torch.stack([layer.load for layer in routed(model)]).double()
         out.append(float((load / load.sum(dim=1, keepdim=True)).max() * load.shape[1]))

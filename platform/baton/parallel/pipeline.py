@@ -109,12 +109,14 @@ class PipelineRuntime:
 
     def run(self, actions: list[Action], inputs: Optional[list[torch.Tensor]],
             targets: Optional[list[torch.Tensor]], loss_fn: Callable, scale: float,
-            enter: Optional[Callable[[int], None]] = None) -> StepTrace:
+            enter: Optional[Callable[[int], None]] = None,
+            forwarded: Optional[Callable[[int, int], None]] = None) -> StepTrace:
         """Run this rank's actions for one step; gradients accumulate in the parameters.
         `inputs` (first stage) and `targets` (last stage) are per micro-batch; the loss of a
         micro-batch is loss_fn(output, target) * scale. `enter(mb)` is called before each
         forward and backward of micro-batch mb (what its layers read besides the activations:
-        a backward's recomputation under activation checkpointing reads it again)."""
+        a backward's recomputation under activation checkpointing reads it again);
+        `forwarded(mb, chunk)` after each forward (what its layers measured in it)."""
         trace = StepTrace()
         stash: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output or loss)
         act_bytes: dict[tuple[int, int], int] = {}
@@ -133,6 +135,8 @@ class PipelineRuntime:
                 x = inputs[a.mb].to(self.device) if s == 0 else got.requires_grad_()
                 with self._count_saved(act_bytes, (a.mb, a.chunk)), self._autocast():
                     y = self.chunks[a.chunk](x)
+                if forwarded:
+                    forwarded(a.mb, a.chunk)
                 if s == self.last:
                     target = targets[a.mb]  # a tensor, or a task's batch (a dict of them)
                     part = loss_fn(y, {k: t.to(self.device) for k, t in target.items()}

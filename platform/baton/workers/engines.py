@@ -292,6 +292,37 @@ def _routing(layers: list[nn.Module], rows: torch.Tensor) -> dict:
     return out
 
 
+class _Routing:
+    """A pipeline stage's mixture blocks' measures over a step's training forwards, those
+    `_routing` makes: each block's load at its place among the whole model's blocks (zeros
+    at the other stages'), and the load-balancing loss summed over the stage's blocks over
+    all the model's; the rows it is a mean over from the last stage alone (the stages'
+    results are summed)."""
+
+    def __init__(self, blocks: int, experts: int, balancing: int, device: torch.device):
+        self.balancing = balancing
+        self.load = torch.zeros(blocks, experts, dtype=torch.int64, device=device)
+        self.aux = torch.zeros((), device=device)
+        self.rows = torch.zeros((), dtype=torch.int64, device=device)
+
+    def add(self, layers: list[tuple[int, nn.Module]], rows: Optional[torch.Tensor]) -> None:
+        """After a forward of `layers` (place, block) on a micro-batch; `rows`, those of it
+        that count, where it was the last stage's."""
+        for place, layer in layers:
+            self.load[place] += layer.load
+            if layer.balances:
+                self.aux += layer.aux_sum
+        if rows is not None:
+            self.rows += rows.to(self.rows.device)
+
+    def metrics(self) -> dict:
+        out = {"expert_load_max": Counts("expert_load", self.load,
+                                         self.load.sum(dim=1, keepdim=True) - self.load)}
+        if self.balancing:
+            out["router_aux_loss"] = (self.aux / self.balancing, self.rows)
+        return out
+
+
 class TensorParallelEngine(DataParallelEngine):
     """Data parallel replicas (DDP, or FSDP2 over the workers that hold the same share: 2D
     parallelism), each split over parallel.tp workers (parallel/tensor.py). Every worker saves
@@ -355,9 +386,15 @@ class PipelineEngine(_Engine):
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
         # (the whole model's layers refused where none takes documents; this rank's told)
         self.attending = attending(self.module) if _attending(full, task, spec.model.name) else []
-        # this rank's mixture blocks that add a load-balancing loss: told each micro-batch's
-        # rows that count and the weight of their loss, as its attending layers are told
-        self.balancing = [layer for layer in routed(self.module) if layer.balances]
+        # this rank's mixture blocks, told each micro-batch's rows that count and the weight
+        # of their loss as its attending layers are told; their measures reported at their
+        # places among the whole model's (tasks' Counts are summed over the stages)
+        mixtures = routed(full)
+        places = {id(m): i for i, m in enumerate(mixtures)}
+        self.routed = [[(places[id(m)], m) for m in routed(chunk)] for chunk in chunks]
+        self.mixtures = ((len(mixtures), mixtures[0].mixture.experts, sum(m.balances for m in mixtures))
+                         if mixtures else None)  # (blocks, experts a block, blocks balancing)
+        self.balancing = any(m.balances for layers in self.routed for _, m in layers)
         del full
         # every rank builds every group, in one order
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
@@ -409,7 +446,7 @@ class PipelineEngine(_Engine):
         sums = Sums()
         # FSDP averages gradients over the stage's dp ranks; the scale undoes it
         st = self._run(self.actions, micro, batch_fn, sums,
-                       scale * self.dims.dp if self.fsdp else scale)
+                       scale * self.dims.dp if self.fsdp else scale, training=True)
         if self.replica_grads:  # each stage's replicas sum their gradients
             self.replica_grads.all_reduce([q for q in self.module.parameters() if q.grad is not None])
         self.busy_s = st.busy_s
@@ -425,14 +462,17 @@ class PipelineEngine(_Engine):
         return (self.busy_s if self.device.type == "cpu" and not self.fsdp and self.shares is None
                 else None)
 
-    def _run(self, actions, micro: list[np.ndarray], batch_fn: BatchFn, sums: Sums, scale: float):
-        # every stage whose layers keep documents apart, or balance experts, reads the rows
-        # too: where their documents are, which of them count
+    def _run(self, actions, micro: list[np.ndarray], batch_fn: BatchFn, sums: Sums, scale: float,
+             training: bool = False):
+        # every stage whose layers keep documents apart, or route among experts, reads the
+        # rows too: where their documents are, which of them count
         batches = ([batch_fn(rows, pad_to=self.spec.micro_batch) for rows in micro]
-                   if self.first or self.last or self.attending or self.balancing else None)
+                   if self.first or self.last or self.attending or any(self.routed) else None)
         # a load-balancing loss summed over a micro-batch's rows weighs as its loss sum does
         # (the runtime's scale), a row as many terms as it has (models.routed)
         weight = scale * self.task.per_sample
+        measured = _Routing(*self.mixtures, self.device) if training and self.mixtures else None
+        final = self.dims.pp * self.spec.chunks - 1  # (the model's last stage)
 
         def loss_fn(output: torch.Tensor, batch: dict) -> torch.Tensor:
             ls, metrics = self.task.loss(output, batch)
@@ -442,12 +482,21 @@ class PipelineEngine(_Engine):
         def enter(mb: int) -> None:  # before each forward and backward of micro-batch mb
             if self.attending:
                 attend_within(self.attending, self.task.documents(batches[mb], self.device))
-            for layer in self.balancing:
-                layer.balance(batches[mb][VALID].to(self.device), weight)
+            for layers in self.routed:
+                for _, layer in layers:
+                    layer.balance(batches[mb][VALID].to(self.device), weight)
 
-        return self.runtime.run(actions, batches and [self.task.inputs(b) for b in batches],
-                                batches, loss_fn, scale,
-                                enter if self.attending or self.balancing else None)
+        def forwarded(mb: int, chunk: int) -> None:  # (a chunk's blocks, just run on mb)
+            last = sched.stage_of(self.pp_rank, chunk, self.dims.pp) == final
+            measured.add(self.routed[chunk], batches[mb][VALID].sum() if last else None)
+
+        trace = self.runtime.run(actions, batches and [self.task.inputs(b) for b in batches],
+                                 batches, loss_fn, scale,
+                                 enter if self.attending or any(self.routed) else None,
+                                 forwarded if measured else None)
+        if measured:
+            sums.add_metrics(measured.metrics())
+        return trace
 
     def evaluate(self, micro: list[np.ndarray], batch_fn: BatchFn) -> dict:
         """The schedule's forwards alone, without gradients: the last stage's task sums."""
