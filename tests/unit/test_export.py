@@ -451,13 +451,22 @@ FAMILIES = {
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16),
                   {"norm_eps": 1e-6, "qk_norm": True, "head_dim": 16, "experts": 4, "norm_topk": False},
                   {"norm_topk": True}, "model.options says norm_topk true: set norm_topk: false"),
+    # Qwen2-MoE's (Qwen1.5-MoE's): Qwen2's attention, a mixture not renormalised and a shared
+    # expert of its own width beside it, gated
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       shared_expert_intermediate_size=40, rope_theta=1e6),
+                  {"rope_theta": 1_000_000, "norm_eps": 1e-6, "qkv_bias": True, "experts": 4,
+                   "norm_topk": False, "shared_expert": 40},
+                  {"shared_expert": 48}, "holds 1.shared.gate.weight of shape [40, 32], this model's is [48, 32]"),
 }
 EXPORTED = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen3-moe": "Qwen3MoeForCausalLM"}  # (the rest: LlamaForCausalLM)
+            "qwen3-moe": "Qwen3MoeForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM"}  # (the rest: LlamaForCausalLM)
 # how far the built-in llama's logits lie from transformers' (0: equal), measured with these
-# folders: a mixture's experts 6e-8 (Mixtral's) and 1.8e-7 (Qwen3-MoE's) apart, in float32,
-# as transformers multiplies gate and up as one matrix (gate_up_proj) where baton has two
-APART = {"mixtral": 1e-6, "qwen3-moe": 1e-6}
+# folders: a mixture's experts 6e-8 (Mixtral's, Qwen2-MoE's) and 1.8e-7 (Qwen3-MoE's) apart,
+# in float32, as transformers multiplies gate and up as one matrix (gate_up_proj) where baton
+# has two
+APART = {"mixtral": 1e-6, "qwen3-moe": 1e-6, "qwen2-moe": 1e-6}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -481,8 +490,8 @@ def test_the_built_in_llama_computes_llama_31_qwen2_qwen3_mistral_and_the_mixtur
         for name, p in theirs.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.1)
-            elif name.endswith(".gate.weight"):  # (a mixture's router: experts chosen by margins)
-                p.normal_(0, 0.5)
+            elif name.endswith((".gate.weight", "shared_expert_gate.weight")):  # (a mixture's
+                p.normal_(0, 0.5)  # router: experts chosen by margins; a shared expert's gate)
     theirs.save_pretrained(tmp_path / "folder")
     model = {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
              "options": {"kv_heads": 2, "hidden": 48, **options}, "init_from": str(tmp_path / "folder")}

@@ -323,6 +323,8 @@ def test_a_llamas_key_value_heads_must_split_over_tp(tmp_path):
     ({"experts": 4, "experts_per_token": 5}, {}, "model.options.experts_per_token: 5 is invalid; "
      "must be at most model.options.experts (4): each token goes to that many experts"),
     ({"norm_topk": False}, {}, "model.options.norm_topk: False is invalid; routes tokens among a "
+     "mixture's experts, and model.options.experts is not given"),
+    ({"shared_expert": 64}, {}, "model.options.shared_expert: 64 is invalid; routes tokens among a "
      "mixture's experts, and model.options.experts is not given")])
 def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},

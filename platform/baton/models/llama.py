@@ -217,10 +217,13 @@ class Mixture:
     """A block's MLP as a mixture of experts: `experts` MLPs, of which a router picks
     `per_token` for each token (the highest of its softmax), whose outputs it sums weighted
     by their probabilities, renormalised to sum to 1 where `norm_topk` (Mixtral's always,
-    Qwen3-MoE's where its norm_topk_prob says so)."""
+    Qwen3-MoE's where its norm_topk_prob says so); `shared` hidden units (0: none) of an
+    expert every token goes to besides, its output weighed by a gate of its own (Qwen2-MoE's
+    shared_expert and shared_expert_gate: a sigmoid of one product of the token)."""
     experts: int
     per_token: int = 2
     norm_topk: bool = True
+    shared: int = 0
     # the load-balancing loss's coefficient (0: none) and the blocks it is averaged over
     aux: float = 0.0
     layers: int = 1
@@ -270,6 +273,9 @@ class MoEBlock(Block):
     def add_mlp(self, width: int, hidden: int) -> None:
         self.router = nn.Linear(width, self.mixture.experts, bias=False)
         self.experts = nn.ModuleList(Expert(width, hidden) for _ in range(self.mixture.experts))
+        if self.mixture.shared:  # (Qwen2-MoE's: one more expert, for every token, gated)
+            self.shared = Expert(width, self.mixture.shared)
+            self.shared_gate = nn.Linear(width, 1, bias=False)
 
     def tp_problem(self, tp: int) -> str | None:
         return ("its MLP is a mixture of experts (model.options.experts), which tensor "
@@ -290,7 +296,10 @@ class MoEBlock(Block):
         outs = torch.cat([expert(part) for expert, part in zip(self.experts, flat[tokens].split(counts))])
         outs = outs * weights.flatten()[order, None]
         # each token's k outputs summed in the experts' order, as transformers' loop sums them
-        out = torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype)).view_as(h)
+        out = torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype))
+        if self.mixture.shared:  # (added after the routed experts' sum, as transformers adds it)
+            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        out = out.view_as(h)
         if self.training and torch.is_grad_enabled():
             if self.aux_rows is not None:  # the choices of the rows that count (a padding
                 # row's not), on the device: train_expert_load_max
@@ -345,10 +354,11 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
                  rope_high_freq_factor: float = 4.0, rope_original_seq_len: int = 8192,
                  head_dim: Optional[int] = None, qk_norm: bool = False, experts: int = 0,
                  experts_per_token: int = 2, norm_topk: bool = True,
-                 router_aux_loss: float = 0.0) -> Layers:
+                 router_aux_loss: float = 0.0, shared_expert: int = 0) -> Layers:
     """`experts`: each block's MLP a mixture of that many experts, each of `hidden` hidden
     units, `experts_per_token` of them for each token (`Mixture`; 0: a plain MLP), its
-    load-balancing loss weighted by `router_aux_loss` (0: none)."""
+    load-balancing loss weighted by `router_aux_loss` (0: none), with a gated expert of
+    `shared_expert` hidden units that every token goes to (0: none)."""
     kv_heads = kv_heads or heads
     hidden = hidden or default_hidden(width)
     rope = Rope(float(rope_theta), rope_factor and float(rope_factor), float(rope_low_freq_factor),
@@ -362,7 +372,7 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
         elif name.endswith(".bias"):
             nn.init.zeros_(p)
 
-    block = (functools.partial(MoEBlock, mixture=Mixture(experts, experts_per_token, norm_topk,
+    block = (functools.partial(MoEBlock, mixture=Mixture(experts, experts_per_token, norm_topk, shared_expert,
                                                               float(router_aux_loss), layers))
              if experts else Block)
     return Layers([lambda: Embedding(vocab_size, width),
@@ -374,15 +384,17 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
 def flops_per_token(layers: int, width: int, heads: int, seq_len: int, vocab_size: int,
                     kv_heads: int | None = None, hidden: int | None = None,
                     head_dim: int | None = None, experts: int = 0, experts_per_token: int = 2,
-                    **_) -> float:
+                    shared_expert: int = 0, **_) -> float:
     """6 x the matmul weights + 12 x layers x the query heads' width x seq_len (attention's
     scores and values, forward and backward: grouped key-value heads change neither), as
     flops.py counts the GPT. A mixture of experts counts the weights a token meets: its
-    router's and those of the experts it is routed to (experts_per_token MLPs), not all."""
+    router's and those of the experts it is routed to (experts_per_token MLPs), not all,
+    and a shared expert's and its gate's."""
     hd = head_dim or width // heads
     kv = (kv_heads or heads) * hd
     mlp = 3 * width * (hidden or default_hidden(width))
-    mlp = experts_per_token * mlp + width * experts if experts else mlp
+    if experts:
+        mlp = experts_per_token * mlp + width * experts + (3 * width * shared_expert + width if shared_expert else 0)
     block = 2 * width * heads * hd + 2 * width * kv + mlp
     return 6.0 * (layers * block + width * vocab_size) + 12.0 * layers * heads * hd * seq_len
 
@@ -395,9 +407,15 @@ _BLOCK = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_at
 
 
 # a mixture's router and experts' layers (baton's "router", "experts.E.gate", ...), in
-# MixtralForCausalLM and in Qwen3MoeForCausalLM (whose queries and keys are normed)
+# MixtralForCausalLM and in Qwen's (Qwen3MoeForCausalLM, whose queries and keys are normed,
+# and Qwen2MoeForCausalLM, whose q, k and v have biases: `_qwen_mixture`)
 _MIXTURE = {False: ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
             True: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})}
+
+
+def _qwen_mixture(o: dict) -> bool:
+    """Whether a mixture of experts (the model's options `o`) is one of Qwen's, not Mixtral's."""
+    return bool(o.get("qk_norm") or o.get("qkv_bias") or o.get("shared_expert"))
 
 
 def hf_name(name: str, model) -> tuple[str, bool]:
@@ -409,10 +427,14 @@ def hf_name(name: str, model) -> tuple[str, bool]:
         return f"model.embed_tokens.{kind}", False
     if index == model.layers + 1:
         return ("lm_head.weight" if layer == "lm" else f"model.norm.{kind}"), False
-    if layer == "router" or layer.startswith("experts."):
-        mlp, projections = _MIXTURE[bool(model.options.get("qk_norm"))]
+    if layer == "router" or layer.startswith(("experts.", "shared")):
+        mlp, projections = _MIXTURE[_qwen_mixture(model.options)]
         if layer == "router":
             return f"model.layers.{index - 1}.{mlp}.gate.{kind}", False
+        if layer == "shared_gate":  # (Qwen2-MoE's shared expert and its gate)
+            return f"model.layers.{index - 1}.mlp.shared_expert_gate.{kind}", False
+        if layer.startswith("shared."):
+            return f"model.layers.{index - 1}.mlp.shared_expert.{projections[layer[7:]]}.{kind}", False
         _, expert, projection = layer.split(".")
         return f"model.layers.{index - 1}.{mlp}.experts.{expert}.{projections[projection]}.{kind}", False
     return f"model.layers.{index - 1}.{_BLOCK[layer]}.{kind}", False
@@ -422,8 +444,9 @@ def hf_config(model) -> dict:
     """The model as transformers' configuration (`model`: the job's ModelSpec): LlamaConfig's,
     Qwen2Config's where q, k and v have biases (LlamaConfig's attention_bias gives o one
     too; Qwen2's layers are otherwise Llama's, under the same names), Qwen3Config's where
-    queries and keys are normed; a mixture of experts MixtralConfig's, or Qwen3MoeConfig's
-    where queries and keys are normed. ValueError for a model that is none of them."""
+    queries and keys are normed; a mixture of experts MixtralConfig's, Qwen3MoeConfig's
+    where queries and keys are normed, or Qwen2MoeConfig's where it has a shared expert.
+    ValueError for a model that is none of them."""
     o = {**MATHS, **model.options}
     if o["qkv_bias"] and o["qk_norm"]:
         raise ValueError("no transformers model has both biases on q, k and v alone and "
@@ -457,23 +480,35 @@ def hf_config(model) -> dict:
 
 
 def _mixture_config(o: dict, config: dict) -> dict:
-    """A mixture of experts as MixtralConfig's, or Qwen3MoeConfig's where queries and keys
-    are normed (`hf_config`: `config`, the rest of it)."""
-    if o["qkv_bias"]:
-        raise ValueError("no transformers model has a mixture of experts and biases on q, k and "
-                         "v alone (Qwen2-MoE's has shared experts too)")
+    """A mixture of experts as MixtralConfig's, Qwen3MoeConfig's where queries and keys
+    are normed, or Qwen2MoeConfig's where it has a shared expert (`hf_config`: `config`, the
+    rest of it)."""
+    shared = o.get("shared_expert", 0)
+    if o["qkv_bias"] and not shared:
+        raise ValueError("no transformers model has a mixture of experts without a shared expert "
+                         "and biases on q, k and v alone (Qwen2-MoE's has one: model.options.shared_expert)")
+    if o["qk_norm"] and shared:
+        raise ValueError("no transformers model has a mixture of experts with a shared expert and "
+                         "normed queries and keys (Qwen2-MoE's and Qwen3-MoE's)")
     # (transformers' load-balancing loss is over the whole batch, baton's over each sequence)
     routing = {"num_experts_per_tok": o["experts_per_token"], "output_router_logits": False,
-               "router_aux_loss_coef": float(o.get("router_aux_loss", 0.0))}
+               "router_aux_loss_coef": float(o.get("router_aux_loss", 0.0)),
+               "num_experts": o["experts"], "moe_intermediate_size": config["intermediate_size"],
+               "norm_topk_prob": o["norm_topk"], "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "use_sliding_window": False}
+    if shared:  # (Qwen2-MoE's biases on q, k and v are its config's qkv_bias, true by default)
+        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **config, **routing,
+                "shared_expert_intermediate_size": shared, "qkv_bias": o["qkv_bias"]}
     if o["qk_norm"]:
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config, **routing,
-                "num_experts": o["experts"], "moe_intermediate_size": config["intermediate_size"],
-                "norm_topk_prob": o["norm_topk"], "decoder_sparse_step": 1, "mlp_only_layers": [],
-                "use_sliding_window": False, "attention_bias": False}
+                "attention_bias": False}
     if not o["norm_topk"]:
         raise ValueError("Mixtral renormalises each token's experts' weights (norm_topk: true); a "
-                         "mixture that does not is Qwen3-MoE's, whose queries and keys are normed (qk_norm)")
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **config, **routing,
+                         "mixture that does not is Qwen3-MoE's, whose queries and keys are normed (qk_norm), "
+                         "or Qwen2-MoE's, which has a shared expert (shared_expert)")
+    mixtral = {k: v for k, v in routing.items()
+               if k in ("num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **config, **mixtral,
             "num_local_experts": o["experts"], "router_jitter_noise": 0.0, "sliding_window": None}
 
 
@@ -488,7 +523,12 @@ FOLDERS = {"llama": ({}, {"rms_norm_eps": 1e-6}),
            "qwen3_moe": ({"qk_norm": True}, {"rms_norm_eps": 1e-6, "use_sliding_window": False,
                                              "num_local_experts": 128, "num_experts_per_tok": 8,
                                              "moe_intermediate_size": 768, "norm_topk_prob": False,
-                                             "decoder_sparse_step": 1, "mlp_only_layers": []})}
+                                             "decoder_sparse_step": 1, "mlp_only_layers": []}),
+           # (its q, k and v have biases unless its qkv_bias says not: `_mixture_options`)
+           "qwen2_moe": ({}, {"rms_norm_eps": 1e-6, "use_sliding_window": False, "num_experts": 60,
+                              "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                              "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+                              "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True})}
 
 
 def from_config(config: dict) -> dict:
@@ -521,7 +561,7 @@ def from_config(config: dict) -> dict:
                "rope_theta": theta, "norm_eps": eps, "qkv_bias": False, "qk_norm": False, **implied}
     if (config.get("head_dim") or width // heads) != width // heads:
         options["head_dim"] = config["head_dim"]
-    if config.get("model_type") in ("mixtral", "qwen3_moe"):
+    if config.get("model_type") in ("mixtral", "qwen3_moe", "qwen2_moe"):
         options.update(_mixture_options(config))
     if kind == "llama3":
         options.update(rope_factor=rope["factor"], rope_low_freq_factor=rope["low_freq_factor"],
@@ -538,9 +578,10 @@ def from_config(config: dict) -> dict:
 
 
 def _mixture_options(config: dict) -> dict:
-    """A Mixtral's or Qwen3-MoE's configuration's mixture, as the built-in llama's options
-    (`from_config`): Qwen3-MoE's where every layer's MLP is one (no dense layers between)."""
-    moe = config["model_type"] == "qwen3_moe"
+    """A Mixtral's, Qwen3-MoE's or Qwen2-MoE's configuration's mixture, as the built-in
+    llama's options (`from_config`): Qwen's where every layer's MLP is one (no dense layers
+    between), Qwen2-MoE's with its shared expert."""
+    moe = config["model_type"] in ("qwen3_moe", "qwen2_moe")
     if moe and (config["decoder_sparse_step"] != 1 or config["mlp_only_layers"]):
         raise ValueError("the built-in llama does not compute this model: some of its layers' MLPs "
                          f"are dense (decoder_sparse_step {config['decoder_sparse_step']}, mlp_only_layers "
@@ -549,4 +590,9 @@ def _mixture_options(config: dict) -> dict:
                "experts_per_token": config["num_experts_per_tok"]}
     if moe:
         options.update(hidden=config["moe_intermediate_size"], norm_topk=bool(config["norm_topk_prob"]))
+    if config["model_type"] == "qwen2_moe":
+        if not config["shared_expert_intermediate_size"]:
+            raise ValueError("the built-in llama does not compute this model: its shared expert has "
+                             "no hidden units (shared_expert_intermediate_size 0)")
+        options.update(shared_expert=config["shared_expert_intermediate_size"], qkv_bias=bool(config["qkv_bias"]))
     return options
