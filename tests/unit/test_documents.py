@@ -34,6 +34,32 @@ def test_each_token_sees_its_own_document_up_to_itself():
     assert docs.mask.shape == (2, 1, 8, 8) and torch.equal(docs.mask[:, 0], want)
 
 
+def test_a_sliding_window_keeps_within_the_documents_too():
+    """model.options.sliding_window with data.document_mask: a query sees the keys of its own
+    document at and before it, at most `window` of them (transformers' kv > q - window), from
+    a training forward and from cached decoding (queries from `start` on) alike."""
+    from baton.models.documents import attention
+
+    rows = torch.tensor([[5, 6, EOD, 7, 8, 9, 4, EOD, 3, 2]])
+    docs = documents(rows, EOD)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 4, generator=gen) for _ in range(3))
+    doc = [0, 0, 0, 1, 1, 1, 1, 1, 2, 2]
+    seen = torch.tensor([[doc[i] == doc[j] and i - 3 < j <= i for j in range(10)] for i in range(10)])
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+    assert torch.equal(attention(q, k, v, docs, 0, 0.0, window=3), want)
+    band = torch.tensor([[i - 3 < j <= i for j in range(10)] for i in range(10)])
+    alone = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band)
+    assert torch.equal(attention(q, k, v, None, 0, 0.0, window=3), alone)
+    # the last 4 queries on the whole sequence's keys (a cache's): the rows of the whole's
+    # (measured: 2.4e-7 apart at most over 20 seeds, on outputs of about 1: float32 rounding
+    # of products of other shapes)
+    torch.testing.assert_close(attention(q[:, :, 6:], k, v, None, 6, 0.0, window=3), alone[:, :, 6:],
+                               rtol=0, atol=1e-6)
+    assert torch.equal(attention(q, k, v, None, 0, 0.0, window=10),  # (a window not passed)
+                       torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_a_packed_document_computes_what_it_would_alone(name):
     """Each document of a packed row gives the logits it gives at the start of a row of its

@@ -433,11 +433,17 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True),
               {"rope_theta": 1_000_000, "norm_eps": 1e-6, "qkv_bias": True},
               {"qkv_bias": False}, "model.options says qkv_bias false: set qkv_bias: true"),
-    # Mistral's: attention within a sliding window, which the job's sequence must not pass
-    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=32), {"norm_eps": 1e-6},
-                {"seq_len": 33}, "sliding window of 32 positions (its config.json's "
-                "sliding_window), and the built-in llama over the whole sequence: set model.seq_len "
-                "to at most 32, not 33"),
+    # Mistral's: attention within a sliding window of 16 positions, which the job's 32 pass
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=16),
+                {"norm_eps": 1e-6, "sliding_window": 16}, {"sliding_window": 8},
+                "its model attends within a sliding window of 16 positions (its config.json's "
+                "sliding_window), and this job's model.options.sliding_window is 8: set "
+                "model.options.sliding_window: 16 (or model.seq_len to at most 16)"),
+    # Qwen2's with its window on in every layer (max_window_layers 0)
+    "qwen2-window": ("Qwen2ForCausalLM", "Qwen2Config",
+                     dict(rope_theta=1e6, use_sliding_window=True, sliding_window=12, max_window_layers=0),
+                     {"rope_theta": 1_000_000, "norm_eps": 1e-6, "qkv_bias": True, "sliding_window": 12},
+                     {"seq_len": 12}, None),
     # Qwen3's: each head's query and key normed, heads wider than width / heads (16, not 8)
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(rope_theta=1e6, head_dim=16, tie_word_embeddings=True),
               {"rope_theta": 1_000_000, "norm_eps": 1e-6, "qk_norm": True, "head_dim": 16},
@@ -458,9 +464,10 @@ FAMILIES = {
                        shared_expert_intermediate_size=40, rope_theta=1e6),
                   {"rope_theta": 1_000_000, "norm_eps": 1e-6, "qkv_bias": True, "experts": 4,
                    "norm_topk": False, "shared_expert": 40},
-                  {"shared_expert": 48}, "holds 1.shared.gate.weight of shape [40, 32], this model's is [48, 32]"),
+                  {"shared_expert": 48}, "model.options says shared_expert 48: set shared_expert: 40"),
 }
-EXPORTED = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+EXPORTED = {"qwen2": "Qwen2ForCausalLM", "qwen2-window": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen3-moe": "Qwen3MoeForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM"}  # (the rest: LlamaForCausalLM)
 # how far the built-in llama's logits lie from transformers' (0: equal), measured with these
 # folders: a mixture's experts 6e-8 (Mixtral's, Qwen2-MoE's) and 1.8e-7 (Qwen3-MoE's) apart,
@@ -511,20 +518,50 @@ def test_the_built_in_llama_computes_llama_31_qwen2_qwen3_mistral_and_the_mixtur
         assert torch.equal(back(input_ids=tokens).logits, want)  # measured: 0 apart
     wrong = {**model, **change} if "seq_len" in change else {**model, "options": {**model["options"], **change}}
     other, _ = _job(tmp_path, wrong)
+    if message is None:  # (a change the folder takes: a sequence its window covers)
+        check_init_from(other, "job.yaml")
+        return
     with pytest.raises(SpecError, match="job.yaml: model.init_from: ") as e:
         check_init_from(other, "job.yaml")
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_the_llamas_cached_decoding_gives_the_logits_of_the_whole_window():
+def test_a_folder_whose_layers_slide_in_part_is_refused_past_its_window(tmp_path):
+    """Qwen2's window on from its layer max_window_layers on (transformers' rule), the
+    layers before attending over the whole sequence: the built-in llama keeps a window in
+    every layer or none, so a job whose sequence the window covers takes the folder, and a
+    longer one is one line."""
+    transformers = pytest.importorskip("transformers")
+    from baton.api import check_init_from
+    from baton.errors import SpecError
+
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1,
+    )).save_pretrained(tmp_path / "folder")
+    model = {"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 16, "init_from": str(tmp_path / "folder"),
+             "options": {"kv_heads": 2, "hidden": 48, "qkv_bias": True, "norm_eps": 1e-6, "rope_theta": 10_000}}
+    check_init_from(_job(tmp_path, model)[0], "job.yaml")
+    with pytest.raises(SpecError) as e:
+        check_init_from(_job(tmp_path, {**model, "seq_len": 17})[0], "job.yaml")
+    assert str(e.value).endswith(
+        "its layers from 1 on attend within a sliding window of 16 positions and those before over "
+        "the whole sequence (its config.json), and the built-in llama keeps to a window in every "
+        "layer or in none: set model.seq_len to at most 16, not 17"), str(e.value)
+
+
+@pytest.mark.parametrize("sliding", [None, 6], ids=["whole", "sliding-window"])
+def test_the_llamas_cached_decoding_gives_the_logits_of_the_whole_window(sliding):
     """The Llama-style model a position at a time on its cached (turned) keys and values:
     every position's logits those of one forward pass; generation the same with and without
-    the cache, before and past the window."""
+    the cache, before and past the window. With a sliding window of attention (Mistral's)
+    shorter than the sequence, the cache's positions past it too."""
     from baton.models.llama import llama_layers
     from baton.sample import generate
 
     torch.manual_seed(0)
-    model = llama_layers(layers=3, width=32, heads=4, kv_heads=2, seq_len=16, vocab_size=64).build().eval()
+    model = llama_layers(layers=3, width=32, heads=4, kv_heads=2, seq_len=16, vocab_size=64,
+                         sliding_window=sliding).build().eval()
     ids = torch.randint(0, 64, (1, 16))
     with torch.no_grad():
         whole = model(ids)[0]
@@ -535,8 +572,8 @@ def test_the_llamas_cached_decoding_gives_the_logits_of_the_whole_window():
                 x = layer.decode(x, cache, t)
             rows.append(x[0])
     assert caches[1]["k"].shape == (1, 2, 16, 8)  # the key-value heads only
-    # 8.9e-8 at most over 5 seeds (logits up to 0.45): float32 rounding of products of
-    # other shapes; 1e-5 as the GPT's
+    # 8.9e-8 at most over 5 seeds (logits up to 0.45), 6e-8 with the window: float32 rounding
+    # of products of other shapes; 1e-5 as the GPT's
     torch.testing.assert_close(torch.cat(rows), whole, rtol=0, atol=1e-5)
     assert generate(model, [1, 2, 3], 40, 16, temperature=0) == \
         generate(model, [1, 2, 3], 40, 16, temperature=0, cache=False)

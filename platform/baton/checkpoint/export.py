@@ -420,7 +420,8 @@ class Form:
     name: Callable[[str, ModelSpec], tuple[str, bool]]  # (baton's name, the model) -> (theirs, transposed)
     config: Callable[[ModelSpec], dict]
     # a save_pretrained folder's config.json -> {"model": the job's model section, "tied":
-    # {a parameter: the one whose tensor it starts as}, "window": a sliding window or None}
+    # {a parameter: the one whose tensor it starts as}, "window": a sliding window or None,
+    # "window_layers": the first layer that keeps to it, where not every layer does}
     from_config: Optional[Callable[[dict], dict]] = None
     model_types: tuple[str, ...] = ()  # the config.json model_types from_config reads
 
@@ -553,13 +554,15 @@ class Exported:
         """Why a `save_pretrained` folder's model is not the job's where their shapes may agree
         (None: it is, or this is an export, whose job's settings are the user's to change):
         the settings that change a Llama's maths and no shape (`llama.MATHS`: its rotary
-        embedding, RMSNorm's epsilon; and q, k and v's biases, named more plainly here than
-        by the shape check), and a sliding window the job's sequence is longer than."""
+        embedding, RMSNorm's epsilon; and q, k and v's biases, a mixture's experts and its
+        shared expert, named more plainly here than by the shape check), and a sliding
+        window the job's sequence passes that it does not keep to (`window_problem`)."""
         if not self.about.get("pretrained"):
             return None
-        theirs = {**llama.MATHS, **self.about["model"]["options"]}  # (llama.from_config's)
-        mine = {**llama.MATHS, **model.options}
-        wrong = [k for k in llama.MATHS if theirs[k] != mine[k]]
+        named = {"experts": 0, "shared_expert": 0, **llama.MATHS}
+        theirs = {**named, **self.about["model"]["options"]}  # (llama.from_config's)
+        mine = {**named, **model.options}
+        wrong = [k for k in named if theirs[k] != mine[k]]
         if wrong:
             def shown(side: dict) -> str:
                 return ", ".join(f"{k} {_yaml(side[k])}" for k in wrong)
@@ -567,12 +570,31 @@ class Exported:
                     f"model.options {'say' if len(wrong) > 1 else 'says'} {shown(mine)}: set "
                     + ", ".join(f"{k}: {_yaml(theirs[k])}" if theirs[k] is not None else f"no {k}"
                                 for k in wrong))
-        window = self.about.get("window")
-        if window is not None and model.seq_len > window:
-            return (f"its model attends within a sliding window of {window} positions (its "
-                    f"config.json's sliding_window), and the built-in llama over the whole "
-                    f"sequence: set model.seq_len to at most {window}, not {model.seq_len}")
-        return None
+        return self.window_problem(model)
+
+    def window_problem(self, model: ModelSpec) -> Optional[str]:
+        """Why the job's attention is not the folder's model's over the job's sequence: a
+        window (`model.options.sliding_window`) passed by `model.seq_len` on one side and not
+        the other, or another one; a window some of the model's layers keep to and others not."""
+        theirs, mine, seq = self.about.get("window"), model.options.get("sliding_window"), model.seq_len
+        if theirs is not None and seq > theirs and "window_layers" in self.about:
+            return (f"its layers from {self.about['window_layers']} on attend within a sliding window "
+                    f"of {theirs} positions and those before over the whole sequence (its "
+                    f"config.json), and the built-in llama keeps to a window in every layer or "
+                    f"in none: set model.seq_len to at most {theirs}, not {seq}")
+
+        def slides(window: Optional[int]) -> Optional[int]:  # (a window the sequence passes)
+            return window if window is not None and seq > window else None
+
+        if slides(theirs) == slides(mine):
+            return None
+        said = (f"within a sliding window of {theirs} positions (its config.json's sliding_window)"
+                if slides(theirs) else f"over the whole sequence")
+        own = (f"model.options.sliding_window is {mine}" if slides(mine)
+               else f"model attends over the whole sequence of {seq}")
+        fix = (f"set model.options.sliding_window: {theirs} (or model.seq_len to at most {theirs})"
+               if slides(theirs) else "leave model.options.sliding_window out")
+        return f"its model attends {said}, and this job's {own}: {fix}"
 
     def problem(self, model: torch.nn.Module) -> Optional[str]:
         """Why `model` (on the meta device will do) cannot take these parameters: the first

@@ -102,14 +102,15 @@ OPTIONS: dict[str, dict[str, tuple]] = {
     # biases on q, k and v (Qwen2's), queries and keys normed (Qwen3's), a head's width
     # (default: width / heads), Llama 3.1's rotary scaling, a mixture of experts for each
     # block's MLP (Mixtral's, Qwen3-MoE's: each expert of `hidden` units; Qwen2-MoE's, with
-    # a gated shared expert of `shared_expert` units) (models/llama.py)
+    # a gated shared expert of `shared_expert` units), Mistral's sliding window of attention
+    # (models/llama.py)
     "llama": {"kv_heads": (1, 2**12), "hidden": (1, 2**20), "rope_theta": (1.0, 1e12),
               "norm_eps": (1e-12, 0.1), "qkv_bias": (False, True), "qk_norm": (False, True),
               "head_dim": (2, 2**12), "rope_factor": (1.0, 1024.0),
               "rope_low_freq_factor": (0.01, 1024.0), "rope_high_freq_factor": (0.01, 1024.0),
               "rope_original_seq_len": (1, 2**24), "experts": (1, 2**12),
               "experts_per_token": (1, 2**12), "norm_topk": (False, True), "router_aux_loss": (0.0, 100.0),
-              "shared_expert": (1, 2**20)},
+              "shared_expert": (1, 2**20), "sliding_window": (1, 2**24)},
     "classifier": {"inputs": (1, 2**24), "classes": (2, 2**24)}}
 REQUIRED = {"classifier": ("inputs", "classes")}  # options a built-in model cannot do without
 _USER_BUILDER = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

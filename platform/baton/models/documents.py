@@ -48,13 +48,22 @@ def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = N
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None,
-              start: int, dropout: float, gqa: bool = False) -> torch.Tensor:
+              start: int, dropout: float, gqa: bool = False,
+              window: Optional[int] = None) -> torch.Tensor:
     """Causal attention (B, heads, T, d), within each document where `docs` says where they
-    are (data.document_mask); from position `start` on, of a sequence k and v hold from 0."""
-    if docs is None:
+    are (data.document_mask); from position `start` on, of a sequence k and v hold from 0;
+    each query to the `window` keys at and before it alone where a window is given
+    (Mistral's sliding window: transformers' `kv_idx > q_idx - sliding_window`)."""
+    mask = docs.mask if docs is not None else None
+    if window is not None and start + q.shape[2] > window:  # (a window the sequence passes)
+        at = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
+        seen = torch.arange(k.shape[2], device=q.device)[None, :]
+        band = (seen <= at) & (seen > at - window)  # (T, keys)
+        mask = band if mask is None else mask & band
+    if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, dropout_p=dropout,
                                               enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=dropout,
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                           enable_gqa=gqa)
 
 

@@ -7,7 +7,8 @@ transformers' names, renamed, never permuted (`hf_name`, `hf_config`). Its optio
 the other models of that kind, to the same logits: Llama 3.1's and 3.2's (`rope_factor`:
 their scaled rotary embedding), Qwen2's and 2.5's (`qkv_bias`, `norm_eps`), Qwen3's
 (`qk_norm`: each head's query and key normed; `head_dim`: heads of another width than
-width / heads), Mistral's (whose sliding window the job's sequence must not pass);
+width / heads), Mistral's (`sliding_window`: each position attends to that many, itself
+and those before it);
 `from_config` reads their save_pretrained folders' configurations (`FOLDERS`).
 
 q, k, v, gate and up are separate layers, as transformers' are: each is a column layer under
@@ -126,9 +127,10 @@ class Block(nn.Module):
 
     def __init__(self, width: int, heads: int, kv_heads: int, hidden: int, rope: Rope,
                  dropout: float, norm_eps: float = NORM_EPS, qkv_bias: bool = False,
-                 head_dim: Optional[int] = None, qk_norm: bool = False):
+                 head_dim: Optional[int] = None, qk_norm: bool = False, window: Optional[int] = None):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
+        self.window = window  # (Mistral's sliding window: each query sees that many keys)
         self.head_width = hd = head_dim or width // heads
         self.rope = rope
         self.dropout = dropout
@@ -184,7 +186,7 @@ class Block(nn.Module):
             cache["k"], cache["v"] = k, v
         with self.tp_random():
             y = attention(q, k, v, docs, start, self.dropout if self.training else 0.0,
-                          gqa=q.shape[1] != k.shape[1])
+                          gqa=q.shape[1] != k.shape[1], window=self.window)
         x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.mlp(self.tp_enter(self.mlp_norm(x)))
 
@@ -354,11 +356,13 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
                  rope_high_freq_factor: float = 4.0, rope_original_seq_len: int = 8192,
                  head_dim: Optional[int] = None, qk_norm: bool = False, experts: int = 0,
                  experts_per_token: int = 2, norm_topk: bool = True,
-                 router_aux_loss: float = 0.0, shared_expert: int = 0) -> Layers:
+                 router_aux_loss: float = 0.0, shared_expert: int = 0,
+                 sliding_window: Optional[int] = None) -> Layers:
     """`experts`: each block's MLP a mixture of that many experts, each of `hidden` hidden
     units, `experts_per_token` of them for each token (`Mixture`; 0: a plain MLP), its
     load-balancing loss weighted by `router_aux_loss` (0: none), with a gated expert of
-    `shared_expert` hidden units that every token goes to (0: none)."""
+    `shared_expert` hidden units that every token goes to (0: none). `sliding_window`: each
+    position attends to that many positions at and before it (Mistral's; None: all before it)."""
     kv_heads = kv_heads or heads
     hidden = hidden or default_hidden(width)
     rope = Rope(float(rope_theta), rope_factor and float(rope_factor), float(rope_low_freq_factor),
@@ -377,7 +381,7 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
              if experts else Block)
     return Layers([lambda: Embedding(vocab_size, width),
                    *[lambda: block(width, heads, kv_heads, hidden, rope, dropout, norm_eps, qkv_bias,
-                                   head_dim, qk_norm)] * layers,
+                                   head_dim, qk_norm, sliding_window)] * layers,
                    lambda: Head(width, vocab_size, norm_eps)], init)
 
 
@@ -446,8 +450,11 @@ def hf_config(model) -> dict:
     too; Qwen2's layers are otherwise Llama's, under the same names), Qwen3Config's where
     queries and keys are normed; a mixture of experts MixtralConfig's, Qwen3MoeConfig's
     where queries and keys are normed, or Qwen2MoeConfig's where it has a shared expert.
-    ValueError for a model that is none of them."""
+    A sliding window makes a Llama MistralConfig's, and is each other's own (every layer's:
+    Qwen's max_window_layers 0). ValueError for a model that is none of them."""
     o = {**MATHS, **model.options}
+    window = o.get("sliding_window")
+    qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
     if o["qkv_bias"] and o["qk_norm"]:
         raise ValueError("no transformers model has both biases on q, k and v alone and "
                          "normed queries and keys (Qwen2's and Qwen3's)")
@@ -468,13 +475,16 @@ def hf_config(model) -> dict:
             "original_max_position_embeddings": o["rope_original_seq_len"]}
         config["max_position_embeddings"] = max(model.seq_len, round(o["rope_original_seq_len"] * o["rope_factor"]))
     if o.get("experts"):
-        return _mixture_config(o, config)
+        made = _mixture_config(o, config)
+        return {**made, **(qwen if made["model_type"] != "mixtral" else {"sliding_window": window})}
     if o["qkv_bias"]:
-        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **config,
-                "use_sliding_window": False}
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **config, **qwen}
     if o["qk_norm"]:
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **config,
-                "use_sliding_window": False, "attention_bias": False}
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **config, **qwen,
+                "attention_bias": False}
+    if window is not None:  # (Mistral's layers are Llama's, under the same names)
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **config,
+                "sliding_window": window}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
             "attention_bias": False, "mlp_bias": False}
 
@@ -494,8 +504,7 @@ def _mixture_config(o: dict, config: dict) -> dict:
     routing = {"num_experts_per_tok": o["experts_per_token"], "output_router_logits": False,
                "router_aux_loss_coef": float(o.get("router_aux_loss", 0.0)),
                "num_experts": o["experts"], "moe_intermediate_size": config["intermediate_size"],
-               "norm_topk_prob": o["norm_topk"], "decoder_sparse_step": 1, "mlp_only_layers": [],
-               "use_sliding_window": False}
+               "norm_topk_prob": o["norm_topk"], "decoder_sparse_step": 1, "mlp_only_layers": []}
     if shared:  # (Qwen2-MoE's biases on q, k and v are its config's qkv_bias, true by default)
         return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **config, **routing,
                 "shared_expert_intermediate_size": shared, "qkv_bias": o["qkv_bias"]}
@@ -509,7 +518,7 @@ def _mixture_config(o: dict, config: dict) -> dict:
     mixtral = {k: v for k, v in routing.items()
                if k in ("num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")}
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **config, **mixtral,
-            "num_local_experts": o["experts"], "router_jitter_noise": 0.0, "sliding_window": None}
+            "num_local_experts": o["experts"], "router_jitter_noise": 0.0}
 
 
 # the save_pretrained folders whose models the built-in llama computes: config.json's
@@ -538,8 +547,10 @@ def from_config(config: dict) -> dict:
     `tied`, the parameters it holds under another's name (a head tied to the token embedding,
     which the built-in model unties: both start from the embedding, and train apart);
     `window`, the sliding window its attention keeps to (None: none), which the job's
-    sequence must not pass. ValueError naming what the built-in model does not compute the
-    same way."""
+    `model.options.sliding_window` must be where its sequence passes it; `window_layers`,
+    where only some of its layers keep to it (Qwen's max_window_layers, explicit
+    layer_types): the first that does (the built-in llama slides in every layer or in none).
+    ValueError naming what the built-in model does not compute the same way."""
     implied, defaults = FOLDERS[config.get("model_type")]
     config = {**defaults, **config}
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -570,11 +581,26 @@ def from_config(config: dict) -> dict:
     model = {"name": "llama", "layers": layers, "width": width, "heads": heads,
              "seq_len": config.get("max_position_embeddings", 2048), "vocab_size": config["vocab_size"],
              "options": options}
-    # (Mistral's window is on wherever it has one; Qwen2's where it says so)
-    sliding = config.get("use_sliding_window", True) or "sliding_attention" in (config.get("layer_types") or ())
     tied = config.get("tie_word_embeddings", False)  # (the three configs' default)
     return {"model": model, "tied": {f"{layers + 1}.lm.weight": "0.tok.weight"} if tied else {},
-            "window": config.get("sliding_window") if sliding else None}
+            **_window(config, layers)}
+
+
+def _window(config: dict, layers: int) -> dict:
+    """The sliding window of a configuration's attention (`from_config`): Mistral's and
+    Mixtral's wherever they have one; Qwen's where use_sliding_window says so, in the layers
+    from max_window_layers on (transformers' rule), or those its layer_types name."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if not types:
+        qwen = "use_sliding_window" in FOLDERS[config["model_type"]][1]
+        first = config.get("max_window_layers", 28) if qwen else 0
+        on = window is not None and (not qwen or config.get("use_sliding_window"))
+        types = ["sliding_attention" if on and i >= first else "full_attention" for i in range(layers)]
+    sliding = [i for i, kind in enumerate(types[:layers]) if kind == "sliding_attention"]
+    if not sliding or not window:
+        return {"window": None}
+    return {"window": window, **({"window_layers": sliding[0]} if len(sliding) < layers else {})}
 
 
 def _mixture_options(config: dict) -> dict:
