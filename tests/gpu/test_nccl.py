@@ -267,15 +267,16 @@ def test_a_stopwatch_on_cuda_times_the_device_not_the_host_queue():
 
 # what each variant changes in the tiny GPT job's model section
 VARIANTS = {"adapters": {"lora": {"rank": 4, "dropout": 0.0}},
-            # (with Qwen2's biases, Qwen3's head norms and Llama 3.1's scaled rotary
-            # embedding: the options' maths on the device too)
+            # (with Qwen2's biases, Qwen3's head norms, Llama 3.1's scaled rotary embedding
+            # and Mistral's sliding window, shorter than the sequence: the options' maths on
+            # the device too)
             "llama": {"name": "llama", "heads": 4,
                       "options": {"kv_heads": 2, "qkv_bias": True, "qk_norm": True,
-                                  "rope_factor": 8, "rope_original_seq_len": 64}},
-            # a mixture of experts with its load-balancing loss: routing, the grouped experts'
-            # products and the loss's gradient on the device
+                                  "rope_factor": 8, "rope_original_seq_len": 64, "sliding_window": 12}},
+            # a mixture of experts with its load-balancing loss and Qwen2-MoE's gated shared
+            # expert: routing, the grouped experts' products and the loss's gradient on the device
             "mixture": {"name": "llama", "heads": 4,
-                        "options": {"kv_heads": 2, "experts": 4, "router_aux_loss": 0.1}}}
+                        "options": {"kv_heads": 2, "experts": 4, "router_aux_loss": 0.1, "shared_expert": 24}}}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
