@@ -592,8 +592,8 @@ def _check_llama(m, need) -> None:
          "scales the rotary embedding with model.options.rope_factor (Llama 3.1's scaling), "
          "which is not given")
     experts = m.options.get("experts", 0)
-    routing = [k for k in ("experts_per_token", "norm_topk", "router_aux_loss", "shared_expert")
-               if k in m.options]
+    routing = [k for k in ("experts_per_token", "norm_topk", "router_aux_loss", "router_z_loss",
+                           "shared_expert") if k in m.options]
     need(experts or not routing, f"model.options.{routing[0] if routing else ''}",
          m.options.get(routing[0]) if routing else None,
          "routes tokens among a mixture's experts, and model.options.experts is not given")

@@ -165,11 +165,12 @@ def test_a_load_balancing_loss_trains_as_one_process_under_zero3(tmp_path, data)
     """model.options.router_aux_loss at dp 2 under ZeRO-3, 6 micro-batches a replica: each
     block's loss over each sequence, weighted as the task's loss sums are, its gradient
     joining the router's in the backward: one process's numbers (which weighs the whole
-    batch at once), and its mean logged as train_router_aux_loss."""
+    batch at once), and its mean logged as train_router_aux_loss; with the router's z-loss
+    too, logged as train_router_z_loss, one process's figure."""
     from mlflow.tracking import MlflowClient
 
     raw = _spec(tmp_path, data, "moe-aux", 2, "mixtral", shard="full").to_dict()
-    raw["model"]["options"]["router_aux_loss"] = 0.1
+    raw["model"]["options"].update(router_aux_loss=0.1, router_z_loss=0.01)
     spec = spec_from_dict(raw)
     result = api.run(spec, show_progress=False)
     assert result.state == "finished"
@@ -187,8 +188,13 @@ def test_a_load_balancing_loss_trains_as_one_process_under_zero3(tmp_path, data)
     loads = [m.value for m in sorted(client.get_metric_history(result.run_id, "train_expert_load_max"),
                                      key=lambda m: m.step)]
     print(f"train_expert_load_max: {loads}")
+    routing = _one_process_routing(spec, data, 2)
     # (ratios of integer counts: measured equal; the bound is the floats' printing alone)
-    assert loads == pytest.approx(_busiest(spec, data, 2), rel=1e-6), loads
+    assert loads == pytest.approx(routing["train_expert_load_max"], rel=1e-6), loads
+    z = [m.value for m in sorted(client.get_metric_history(result.run_id, "train_router_z_loss"),
+                                 key=lambda m: m.step)]
+    # measured: 4.1e-8 apart at most (relative), on about 1.9 (float32 sums over other rows)
+    assert z == pytest.approx(routing["train_router_z_loss"], rel=1e-5), z
 
 
 def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp_path):
@@ -198,7 +204,8 @@ def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp
     counted over the replicas) weighs its blocks' loss as the last stage weighs the task's:
     one process's numbers. Each stage reports its blocks' load at their places among the
     model's, summed over the stages: train_expert_load_max is one process's too. The model is
-    Qwen2-MoE's kind (q, k, v biases, weights not renormalised, a gated shared expert)."""
+    Qwen2-MoE's kind (q, k, v biases, weights not renormalised, a gated shared expert), with
+    the router's z-loss too, logged from the stages as one process's figure."""
     from mlflow.tracking import MlflowClient
 
     masked = write_dataset(tmp_path / "masked", num_samples=11, seq_len=32, loss_mask=True)
@@ -208,29 +215,33 @@ def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp
                            "activation_checkpointing": "blocks", "schedule": "constant"},
                     parallel={"dp": 1, "pp": 3, "schedule": "1f1b", "microbatches": 4,
                               "timeout_s": 60}, resources={"cpus_per_worker": 0.25})
-    raw["model"]["options"] = {**raw["model"]["options"], "router_aux_loss": 0.1, "shared_expert": 24,
-                               "qkv_bias": True, "norm_topk": False}
+    raw["model"]["options"] = {**raw["model"]["options"], "router_aux_loss": 0.1, "router_z_loss": 0.01,
+                               "shared_expert": 24, "qkv_bias": True, "norm_topk": False}
     spec = spec_from_dict(raw)
     result = api.run(spec, show_progress=False)
     assert result.state == "finished" and result.stage_layers == [2, 1, 2]
-    # measured: 6.4e-6 at most (1.0e-5 with Mixtral's kind, in block 1's experts: few tokens
+    # measured: 6.3e-6 at most (1.0e-5 with Mixtral's kind, in block 1's experts: few tokens
     # each, AdamW's step scales up the rounding of a small gradient); the default bound
     # (rtol 1e-5, atol 4e-5) holds
     assert_like_one_process(spec, masked, result, 2)
     client = MlflowClient(spec.tracking.uri)
     logged = {key: [m.value for m in sorted(client.get_metric_history(result.run_id, key),
                                             key=lambda m: m.step)]
-              for key in ("train_expert_load_max", "train_router_aux_loss")}
+              for key in ("train_expert_load_max", "train_router_aux_loss", "train_router_z_loss")}
     assert len(logged["train_router_aux_loss"]) == 2
     assert all(2.0 <= v <= 4.0 for v in logged["train_router_aux_loss"]), logged
+    routing = _one_process_routing(spec, masked, 2)
     # (ratios of integer counts, as in the test above)
-    assert logged["train_expert_load_max"] == pytest.approx(_busiest(spec, masked, 2), rel=1e-6)
+    assert logged["train_expert_load_max"] == pytest.approx(routing["train_expert_load_max"], rel=1e-6)
+    # measured: 5.1e-8 apart at most (relative)
+    assert logged["train_router_z_loss"] == pytest.approx(routing["train_router_z_loss"], rel=1e-5)
 
 
-def _busiest(spec, data, steps: int) -> list[float]:
-    """One process's train_expert_load_max for each of `steps` steps: the step's batch routed
-    by reference_run's model before it, the busiest expert's share of its block's choices
-    over an even share."""
+def _one_process_routing(spec, data, steps: int) -> dict[str, list[float]]:
+    """One process's train_expert_load_max and train_router_z_loss (where the model adds
+    it) for each of `steps` steps: the step's batch routed by reference_run's model before
+    it; the busiest expert's share of its block's choices over an even share, the z-loss's
+    mean over the blocks and rows."""
     import copy
 
     from baton.data import Cursor
@@ -242,13 +253,15 @@ def _busiest(spec, data, steps: int) -> list[float]:
     batches = [order.next_batch(cursor, spec.train.global_batch) for _ in range(steps)]
     models = [build_model(spec.model, spec.train.seed)]
     reference_run(spec, data, steps - 1, each_step=lambda step, model: models.append(copy.deepcopy(model)))
-    out = []
+    out = {"train_expert_load_max": [], "train_router_z_loss": []}
     for model, positions in zip(models, batches):
         for layer in routed(model):  # every row of this batch counts (not the last one's rows)
             layer.balance(torch.ones(len(positions), dtype=torch.bool), 1.0)
         model.train()(torch.from_numpy(tokens[positions][:, :-1]).long())  # (a training forward)
         load = torch.stack([layer.load for layer in routed(model)]).double()
-        out.append(float((load / load.sum(dim=1, keepdim=True)).max() * load.shape[1]))
+        out["train_expert_load_max"].append(float((load / load.sum(dim=1, keepdim=True)).max() * load.shape[1]))
+        z = [float(layer.losses["router_z_loss"]) for layer in routed(model) if "router_z_loss" in layer.losses]
+        out["train_router_z_loss"].append(sum(z) / len(z) / len(positions) if z else None)
     return out
 
 

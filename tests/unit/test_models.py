@@ -368,11 +368,12 @@ def test_a_mixture_of_experts_routes_each_token_to_its_top_experts_and_every_exp
     assert block.load.tolist() == [5, 5, 0, 0]  # the first row's 5 tokens, 2 choices each
 
 
-def test_a_load_balancing_loss_over_micro_batches_is_the_whole_batch_s():
-    """model.options.router_aux_loss: each sequence's loss its own, weighted as the task's
-    loss sums are (models.balanced's `balance`), so that gradients summed over micro-batches
-    of 2 rows are the whole batch's (in float64: rounding alone apart); and the loss pulls
-    the router (its gradient differs from the run without it)."""
+@pytest.mark.parametrize("option", ["router_aux_loss", "router_z_loss"])
+def test_a_load_balancing_loss_over_micro_batches_is_the_whole_batch_s(option):
+    """model.options.router_aux_loss (and router_z_loss): each sequence's loss its own,
+    weighted as the task's loss sums are (models.balanced's `balance`), so that gradients
+    summed over micro-batches of 2 rows are the whole batch's (in float64: rounding alone
+    apart); and the loss pulls the router (its gradient differs from the run without it)."""
     from baton.models import loss_sum, routed
     from baton.models.llama import llama_layers
 
@@ -382,7 +383,7 @@ def test_a_load_balancing_loss_over_micro_batches_is_the_whole_batch_s():
     for aux, rows in ((0.5, 8), (0.5, 2), (0.0, 8)):
         torch.manual_seed(0)
         model = llama_layers(layers=2, width=32, heads=4, seq_len=16, vocab_size=256, hidden=32, experts=4,
-                             router_aux_loss=aux).build().double().train()
+                             **{option: aux}).build().double().train()
         for i in range(0, 8, rows):
             part = x[i:i + rows]
             for layer in routed(model):
@@ -391,8 +392,26 @@ def test_a_load_balancing_loss_over_micro_batches_is_the_whole_batch_s():
         grads[aux, rows] = {n: p.grad for n, p in model.named_parameters()}
     assert not any(layer.balances for layer in routed(model)) and grads[0.5, 8].keys() == grads[0.0, 8].keys()
     for name, whole in grads[0.5, 8].items():
-        # measured: 2.4e-17 apart at most, 7.3e-16 of the largest (float64)
+        # measured: 2.4e-17 apart at most, 7.3e-16 of the largest (float64); the z-loss 4.2e-17
         torch.testing.assert_close(grads[0.5, 2][name], whole, rtol=1e-12, atol=1e-14)
     router = "1.router.weight"
-    # (measured: 64 times as large as the largest of its gradient without it, at this start)
+    # (measured: the load-balancing loss's 64 times as large as the largest of its gradient
+    # without it, at this start; the z-loss's (at 0.5) 392 times)
     assert (grads[0.5, 8][router] - grads[0.0, 8][router]).abs().max() > grads[0.0, 8][router].abs().max()
+
+
+def test_the_router_z_loss_is_the_mean_square_of_the_logits_log_sum_exp():
+    """model.options.router_z_loss: ST-MoE's z-loss, each token's log of the sum of exp of
+    its router logits, squared, summed over a row's tokens and the rows that count (the
+    padding row left out), as the block reports it (train_router_z_loss's sums)."""
+    from baton.models.llama import Mixture, MoEBlock, Rope
+
+    torch.manual_seed(0)
+    block = MoEBlock(16, 2, 2, 24, Rope(), 0.0, mixture=Mixture(experts=4, z=0.01)).train()
+    h = torch.randn(3, 5, 16)
+    block.balance(torch.tensor([True, True, False]), 1.0)
+    block.mlp(h)
+    want = sum(torch.logsumexp(block.router(token), -1) ** 2 for token in h[:2].reshape(-1, 16)) / 5
+    assert set(block.losses) == {"router_z_loss"}
+    # measured: 0 apart on 3.34 (float32 sums in another order could differ in the last bits)
+    torch.testing.assert_close(block.losses["router_z_loss"], want.detach(), rtol=1e-6, atol=0)

@@ -54,8 +54,8 @@ def routed(model: nn.Module) -> list[nn.Module]:
     models/llama.py's MoEBlock). Before each training forward the engine tells each the rows
     that count and the weight of a loss summed over them (`layer.balance(rows, weight)`);
     after it, it reads each one's choices (`layer.load`, a count an expert) and, where it
-    adds a load-balancing loss (`layer.balances`: model.options.router_aux_loss), what the
-    loss was (`layer.aux_sum`)."""
+    adds losses on its routing (`layer.balances`: model.options.router_aux_loss,
+    router_z_loss), what each was (`layer.losses`, by the name its mean is logged under)."""
     return [m for m in model.modules() if callable(getattr(m, "balance", None))]
 
 
@@ -110,6 +110,7 @@ OPTIONS: dict[str, dict[str, tuple]] = {
               "rope_low_freq_factor": (0.01, 1024.0), "rope_high_freq_factor": (0.01, 1024.0),
               "rope_original_seq_len": (1, 2**24), "experts": (1, 2**12),
               "experts_per_token": (1, 2**12), "norm_topk": (False, True), "router_aux_loss": (0.0, 100.0),
+              "router_z_loss": (0.0, 100.0),
               "shared_expert": (1, 2**20), "sliding_window": (1, 2**24)},
     "classifier": {"inputs": (1, 2**24), "classes": (2, 2**24)}}
 REQUIRED = {"classifier": ("inputs", "classes")}  # options a built-in model cannot do without

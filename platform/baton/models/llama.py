@@ -229,6 +229,13 @@ class Mixture:
     # the load-balancing loss's coefficient (0: none) and the blocks it is averaged over
     aux: float = 0.0
     layers: int = 1
+    z: float = 0.0  # the router z-loss's coefficient (0: none), averaged over the blocks too
+
+    @property
+    def terms(self) -> dict[str, float]:
+        """The losses on its routing it adds, by the name their means are logged under
+        (train_...), with their coefficients."""
+        return {name: c for name, c in (("router_aux_loss", self.aux), ("router_z_loss", self.z)) if c}
 
 
 class _Balance(torch.autograd.Function):
@@ -258,13 +265,14 @@ class MoEBlock(Block):
     def __init__(self, *block, mixture: Mixture, **options):
         self.mixture = mixture  # (a plain value: set before nn.Module's own, which add_mlp needs)
         super().__init__(*block, **options)
-        # what `balance` weighs this block's load-balancing loss by, and the rows it counts
+        # what `balance` weighs this block's losses on its routing by, and the rows it counts
         # (None: the mean over the rows of each forward, every row counted)
-        self.balances = bool(mixture.aux)  # (a load-balancing loss: models.routed)
+        self.balances = bool(mixture.terms)  # (a loss on its routing: models.routed)
         self.load: Optional[torch.Tensor] = None  # each expert's choices in the last training forward
         self.aux_weight: Optional[float] = None
         self.aux_rows: Optional[torch.Tensor] = None
-        self.aux_sum: Optional[torch.Tensor] = None  # the loss over the rows of the last forward
+        # each loss (Mixture.terms) summed over the rows of the last training forward
+        self.losses: dict[str, torch.Tensor] = {}
 
     def balance(self, rows: torch.Tensor, weight: float) -> None:
         """Before a training forward: `rows` (B,) marks the rows that count (a padding row
@@ -286,7 +294,8 @@ class MoEBlock(Block):
     def mlp(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         k = self.mixture.per_token
         flat = h.reshape(-1, h.shape[-1])
-        probs = F.softmax(self.router(flat).float(), dim=-1)
+        logits = self.router(flat).float()
+        probs = F.softmax(logits, dim=-1)
         weights, chosen = torch.topk(probs, k, dim=-1)  # (N, k): in float32, as transformers'
         if self.mixture.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -308,29 +317,41 @@ class MoEBlock(Block):
                 counted = self.aux_rows.to(h.device, torch.int64).repeat_interleave(chosen.numel() // h.shape[0])
                 load = torch.zeros_like(load).index_add_(0, chosen, counted)
             self.load = load
-            if self.mixture.aux:
-                out = self._balanced(out, probs.view(*h.shape[:2], -1), chosen.view(h.shape[0], -1))
+            if self.balances:
+                out = self._balanced(out, logits.view(*h.shape[:2], -1), probs.view(*h.shape[:2], -1),
+                                     chosen.view(h.shape[0], -1))
         return out
 
     @torch.compiler.disable  # (its weight changes every step: no graph to guard on it)
-    def _balanced(self, out: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """`out` carrying the load-balancing loss's gradient: for each row (a sequence),
-        experts x the sum over experts of the share of its tokens' choices that went to the
-        expert (each of its experts_per_token choices a token counted: no gradient) times
-        the expert's mean probability over its tokens (transformers' load_balancing_loss_func,
-        per sequence as DeepSeek-V3's sequence-wise loss, so that a row's loss is its own
-        whatever rows it is batched with: any layout trains as one process). 1 a choice when
-        balanced (experts_per_token in all), more as the load gathers on fewer. Summed over the
-        rows that count, times the coefficient over the blocks (the loss is their mean)."""
+    def _balanced(self, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor,
+                  chosen: torch.Tensor) -> torch.Tensor:
+        """`out` carrying the gradient of the losses on its routing (`Mixture.terms`), each
+        over each row (a sequence), so that a row's loss is its own whatever rows it is
+        batched with (any layout trains as one process):
+        - the load-balancing loss: experts x the sum over experts of the share of the row's
+          tokens' choices that went to the expert (each of its experts_per_token choices a
+          token counted: no gradient) times the expert's mean probability over its tokens
+          (transformers' load_balancing_loss_func, per sequence as DeepSeek-V3's
+          sequence-wise loss). experts_per_token when balanced, more as the load gathers;
+        - the router z-loss: the mean over the row's tokens of the square of the log of the
+          sum of exp(each expert's logit) (ST-MoE's), which keeps the router's logits small.
+        Each summed over the rows that count, times its coefficient over the blocks (the
+        loss is their mean)."""
         B, T, E = probs.shape
-        shares = torch.zeros(B, E, device=probs.device).scatter_add_(
-            1, chosen, torch.ones_like(chosen, dtype=torch.float32)) / T
-        per_row = E * (shares * probs.mean(dim=1)).sum(dim=1)  # (B,)
+        per_row = {}
+        if self.mixture.aux:
+            shares = torch.zeros(B, E, device=probs.device).scatter_add_(
+                1, chosen, torch.ones_like(chosen, dtype=torch.float32)) / T
+            per_row["router_aux_loss"] = E * (shares * probs.mean(dim=1)).sum(dim=1)  # (B,)
+        if self.mixture.z:
+            per_row["router_z_loss"] = torch.logsumexp(logits, dim=-1).square().mean(dim=1)
         rows = self.aux_rows if self.aux_rows is not None else torch.ones(B, dtype=torch.bool)
-        aux = (per_row * rows.to(per_row.device, per_row.dtype)).sum()
-        self.aux_sum = aux.detach()
+        rows = rows.to(probs.device, probs.dtype)
+        sums = {name: (v * rows).sum() for name, v in per_row.items()}
+        self.losses = {name: v.detach() for name, v in sums.items()}
+        loss = sum(self.mixture.terms[name] * v for name, v in sums.items())
         weight = self.aux_weight if self.aux_weight is not None else 1.0 / B
-        return _Balance.apply(out, aux, self.mixture.aux / self.mixture.layers * weight)
+        return _Balance.apply(out, loss, weight / self.mixture.layers)
 
 
 class Head(nn.Module):
@@ -356,11 +377,12 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
                  rope_high_freq_factor: float = 4.0, rope_original_seq_len: int = 8192,
                  head_dim: Optional[int] = None, qk_norm: bool = False, experts: int = 0,
                  experts_per_token: int = 2, norm_topk: bool = True,
-                 router_aux_loss: float = 0.0, shared_expert: int = 0,
+                 router_aux_loss: float = 0.0, router_z_loss: float = 0.0, shared_expert: int = 0,
                  sliding_window: Optional[int] = None) -> Layers:
     """`experts`: each block's MLP a mixture of that many experts, each of `hidden` hidden
     units, `experts_per_token` of them for each token (`Mixture`; 0: a plain MLP), its
-    load-balancing loss weighted by `router_aux_loss` (0: none), with a gated expert of
+    load-balancing loss weighted by `router_aux_loss` and the router's z-loss by
+    `router_z_loss` (0: none), with a gated expert of
     `shared_expert` hidden units that every token goes to (0: none). `sliding_window`: each
     position attends to that many positions at and before it (Mistral's; None: all before it)."""
     kv_heads = kv_heads or heads
@@ -377,7 +399,8 @@ def llama_layers(*, layers: int, width: int, heads: int, seq_len: int, vocab_siz
             nn.init.zeros_(p)
 
     block = (functools.partial(MoEBlock, mixture=Mixture(experts, experts_per_token, norm_topk, shared_expert,
-                                                              float(router_aux_loss), layers))
+                                                              float(router_aux_loss), layers,
+                                                              float(router_z_loss)))
              if experts else Block)
     return Layers([lambda: Embedding(vocab_size, width),
                    *[lambda: block(width, heads, kv_heads, hidden, rope, dropout, norm_eps, qkv_bias,

@@ -282,27 +282,27 @@ def _attending(model: nn.Module, task: Task, name: str) -> list[nn.Module]:
 def _routing(layers: list[nn.Module], rows: torch.Tensor) -> dict:
     """A training forward's metrics of a mixture of experts' blocks (`models.routed`):
     train_expert_load_max, the busiest expert's share of its block's choices over an even
-    share (tasks.COUNTED's expert_load), and train_router_aux_loss, the load-balancing loss's
-    mean over the blocks and rows, where they add one."""
+    share (tasks.COUNTED's expert_load), and each loss on the routing (train_router_aux_loss,
+    train_router_z_loss), its mean over the blocks that add it and the rows."""
     load = torch.stack([layer.load for layer in layers])  # (blocks, experts)
     out = {"expert_load_max": Counts("expert_load", load, load.sum(dim=1, keepdim=True) - load)}
-    balancing = [layer for layer in layers if layer.balances]
-    if balancing:
-        out["router_aux_loss"] = (sum(layer.aux_sum for layer in balancing) / len(balancing), rows)
+    for name in sorted({name for layer in layers for name in layer.losses}):
+        sums = [layer.losses[name] for layer in layers if name in layer.losses]
+        out[name] = (sum(sums) / len(sums), rows)
     return out
 
 
 class _Routing:
     """A pipeline stage's mixture blocks' measures over a step's training forwards, those
     `_routing` makes: each block's load at its place among the whole model's blocks (zeros
-    at the other stages'), and the load-balancing loss summed over the stage's blocks over
-    all the model's; the rows it is a mean over from the last stage alone (the stages'
-    results are summed)."""
+    at the other stages'), and each loss on the routing summed over the stage's blocks over
+    the model's blocks that add it (`terms`: how many); the rows it is a mean over from the
+    last stage alone (the stages' results are summed)."""
 
-    def __init__(self, blocks: int, experts: int, balancing: int, device: torch.device):
-        self.balancing = balancing
+    def __init__(self, blocks: int, experts: int, terms: dict[str, int], device: torch.device):
+        self.terms = terms
         self.load = torch.zeros(blocks, experts, dtype=torch.int64, device=device)
-        self.aux = torch.zeros((), device=device)
+        self.sums = {name: torch.zeros((), device=device) for name in terms}
         self.rows = torch.zeros((), dtype=torch.int64, device=device)
 
     def add(self, layers: list[tuple[int, nn.Module]], rows: Optional[torch.Tensor]) -> None:
@@ -310,16 +310,15 @@ class _Routing:
         that count, where it was the last stage's."""
         for place, layer in layers:
             self.load[place] += layer.load
-            if layer.balances:
-                self.aux += layer.aux_sum
+            for name, v in layer.losses.items():
+                self.sums[name] += v
         if rows is not None:
             self.rows += rows.to(self.rows.device)
 
     def metrics(self) -> dict:
         out = {"expert_load_max": Counts("expert_load", self.load,
                                          self.load.sum(dim=1, keepdim=True) - self.load)}
-        if self.balancing:
-            out["router_aux_loss"] = (self.aux / self.balancing, self.rows)
+        out.update({name: (self.sums[name] / n, self.rows) for name, n in self.terms.items()})
         return out
 
 
@@ -392,8 +391,10 @@ class PipelineEngine(_Engine):
         mixtures = routed(full)
         places = {id(m): i for i, m in enumerate(mixtures)}
         self.routed = [[(places[id(m)], m) for m in routed(chunk)] for chunk in chunks]
-        self.mixtures = ((len(mixtures), mixtures[0].mixture.experts, sum(m.balances for m in mixtures))
-                         if mixtures else None)  # (blocks, experts a block, blocks balancing)
+        # (blocks, experts a block, {a loss on the routing: the blocks that add it})
+        self.mixtures = ((len(mixtures), mixtures[0].mixture.experts,
+                          {name: sum(name in m.mixture.terms for m in mixtures) for name in mixtures[0].mixture.terms})
+                         if mixtures else None)
         self.balancing = any(m.balances for layers in self.routed for _, m in layers)
         del full
         # every rank builds every group, in one order
