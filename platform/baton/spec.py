@@ -246,6 +246,10 @@ class ParallelSpec:
     shard_unit_mib: float = 16.0
     # what replicas send each other: fp32 | bf16 (half the bytes) | powersgd (low-rank, DDP)
     grad_comm: Literal["fp32", "bf16", "powersgd"] = "fp32"
+    # expert parallelism: each mixture of experts' experts split over groups of this many
+    # replicas (each holds experts / ep of them; a token goes to its experts' holders and
+    # back, all-to-all), the rest of the model replicated (parallel/experts.py)
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -397,9 +401,10 @@ class JobSpec:
 
     @property
     def dp_shard(self) -> int:
-        """Replicas that split one copy of the state (1: unsharded)."""
+        """Replicas that split one copy of the state (1: unsharded): under expert
+        parallelism, the replicas that split each mixture's experts (`parallel.ep`)."""
         p = self.parallel
-        return 1 if p.shard == "none" else (p.shard_group or p.dp)
+        return p.ep if p.shard == "none" else (p.shard_group or p.dp)
 
     def dims(self):
         """This job's rank arithmetic (`baton.parallel.ParallelDims`)."""
@@ -496,7 +501,7 @@ class JobSpec:
         keep = self.batch_policy == "keep_global"
         share = t.global_batch // p.dp
         candidates = [dp for dp in (_divisors(t.global_batch, lo, hi) if keep else range(lo, hi + 1))
-                      if not (p.shard_group and dp % p.shard_group)
+                      if not (p.shard_group and dp % p.shard_group) and dp % p.ep == 0
                       and (keep or (share * dp <= MOST["train.global_batch"][0]
                                     and math.isfinite(t.lr * dp / p.dp)))]
         ends = sorted({*candidates[:1], *candidates[-1:]})

@@ -148,6 +148,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
         _check_sequence(spec, need)
     if p.shard != "none" or p.shard_group is not None:
         _check_sharding(spec, need, one_world)
+    if p.ep != 1:
+        _check_experts(spec, need)
     if p.pp > 1 or p.schedule == "interleaved-1f1b" or p.chunks or p.partition != "params":
         _check_pipeline(spec, source, need)
 
@@ -200,6 +202,7 @@ MOST: dict[str, tuple[float, str]] = {
     "parallel.microbatches": (2**17, "micro-batches a step"),
     "parallel.chunks": (2**10, "chunks a pipeline rank"),
     "parallel.shard_group": (2**16, "replicas"),
+    "parallel.ep": (2**16, "replicas"),
     "parallel.shard_unit_mib": (2**20, "MiB"),
     "parallel.timeout_s": _SECONDS,
     "resources.cpus_per_worker": (2**10, "CPUs"),
@@ -487,6 +490,27 @@ def _check_sequence(spec: JobSpec, need) -> None:
                      (m.seq_len % max(p.tp, 1) == 0,
                       f"splits model.seq_len = {m.seq_len} over tp = {p.tp}: make it a multiple")):
         need(ok, key, p.sequence_parallel, what)
+
+
+def _check_experts(spec: JobSpec, need) -> None:
+    """Expert parallelism (parallel.ep): this version's, under DDP alone."""
+    p, m = spec.parallel, spec.model
+    experts = m.options.get("experts", 0) if m.name == "llama" else 0
+    need(p.ep >= 1, "parallel.ep", p.ep, "must be at least 1")
+    need(experts, "parallel.ep", p.ep, "splits a mixture of experts' experts, and the model has "
+         "none (model.options.experts of the built-in llama)")
+    need(experts % p.ep == 0, "parallel.ep", p.ep,
+         f"must divide model.options.experts ({experts}): each replica of a group holds as many")
+    lo, hi = spec.dp_range
+    need(p.dp % p.ep == 0 and lo % p.ep == 0 and hi % p.ep == 0, "parallel.ep", p.ep,
+         f"must divide parallel.dp ({p.dp}) and elastic.min_dp and max_dp ({lo}, {hi}): "
+         "every world holds whole groups of ep replicas")
+    for ok, key, value, why in (
+            (p.shard == "none", "parallel.shard", p.shard, "ZeRO"),
+            (p.pp == 1, "parallel.pp", p.pp, "pipeline stages"),
+            (spec.train.compile is not True, "train.compile", spec.train.compile, "compiled blocks")):
+        need(ok, key, value, f"is not built with expert parallelism (parallel.ep = {p.ep}) in this "
+             f"version ({why}): use parallel.ep 1, or leave {key} out")
 
 
 def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:

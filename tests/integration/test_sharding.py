@@ -9,6 +9,7 @@ import torch
 
 from baton import api
 from baton.checkpoint import CheckpointStore
+from baton.models import build_model
 from baton.spec import spec_from_dict
 from helpers import (assert_like_one_process, assert_params_close, commit_state, read_table,
                      reference_run, tiny_spec, write_dataset)
@@ -161,6 +162,37 @@ def test_a_mixture_of_experts_trains_as_one_process_under_ddp_zero3_and_pipeline
     assert_like_one_process(staged, data, result, 3)  # measured: 2.1e-6 at most
 
 
+def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
+    """parallel.ep 2: each mixture's 4 experts split over pairs of replicas (2 each), tokens
+    sent to their experts' holders and back (all-to-all), at dp 2 (one group), then resumed
+    at dp 4 (two groups: each expert's gradient summed over its two holders) and at dp 2
+    under plain DDP (the sharded checkpoint, each worker's experts written by it, read whole
+    by name): one process's numbers, with the load-balancing loss."""
+    raw = _spec(tmp_path, data, "ep", 2, "mixtral", schedule="constant").to_dict()
+    raw["parallel"]["ep"] = 2
+    raw["model"]["options"]["router_aux_loss"] = 0.1
+    spec = spec_from_dict(raw)
+    result = api.run(spec, show_progress=False)
+    assert result.state == "finished" and len(result.workers) == 2
+    assert CheckpointStore(spec.checkpoint_dir).is_sharded(2)
+    # each worker holds the replicated parameters and half of each block's experts
+    whole = build_model(spec.model, 0)
+    total = sum(q.numel() * 4 for q in whole.parameters())
+    routed = sum(q.numel() * 4 for n, q in whole.named_parameters() if ".experts." in n)
+    assert [b["params"] for b in result.state_bytes] == [total - routed // 2] * 2
+    assert_like_one_process(spec, data, result, 2)  # measured: 2.1e-6 at most
+    wider = spec_from_dict({**raw, "train": {**raw["train"], "steps": 3},
+                            "parallel": {**raw["parallel"], "dp": 4}})
+    result = api.run(wider, show_progress=False)
+    assert result.resumed_from == 2 and len(result.workers) == 4
+    assert_like_one_process(wider, data, result, 3)  # measured: 2.1e-6 at most
+    plain = spec_from_dict({**raw, "train": {**raw["train"], "steps": 4},
+                            "parallel": {**raw["parallel"], "ep": 1}})
+    result = api.run(plain, show_progress=False)
+    assert result.resumed_from == 3 and {w["wrapper"] for w in result.workers} == {"DistributedDataParallel"}
+    assert_like_one_process(plain, data, result, 4)  # measured: 2.1e-6 at most
+
+
 def test_a_load_balancing_loss_trains_as_one_process_under_zero3(tmp_path, data):
     """model.options.router_aux_loss at dp 2 under ZeRO-3, 6 micro-batches a replica: each
     block's loss over each sequence, weighted as the task's loss sums are, its gradient
@@ -245,7 +277,7 @@ def _one_process_routing(spec, data, steps: int) -> dict[str, list[float]]:
     import copy
 
     from baton.data import Cursor
-    from baton.models import build_model, routed
+    from baton.models import routed
     from helpers import job_order
 
     _, tokens = read_table(data)
@@ -325,7 +357,6 @@ def test_adapters_train_alone_sharded_and_in_pipeline_stages_and_export_merged(t
     from baton.checkpoint import sharded
     from baton.checkpoint.export import load_model
     from baton.errors import CheckpointError
-    from baton.models import build_model
 
     source = _spec(tmp_path / "pre", data, "pretrained", 1)
     pretrained = build_model(source.model, 11).state_dict()

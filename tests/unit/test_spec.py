@@ -325,7 +325,16 @@ def test_a_llamas_key_value_heads_must_split_over_tp(tmp_path):
     ({"norm_topk": False}, {}, "model.options.norm_topk: False is invalid; routes tokens among a "
      "mixture's experts, and model.options.experts is not given"),
     ({"shared_expert": 64}, {}, "model.options.shared_expert: 64 is invalid; routes tokens among a "
-     "mixture's experts, and model.options.experts is not given")])
+     "mixture's experts, and model.options.experts is not given"),
+    ({}, {"dp": 2, "ep": 2}, "parallel.ep: 2 is invalid; splits a mixture of experts' experts, and "
+     "the model has none (model.options.experts of the built-in llama)"),
+    ({"experts": 3}, {"dp": 2, "ep": 2}, "parallel.ep: 2 is invalid; must divide "
+     "model.options.experts (3): each replica of a group holds as many"),
+    ({"experts": 8}, {"dp": 4, "ep": 8}, "parallel.ep: 8 is invalid; must divide parallel.dp (4) "
+     "and elastic.min_dp and max_dp (4, 4): every world holds whole groups of ep replicas"),
+    ({"experts": 4}, {"dp": 2, "ep": 2, "shard": "full"}, "parallel.shard: 'full' is invalid; is "
+     "not built with expert parallelism (parallel.ep = 2) in this version (ZeRO): use "
+     "parallel.ep 1, or leave parallel.shard out")])
 def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
                     parallel={"dp": 1, **parallel},

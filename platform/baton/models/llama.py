@@ -273,6 +273,17 @@ class MoEBlock(Block):
         self.aux_rows: Optional[torch.Tensor] = None
         # each loss (Mixture.terms) summed over the rows of the last training forward
         self.losses: dict[str, torch.Tensor] = {}
+        self.ep = None  # expert parallelism: this rank holds some of the experts
+
+    def split_experts(self, ep) -> None:
+        """Keep the experts this rank holds under expert parallelism (parallel/experts.py's
+        `ExpertParallel`); the others become placeholders without parameters, so that the
+        kept ones keep their whole model's names."""
+        self.ep = ep
+        first, per = ep.first(self.mixture.experts), self.mixture.experts // ep.size
+        for e in range(self.mixture.experts):
+            if not first <= e < first + per:
+                self.experts[e] = nn.Module()
 
     def balance(self, rows: torch.Tensor, weight: float) -> None:
         """Before a training forward: `rows` (B,) marks the rows that count (a padding row
@@ -304,7 +315,10 @@ class MoEBlock(Block):
         load = torch.bincount(chosen, minlength=self.mixture.experts)
         counts = load.tolist()
         tokens = order // k
-        outs = torch.cat([expert(part) for expert, part in zip(self.experts, flat[tokens].split(counts))])
+        if self.ep is not None:  # (each pair to its expert's holder and back)
+            outs = self.ep.run(flat[tokens], counts, self.experts)
+        else:
+            outs = torch.cat([expert(part) for expert, part in zip(self.experts, flat[tokens].split(counts))])
         outs = outs * weights.flatten()[order, None]
         # each token's k outputs summed in the experts' order, as transformers' loop sums them
         out = torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype))

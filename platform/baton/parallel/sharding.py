@@ -117,9 +117,11 @@ class Replica:
 
 
 def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
-              shard_optimizer: bool = False, grad_comm: str = "fp32", group=None) -> Replica:
+              shard_optimizer: bool = False, grad_comm: str = "fp32", group=None,
+              ignore: tuple[str, ...] = ()) -> Replica:
     """DDP over the stage's dp ranks (`group`: those of this worker's share, under tensor
-    parallelism; None: the world); with `shard_optimizer`, ZeRO-1 over the dp_shard ranks."""
+    parallelism; None: the world); with `shard_optimizer`, ZeRO-1 over the dp_shard ranks.
+    `ignore`: parameters DDP leaves alone (expert parallelism's experts, reduced apart)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # DDP overlaps the gradient all-reduce with the backward pass (bucketed), and its
@@ -128,6 +130,8 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
     # world of one runs the model itself: no wrapper, no all-reduce, nothing to keep in sync.
     alone = not shard_optimizer and dist.get_world_size(group) == 1
     module.to(device)  # every replica holds the whole model (or its share of each layer)
+    if ignore:
+        DDP._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
     # Gradients are views into DDP's all-reduce buckets (`gradient_as_bucket_view`): without
     # it a worker holds every gradient twice at the backward's end, once in the buckets, and
     # copies between the two each step (benchmarks/ddp_memory.py, 19 M parameters: a peak 58
@@ -233,8 +237,8 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 # `fill` (for the levels that shard parameters): see fully_shard. `group`: DDP's (tensor
 # parallelism: the workers holding the same share); FSDP takes its groups from the mesh.
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
-    "none": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None: replicate(
-        *a, grad_comm=grad_comm, group=group),
+    "none": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None, ignore=(): replicate(
+        *a, grad_comm=grad_comm, group=group, ignore=ignore),
     "optimizer": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None: replicate(
         *a, shard_optimizer=True, grad_comm=grad_comm, group=group),
     "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None: fully_shard(

@@ -22,7 +22,7 @@ from baton.models import build_lazily, build_model, routed, sequential
 from baton.models.documents import attend_within, attending
 from baton.optim import average_pairs, averages_in
 from baton.parallel import ParallelDims
-from baton.parallel import comm
+from baton.parallel import comm, experts
 from baton.parallel import schedule as sched
 from baton.parallel.activations import checkpoint_activations
 from baton.parallel.compiled import compile_blocks
@@ -157,7 +157,7 @@ class DataParallelEngine(_Engine):
         self.dp, self.tp = spec.parallel.dp, dims.tp
         level = spec.parallel.shard
         self.mesh = (dims.device_mesh(device.type, spec.parallel.timeout_s)
-                     if level != "none" or dims.tp > 1 else None)
+                     if level != "none" or dims.tp > 1 or dims.dp_shard > 1 else None)
         # the ranks whose gradients are shards of one replica's (FSDP's levels)
         self.shard_group = (self.mesh["dp_shard"].get_group() if "grads" in SHARDED_PARTS[level]
                             else None)
@@ -170,7 +170,8 @@ class DataParallelEngine(_Engine):
                              else (build_model(spec.model, spec.train.seed), None))
         fill, wrapping = self._split(self.module, fill)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
-        compile_blocks(self.module, spec.train.compile, device.type)
+        # (expert parallelism's blocks stay eager: refused with compile: true, "auto" here)
+        compile_blocks(self.module, spec.train.compile if spec.parallel.ep == 1 else False, device.type)
         self.replica = WRAPPINGS[level](self.module, self.mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
@@ -320,6 +321,46 @@ class _Routing:
                                          self.load.sum(dim=1, keepdim=True) - self.load)}
         out.update({name: (self.sums[name] / n, self.rows) for name, n in self.terms.items()})
         return out
+
+
+class ExpertParallelEngine(DataParallelEngine):
+    """Data parallel replicas under DDP whose mixtures' experts are split over groups of
+    parallel.ep of them (parallel/experts.py): each worker holds its group share of the
+    experts, whose gradients it sums with the workers of the other groups that hold the same
+    ones, and writes them in sharded checkpoints (DCP: every worker its experts, the rest
+    once)."""
+
+    def _split(self, module: nn.Module, fill) -> tuple:
+        self.ep = experts.ExpertParallel(self.mesh["dp_shard"].get_group(),
+                                         self.mesh["dp_shard"].get_local_rank(), self.mesh["dp_shard"].size(),
+                                         self.mesh["dp_replicate"].get_group()
+                                         if self.mesh["dp_replicate"].size() > 1 else None)
+        names = experts.split(module, self.ep)
+        self.experts = [q for _, q in experts.held(module)]
+        return fill, {"ignore": tuple(names)}
+
+    def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
+        super().__init__(spec, dims, device, task)
+        self.sharded = True  # (no worker holds every expert: checkpoints through DCP)
+
+    def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
+                         trace: bool) -> tuple[Sums, dict]:
+        out = super().forward_backward(micro, batch_fn, scale, trace)
+        self.ep.reduce(self.experts, self.dp)
+        return out
+
+    def clip(self) -> torch.Tensor:
+        """Clip by the whole model's gradient norm: the replicated parameters' (the same on
+        every worker) and the experts' summed over the workers that split them."""
+        held = {id(q) for q in self.experts}
+        grads = [q.grad for q in self.module.parameters() if q.grad is not None]
+
+        def sq(gs: list) -> torch.Tensor:
+            return sum((g.float().square().sum() for g in gs), torch.zeros((), device=self.device))
+        mine = sq([q.grad for q in self.experts if q.grad is not None])
+        dist.all_reduce(mine, group=self.ep.group)
+        rest = sq([q.grad for q in self.module.parameters() if q.grad is not None and id(q) not in held])
+        return scale_to_norm(grads, (rest + mine).sqrt(), self.spec.train.grad_clip)
 
 
 class TensorParallelEngine(DataParallelEngine):
