@@ -24,6 +24,7 @@ from baton.data.corpus import stdlib_stream, windows
 from baton.data.feed import IDS, TOKENS, Batch
 from baton.data.local import job_order as _job_order, read_corpus
 from baton.models import build_model, loss_sum, routed
+from baton.models.layers import Layers
 from baton.models.documents import attend_within, attending
 from baton.tasks import IGNORE, make_task
 from baton.training import clip_and_norm, make_optimizer, set_lr
@@ -368,6 +369,34 @@ class _Sleep(torch.nn.Module):
     def forward(self, x):
         time.sleep(self.seconds)
         return x
+
+
+def slow_llama(spec):
+    """A user model (`helpers:slow_llama`): the built-in llama (its options, mixtures of
+    experts included), each forward `options.seconds` longer, as `slow_gpt`."""
+    from baton.models.llama import llama_layers
+
+    options = dict(spec.options)
+    recipe = llama_layers(layers=spec.layers, width=spec.width, heads=spec.heads, seq_len=spec.seq_len,
+                          vocab_size=spec.vocab_size, **{k: v for k, v in options.items() if k != "seconds"})
+    return Layers([lambda: _Sleep(options["seconds"]), *recipe.makers], recipe.init)
+
+
+def killed_run(spec, after: int, rank: int):
+    """`spec` run to its end, with rank `rank`'s worker SIGKILLed once step `after` has
+    completed (the first time only: not again after the recovery); the samples recorded."""
+    from baton import api
+
+    return api.run(spec, show_progress=False, record_samples=True,
+                   on_step=lambda c: c.step == after and not c.events and os.kill(
+                       c.workers[rank]["pid"], signal.SIGKILL))
+
+
+def each_sample_once(result, steps: int, batch: int = 8) -> None:
+    """The ledger holds steps 0..steps-1 and every sample of them once."""
+    ids = sorted(i for _, _, part in result.ledger for i in part)
+    assert sorted({step for step, _, _ in result.ledger}) == list(range(steps))
+    assert len(ids) == len(set(ids)) == steps * batch
 
 
 def slow_gpt(spec):

@@ -494,9 +494,12 @@ def _check_sequence(spec: JobSpec, need) -> None:
 
 def _check_experts(spec: JobSpec, need) -> None:
     """Expert parallelism (parallel.ep): this version's, under DDP alone."""
-    p, m = spec.parallel, spec.model
-    experts = m.options.get("experts", 0) if m.name == "llama" else 0
+    from baton.models import _on_meta, routed
+
+    p = spec.parallel
     need(p.ep >= 1, "parallel.ep", p.ep, "must be at least 1")
+    blocks = routed(_on_meta(spec.model))  # (the built-in llama's mixtures, a builder's of them)
+    experts = blocks[0].mixture.experts if blocks else 0
     need(experts, "parallel.ep", p.ep, "splits a mixture of experts' experts, and the model has "
          "none (model.options.experts of the built-in llama)")
     need(experts % p.ep == 0, "parallel.ep", p.ep,

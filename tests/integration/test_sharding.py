@@ -11,8 +11,8 @@ from baton import api
 from baton.checkpoint import CheckpointStore
 from baton.models import build_model
 from baton.spec import spec_from_dict
-from helpers import (assert_like_one_process, assert_params_close, commit_state, read_table,
-                     reference_run, tiny_spec, write_dataset)
+from helpers import (assert_like_one_process, assert_params_close, commit_state, each_sample_once,
+                     killed_run, read_table, reference_run, tiny_spec, write_dataset)
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
@@ -191,6 +191,33 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     result = api.run(plain, show_progress=False)
     assert result.resumed_from == 3 and {w["wrapper"] for w in result.workers} == {"DistributedDataParallel"}
     assert_like_one_process(plain, data, result, 4)  # measured: 2.1e-6 at most
+
+
+def test_a_killed_expert_holder_loses_no_completed_step_while_its_experts_survive(tmp_path, data):
+    """dp 4 at ep 2: rank 1 (experts 2 and 3 of each block, in the first group) is killed after
+    step 3; rank 3 holds the same experts. The survivors' state of step 3 is committed (DCP:
+    each survivor its experts, one of each pair) and the run goes on from it at dp 4 again,
+    with no completed step trained twice: every sample once, one process's numbers. The
+    model sleeps 0.4 s in each forward, so the kill lands in step 4's first forward."""
+    import dataclasses
+
+    slow = {**MODELS["mixtral"], "name": "helpers:slow_llama",
+            "options": {**MODELS["mixtral"]["options"], "seconds": 0.4}}
+    raw = tiny_spec(tmp_path, data, name="ep-kill", model=slow,
+                    train={"steps": 5, "global_batch": 8, "micro_batch": 2, "schedule": "constant"},
+                    parallel={"dp": 4, "ep": 2, "timeout_s": 60}, resources={"cpus_per_worker": 0.25},
+                    checkpoint={"every_steps": 2, "keep": 10}, elastic={"max_failures": 1, "min_dp": 4})
+    spec = spec_from_dict(raw)
+    result = killed_run(spec, after=3, rank=1)
+    assert result.state == "finished" and result.step == 5
+    failure, recovery = result.events
+    assert failure["cause"] == "actor_died" and failure["step"] == 4, failure
+    assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 3, recovery
+    assert CheckpointStore(spec.checkpoint_dir).verify(3) is None
+    each_sample_once(result, 5)
+    fast = dataclasses.replace(spec, model=dataclasses.replace(
+        spec.model, options={**spec.model.options, "seconds": 0}))
+    assert_like_one_process(fast, data, result, 5)  # measured: 1.0e-5 at most (three runs)
 
 
 def test_a_load_balancing_loss_trains_as_one_process_under_zero3(tmp_path, data):

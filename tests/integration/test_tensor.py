@@ -6,8 +6,6 @@ any other tp and sharding."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import time
 
 import numpy as np
@@ -22,8 +20,8 @@ from baton.models import build_model
 from baton.parallel.tensor import split_layers
 from baton.spec import spec_from_dict
 from baton.workers import warm
-from helpers import (assert_like_one_process, await_growth, commit_state, reference_run,
-                     require_cxx, tiny_spec, write_dataset)
+from helpers import (assert_like_one_process, await_growth, commit_state, each_sample_once,
+                     killed_run, reference_run, require_cxx, tiny_spec, write_dataset)
 
 pytestmark = pytest.mark.usefixtures("local_ray", "warm_workers")
 
@@ -91,21 +89,6 @@ def test_a_checkpoint_loads_at_any_tp_and_sharding(tmp_path, data):
     assert_like_one_process(fourth, data, result, 7)  # measured: 2.7e-5 at most (4 layouts)
 
 
-def _killed(spec, after: int, rank: int):
-    """`spec` run to its end, with rank `rank`'s worker SIGKILLed once step `after` has
-    completed (the first time only: not again after the recovery); the samples recorded."""
-    return api.run(spec, show_progress=False, record_samples=True,
-                   on_step=lambda c: c.step == after and not c.events and os.kill(
-                       c.workers[rank]["pid"], signal.SIGKILL))
-
-
-def _each_sample_once(result, steps: int, batch: int = 8) -> None:
-    """The ledger holds steps 0..steps-1 and every sample of them once."""
-    ids = sorted(i for _, _, part in result.ledger for i in part)
-    assert sorted({step for step, _, _ in result.ledger}) == list(range(steps))
-    assert len(ids) == len(set(ids)) == steps * batch
-
-
 @pytest.mark.parametrize("dp,state_from,resumed_from", [(2, "survivors", 3), (1, "checkpoint", 2)],
                          ids=["a-replica-survives", "no-replica-survives"])
 def test_a_killed_tp_worker_loses_no_completed_step_while_a_replica_survives(
@@ -120,7 +103,7 @@ def test_a_killed_tp_worker_loses_no_completed_step_while_a_replica_survives(
     spec = _spec(tmp_path, data, f"tp-kill-{dp}", 5, model=slow, dp=dp,
                  elastic={"max_failures": 1, "min_dp": dp})
     spec = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, every_steps=2))
-    result = _killed(spec, after=3, rank=1)
+    result = killed_run(spec, after=3, rank=1)
     assert result.state == "finished" and result.step == 5
     failure, recovery = result.events
     assert failure["cause"] == "actor_died" and failure["step"] == 4, failure
@@ -130,7 +113,7 @@ def test_a_killed_tp_worker_loses_no_completed_step_while_a_replica_survives(
     assert recovery["phases_s"]["stop"] < spec.parallel.timeout_s / 4
     store = CheckpointStore(spec.checkpoint_dir)
     assert (store.verify(3) is None) == (dp == 2) and store.is_sharded(2)
-    _each_sample_once(result, 5)
+    each_sample_once(result, 5)
     # the same maths without the sleep, in the reference
     fast = dataclasses.replace(spec, model=dataclasses.replace(spec.model, options={"seconds": 0}))
     assert_like_one_process(fast, data, result, 5)  # measured: 2.4e-6 at most (both cases)
@@ -149,14 +132,14 @@ def test_a_stage_worker_killed_under_pp_x_tp_loses_no_completed_step(tmp_path, d
     spec = _spec(tmp_path, data, "pp-tp-kill", 4, model=slow, dp=2, pp=2, microbatches=2,
                  elastic={"max_failures": 1})
     spec = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, every_steps=10))
-    result = _killed(spec, after=2, rank=5)
+    result = killed_run(spec, after=2, rank=5)
     assert result.state == "finished" and result.step == 4
     failure, recovery = result.events
     assert failure["cause"] == "actor_died" and failure["ranks"] == [5], failure
     assert recovery["state_from"] == "survivors" and recovery["resumed_from_step"] == 2
     assert recovery["workers_reused"] == 7 and recovery["dp"] == 2
     assert recovery["phases_s"]["stop"] < spec.parallel.timeout_s / 4  # measured 0.44 s
-    _each_sample_once(result, 4)
+    each_sample_once(result, 4)
     fast = dataclasses.replace(spec, model=dataclasses.replace(spec.model, options={"seconds": 0}))
     assert_like_one_process(fast, data, result, 4)  # measured: 2.4e-6
 
