@@ -11,13 +11,22 @@ training loss of their last 50 steps and their median tokens/s.
                                                 # layers that share an input, or one each
     python benchmarks/llama.py --experts        # the llama against a mixture of 4 experts
                                                 # (2 a token) of the same active parameters
+    python benchmarks/llama.py --ep             # a mixture of 8 experts at dp 2 under DDP,
+                                                # expert parallelism (ep 2) and ZeRO-3
 
 With --experts the two runs are `jobs/llama.yaml` and the same job whose blocks' MLPs are
 mixtures of 4 experts of 176 hidden units, 2 a token (Mixtral's kind: a token meets 2% more
 MLP weights than the dense 344 units, its parameters 1.7x), without
 and with a load-balancing loss (model.options.router_aux_loss 0.02, Mixtral's), and each
 mixture's load after training: the share of 16 x 128 tokens of the corpus each block's
-router sends to each expert (balanced: 1/4 each)."""
+router sends to each expert (balanced: 1/4 each).
+
+With --ep, one mixture (8 experts of 176 units, 2 a token, load-balancing loss 0.02) at dp 2
+in three layouts that compute the same updates: DDP (each worker holds every expert), expert
+parallelism (parallel.ep 2: each holds 4 of each block's experts, tokens sent to their
+holders and back) and ZeRO-3 (every parameter sharded over the 2 workers): their tokens/s
+and the parameters, gradients and optimizer state each worker holds (measured from the live
+tensors at the first step)."""
 
 from __future__ import annotations
 
@@ -44,6 +53,10 @@ JOBS = {"gpt": HERE.parent / "jobs" / "quickstart.yaml", "llama": HERE.parent / 
 # the mixture of --experts: the llama's job with each block's MLP 4 experts of 176 units
 MIXTURE = ["model.options.experts=4", "model.options.experts_per_token=2", "model.options.hidden=176"]
 VARIANTS = {"llama": [], "mixture": MIXTURE, "balanced": [*MIXTURE, "model.options.router_aux_loss=0.02"]}
+# --ep's mixture and its three layouts
+EIGHT = ["model.options.experts=8", "model.options.experts_per_token=2", "model.options.hidden=176",
+         "model.options.router_aux_loss=0.02"]
+LAYOUTS = {"ddp": EIGHT, "ep2": [*EIGHT, "parallel.ep=2"], "zero3": [*EIGHT, "parallel.shard=full"]}
 
 
 def run(model: str, data: str, tmp: str, steps: int, extra: list[str] = ()) -> dict:
@@ -57,8 +70,9 @@ def run(model: str, data: str, tmp: str, steps: int, extra: list[str] = ()) -> d
     speeds = [v for _, v in result.history("tokens_per_s")]
     row = {"model": model, "steps": steps, "loss_last_50": round(sum(losses[-50:]) / len(losses[-50:]), 4),
            "tokens_per_s": round(statistics.median(speeds)),
-           "parameters": sum(p.numel() for p in build_model(spec.model, 0).parameters())}
-    if spec.model.options.get("experts"):
+           "parameters": sum(p.numel() for p in build_model(spec.model, 0).parameters()),
+           "state_mib_per_worker": round(max(sum(b.values()) for b in result.state_bytes) / 2**20, 2)}
+    if spec.model.options.get("experts") and model in VARIANTS:  # (not --ep's layouts)
         row["expert_shares"] = expert_shares(spec, data, result.step)
     print(f"{model:<6} {steps} steps: loss (last 50) {row['loss_last_50']}, "
           f"{row['tokens_per_s']:,} tokens/s (median)"
@@ -210,6 +224,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="only profile each model's pass")
     ap.add_argument("--tp", action="store_true", help="only time the llama's pass at tp 2")
     ap.add_argument("--experts", action="store_true", help="the llama against a mixture of experts")
+    ap.add_argument("--ep", action="store_true", help="a mixture under DDP, expert parallelism and ZeRO-3")
     args = ap.parse_args()
     if args.tp:
         write_result(HERE / "results" / "llama_tp_cpu.json", {"rows": tensor_parallel()})
@@ -226,11 +241,15 @@ def main() -> None:
 
         def measure(model: str) -> dict:
             with tempfile.TemporaryDirectory(dir=tmp) as run_tmp:
-                return run(model, data, run_tmp, args.steps, VARIANTS.get(model, []))
-        runs = rotating(list(VARIANTS) if args.experts else list(JOBS), args.rounds, measure)
+                return run(model, data, run_tmp, args.steps, {**VARIANTS, **LAYOUTS}.get(model, []))
+        variants = LAYOUTS if args.ep else VARIANTS if args.experts else JOBS
+        runs = rotating(list(variants), args.rounds, measure)
         ray.shutdown()
     if args.experts:
         mixtures(runs, args)
+        return
+    if args.ep:
+        layouts(runs, args)
         return
     speed = median_ratio(runs["llama"], runs["gpt"], "tokens_per_s")
     print(f"\n| model | parameters | loss, last 50 of {args.steps} steps (each round) | tokens/s (median of rounds) |")
@@ -242,6 +261,19 @@ def main() -> None:
     write_result(args.out or HERE / "results" / "llama_cpu.json",
                  {"steps": args.steps, "rounds": args.rounds, "runs": runs,
                   "llama_over_gpt_tokens_per_s": round(speed, 3)})
+
+
+def layouts(runs: dict, args) -> None:
+    speeds = {m: median_ratio(runs[m], runs["ddp"], "tokens_per_s") for m in ("ep2", "zero3")}
+    print(f"\n| layout (dp 2) | state per worker, MiB | loss, last 50 of {args.steps} steps (each round) "
+          "| tokens/s (median of rounds) | tokens/s over DDP's (median of rounds' ratios) |")
+    print("|---|---:|---|---:|---:|")
+    for model, rows in runs.items():
+        print(f"| {model} | {rows[0]['state_mib_per_worker']} | {', '.join(str(r['loss_last_50']) for r in rows)} | "
+              f"{statistics.median(r['tokens_per_s'] for r in rows):,.0f} | {speeds.get(model, 1.0):.3f} |")
+    write_result(args.out or HERE / "results" / "llama_ep_cpu.json",
+                 {"steps": args.steps, "rounds": args.rounds, "runs": runs,
+                  "over_ddp_tokens_per_s": {m: round(v, 3) for m, v in speeds.items()}})
 
 
 def mixtures(runs: dict, args) -> None:

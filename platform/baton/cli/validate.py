@@ -71,6 +71,8 @@ def validate(args: argparse.Namespace) -> int:
         print(f"  {_sharding_line(spec)}")
     if d.tp > 1:
         print(f"  {_tensor_line(spec)}")
+    if d.ep > 1:
+        print(f"  {_experts_line(spec)}")
     guards = _guards(spec)
     if guards:
         print(f"  guards: {guards}")
@@ -129,6 +131,26 @@ def _sharding_line(spec) -> str:
     return (f"sharding: {d.shard} ({NAMES[d.shard]}) over {layout}; per worker: "
             + ", ".join(f"{k} {mib(v)}" for k, v in mine.items())
             + f" = {mib(sum(mine.values()))} (DDP: {mib(sum(ddp.values()))})")
+
+
+def _experts_line(spec) -> str:
+    """What each worker holds under expert parallelism, next to a whole replica."""
+    from baton.models import _on_meta, routed
+    from baton.parallel.experts import held
+    from baton.parallel.sharding import estimate_bytes
+
+    d, model = spec.parallel, _on_meta(spec.model)
+    blocks = routed(model)
+    total = sum(q.numel() for q in model.parameters())
+    split = sum(q.numel() for _, q in held(model))
+    mine = total - split + split // d.ep
+    mib = lambda n: f"{sum(estimate_bytes(n, 'none', 1).values()) / 2**20:,.1f} MiB"  # noqa: E731
+    groups = d.dp // d.ep
+    return (f"expert parallel: the {blocks[0].mixture.experts} experts of each of {len(blocks)} "
+            f"blocks split over {d.ep} workers ({blocks[0].mixture.experts // d.ep} each"
+            + (f"; {groups} groups, each expert's gradient summed over its {groups} holders" if groups > 1 else "")
+            + f"); per worker {mine:,} of the {total:,} parameters: {mib(mine)} of parameters, "
+            f"gradients and optimizer state (DDP: {mib(total)})")
 
 
 def _frozen_line(spec) -> str:

@@ -41,7 +41,8 @@ class ExpertParallel:
         (`counts[e]` of expert e, in the experts' order), in x's order: each group sent to
         its expert's holder, run there with every other rank's for the same expert, and sent
         back."""
-        from torch.distributed.nn.functional import all_to_all_single
+        # (differentiable: its backward is the all-to-all the other way; torchtitan's too)
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         per = len(counts) // self.size
         send = [sum(counts[r * per:(r + 1) * per]) for r in range(self.size)]
@@ -51,15 +52,14 @@ class ExpertParallel:
         dist.all_to_all_single(theirs, mine, group=self.group)
         got = theirs.view(self.size, per).tolist()
         recv = [sum(row) for row in got]
-        y = all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x, recv, send, group=self.group)
+        y = all_to_all_single_autograd(x, recv, send, self.group)
         chunks = y.split([n for row in got for n in row])  # by source, then expert
         first = self.first(len(counts))
         outs = [experts[first + j](torch.cat([chunks[s * per + j] for s in range(self.size)]))
                 for j in range(per)]  # each expert once, on every rank's pairs for it
         parts = [out.split([got[s][j] for s in range(self.size)]) for j, out in enumerate(outs)]
         back = torch.cat([parts[j][s] for s in range(self.size) for j in range(per)])
-        return all_to_all_single(back.new_empty(x.shape[0], back.shape[1]), back, send, recv,
-                                 group=self.group)
+        return all_to_all_single_autograd(back, send, recv, self.group)
 
     def reduce(self, params: list[nn.Parameter], replicas: int) -> None:
         """The held experts' gradients summed over the ranks holding the same experts, and
