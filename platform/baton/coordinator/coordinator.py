@@ -759,7 +759,8 @@ class Coordinator:
                 **({"tp": self.dims.tp} if self.dims.tp > 1 else {}),
                 **({"stage_layers": self.stage_layers} if self.dims.pp > 1 else {}),
                 **({"shard": self.spec.parallel.shard, "dp_shard": self.dims.dp_shard}
-                   if self.spec.parallel.shard != "none" else {})}
+                   if self.spec.parallel.shard != "none" else {}),
+                **({"ep": self.spec.parallel.ep} if self.spec.parallel.ep > 1 else {})}
 
     def _submit(self, step: int) -> None:
         """Hand step `step` to the workers, queued behind the steps before it, with the
