@@ -316,7 +316,7 @@ class MoEBlock(Block):
         counts = load.tolist()
         tokens = order // k
         if self.ep is not None:  # (each pair to its expert's holder and back)
-            outs = self.ep.run(flat[tokens], counts, self.experts)
+            outs = self.ep.run(flat[tokens], load, counts, self.experts)
         else:
             outs = torch.cat([expert(part) for expert, part in zip(self.experts, flat[tokens].split(counts))])
         outs = outs * weights.flatten()[order, None]
@@ -539,22 +539,20 @@ def _mixture_config(o: dict, config: dict) -> dict:
                          "normed queries and keys (Qwen2-MoE's and Qwen3-MoE's)")
     # (transformers' load-balancing loss is over the whole batch, baton's over each sequence)
     routing = {"num_experts_per_tok": o["experts_per_token"], "output_router_logits": False,
-               "router_aux_loss_coef": float(o.get("router_aux_loss", 0.0)),
-               "num_experts": o["experts"], "moe_intermediate_size": config["intermediate_size"],
-               "norm_topk_prob": o["norm_topk"], "decoder_sparse_step": 1, "mlp_only_layers": []}
+               "router_aux_loss_coef": float(o.get("router_aux_loss", 0.0))}
+    qwen = {**routing, "num_experts": o["experts"], "moe_intermediate_size": config["intermediate_size"],
+            "norm_topk_prob": o["norm_topk"], "decoder_sparse_step": 1, "mlp_only_layers": []}
     if shared:  # (Qwen2-MoE's biases on q, k and v are its config's qkv_bias, true by default)
-        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **config, **routing,
+        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **config, **qwen,
                 "shared_expert_intermediate_size": shared, "qkv_bias": o["qkv_bias"]}
     if o["qk_norm"]:
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config, **routing,
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config, **qwen,
                 "attention_bias": False}
     if not o["norm_topk"]:
         raise ValueError("Mixtral renormalises each token's experts' weights (norm_topk: true); a "
                          "mixture that does not is Qwen3-MoE's, whose queries and keys are normed (qk_norm), "
                          "or Qwen2-MoE's, which has a shared expert (shared_expert)")
-    mixtral = {k: v for k, v in routing.items()
-               if k in ("num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")}
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **config, **mixtral,
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **config, **routing,
             "num_local_experts": o["experts"], "router_jitter_noise": 0.0}
 
 

@@ -12,13 +12,12 @@ A block routes its own tokens (its replica's rows) as a whole model would, then 
 all-to-alls of the activations a block (and one of the counts, read to the host), each
 differentiable (its backward is the all-to-all the other way), so an expert's gradient holds
 the contributions of every token of the group that chose it. The experts' gradients are then
-summed over the ranks that hold the same experts (`ExpertParallel.reduce`), the rest by DDP,
-which leaves them out (`held`)."""
+summed over the ranks that hold the same experts (the engine's `comm.FlatGrads` over the
+mesh's dp_replicate), the rest by DDP, which leaves them out (`held`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,15 +29,16 @@ class ExpertParallel:
     group: object  # the ranks that split the experts between them (the mesh's dp_shard)
     rank: int  # this rank's place in it
     size: int
-    replicas: Optional[object] = None  # the ranks that hold the same experts (dp_replicate)
 
     def first(self, experts: int) -> int:
         """The first of a block's `experts` this rank holds (it holds experts / size)."""
         return self.rank * (experts // self.size)
 
-    def run(self, x: torch.Tensor, counts: list[int], experts: nn.ModuleList) -> torch.Tensor:
+    def run(self, x: torch.Tensor, load: torch.Tensor, counts: list[int],
+            experts: nn.ModuleList) -> torch.Tensor:
         """The experts' outputs for `x`, this rank's (token, choice) pairs grouped by expert
-        (`counts[e]` of expert e, in the experts' order), in x's order: each group sent to
+        (`counts[e]` of expert e, in the experts' order; `load`, the same on the device), in
+        x's order: each group sent to
         its expert's holder, run there with every other rank's for the same expert, and sent
         back."""
         # (differentiable: its backward is the all-to-all the other way; torchtitan's too)
@@ -47,9 +47,8 @@ class ExpertParallel:
         per = len(counts) // self.size
         send = [sum(counts[r * per:(r + 1) * per]) for r in range(self.size)]
         # got[s][j]: how many pairs rank s sends for this rank's j-th expert
-        mine = torch.tensor(counts, dtype=torch.int64, device=x.device)
-        theirs = torch.empty_like(mine)
-        dist.all_to_all_single(theirs, mine, group=self.group)
+        theirs = torch.empty_like(load)
+        dist.all_to_all_single(theirs, load, group=self.group)
         got = theirs.view(self.size, per).tolist()
         recv = [sum(row) for row in got]
         y = all_to_all_single_autograd(x, recv, send, self.group)
@@ -61,29 +60,15 @@ class ExpertParallel:
         back = torch.cat([parts[j][s] for s in range(self.size) for j in range(per)])
         return all_to_all_single_autograd(back, send, recv, self.group)
 
-    def reduce(self, params: list[nn.Parameter], replicas: int) -> None:
-        """The held experts' gradients summed over the ranks holding the same experts, and
-        divided by the replicas, as DDP averages the rest (the engine's loss is scaled to
-        undo DDP's average)."""
-        grads = [q.grad for q in params if q.grad is not None]
-        if not grads:
-            return
-        if self.replicas is not None:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.replicas)
-            for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(summed)
-        torch._foreach_div_(grads, float(replicas))
 
-
-def split(model: nn.Module, ep: ExpertParallel) -> list[str]:
+def split(model: nn.Module, ep: ExpertParallel) -> list[tuple[str, nn.Parameter]]:
     """Keep this rank's experts of each of `model`'s mixtures (`models.routed`), each told
-    `ep`; the names of the parameters it keeps of them (which DDP leaves to `reduce`)."""
+    `ep`; the parameters it keeps of them, by name (which DDP leaves to the engine)."""
     from baton.models import routed
 
     for block in routed(model):
         block.split_experts(ep)
-    return [name for name, _ in held(model)]
+    return held(model)
 
 
 def held(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -330,23 +330,29 @@ class ExpertParallelEngine(DataParallelEngine):
     ones, and writes them in sharded checkpoints (DCP: every worker its experts, the rest
     once)."""
 
-    def _split(self, module: nn.Module, fill) -> tuple:
-        self.ep = experts.ExpertParallel(self.mesh["dp_shard"].get_group(),
-                                         self.mesh["dp_shard"].get_local_rank(), self.mesh["dp_shard"].size(),
-                                         self.mesh["dp_replicate"].get_group()
-                                         if self.mesh["dp_replicate"].size() > 1 else None)
-        names = experts.split(module, self.ep)
-        self.experts = [q for _, q in experts.held(module)]
-        return fill, {"ignore": tuple(names)}
-
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         super().__init__(spec, dims, device, task)
         self.sharded = True  # (no worker holds every expert: checkpoints through DCP)
+        # the experts' gradients summed over the workers holding the same ones, in one buffer
+        replicas = self.mesh["dp_replicate"]
+        self.expert_grads = (comm.FlatGrads(replicas.get_group(), spec.parallel.grad_comm)
+                             if replicas.size() > 1 else None)
+
+    def _split(self, module: nn.Module, fill) -> tuple:
+        group = self.mesh["dp_shard"]
+        self.ep = experts.ExpertParallel(group.get_group(), group.get_local_rank(), group.size())
+        kept = experts.split(module, self.ep)
+        self.experts = [q for _, q in kept]
+        return fill, {"ignore": tuple(name for name, _ in kept)}
 
     def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
                          trace: bool) -> tuple[Sums, dict]:
         out = super().forward_backward(micro, batch_fn, scale, trace)
-        self.ep.reduce(self.experts, self.dp)
+        trained = [q for q in self.experts if q.grad is not None]  # (none where frozen)
+        if self.expert_grads and trained:
+            self.expert_grads.all_reduce(trained)
+        # (averaged over the replicas as DDP averages the rest: the loss's scale undoes it)
+        torch._foreach_div_([q.grad for q in trained], float(self.dp))
         return out
 
     def clip(self) -> torch.Tensor:
