@@ -250,6 +250,10 @@ class ParallelSpec:
     # replicas (each holds experts / ep of them; a token goes to its experts' holders and
     # back, all-to-all), the rest of the model replicated (parallel/experts.py)
     ep: int = 1
+    # context parallelism: each row's sequence split over this many workers of a replica
+    # (each embeds and computes the loss of its part; attention gathers the whole sequence
+    # for its share of the heads, all-to-all: parallel/context.py)
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -410,12 +414,14 @@ class JobSpec:
         """This job's rank arithmetic (`baton.parallel.ParallelDims`)."""
         from baton.parallel import ParallelDims
 
-        return ParallelDims(self.parallel.dp, self.parallel.pp, self.dp_shard, self.parallel.tp)
+        return ParallelDims(self.parallel.dp, self.parallel.pp, self.dp_shard, self.parallel.tp,
+                            self.parallel.cp)
 
     @property
     def per_replica(self) -> int:
-        """Workers that hold one replica: its pipeline stages, each split tp ways."""
-        return self.parallel.pp * self.parallel.tp
+        """Workers that hold one replica: its pipeline stages, each split tp ways, its rows cp
+        ways."""
+        return self.parallel.pp * self.parallel.tp * self.parallel.cp
 
     @property
     def chunks(self) -> int:

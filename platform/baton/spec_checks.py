@@ -134,8 +134,9 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
     need(p.dp >= 1, "parallel.dp", p.dp, "must be at least 1")
     need(p.pp >= 1, "parallel.pp", p.pp, "must be at least 1")
     need(p.tp >= 1, "parallel.tp", p.tp, "must be at least 1")
+    need(p.cp >= 1, "parallel.cp", p.cp, "must be at least 1")
     need(p.dp * spec.per_replica <= MOST_WORKERS, "parallel.dp", p.dp,
-         f"dp x pp x tp = {p.dp * spec.per_replica:,} workers; at most {MOST_WORKERS:,}")
+         f"dp x pp x tp x cp = {p.dp * spec.per_replica:,} workers; at most {MOST_WORKERS:,}")
     need(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds")
     need(p.shard_unit_mib >= 0, "parallel.shard_unit_mib", p.shard_unit_mib, "must be >= 0 MiB")
     need(p.grad_comm != "powersgd" or (p.pp == 1 and p.shard in ("none", "optimizer")),
@@ -150,6 +151,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
         _check_sharding(spec, need, one_world)
     if p.ep != 1:
         _check_experts(spec, need)
+    if p.cp > 1:
+        _check_context(spec, need)
     if p.pp > 1 or p.schedule == "interleaved-1f1b" or p.chunks or p.partition != "params":
         _check_pipeline(spec, source, need)
 
@@ -399,7 +402,7 @@ def _check_elastic(spec: JobSpec, need, one_world: bool) -> None:
     need(lo <= dp, "elastic.min_dp", e.min_dp, f"must be <= parallel.dp = {dp}")
     need(hi >= dp, "elastic.max_dp", e.max_dp, f"must be >= parallel.dp = {dp}")
     need(hi * spec.per_replica <= MOST_WORKERS, "elastic.max_dp", e.max_dp,
-         f"max_dp x pp x tp = {hi * spec.per_replica:,} workers; at most {MOST_WORKERS:,}")
+         f"max_dp x pp x tp x cp = {hi * spec.per_replica:,} workers; at most {MOST_WORKERS:,}")
     need(e.max_failures >= 0, "elastic.max_failures", e.max_failures, "must be >= 0")
     need(e.rescale_check_s > 0, "elastic.rescale_check_s", e.rescale_check_s, "must be > 0 seconds")
     need(e.hang_timeout_s > 0, "elastic.hang_timeout_s", e.hang_timeout_s, "must be > 0 seconds")
@@ -490,6 +493,37 @@ def _check_sequence(spec: JobSpec, need) -> None:
                      (m.seq_len % max(p.tp, 1) == 0,
                       f"splits model.seq_len = {m.seq_len} over tp = {p.tp}: make it a multiple")):
         need(ok, key, p.sequence_parallel, what)
+
+
+def _check_context(spec: JobSpec, need) -> None:
+    """Context parallelism (parallel.cp): this version's, for language modelling with the
+    built-in models' blocks (gpt's, llama's, or a builder's made of them: their attention
+    takes the split) under DDP alone, every block's heads split evenly over the cp workers."""
+    from baton.models import _on_meta, routed
+
+    p, m = spec.parallel, spec.model
+    need(spec.task == "language_model", "parallel.cp", p.cp,
+         f"splits the sequence of a language model's rows, not task {spec.task!r}'s")
+    need(m.seq_len % p.cp == 0, "parallel.cp", p.cp,
+         f"splits model.seq_len = {m.seq_len} into equal parts: make it a multiple of cp")
+    model = _on_meta(m)
+    blocks = [(path, layer) for path, layer in model.named_modules() if hasattr(layer, "cp_problem")]
+    need(bool(blocks), "parallel.cp", p.cp,
+         f"model {m.name!r} has no block whose attention takes a split sequence (the built-in "
+         "gpt's and llama's blocks, with a cp_problem method: docs/parallelism.md)")
+    problem = next((f"{m.name}'s layer {path}: {why}" for path, layer in blocks
+                    if (why := layer.cp_problem(p.cp))), None)
+    need(problem is None, "parallel.cp", p.cp, f"{problem}: each cp worker attends with a "
+         "cp-th of every block's heads")
+    for ok, key, value, why in (
+            (not routed(model), "model.options.experts", (m.options or {}).get("experts"),
+             "mixtures of experts (their load-balancing loss is each whole sequence's)"),
+            (p.tp == 1, "parallel.tp", p.tp, "tensor parallelism"),
+            (p.pp == 1, "parallel.pp", p.pp, "pipeline stages"),
+            (p.shard == "none", "parallel.shard", p.shard, "ZeRO"),
+            (spec.train.compile is not True, "train.compile", spec.train.compile, "compiled blocks")):
+        need(ok, key, value, f"is not built with context parallelism (parallel.cp = {p.cp}) in "
+             f"this version ({why}): use parallel.cp 1, or leave {key} out")
 
 
 def _check_experts(spec: JobSpec, need) -> None:

@@ -91,18 +91,50 @@ class LanguageModel(Task):
         return kept & batch[LOSS_MASK][:, 1:].bool() if self.masked else kept
 
     def loss(self, output, batch):
-        targets = batch["tokens"][:, 1:].masked_fill(~self._kept(batch), IGNORE)
-        return loss_sum(output, targets), {}
+        return loss_sum(output, self.labels(batch)), {}
+
+    def labels(self, batch: dict) -> torch.Tensor:
+        """Each position's target (B, seq_len): the next token, IGNORE where it is none."""
+        return batch["tokens"][:, 1:].masked_fill(~self._kept(batch), IGNORE)
 
     def count(self, batch: dict) -> torch.Tensor:
         """The batch's targets (the loss's terms)."""
-        return self._kept(batch).expand(-1, self.per_sample).sum()
+        return self.kept(batch).sum()
+
+    def kept(self, batch: dict) -> torch.Tensor:
+        """Where the batch's targets are (B, seq_len) bool."""
+        return self._kept(batch).expand(-1, self.per_sample)
 
     @staticmethod
     def targets(columns: dict) -> int:
         """The targets of rows as read (numpy columns), before they are a batch: what the
         worker counts to scale a step's loss by the whole batch's targets."""
         return int(columns[LOSS_MASK][:, 1:].sum())
+
+
+class SequencePart(Task):
+    """A language model as a context-parallel worker computes it (parallel/context.py): the
+    model's inputs and the loss's targets are its part of each row's positions, and its sums
+    count that part's terms, so that the sums of a replica's cp workers add up to the
+    replica's. Where the documents are is read from the whole rows."""
+
+    def __init__(self, task: LanguageModel, split):
+        self.task, self.split = task, split
+        self.name, self.needs, self.metrics = task.name, task.needs, task.metrics
+        self.masked, self.eod = task.masked, task.eod
+        self.per_sample = task.per_sample // split.size
+
+    def inputs(self, batch: dict) -> torch.Tensor:
+        return self.split.part(self.task.inputs(batch))
+
+    def documents(self, batch: dict, device=None):
+        return self.task.documents(batch, device)
+
+    def loss(self, output, batch):
+        return loss_sum(output, self.split.part(self.task.labels(batch))), {}
+
+    def count(self, batch: dict) -> torch.Tensor:
+        return self.split.part(self.task.kept(batch)).sum()
 
 
 class Classification(Task):

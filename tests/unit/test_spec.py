@@ -345,6 +345,50 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
     assert str(e.value) == f"job.yaml: {message}"
 
 
+@pytest.mark.parametrize("model,parallel,message", [
+    ({"options": {"kv_heads": 2}}, {"cp": 4}, "parallel.cp: 4 is invalid; llama's layer 1: its "
+     "key-value heads (model.options.kv_heads = 2) do not split over cp = 4: each cp worker "
+     "attends with a cp-th of every block's heads"),
+    ({"name": "gpt", "heads": 2, "options": {}}, {"cp": 4}, "parallel.cp: 4 is invalid; gpt's layer 1: its 2 "
+     "heads do not split over cp = 4: each cp worker attends with a cp-th of every block's heads"),
+    ({"seq_len": 30}, {"cp": 4}, "parallel.cp: 4 is invalid; splits model.seq_len = 30 into equal "
+     "parts: make it a multiple of cp"),
+    ({"name": "mlp", "context": 4, "options": {}}, {"cp": 2}, "parallel.cp: 2 is invalid; model "
+     "'mlp' has no block whose attention takes a split sequence"),
+    ({"options": {"experts": 4}}, {"cp": 2}, "model.options.experts: 4 is invalid; is not built with "
+     "context parallelism (parallel.cp = 2) in this version (mixtures of experts"),
+    ({}, {"cp": 2, "tp": 2}, "parallel.tp: 2 is invalid; is not built with context parallelism "
+     "(parallel.cp = 2) in this version (tensor parallelism): use parallel.cp 1, or leave "
+     "parallel.tp out"),
+    ({}, {"dp": 2, "cp": 2, "shard": "optimizer"}, "parallel.shard: 'optimizer' is invalid; is not built "
+     "with context parallelism"),
+    ({}, {"cp": 2, "pp": 2}, "parallel.pp: 2 is invalid; is not built with context parallelism")])
+def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, message):
+    raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
+                    parallel={"dp": 1, **parallel},
+                    model={"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
+                           "options": {}, **model})
+    with pytest.raises(SpecError) as e:
+        spec_from_dict(raw, "job.yaml")
+    assert str(e.value).startswith(f"job.yaml: {message}") and "\n" not in str(e.value), str(e.value)
+
+
+def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
+    job = write_spec(tmp_path / "job.yaml", tiny_spec(
+        tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
+        parallel={"dp": 2, "cp": 2}, model={"name": "llama", "layers": 2, "width": 32, "heads": 4,
+                                            "seq_len": 32, "options": {"kv_heads": 2}}))
+    assert cli.main(["validate", str(job)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "llama, dp=2 pp=1 cp=2, " in out[0], out[0]
+    assert ("  context parallel: each row's 32 positions split over 2 workers (16 each, embedded, "
+            "run and scored there); attention over all 32 for 2 of the 4 query heads and 1 of "
+            "the 2 key-value heads on each (two all-to-alls a block, and two in its backward); a "
+            "replica's 2 workers read the same rows, and every parameter's gradient is summed "
+            "over all 4 workers") in out, out
+
+
 @pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,
                          ids=[f"{i}-{m.split(':')[0]}" for i, (_, m) in enumerate(LAYOUT_ERRORS)])
 def test_sharding_and_tensor_parallel_mistakes_are_one_line_each(tmp_path, parallel, message):

@@ -14,7 +14,7 @@ def validate(args: argparse.Namespace) -> int:
     d = spec.parallel
     task = f"{spec.task}, " if spec.task != "language_model" else ""
     print(f"{args.job}: ok ({spec.name}: {task}{spec.model.name}, dp={d.dp} pp={d.pp}"
-          f"{f' tp={d.tp}' if d.tp > 1 else ''}, "
+          f"{f' tp={d.tp}' if d.tp > 1 else ''}{f' cp={d.cp}' if d.cp > 1 else ''}, "
           f"{spec.train.steps} steps of {spec.train.global_batch} samples)")
     if data is not None:
         m = data.manifest.summary()
@@ -73,6 +73,8 @@ def validate(args: argparse.Namespace) -> int:
         print(f"  {_tensor_line(spec)}")
     if d.ep > 1:
         print(f"  {_experts_line(spec)}")
+    if d.cp > 1:
+        print(f"  {_context_line(spec)}")
     guards = _guards(spec)
     if guards:
         print(f"  guards: {guards}")
@@ -151,6 +153,22 @@ def _experts_line(spec) -> str:
             + (f"; {groups} groups, each expert's gradient summed over its {groups} holders" if groups > 1 else "")
             + f"); per worker {mine:,} of the {total:,} parameters: {mib(mine)} of parameters, "
             f"gradients and optimizer state (DDP: {mib(total)})")
+
+
+def _context_line(spec) -> str:
+    """How context parallelism splits each row, and what crosses between the workers."""
+    from baton.models import _on_meta
+
+    d, T = spec.parallel, spec.model.seq_len
+    block = next(m for m in _on_meta(spec.model).modules() if hasattr(m, "cp_problem"))
+    kv = getattr(block, "kv_heads", block.heads)
+    heads = f"{block.heads // d.cp} of the {block.heads} query heads" + (
+        f" and {kv // d.cp} of the {kv} key-value heads" if kv != block.heads else "")
+    return (f"context parallel: each row's {T:,} positions split over {d.cp} workers "
+            f"({T // d.cp:,} each, embedded, run and scored there); attention over all {T:,} "
+            f"for {heads} on each (two all-to-alls a block, and two in its backward); a "
+            f"replica's {d.cp} workers read the same rows, and every parameter's gradient is "
+            f"summed over all {d.dp * d.cp} workers")
 
 
 def _frozen_line(spec) -> str:

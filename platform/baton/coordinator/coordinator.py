@@ -121,7 +121,7 @@ class Coordinator:
         self.tracker = tracker
         self.dims = spec.dims()
         self.pp = spec.parallel.pp
-        self.per_replica = spec.per_replica  # workers a replica takes: pp x tp
+        self.per_replica = spec.per_replica  # workers a replica takes: pp x tp x cp
         self.scale = ScalePolicy(tuple(spec.valid_dps()), self.per_replica)  # within the ceiling
         self.failures = FailurePolicy(spec.elastic.max_failures)
         self.on_step = on_step  # called after every completed step (observers, fault tests)
@@ -650,7 +650,7 @@ class Coordinator:
         process group, models built from the seed (`keep_state`: the workers of the world
         before hold their state for `share_state`)."""
         dp = self.scale.target(len(members))
-        members = together(members, self.base.parallel.tp)
+        members = together(members, self.base.parallel.tp * self.base.parallel.cp)
         rest = members[dp * self.per_replica:]
         if rest_as_spares:
             self.group.keep_as_spares(rest)
@@ -760,7 +760,8 @@ class Coordinator:
                 **({"stage_layers": self.stage_layers} if self.dims.pp > 1 else {}),
                 **({"shard": self.spec.parallel.shard, "dp_shard": self.dims.dp_shard}
                    if self.spec.parallel.shard != "none" else {}),
-                **({"ep": self.spec.parallel.ep} if self.spec.parallel.ep > 1 else {})}
+                **({"ep": self.spec.parallel.ep} if self.spec.parallel.ep > 1 else {}),
+                **({"cp": self.dims.cp} if self.dims.cp > 1 else {})}
 
     def _submit(self, step: int) -> None:
         """Hand step `step` to the workers, queued behind the steps before it, with the
@@ -891,6 +892,7 @@ class Coordinator:
         return {"job": self.spec.name, "state": self.state.value, "step": self.step,
                 "steps": self.spec.train.steps, "dp": self.dims.dp, "pp": self.dims.pp,
                 **({"tp": self.dims.tp} if self.dims.tp > 1 else {}),
+                **({"cp": self.dims.cp} if self.dims.cp > 1 else {}),
                 "world_size": self.dims.world_size,
                 "workers_alive": len(self.group.actors) if self.group else 0,
                 # a growth's workers starting, and standby workers (elastic.spares, survivors)

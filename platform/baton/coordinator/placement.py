@@ -38,7 +38,7 @@ class NoQuota:
 
 
 def together(members: list, tp: int) -> list:
-    """`members` (actor, info) in rank order such that each replica's tp workers (tp
+    """`members` (actor, info) in rank order such that each replica's tp x cp workers (tp
     neighbouring ranks: parallel/mesh.py), whose collectives run in every layer, are on one
     node wherever the nodes allow: each node's workers in whole runs of tp first, then the
     rest, which a world that cannot use every worker leaves out first. Ray places workers

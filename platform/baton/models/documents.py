@@ -17,17 +17,35 @@ the forward then, after other micro-batches' forwards."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from baton.parallel.context import SequenceSplit
+
 
 @dataclass(frozen=True)
 class Documents:
-    mask: torch.Tensor  # (B, 1, T, T) bool: True where a query position may see a key position
+    # (B, 1, T, T) bool: True where a query position may see a key position; None: causal
+    mask: Optional[torch.Tensor]
     positions: torch.Tensor  # (B, T) int64: each token's position within its document
+    # context parallelism (parallel/context.py): the positions are this worker's part of the
+    # row's (B, T / cp), and attention exchanges its inputs and output over the cp workers
+    split: Optional["SequenceSplit"] = None
+
+    def part(self, split: "SequenceSplit") -> "Documents":
+        """These documents as `split`'s worker sees them: its part of the positions, the
+        mask over the whole row (attention runs over it, a cp-th of the heads a worker)."""
+        return Documents(self.mask, split.part(self.positions), split)
+
+
+def sequence_part(split: "SequenceSplit", rows: int, T: int, device) -> Documents:
+    """One long document a row (no data.document_mask), as `split`'s worker sees it."""
+    at = torch.arange(T, device=device).expand(rows, T)
+    return Documents(None, split.part(at), split)
 
 
 def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = None) -> Documents:
@@ -53,7 +71,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
     """Causal attention (B, heads, T, d), within each document where `docs` says where they
     are (data.document_mask); from position `start` on, of a sequence k and v hold from 0;
     each query to the `window` keys at and before it alone where a window is given
-    (Mistral's sliding window: transformers' `kv_idx > q_idx - sliding_window`)."""
+    (Mistral's sliding window: transformers' `kv_idx > q_idx - sliding_window`). Under
+    context parallelism (`docs.split`) q, k and v are this worker's part of the sequence, all
+    heads: attention runs over the whole sequence of a cp-th of them, and the output comes back
+    as the part."""
+    if docs is not None and docs.split is not None:
+        split = docs.split
+        q, k, v = split.whole_sequence(q, k, v)
+        return split.own_part(attention(q, k, v, Documents(docs.mask, docs.positions), start,
+                                        dropout, gqa, window))
     mask = docs.mask if docs is not None else None
     if window is not None and start + q.shape[2] > window:  # (a window the sequence passes)
         at = torch.arange(start, start + q.shape[2], device=q.device)[:, None]

@@ -69,6 +69,9 @@ class Block(nn.Module):
     def tp_problem(self, tp: int) -> str | None:
         return None if self.heads % tp == 0 else f"{self.heads} heads do not split over tp = {tp}"
 
+    def cp_problem(self, cp: int) -> str | None:
+        return None if self.heads % cp == 0 else f"its {self.heads} heads do not split over cp = {cp}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         return self.decode(x, None, 0)
 

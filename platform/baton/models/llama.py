@@ -159,6 +159,11 @@ class Block(nn.Module):
             return f"its key-value heads (model.options.kv_heads = {self.kv_heads}) do not split over tp = {tp}"
         return None
 
+    def cp_problem(self, cp: int) -> str | None:
+        if self.kv_heads % cp:
+            return f"its key-value heads (model.options.kv_heads = {self.kv_heads}) do not split over cp = {cp}"
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         return self.decode(x, None, 0)
 

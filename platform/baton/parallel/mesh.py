@@ -1,13 +1,14 @@
 """All rank arithmetic, in one place. Nobody else computes a rank or splits a batch by hand.
 
-Ranks are laid out pp-major, tp-minor: rank = (pp_rank * dp + dp_rank) * tp + tp_rank, so the
-tp workers that split one replica's layers (tensor parallelism) are neighbours (on one node,
-where they fit: their collectives run in every layer), the data-parallel ranks of a stage are
-a contiguous block and each pipeline is a column. With tp = 1, rank = pp_rank * dp + dp_rank.
+Ranks are laid out pp-major, tp-minor: rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp
++ tp_rank, so the tp workers that split one replica's layers (tensor parallelism) and the cp
+workers that split its rows' sequence (context parallelism) are neighbours (on one node, where
+they fit: their collectives run in every layer), the data-parallel ranks of a stage are
+a contiguous block and each pipeline is a column. With tp = cp = 1, rank = pp_rank * dp + dp_rank.
 Within a stage's dp replicas, dp_rank = replica_group * dp_shard + shard: sharding (FSDP2,
 ZeRO) splits state across the dp_shard ranks of one group and replicates it across the
-groups. That is torch's row-major `DeviceMesh` of shape (pp, dp_replicate, dp_shard, tp),
-which `device_mesh` builds.
+groups. That is torch's row-major `DeviceMesh` of shape (pp, dp_replicate, dp_shard, cp, tp),
+which `device_mesh` builds (without the cp and tp axes where they are 1).
 """
 
 from __future__ import annotations
@@ -25,40 +26,47 @@ class ParallelDims:
     pp: int = 1
     dp_shard: int = 1  # ranks that split one replica's state (1: every worker holds it whole)
     tp: int = 1  # workers that split each layer of a replica (tensor parallelism)
+    cp: int = 1  # workers that split each row's sequence (context parallelism)
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.pp < 1 or self.dp_shard < 1 or self.tp < 1:
+        if min(self.dp, self.pp, self.dp_shard, self.tp, self.cp) < 1:
             raise ValueError(f"parallel degrees must be >= 1, got dp={self.dp} pp={self.pp} "
-                             f"dp_shard={self.dp_shard} tp={self.tp}")
+                             f"dp_shard={self.dp_shard} tp={self.tp} cp={self.cp}")
         if self.dp % self.dp_shard:
             raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def per_replica(self) -> int:
-        """Workers that hold one replica between them: its stages, each split tp ways."""
-        return self.pp * self.tp
+        """Workers that hold one replica between them: its stages, each split tp ways, its
+        rows cp ways."""
+        return self.pp * self.cp * self.tp
 
     @property
     def dp_replicate(self) -> int:
         return self.dp // self.dp_shard
 
-    def rank(self, dp_rank: int, pp_rank: int = 0, tp_rank: int = 0) -> int:
+    def rank(self, dp_rank: int, pp_rank: int = 0, tp_rank: int = 0, cp_rank: int = 0) -> int:
         assert 0 <= dp_rank < self.dp and 0 <= pp_rank < self.pp and 0 <= tp_rank < self.tp
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        assert 0 <= cp_rank < self.cp
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(dp_rank, pp_rank) of a global rank."""
         assert 0 <= rank < self.world_size
-        rank //= self.tp
+        rank //= self.tp * self.cp
         return rank % self.dp, rank // self.dp
 
     def tp_rank(self, rank: int) -> int:
         """Which part of each of its layers a rank holds (0 without tensor parallelism)."""
         return rank % self.tp
+
+    def cp_rank(self, rank: int) -> int:
+        """Which part of each row's sequence a rank computes (0 without context parallelism)."""
+        return rank // self.tp % self.cp
 
     def dp_group(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
         """Ranks that hold the same stage (the same part of its layers) and average its
@@ -88,7 +96,8 @@ class ParallelDims:
         """Ranks that must hold identical parameters: for each stage, each shard and each part
         of its layers, its copies across the replica groups (every dp rank of a stage, when
         unsharded and whole)."""
-        return [[self.rank(g * self.dp_shard + s, p, t) for g in range(self.dp_replicate)]
+        return [[self.rank(g * self.dp_shard + s, p, t, c) for g in range(self.dp_replicate)
+                 for c in range(self.cp)]
                 for p in range(self.pp) for s in range(self.dp_shard) for t in range(self.tp)]
 
     def shard_groups(self, pp_rank: int = 0) -> list[list[int]]:
@@ -97,10 +106,11 @@ class ParallelDims:
                 for g in range(self.dp_replicate)]
 
     def device_mesh(self, device_type: str, timeout_s: float):
-        """torch's DeviceMesh of (pp, dp_replicate, dp_shard), and tp when tp > 1, over the
+        """torch's DeviceMesh of (pp, dp_replicate, dp_shard), and cp and tp where > 1, over the
         default process group (every rank must call it, in the same order). Every group the
         engines use comes from it: `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`,
-        `mesh["pp"]`, and with tp `mesh["tp"]` and `axis(mesh, "dp")` (both dp axes flattened); a
+        `mesh["pp"]`, with cp `mesh["cp"]`, and with tp `mesh["tp"]`; with either,
+        `axis(mesh, "dp")` (both dp axes flattened); a
         rank's group along an axis holds the ranks that differ from it only there (its dp
         group: those holding the same share of its stage). Each
         group gets the job's collective timeout: torch gives a mesh's groups its default (30
@@ -110,10 +120,11 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
-        axes = AXES + ("tp",) if self.tp > 1 else AXES
-        shape = (self.pp, self.dp_replicate, self.dp_shard) + ((self.tp,) if self.tp > 1 else ())
+        split = [(name, n) for name, n in (("cp", self.cp), ("tp", self.tp)) if n > 1]
+        axes = AXES + tuple(name for name, _ in split)
+        shape = (self.pp, self.dp_replicate, self.dp_shard) + tuple(n for _, n in split)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes)
-        if self.tp > 1:  # every dp rank of a stage's share, sharded or not (DDP's group)
+        if split:  # every dp rank of a stage's share, sharded or not (tp: DDP's group)
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
             axes += ("dp",)
         for name in axes:

@@ -19,20 +19,21 @@ from torch import nn
 from baton.checkpoint import sharded
 from baton.errors import WorkerError
 from baton.models import build_lazily, build_model, routed, sequential
-from baton.models.documents import attend_within, attending
+from baton.models.documents import Documents, attend_within, attending, sequence_part
 from baton.optim import average_pairs, averages_in
 from baton.parallel import ParallelDims
 from baton.parallel import comm, experts
 from baton.parallel import schedule as sched
 from baton.parallel.activations import checkpoint_activations
 from baton.parallel.compiled import compile_blocks
+from baton.parallel.context import SequenceSplit
 from baton.parallel.mesh import axis
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard,
                                      state_dicts)
 from baton.spec import JobSpec
-from baton.tasks import VALID, Counts, Sums, Task, example_inputs, to_device
+from baton.tasks import VALID, Counts, SequencePart, Sums, Task, example_inputs, to_device
 from baton.tracking.profile import profiled
 from baton.parallel import tensor
 from baton.training import clip_grads, local, make_optimizer, scale_to_norm, set_lr
@@ -157,7 +158,7 @@ class DataParallelEngine(_Engine):
         self.dp, self.tp = spec.parallel.dp, dims.tp
         level = spec.parallel.shard
         self.mesh = (dims.device_mesh(device.type, spec.parallel.timeout_s)
-                     if level != "none" or dims.tp > 1 or dims.dp_shard > 1 else None)
+                     if level != "none" or dims.tp > 1 or dims.dp_shard > 1 or dims.cp > 1 else None)
         # the ranks whose gradients are shards of one replica's (FSDP's levels)
         self.shard_group = (self.mesh["dp_shard"].get_group() if "grads" in SHARDED_PARTS[level]
                             else None)
@@ -170,8 +171,10 @@ class DataParallelEngine(_Engine):
                              else (build_model(spec.model, spec.train.seed), None))
         fill, wrapping = self._split(self.module, fill)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
-        # (expert parallelism's blocks stay eager: refused with compile: true, "auto" here)
-        compile_blocks(self.module, spec.train.compile if spec.parallel.ep == 1 else False, device.type)
+        # (expert and context parallelism's blocks stay eager: refused with compile: true,
+        # "auto" here)
+        eager = spec.parallel.ep > 1 or dims.cp > 1
+        compile_blocks(self.module, False if eager else spec.train.compile, device.type)
         self.replica = WRAPPINGS[level](self.module, self.mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
@@ -182,7 +185,8 @@ class DataParallelEngine(_Engine):
         # a forward waits for no peer where the parameters are whole and unsplit (DDP and
         # ZeRO-1 all-reduce in the backward; FSDP gathers, and tp all-reduces, in the forward)
         self.forwards = (Stopwatch(device) if "params" not in SHARDED_PARTS[level] and dims.tp == 1
-                         else None)
+                         and dims.cp == 1 else None)  # (cp: attention exchanges, all-to-all)
+        self.averaged_over = self.dp  # the workers DDP and FSDP average the gradients over
 
     def compute_s(self) -> Optional[float]:
         return self.forwards.read() if self.forwards else None
@@ -230,7 +234,8 @@ class DataParallelEngine(_Engine):
                 sync = i == len(micro) - 1
                 with contextlib.nullcontext() if sync else self.replica.no_sync():
                     ls = self._loss(batch_fn, rows, sums, self.forwards, weight)
-                    (ls * scale * self.dp).backward()  # DDP and FSDP average over dp; this undoes it
+                    # DDP and FSDP average over the replicas' workers; this undoes it
+                    (ls * scale * self.averaged_over).backward()
         return sums, extra
 
     def _loss(self, batch_fn: BatchFn, rows: np.ndarray, sums: Sums,
@@ -241,7 +246,7 @@ class DataParallelEngine(_Engine):
         for layer in self.routed:  # (which leave the padding row out too)
             layer.balance(batch[VALID], weight)
         if self.attending:  # (a backward follows at once: a recomputation sees these too)
-            attend_within(self.attending, self.task.documents(batch))
+            attend_within(self.attending, self._documents(batch))
         with watch.timed() if watch else contextlib.nullcontext():
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
                 output = self.wrapped(self.task.inputs(batch))
@@ -250,6 +255,10 @@ class DataParallelEngine(_Engine):
             metrics.update(_routing(self.routed, batch[VALID].sum()))
         sums.add(self.task, ls, metrics, batch)
         return ls
+
+    def _documents(self, batch: dict) -> Optional[Documents]:
+        """What the attending layers are told of a micro-batch (`attend_within`)."""
+        return self.task.documents(batch)
 
     def evaluate(self, micro: list[np.ndarray], batch_fn: BatchFn) -> dict:
         sums = Sums()
@@ -367,6 +376,31 @@ class ExpertParallelEngine(DataParallelEngine):
         dist.all_reduce(mine, group=self.ep.group)
         rest = sq([q.grad for q in self.module.parameters() if q.grad is not None and id(q) not in held])
         return scale_to_norm(grads, (rest + mine).sqrt(), self.spec.train.grad_clip)
+
+
+class ContextParallelEngine(DataParallelEngine):
+    """Data parallel replicas under DDP, each row's sequence split over parallel.cp workers
+    of a replica (parallel/context.py): each computes its part of the positions, attention
+    over the whole sequence for a cp-th of the heads; the parameters whole on every worker,
+    their gradients summed over the whole world (DDP's group: every replica's cp workers)."""
+
+    def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
+        super().__init__(spec, dims, device, task)
+        group = self.mesh["cp"]
+        self.split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size())
+        self.task = SequencePart(task, self.split)  # (the worker's own scales the loss)
+        self.attending = attending(self.module)  # every row: its part of the positions
+        self.averaged_over = self.dp * dims.cp
+
+    def replica_groups(self) -> list:
+        return [axis(self.mesh, "dp").get_group()]  # a replica's cp workers read the same rows
+
+    def _documents(self, batch: dict) -> Documents:
+        docs = self.task.documents(batch)  # (of the whole rows)
+        if docs is not None:
+            return docs.part(self.split)
+        rows, T = self.task.task.inputs(batch).shape
+        return sequence_part(self.split, rows, T, self.device)
 
 
 class TensorParallelEngine(DataParallelEngine):

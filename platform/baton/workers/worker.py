@@ -170,6 +170,7 @@ class Worker:
         self.spec, self.dims, self.rank = spec, dims, rank
         self.dp_rank, self.pp_rank = dims.coords(rank)
         self.tp_rank = dims.tp_rank(rank)
+        self.cp_rank = dims.cp_rank(rank)
         self.master_store = None  # the group's store, hosted by rank 0 (rendezvous_address)
 
     def ready(self) -> dict:
@@ -292,7 +293,8 @@ class Worker:
         self.eval_rows = UnitRows(self.shapes)  # and of evaluation's, kept apart
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         self.state_reported = False
-        from baton.workers.engines import (DataParallelEngine, ExpertParallelEngine,  # see _sharded
+        from baton.workers.engines import (ContextParallelEngine,  # see _sharded
+                                           DataParallelEngine, ExpertParallelEngine,
                                            PipelineEngine, TensorParallelEngine)
 
         if self.dims.pp > 1:
@@ -300,6 +302,8 @@ class Worker:
                                          self.task, self.shapes)
         elif self.dims.tp > 1:
             self.engine = TensorParallelEngine(spec, self.dims, self.rank, self.device, self.task)
+        elif self.dims.cp > 1:
+            self.engine = ContextParallelEngine(spec, self.dims, self.device, self.task)
         elif spec.parallel.ep > 1:
             self.engine = ExpertParallelEngine(spec, self.dims, self.device, self.task)
         else:
@@ -358,7 +362,7 @@ class Worker:
         out.update(self._compiled())
         out["memory"] = self._memory()
         self.last_step = step + 1
-        if self.ledger is not None and self.pp_rank == 0 and self.tp_rank == 0:
+        if self.ledger is not None and self.pp_rank == 0 and self.tp_rank == self.cp_rank == 0:
             self.ledger += [(step, self.rows.gather(rows)[0].tolist()) for rows in micro if len(rows)]
         return out
 

@@ -1,0 +1,65 @@
+"""Context parallelism (`parallel.cp`): each row's sequence split over cp workers, for rows
+longer than one worker's activations hold.
+
+The cp workers of a replica read the same rows; each embeds, runs every layer but attention
+on, and computes the loss of its own contiguous part of each row's positions (a cp-th of
+them). Attention needs every position: before it, an all-to-all turns each worker's queries,
+keys and values of its part of the sequence, all heads, into the whole sequence of a cp-th of
+the heads; attention runs there (causal, a document mask, a sliding window: whatever the
+model's attention does over a whole sequence); a second all-to-all turns the output back
+(DeepSpeed-Ulysses, Jacobs et al. 2023; torchtitan's ring attention is the other form, which
+needs no heads to divide but passes keys and values around a ring, one exchange a worker).
+Both all-to-alls are differentiable (torch's functional collective, its backward the
+all-to-all the other way), so the backward needs nothing more. The parameters stay whole on
+every worker: their gradients, each worker's of its part of the positions, are summed over
+the whole world by DDP. Each worker's activations outside attention are a cp-th of the
+row's; attention's are the whole sequence's for a cp-th of the heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """This worker's part of each row: positions [rank x part, (rank + 1) x part) of a
+    sequence of size x part, exchanged over `group` (the replica's cp workers)."""
+    group: Any
+    rank: int
+    size: int
+
+    def part(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This worker's contiguous part of `t` along `dim` (the sequence's)."""
+        n = t.shape[dim] // self.size
+        return t.narrow(dim, self.rank * n, n)
+
+    def whole_sequence(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Each of `xs` (B, heads, T / cp, d): every head of this worker's part of the
+        sequence -> (B, heads / cp, T, d): this worker's heads over the whole sequence. One
+        exchange for all of them (a block's queries, keys and values)."""
+        B, _, t, d = xs[0].shape
+        heads = [x.shape[1] // self.size for x in xs]
+        send = torch.cat([x.reshape(B, self.size, h, t, d) for x, h in zip(xs, heads)], 2)
+        got = self._exchange(send.transpose(0, 1).contiguous())  # (whose part, B, heads, t, d)
+        whole = got.permute(1, 2, 0, 3, 4).reshape(B, sum(heads), self.size * t, d)
+        return list(whole.split(heads, 1))
+
+    def own_part(self, y: torch.Tensor) -> torch.Tensor:
+        """`whole_sequence` undone: (B, heads / cp, T, d) -> (B, heads, T / cp, d)."""
+        B, h, T, d = y.shape
+        t = T // self.size
+        send = y.reshape(B, h, self.size, t, d).permute(2, 0, 1, 3, 4).contiguous()
+        got = self._exchange(send)  # (cp: whose heads, B, h, t, d)
+        return got.transpose(0, 1).reshape(B, h * self.size, t, d)
+
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        # (differentiable: its backward is the all-to-all the other way)
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        one = [1] * self.size  # (split sizes along dim 0: a row to and from each rank)
+        out = all_to_all_single_autograd(send.reshape(self.size, -1), one, one, self.group)
+        return out.reshape(send.shape)
