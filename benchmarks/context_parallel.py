@@ -5,8 +5,8 @@ One row of a long sequence through the built-in llama, its positions split over 
 `parallel.context.SequenceSplit`, `tasks.SequencePart`), forward and backward, for each cp
 given. Per worker, measured:
 - activations: the bytes the forward keeps for the backward (every tensor autograd saves,
-  through `torch.autograd.graph.saved_tensors_hooks`, each storage counted once): what a
-  sequence too long for one worker runs out of;
+  through `torch.autograd.graph.saved_tensors_hooks`, each storage counted once, the model's
+  own weights left out): what a sequence too long for one worker runs out of;
 - peak RSS: the process's high-water mark after the steps (torch's runtime, the model, its
   gradients and the activations);
 - step: the median of the steps' wall time (the slowest worker's), and tokens/s of the whole
@@ -57,9 +57,11 @@ def _worker(rank: int, port: int, cp: int, args, out: dict) -> None:
         if cp > 1:
             attend_within(attending(model), sequence_part(split, 1, args.seq_len, None))
         saved: dict = {}
+        weights = {q.untyped_storage().data_ptr() for q in model.parameters()}
 
-        def keep(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        def keep(t):  # (the weights a layer keeps for its backward are the model's, not counted)
+            if t.untyped_storage().data_ptr() not in weights:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
         times = []

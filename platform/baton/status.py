@@ -87,7 +87,7 @@ def describe(s: dict) -> list[str]:
     tps = f", {s['tokens_per_s']:,.0f} {s.get('unit', 'tokens')}/s" if s.get("tokens_per_s") else ""
     lines.append(f"  step {s['step']}/{s['steps']}{loss}{tps}")
     starting, spares = s.get("workers_starting", 0), s.get("spares", 0)  # absent from older files
-    tp = f" x tp {s['tp']}" if s.get("tp", 1) > 1 else ""
+    tp = "".join(f" x {k} {s[k]}" for k in ("tp", "cp") if s.get(k, 1) > 1)
     lines.append(f"  world: dp {s['dp']} x pp {s['pp']}{tp} = {s['world_size']} "
                  f"worker{'s' * (s['world_size'] != 1)}, "
                  f"{s['workers_alive']} alive"

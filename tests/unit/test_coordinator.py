@@ -89,6 +89,7 @@ def test_scale_policy_picks_the_largest_valid_world_that_fits():
 
 HYBRID, TP, TP_2D = ParallelDims(dp=4, dp_shard=2), ParallelDims(dp=2, tp=2), ParallelDims(dp=4, dp_shard=2, tp=2)
 TP_PP = ParallelDims(dp=2, pp=2, tp=2)  # rank = (pp_rank * 2 + dp_rank) * 2 + tp_rank
+CP = ParallelDims(dp=2, cp=2)  # rank = dp_rank * 2 + cp_rank: every rank holds the whole state
 
 
 @pytest.mark.parametrize("dims,left,writers", [
@@ -106,10 +107,12 @@ TP_PP = ParallelDims(dp=2, pp=2, tp=2)  # rank = (pp_rank * 2 + dp_rank) * 2 + t
     # pp 2 x tp 2: 4 parts (stage, share); rank 5 (stage 1, replica 0, share 1) lost
     (TP_PP, {r: 5 for r in range(8) if r != 5}, [0, 1, 4, 7]),
     (TP_PP, {r: 5 for r in range(8) if r not in (5, 7)}, None),  # stage 1's share 1 lost twice
+    (CP, {0: 5, 2: 5, 3: 5}, [0]),  # cp 2: rank 1 lost, any survivor holds the whole state
+    (CP, {3: 5}, [3]),
 ])
 def test_survivors_are_committed_when_every_part_has_one(tmp_path, dims, left, writers):
-    """Hybrid sharding (dp 4 in replica groups of 2), tensor parallelism (dp 2 x tp 2) and
-    both: the survivors' state of the last completed step (5) is committed when each part of
+    """Hybrid sharding (dp 4 in replica groups of 2), tensor parallelism (dp 2 x tp 2), both,
+    and context parallelism (dp 2 x cp 2, whose workers hold whole copies): the survivors' state of the last completed step (5) is committed when each part of
     a replica (each shard of each tp share) has a survivor holding it."""
 
     class Writes:

@@ -271,6 +271,14 @@ def test_parallel_dims_rank_arithmetic():
     assert dims.dp_group(1) == [3, 4, 5] and dims.pp_group(2) == [2, 5]
     with pytest.raises(ValueError):
         ParallelDims(dp=0)
+    # context parallelism: a replica's cp workers neighbours, reading its rows, each a copy
+    # of the whole state (one part: its copies are every rank)
+    cp = ParallelDims(dp=2, cp=2)
+    assert cp.world_size == 4 and cp.per_replica == 2 and cp.parts == 1
+    assert [(cp.coords(r), cp.cp_rank(r)) for r in range(4)] == [((0, 0), 0), ((0, 0), 1),
+                                                                 ((1, 0), 0), ((1, 0), 1)]
+    assert all(cp.rank(*cp.coords(r), cp_rank=cp.cp_rank(r)) == r for r in range(4))
+    assert cp.replica_groups() == [[0, 1, 2, 3]] and {cp.part_of(r) for r in range(4)} == {(0, 0, 0)}
 
 
 def test_data_prepare_command(tmp_path, capsys):

@@ -683,7 +683,8 @@ class Coordinator:
     def _load(self, meta: dict) -> None:
         """Load a committed checkpoint into the current world and rewind the run to it."""
         old = meta["layout"]
-        every_rng = len(meta.get("rng", [])) == old["dp"] * old["pp"] * old.get("tp", 1)
+        every_rng = len(meta.get("rng", [])) == (old["dp"] * old["pp"] * old.get("tp", 1)
+                                                 * old.get("cp", 1))
         t0 = time.perf_counter()
         self.group.call("load", self.store.root, meta["step"], old,
                         old == self._layout() and every_rng, what="loading the checkpoint",
