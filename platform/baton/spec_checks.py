@@ -520,8 +520,7 @@ def _check_context(spec: JobSpec, need) -> None:
              "mixtures of experts (their load-balancing loss is each whole sequence's)"),
             (p.tp == 1, "parallel.tp", p.tp, "tensor parallelism"),
             (p.pp == 1, "parallel.pp", p.pp, "pipeline stages"),
-            (p.shard == "none", "parallel.shard", p.shard, "ZeRO"),
-            (spec.train.compile is not True, "train.compile", spec.train.compile, "compiled blocks")):
+            (p.shard == "none", "parallel.shard", p.shard, "ZeRO")):
         need(ok, key, value, f"is not built with context parallelism (parallel.cp = {p.cp}) in "
              f"this version ({why}): use parallel.cp 1, or leave {key} out")
 

@@ -171,10 +171,8 @@ class DataParallelEngine(_Engine):
                              else (build_model(spec.model, spec.train.seed), None))
         fill, wrapping = self._split(self.module, fill)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
-        # (expert and context parallelism's blocks stay eager: refused with compile: true,
-        # "auto" here)
-        eager = spec.parallel.ep > 1 or dims.cp > 1
-        compile_blocks(self.module, False if eager else spec.train.compile, device.type)
+        # (expert parallelism's blocks stay eager: refused with compile: true, "auto" here)
+        compile_blocks(self.module, spec.train.compile if spec.parallel.ep == 1 else False, device.type)
         self.replica = WRAPPINGS[level](self.module, self.mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
