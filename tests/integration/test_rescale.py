@@ -321,7 +321,9 @@ def test_a_suspended_job_goes_on_before_a_lower_one_that_queued_meanwhile(tmp_pa
         elif suspended and not said:  # gone on: what `baton status` says of d once it
             deadline = time.monotonic() + 10  # has looked at the line again (every second)
             status = CheckpointStore(d_spec.checkpoint_dir).read_status()
-            while "b" not in status.get("in_line", {}).get("room_held_by", []) and time.monotonic() < deadline:
+            # c still holds its room until its run has ended (2 s of settling after b went on):
+            # wait for the look after that, or the line reads "held by b, c" (it did, once)
+            while status.get("in_line", {}).get("room_held_by") != ["b"] and time.monotonic() < deadline:
                 time.sleep(0.1)
                 status = CheckpointStore(d_spec.checkpoint_dir).read_status()
             said.extend(describe(status))
