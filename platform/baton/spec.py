@@ -414,8 +414,9 @@ class JobSpec:
         """This job's rank arithmetic (`baton.parallel.ParallelDims`)."""
         from baton.parallel import ParallelDims
 
-        return ParallelDims(self.parallel.dp, self.parallel.pp, self.dp_shard, self.parallel.tp,
-                            self.parallel.cp)
+        p = self.parallel
+        return ParallelDims(p.dp, p.pp, self.dp_shard, p.tp, p.cp,
+                            sharded_cp=p.cp > 1 and p.shard != "none")
 
     @property
     def per_replica(self) -> int:

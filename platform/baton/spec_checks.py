@@ -498,7 +498,8 @@ def _check_sequence(spec: JobSpec, need) -> None:
 def _check_context(spec: JobSpec, need) -> None:
     """Context parallelism (parallel.cp): this version's, for language modelling with the
     built-in models' blocks (gpt's, llama's, or a builder's made of them: their attention
-    takes the split) under DDP alone, every block's heads split evenly over the cp workers."""
+    takes the split) under DDP or ZeRO (sharded over dp_shard x cp), every block's heads split
+    evenly over the cp workers."""
     from baton.models import _on_meta, routed
 
     p, m = spec.parallel, spec.model
@@ -519,8 +520,7 @@ def _check_context(spec: JobSpec, need) -> None:
             (not routed(model), "model.options.experts", (m.options or {}).get("experts"),
              "mixtures of experts (their load-balancing loss is each whole sequence's)"),
             (p.tp == 1, "parallel.tp", p.tp, "tensor parallelism"),
-            (p.pp == 1, "parallel.pp", p.pp, "pipeline stages"),
-            (p.shard == "none", "parallel.shard", p.shard, "ZeRO")):
+            (p.pp == 1, "parallel.pp", p.pp, "pipeline stages")):
         need(ok, key, value, f"is not built with context parallelism (parallel.cp = {p.cp}) in "
              f"this version ({why}): use parallel.cp 1, or leave {key} out")
 
@@ -553,7 +553,7 @@ def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:
     p = spec.parallel
     need(p.shard != "none", "parallel.shard_group", p.shard_group,
          "hybrid sharding needs a shard level: set parallel.shard to optimizer, grads or full")
-    need(one_world or spec.dp_range[1] >= 2, "parallel.shard", p.shard,
+    need(one_world or spec.dp_range[1] >= 2 or p.cp > 1, "parallel.shard", p.shard,
          "sharding splits state across replicas and this job has one (parallel.dp and "
          "elastic.max_dp are 1); raise parallel.dp or use shard: none")
     need(p.pp == 1 or p.shard != "optimizer", "parallel.shard", p.shard,
@@ -561,8 +561,9 @@ def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:
          "ZeroRedundancyOptimizer steps through DDP, which pipelines do not use); use grads "
          "or full with pp")
     if p.shard_group is not None:
-        need(p.shard_group >= 2, "parallel.shard_group", p.shard_group,
-             "must be at least 2 (null shards across all of dp)")
+        least = 1 if p.cp > 1 else 2  # (1: over each replica's cp workers alone)
+        need(p.shard_group >= least, "parallel.shard_group", p.shard_group,
+             f"must be at least {least} (null shards across all of dp)")
         need(p.dp % p.shard_group == 0, "parallel.shard_group", p.shard_group,
              f"must divide parallel.dp = {p.dp} (hybrid sharding keeps whole groups)")
     if p.shard in ("grads", "full"):

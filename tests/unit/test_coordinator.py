@@ -90,6 +90,7 @@ def test_scale_policy_picks_the_largest_valid_world_that_fits():
 HYBRID, TP, TP_2D = ParallelDims(dp=4, dp_shard=2), ParallelDims(dp=2, tp=2), ParallelDims(dp=4, dp_shard=2, tp=2)
 TP_PP = ParallelDims(dp=2, pp=2, tp=2)  # rank = (pp_rank * 2 + dp_rank) * 2 + tp_rank
 CP = ParallelDims(dp=2, cp=2)  # rank = dp_rank * 2 + cp_rank: every rank holds the whole state
+CP_Z = ParallelDims(dp=2, cp=2, sharded_cp=True)  # ZeRO over each replica's cp workers: 2 parts
 
 
 @pytest.mark.parametrize("dims,left,writers", [
@@ -109,10 +110,13 @@ CP = ParallelDims(dp=2, cp=2)  # rank = dp_rank * 2 + cp_rank: every rank holds 
     (TP_PP, {r: 5 for r in range(8) if r not in (5, 7)}, None),  # stage 1's share 1 lost twice
     (CP, {0: 5, 2: 5, 3: 5}, [0]),  # cp 2: rank 1 lost, any survivor holds the whole state
     (CP, {3: 5}, [3]),
+    (CP_Z, {0: 5, 2: 5, 3: 5}, [0, 3]),  # rank 1 (cp part 1 of replica 0) lost: rank 3 holds it
+    (CP_Z, {0: 5, 2: 5}, None),  # cp part 1 lost with both its holders
 ])
 def test_survivors_are_committed_when_every_part_has_one(tmp_path, dims, left, writers):
     """Hybrid sharding (dp 4 in replica groups of 2), tensor parallelism (dp 2 x tp 2), both,
-    and context parallelism (dp 2 x cp 2, whose workers hold whole copies): the survivors' state of the last completed step (5) is committed when each part of
+    and context parallelism (dp 2 x cp 2, whose workers hold whole copies, or under ZeRO
+    halves): the survivors' state of the last completed step (5) is committed when each part of
     a replica (each shard of each tp share) has a survivor holding it."""
 
     class Writes:

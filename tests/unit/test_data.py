@@ -279,6 +279,13 @@ def test_parallel_dims_rank_arithmetic():
                                                                  ((1, 0), 0), ((1, 0), 1)]
     assert all(cp.rank(*cp.coords(r), cp_rank=cp.cp_rank(r)) == r for r in range(4))
     assert cp.replica_groups() == [[0, 1, 2, 3]] and {cp.part_of(r) for r in range(4)} == {(0, 0, 0)}
+    # sharded (ZeRO with cp): a replica's cp workers split the state too, shard = dp shard x cp
+    z = ParallelDims(dp=4, dp_shard=2, cp=2, sharded_cp=True)  # rank = dp_rank * 2 + cp_rank
+    assert z.shards == 4 and z.parts == 4 and z.dp_replicate == 2
+    assert [z.part_of(r)[1] for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert z.replica_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert z.shard_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ParallelDims(dp=4, dp_shard=2, cp=2).shard_groups() == [[0, 2], [4, 6]]  # (copies: c 0)
 
 
 def test_data_prepare_command(tmp_path, capsys):

@@ -90,6 +90,22 @@ def test_layers_are_filled_in_order_only():
         fill([module[1]])
 
 
+@pytest.mark.parametrize("rule", [None, lambda name, p: nn.init.normal_(p)], ids=["constructors", "rule"])
+def test_layers_without_parameters_are_filled_with_the_next_one_asked_for(rule):
+    """FSDP's units are the layers that hold parameters, filled first, then the rest: a
+    parameterless layer before them (a user's sleep or reshape ahead of the embedding) is
+    filled with the first later layer asked for, not refused as passed over."""
+    layers = Layers([nn.ReLU, lambda: nn.Linear(4, 4), nn.ReLU, lambda: nn.Linear(4, 4)], rule)
+    torch.manual_seed(2)
+    whole = layers.build()
+    lazy = LayerByLayer(layers, seed=2)
+    for unit in blocks(lazy.module):  # (the two Linears)
+        lazy.fill([unit])
+    lazy.fill(lazy.module.children())  # the root: what no unit holds
+    same(lazy.module, whole)
+    assert lazy.filled == {0, 1, 2, 3}
+
+
 class Counted:
     """Layer constructors that count how many of the layers they made in memory (not on the
     meta device) are alive at once."""

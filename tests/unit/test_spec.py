@@ -360,8 +360,6 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
     ({}, {"cp": 2, "tp": 2}, "parallel.tp: 2 is invalid; is not built with context parallelism "
      "(parallel.cp = 2) in this version (tensor parallelism): use parallel.cp 1, or leave "
      "parallel.tp out"),
-    ({}, {"dp": 2, "cp": 2, "shard": "optimizer"}, "parallel.shard: 'optimizer' is invalid; is not built "
-     "with context parallelism"),
     ({}, {"cp": 2, "pp": 2}, "parallel.pp: 2 is invalid; is not built with context parallelism")])
 def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
@@ -375,11 +373,11 @@ def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, 
 
 def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
     data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
-    job = write_spec(tmp_path / "job.yaml", tiny_spec(
-        tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
-        parallel={"dp": 2, "cp": 2}, model={"name": "llama", "layers": 2, "width": 32, "heads": 4,
-                                            "seq_len": 32, "options": {"kv_heads": 2}}))
-    assert cli.main(["validate", str(job)]) == 0
+    raw = tiny_spec(tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
+                    parallel={"dp": 2, "cp": 2}, model={"name": "llama", "layers": 2, "width": 32,
+                                                        "heads": 4, "seq_len": 32,
+                                                        "options": {"kv_heads": 2}})
+    assert cli.main(["validate", str(write_spec(tmp_path / "job.yaml", raw))]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "llama, dp=2 pp=1 cp=2, " in out[0], out[0]
     assert ("  context parallel: each row's 32 positions split over 2 workers (16 each, embedded, "
@@ -387,6 +385,13 @@ def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
             "the 2 key-value heads on each (two all-to-alls a block, and two in its backward); a "
             "replica's 2 workers read the same rows, and every parameter's gradient is summed "
             "over all 4 workers") in out, out
+    # sharded, the state splits over every replica's cp workers too: 4 ways, 2 copies of each
+    job = write_spec(tmp_path / "sharded.yaml", {
+        **raw, "parallel": {**raw["parallel"], "shard": "full", "shard_group": 1}})
+    assert cli.main(["validate", str(job)]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("  sharding: "))
+    assert line.startswith("  sharding: full (ZeRO-3) over 2 replica groups of 2 (1 replica x 2 "
+                           "cp workers) (hybrid); per worker: "), line
 
 
 @pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,

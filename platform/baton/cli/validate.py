@@ -112,7 +112,8 @@ def _sharding_line(spec) -> str:
     from baton.parallel.schedule import stage_of
     from baton.parallel.sharding import NAMES, estimate_bytes
 
-    d, shards = spec.parallel, spec.dp_shard
+    d, dims = spec.parallel, spec.dims()
+    shards = dims.shards  # (a replica's cp workers split its state too)
     held = [counts(layer) for layer in sequential(adapted_on_meta(spec.model), spec.model.name)]
     trained, n = map(sum, zip(*held))
     if d.pp > 1:  # the pipeline rank with the most parameters (partition: time, estimated so)
@@ -125,8 +126,11 @@ def _sharding_line(spec) -> str:
     averaged = spec.train.ema is not None
     mine, ddp = (estimate_bytes(n, d.shard, shards, averaged, trained),
                  estimate_bytes(n, "none", 1, averaged, trained))
-    groups = d.dp // shards
-    layout = (f"{groups} replica groups of {shards} (hybrid)" if groups > 1 else f"{shards} workers")
+    groups = dims.dp_replicate
+    of = (f" ({dims.dp_shard} replica{'s' * (dims.dp_shard > 1)} x {d.cp} cp workers)"
+          if dims.sharded_cp else "")
+    layout = (f"{groups} replica groups of {shards}{of} (hybrid)" if groups > 1
+              else f"{shards} workers{of}")
     if d.pp > 1:
         layout += f" in each of {d.pp} pipeline stages (the largest stage's share)"
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731

@@ -39,7 +39,9 @@ class LayerByLayer:
     """`layers`' model on the meta device (`module`); `fill(modules)` gives those of its layers
     their values, as `layers.build()` after `torch.manual_seed(seed)` would. Layers must be
     asked for in the model's order: the stream only goes forward (a layer passed over without
-    being asked for cannot be filled later)."""
+    being asked for cannot be filled later). Layers without parameters, which no one asks for
+    first (FSDP's units and pipeline stages are the layers that hold parameters), are filled
+    with the first later layer asked for."""
 
     def __init__(self, layers: Layers, seed: int, weights=None,
                  adapt: Optional[Callable[[nn.Module, str], None]] = None):
@@ -61,7 +63,12 @@ class LayerByLayer:
         self.filled: set[int] = set()
 
     def fill(self, modules: Iterable[nn.Module]) -> None:
-        for i in sorted({self._position[id(m)] for m in modules} - self.filled):
+        asked = {self._position[id(m)] for m in modules}
+        # (a user's layer with none before its embedding, helpers.slow_llama's sleep: once
+        # passed over by ZeRO-3's first unit, "layer 0 was passed over")
+        bare = {i for i in range(max(asked, default=0))
+                if not any(True for _ in self.module[i].parameters())}
+        for i in sorted((asked | bare) - self.filled):
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(self._rng)
                 layer = self._make(i) if self.layers.init is None else self._make_and_set(i)

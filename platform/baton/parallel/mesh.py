@@ -7,8 +7,10 @@ they fit: their collectives run in every layer), the data-parallel ranks of a st
 a contiguous block and each pipeline is a column. With tp = cp = 1, rank = pp_rank * dp + dp_rank.
 Within a stage's dp replicas, dp_rank = replica_group * dp_shard + shard: sharding (FSDP2,
 ZeRO) splits state across the dp_shard ranks of one group and replicates it across the
-groups. That is torch's row-major `DeviceMesh` of shape (pp, dp_replicate, dp_shard, cp, tp),
-which `device_mesh` builds (without the cp and tp axes where they are 1).
+groups; with context parallelism it splits it over each of those ranks' cp workers too
+(`sharded_cp`: torchtitan's dp_shard x cp), whose parameters are otherwise copies. That is
+torch's row-major `DeviceMesh` of shape (pp, dp_replicate, dp_shard, cp, tp), which
+`device_mesh` builds (without the cp and tp axes where they are 1).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ParallelDims:
     dp_shard: int = 1  # ranks that split one replica's state (1: every worker holds it whole)
     tp: int = 1  # workers that split each layer of a replica (tensor parallelism)
     cp: int = 1  # workers that split each row's sequence (context parallelism)
+    sharded_cp: bool = False  # the state split over the cp workers too (ZeRO with cp > 1)
 
     def __post_init__(self) -> None:
         if min(self.dp, self.pp, self.dp_shard, self.tp, self.cp) < 1:
@@ -85,32 +88,47 @@ class ParallelDims:
         """Which part of a replica's state a rank holds: (its stage, its shard of that stage,
         its share of the stage's layers). Ranks that hold the same part hold copies of it."""
         dp_rank, pp_rank = self.coords(rank)
-        return pp_rank, dp_rank % self.dp_shard, self.tp_rank(rank)
+        shard = dp_rank % self.dp_shard
+        if self.sharded_cp:
+            shard = shard * self.cp + self.cp_rank(rank)
+        return pp_rank, shard, self.tp_rank(rank)
+
+    @property
+    def shards(self) -> int:
+        """Workers that split one copy of a stage's state (of one share of its layers)."""
+        return self.dp_shard * (self.cp if self.sharded_cp else 1)
 
     @property
     def parts(self) -> int:
         """How many parts one replica's state is held in (`part_of`)."""
-        return self.pp * self.dp_shard * self.tp
+        return self.pp * self.shards * self.tp
+
+    def _split_over(self) -> tuple[range, range]:
+        """(the cp ranks that hold different parts, those that hold copies of each)."""
+        return (range(self.cp), range(1)) if self.sharded_cp else (range(1), range(self.cp))
 
     def replica_groups(self) -> list[list[int]]:
         """Ranks that must hold identical parameters: for each stage, each shard and each part
         of its layers, its copies across the replica groups (every dp rank of a stage, when
-        unsharded and whole)."""
-        return [[self.rank(g * self.dp_shard + s, p, t, c) for g in range(self.dp_replicate)
-                 for c in range(self.cp)]
-                for p in range(self.pp) for s in range(self.dp_shard) for t in range(self.tp)]
+        unsharded and whole; its cp workers too, unless they split the state)."""
+        split, copies = self._split_over()
+        return [[self.rank(g * self.dp_shard + s, p, t, c + k) for g in range(self.dp_replicate)
+                 for k in copies]
+                for p in range(self.pp) for s in range(self.dp_shard) for c in split
+                for t in range(self.tp)]
 
     def shard_groups(self, pp_rank: int = 0) -> list[list[int]]:
         """The sets of ranks that together hold one whole copy of a stage's sharded state."""
-        return [[self.rank(g * self.dp_shard + s, pp_rank) for s in range(self.dp_shard)]
-                for g in range(self.dp_replicate)]
+        split, _ = self._split_over()
+        return [[self.rank(g * self.dp_shard + s, pp_rank, 0, c) for s in range(self.dp_shard)
+                 for c in split] for g in range(self.dp_replicate)]
 
     def device_mesh(self, device_type: str, timeout_s: float):
         """torch's DeviceMesh of (pp, dp_replicate, dp_shard), and cp and tp where > 1, over the
         default process group (every rank must call it, in the same order). Every group the
-        engines use comes from it: `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`,
-        `mesh["pp"]`, with cp `mesh["cp"]`, and with tp `mesh["tp"]`; with either,
-        `axis(mesh, "dp")` (both dp axes flattened); a
+        engines use comes from it: `mesh["pp"]`, with cp `mesh["cp"]`, and with tp
+        `mesh["tp"]`; with either, `axis(mesh, "dp")` (both dp axes flattened); the sharding's
+        (`sharding`) and with `sharded_cp` the flattened "dp_shard_cp"; a
         rank's group along an axis holds the ranks that differ from it only there (its dp
         group: those holding the same share of its stage). Each
         group gets the job's collective timeout: torch gives a mesh's groups its default (30
@@ -127,6 +145,9 @@ class ParallelDims:
         if split:  # every dp rank of a stage's share, sharded or not (tp: DDP's group)
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
             axes += ("dp",)
+        if self.sharded_cp:  # the workers that split a copy of the state
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            axes += ("dp_shard_cp",)
         for name in axes:
             _set_pg_timeout(timedelta(seconds=timeout_s), axis(mesh, name).get_group())
         return mesh
@@ -148,3 +169,17 @@ def axis(mesh, name: str):
     of every tensor-parallel `baton run`, once per worker (Ray forwards workers' stderr)."""
     flattened = getattr(mesh, "_flatten_mapping", {})
     return flattened[name] if name in flattened else mesh[name]
+
+
+def sharding(mesh):
+    """The 2-D mesh (replicas, shards) that a stage's state is sharded over: (dp_replicate,
+    dp_shard), or with `sharded_cp` (dp_replicate, dp_shard x cp). Its group along dimension 1
+    holds the workers that split one copy (ZeRO-1's, FSDP's reduce-scatter). Put together from
+    the root's axes, not sliced out of it by a flattened name (torch 2.13 warns of that:
+    `axis`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    flattened = getattr(mesh, "_flatten_mapping", {})
+    if "dp_shard_cp" in flattened:
+        return DeviceMesh._concatenate([mesh["dp_replicate"], flattened["dp_shard_cp"]])
+    return mesh["dp_replicate", "dp_shard"]

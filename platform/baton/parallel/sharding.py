@@ -12,7 +12,9 @@
 
 FSDP2 wraps each repeated block and then the root, over the mesh's (dp_replicate, dp_shard)
 axes: with one replica group that is plain FSDP; with several (`parallel.shard_group`) it is
-hybrid sharding, which keeps a whole copy of the state in every group.
+hybrid sharding, which keeps a whole copy of the state in every group. With context
+parallelism the shard axis is dp_shard x cp (`mesh.sharding`): a replica's cp workers hold the
+same parameters, so they split them as the dp_shard ranks do (torchtitan's "dp_shard_cp").
 
 Each wrapping gives the engine the same few things (the module to run, the optimizer, a
 context that skips gradient synchronisation, the state as name-keyed tensors to save and load),
@@ -35,6 +37,7 @@ from baton.checkpoint import filter_optim_state, sharded
 from baton.models import blocks
 from baton.optim import average_pairs, fitted, keeps_average
 from baton.parallel import comm
+from baton.parallel.mesh import sharding
 from baton.spec import TrainSpec
 from baton.training import make_optimizer, optimizer_class, param_groups
 
@@ -151,7 +154,7 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
     cls, kwargs = optimizer_class(train)
     optimizer = ZeroRedundancyOptimizer(param_groups(module, train), optimizer_class=cls,
-                                        process_group=mesh["dp_shard"].get_group(), **kwargs)
+                                        process_group=sharding(mesh).get_group(1), **kwargs)
     zero = _ZeroState(module, optimizer)
     return Replica(module, wrapped, optimizer, wrapped.no_sync, True, zero.state_dicts,
                    zero.load_full, zero.load_sharded, lambda: comm.forget(state), zero.averages)
@@ -175,7 +178,7 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
-    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    dp_mesh = sharding(mesh)
     # bf16 compute with fp32 master weights (on CPU too, where train.precision: bf16 asks for
     # it); gradients reduced in fp32 unless parallel.grad_comm: bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if train.precision == "bf16" else None,
@@ -191,7 +194,7 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     if fill is not None:
         fill(module.children())
     shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
-    if dist.get_backend(dp_mesh["dp_shard"].get_group()) == "gloo":
+    if dist.get_backend(dp_mesh.get_group(1)) == "gloo":
         reduce_scatter = comm.fsdp_reduce_scatter()  # stateless: one for every unit
         for unit in [g[0] for g in groups] + [module]:  # a unit's blocks share one FSDP state
             unit.set_custom_reduce_scatter(reduce_scatter)

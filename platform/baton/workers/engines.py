@@ -27,7 +27,7 @@ from baton.parallel import schedule as sched
 from baton.parallel.activations import checkpoint_activations
 from baton.parallel.compiled import compile_blocks
 from baton.parallel.context import SequenceSplit
-from baton.parallel.mesh import axis
+from baton.parallel.mesh import axis, sharding
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard,
@@ -160,7 +160,7 @@ class DataParallelEngine(_Engine):
         self.mesh = (dims.device_mesh(device.type, spec.parallel.timeout_s)
                      if level != "none" or dims.tp > 1 or dims.dp_shard > 1 or dims.cp > 1 else None)
         # the ranks whose gradients are shards of one replica's (FSDP's levels)
-        self.shard_group = (self.mesh["dp_shard"].get_group() if "grads" in SHARDED_PARTS[level]
+        self.shard_group = (sharding(self.mesh).get_group(1) if "grads" in SHARDED_PARTS[level]
                             else None)
         # built on the host; the wrapping puts it on the device (sharded: unit by unit). With
         # its parameters sharded or split (tp), the model starts on the meta device and each
