@@ -247,7 +247,7 @@ def test_a_killed_context_parallel_worker_loses_no_completed_step(tmp_path, data
     each_sample_once(result, 5)
     fast = dataclasses.replace(spec, model=dataclasses.replace(
         spec.model, options={**spec.model.options, "seconds": 0}))
-    assert_like_one_process(fast, data, result, 5)  # measured: 1.4e-5 (1.7e-5 under DDP)
+    assert_like_one_process(fast, data, result, 5)  # measured: 1.4e-5 (1.7e-5 when this case ran DDP)
 
 
 def test_a_killed_expert_holder_loses_no_completed_step_while_its_experts_survive(tmp_path, data):

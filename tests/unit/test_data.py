@@ -284,8 +284,8 @@ def test_parallel_dims_rank_arithmetic():
     assert z.shards == 4 and z.parts == 4 and z.dp_replicate == 2
     assert [z.part_of(r)[1] for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert z.replica_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert z.shard_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert ParallelDims(dp=4, dp_shard=2, cp=2).shard_groups() == [[0, 2], [4, 6]]  # (copies: c 0)
+    # unsharded over cp, a replica's cp workers are copies: 2 parts, each held by 4 ranks
+    assert ParallelDims(dp=4, dp_shard=2, cp=2).replica_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def test_data_prepare_command(tmp_path, capsys):

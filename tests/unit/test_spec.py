@@ -385,7 +385,7 @@ def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
             "the 2 key-value heads on each (two all-to-alls a block, and two in its backward); a "
             "replica's 2 workers read the same rows, and every parameter's gradient is summed "
             "over all 4 workers") in out, out
-    # sharded, the state splits over every replica's cp workers too: 4 ways, 2 copies of each
+    # sharded with shard_group 1: each replica's 2 cp workers split the state, a copy a replica
     job = write_spec(tmp_path / "sharded.yaml", {
         **raw, "parallel": {**raw["parallel"], "shard": "full", "shard_group": 1}})
     assert cli.main(["validate", str(job)]) == 0

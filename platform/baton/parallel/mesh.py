@@ -103,25 +103,15 @@ class ParallelDims:
         """How many parts one replica's state is held in (`part_of`)."""
         return self.pp * self.shards * self.tp
 
-    def _split_over(self) -> tuple[range, range]:
-        """(the cp ranks that hold different parts, those that hold copies of each)."""
-        return (range(self.cp), range(1)) if self.sharded_cp else (range(1), range(self.cp))
-
     def replica_groups(self) -> list[list[int]]:
-        """Ranks that must hold identical parameters: for each stage, each shard and each part
-        of its layers, its copies across the replica groups (every dp rank of a stage, when
-        unsharded and whole; its cp workers too, unless they split the state)."""
-        split, copies = self._split_over()
-        return [[self.rank(g * self.dp_shard + s, p, t, c + k) for g in range(self.dp_replicate)
-                 for k in copies]
-                for p in range(self.pp) for s in range(self.dp_shard) for c in split
-                for t in range(self.tp)]
-
-    def shard_groups(self, pp_rank: int = 0) -> list[list[int]]:
-        """The sets of ranks that together hold one whole copy of a stage's sharded state."""
-        split, _ = self._split_over()
-        return [[self.rank(g * self.dp_shard + s, pp_rank, 0, c) for s in range(self.dp_shard)
-                 for c in split] for g in range(self.dp_replicate)]
+        """Ranks that must hold identical parameters: those that hold the same part
+        (`part_of`), for each stage, each shard and each share of its layers in turn (every
+        dp rank of a stage, when unsharded and whole; its cp workers too, unless they split
+        the state)."""
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            groups.setdefault(self.part_of(rank), []).append(rank)
+        return [groups[part] for part in sorted(groups)]
 
     def device_mesh(self, device_type: str, timeout_s: float):
         """torch's DeviceMesh of (pp, dp_replicate, dp_shard), and cp and tp where > 1, over the
