@@ -490,16 +490,19 @@ def _check_sequence(spec: JobSpec, need) -> None:
                      (p.pp == 1 or "." not in (start or ""),
                       f"in a pipeline the module marked tp_sequence_after must be one of the "
                       f"model's layers, not {start!r} inside one"),
-                     (m.seq_len % max(p.tp, 1) == 0,
-                      f"splits model.seq_len = {m.seq_len} over tp = {p.tp}: make it a multiple")):
+                     (m.seq_len % max(p.tp * p.cp, 1) == 0,
+                      f"splits model.seq_len = {m.seq_len} over tp = {p.tp}"
+                      + (f", each of cp = {p.cp} parts of it" if p.cp > 1 else "")
+                      + f": make it a multiple of {p.tp * p.cp}")):
         need(ok, key, p.sequence_parallel, what)
 
 
 def _check_context(spec: JobSpec, need) -> None:
     """Context parallelism (parallel.cp): this version's, for language modelling with the
     built-in models' blocks (gpt's, llama's, or a builder's made of them: their attention
-    takes the split) under DDP or ZeRO (sharded over dp_shard x cp), every block's heads split
-    evenly over the cp workers."""
+    takes the split) under DDP or ZeRO (sharded over dp_shard x cp) and with tensor
+    parallelism, every block's heads split evenly over the cp workers (a tp-th of them
+    each)."""
     from baton.models import _on_meta, routed
 
     p, m = spec.parallel, spec.model
@@ -513,13 +516,12 @@ def _check_context(spec: JobSpec, need) -> None:
          f"model {m.name!r} has no block whose attention takes a split sequence (the built-in "
          "gpt's and llama's blocks, with a cp_problem method: docs/parallelism.md)")
     problem = next((f"{m.name}'s layer {path}: {why}" for path, layer in blocks
-                    if (why := layer.cp_problem(p.cp))), None)
+                    if (why := layer.cp_problem(p.cp, p.tp))), None)
     need(problem is None, "parallel.cp", p.cp, f"{problem}: each cp worker attends with a "
-         "cp-th of every block's heads")
+         "cp-th of every block's heads" + (" (of its tp worker's share)" if p.tp > 1 else ""))
     for ok, key, value, why in (
             (not routed(model), "model.options.experts", (m.options or {}).get("experts"),
              "mixtures of experts (their load-balancing loss is each whole sequence's)"),
-            (p.tp == 1, "parallel.tp", p.tp, "tensor parallelism"),
             (p.pp == 1, "parallel.pp", p.pp, "pipeline stages")):
         need(ok, key, value, f"is not built with context parallelism (parallel.cp = {p.cp}) in "
              f"this version ({why}): use parallel.cp 1, or leave {key} out")

@@ -118,6 +118,8 @@ class SequencePart(Task):
     count that part's terms, so that the sums of a replica's cp workers add up to the
     replica's. Where the documents are is read from the whole rows."""
 
+    split_logits = LanguageModel.split_logits  # (under tensor parallelism too)
+
     def __init__(self, task: LanguageModel, split):
         self.task, self.split = task, split
         self.name, self.needs, self.metrics = task.name, task.needs, task.metrics
@@ -128,7 +130,15 @@ class SequencePart(Task):
         return self.split.part(self.task.inputs(batch))
 
     def documents(self, batch: dict, device=None):
-        return self.task.documents(batch, device)
+        """What this worker's attending layers are told of a batch: every row's documents
+        (found in the whole row; one a row without data.document_mask) as its part sees them."""
+        from baton.models.documents import sequence_part
+
+        docs = self.task.documents(batch, device)
+        if docs is not None:
+            return docs.part(self.split)
+        tokens = self.task.inputs(batch)
+        return sequence_part(self.split, *tokens.shape, device or tokens.device)
 
     def loss(self, output, batch):
         return loss_sum(output, self.split.part(self.task.labels(batch))), {}

@@ -357,9 +357,13 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
      "'mlp' has no block whose attention takes a split sequence"),
     ({"options": {"experts": 4}}, {"cp": 2}, "model.options.experts: 4 is invalid; is not built with "
      "context parallelism (parallel.cp = 2) in this version (mixtures of experts"),
-    ({}, {"cp": 2, "tp": 2}, "parallel.tp: 2 is invalid; is not built with context parallelism "
-     "(parallel.cp = 2) in this version (tensor parallelism): use parallel.cp 1, or leave "
-     "parallel.tp out"),
+    # with tensor parallelism each cp worker holds a tp-th of the heads: tp x cp must divide them
+    ({"options": {"kv_heads": 2}}, {"cp": 2, "tp": 2}, "parallel.cp: 2 is invalid; llama's layer 1: "
+     "its key-value heads (model.options.kv_heads = 2) do not split over tp x cp = 2 x 2: each cp "
+     "worker attends with a cp-th of every block's heads (of its tp worker's share)"),
+    ({"seq_len": 36}, {"cp": 2, "tp": 4, "sequence_parallel": True}, "parallel.sequence_parallel: "
+     "True is invalid; splits model.seq_len = 36 over tp = 4, each of cp = 2 parts of it: make it "
+     "a multiple of 8"),
     ({}, {"cp": 2, "pp": 2}, "parallel.pp: 2 is invalid; is not built with context parallelism")])
 def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
@@ -392,6 +396,19 @@ def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
     line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("  sharding: "))
     assert line.startswith("  sharding: full (ZeRO-3) over 2 replica groups of 2 (1 replica x 2 "
                            "cp workers) (hybrid); per worker: "), line
+    # with tensor parallelism: a quarter of the heads a worker, each share's holders
+    job = write_spec(tmp_path / "tp.yaml", {
+        **raw, "parallel": {**raw["parallel"], "tp": 2, "shard": "full"},
+        "model": {**raw["model"], "options": {"kv_heads": 4}}})
+    assert cli.main(["validate", str(job)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "llama, dp=2 pp=1 tp=2 cp=2, " in out[0], out[0]
+    assert any(s.startswith("  tensor parallel: ") and "full (ZeRO-3) over the 4 workers holding "
+               "each share" in s for s in out), out
+    assert ("  context parallel: each row's 32 positions split over 2 workers (16 each, embedded, "
+            "run and scored there); attention over all 32 for 1 of the 4 query heads on each (two "
+            "all-to-alls a block, and two in its backward); a replica's 4 workers read the same "
+            "rows, and each tp share's gradients are summed over the 4 workers holding it") in out, out
 
 
 @pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,

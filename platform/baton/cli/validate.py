@@ -166,13 +166,15 @@ def _context_line(spec) -> str:
     d, T = spec.parallel, spec.model.seq_len
     block = next(m for m in _on_meta(spec.model).modules() if hasattr(m, "cp_problem"))
     kv = getattr(block, "kv_heads", block.heads)
-    heads = f"{block.heads // d.cp} of the {block.heads} query heads" + (
-        f" and {kv // d.cp} of the {kv} key-value heads" if kv != block.heads else "")
+    ways = d.cp * d.tp  # (under tensor parallelism a cp worker holds a tp-th of the heads)
+    heads = f"{block.heads // ways} of the {block.heads} query heads" + (
+        f" and {kv // ways} of the {kv} key-value heads" if kv != block.heads else "")
+    held = (f"every parameter's gradient is summed over all {d.dp * d.cp} workers" if d.tp == 1
+            else f"each tp share's gradients are summed over the {d.dp * d.cp} workers holding it")
     return (f"context parallel: each row's {T:,} positions split over {d.cp} workers "
             f"({T // d.cp:,} each, embedded, run and scored there); attention over all {T:,} "
             f"for {heads} on each (two all-to-alls a block, and two in its backward); a "
-            f"replica's {d.cp} workers read the same rows, and every parameter's gradient is "
-            f"summed over all {d.dp * d.cp} workers")
+            f"replica's {d.cp * d.tp} workers read the same rows, and {held}")
 
 
 def _frozen_line(spec) -> str:
@@ -221,9 +223,10 @@ def _tensor_line(spec) -> str:
     splits = split_layers(model, 0, d.tp, None)
     trained, mine = counts(model)
     averaged = spec.train.ema is not None
-    held = sum(estimate_bytes(mine, d.shard, spec.dp_shard, averaged, trained).values())
+    shards = spec.dims().shards  # (with cp: each replica's cp workers split its state too)
+    held = sum(estimate_bytes(mine, d.shard, shards, averaged, trained).values())
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731 (fp32 parameters, gradients, AdamW's two moments)
-    sharded = (f", {d.shard} ({NAMES[d.shard]}) over the {spec.dp_shard} workers holding each share"
+    sharded = (f", {d.shard} ({NAMES[d.shard]}) over the {shards} workers holding each share"
                if d.shard != "none" else "")
     return (f"tensor parallel: {len({n.rsplit('.', 1)[0] for n in splits})} layers split "
             f"over {d.tp} workers{sharded}; per worker {mine:,} of the {whole[1]:,} "

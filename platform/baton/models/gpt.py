@@ -12,6 +12,7 @@ from torch import nn
 
 from baton.models.documents import Documents, attention
 from baton.models.layers import Layers
+from baton.parallel.context import ways
 
 
 class Embedding(nn.Module):
@@ -69,8 +70,10 @@ class Block(nn.Module):
     def tp_problem(self, tp: int) -> str | None:
         return None if self.heads % tp == 0 else f"{self.heads} heads do not split over tp = {tp}"
 
-    def cp_problem(self, cp: int) -> str | None:
-        return None if self.heads % cp == 0 else f"its {self.heads} heads do not split over cp = {cp}"
+    def cp_problem(self, cp: int, tp: int = 1) -> str | None:
+        """Why its heads do not split over cp workers (each holding a tp-th of them)."""
+        return (None if self.heads % (cp * tp) == 0
+                else f"its {self.heads} heads do not split over {ways(cp, tp)}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         return self.decode(x, None, 0)

@@ -32,6 +32,7 @@ from torch import nn
 
 from baton.models.documents import Documents, attention
 from baton.models.layers import Layers
+from baton.parallel.context import ways
 
 NORM_EPS = 1e-5  # RMSNorm's epsilon when model.options.norm_eps is not given (rms_norm_eps)
 ROPE_THETA = 10_000  # the rotary embedding's base when model.options.rope_theta is not given
@@ -159,9 +160,11 @@ class Block(nn.Module):
             return f"its key-value heads (model.options.kv_heads = {self.kv_heads}) do not split over tp = {tp}"
         return None
 
-    def cp_problem(self, cp: int) -> str | None:
-        if self.kv_heads % cp:
-            return f"its key-value heads (model.options.kv_heads = {self.kv_heads}) do not split over cp = {cp}"
+    def cp_problem(self, cp: int, tp: int = 1) -> str | None:
+        """Why its heads do not split over cp workers (each holding a tp-th of them)."""
+        if self.kv_heads % (cp * tp):
+            return (f"its key-value heads (model.options.kv_heads = {self.kv_heads}) do not split "
+                    f"over {ways(cp, tp)}")
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)

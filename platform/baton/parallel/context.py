@@ -24,6 +24,12 @@ from typing import Any
 import torch
 
 
+def ways(cp: int, tp: int = 1) -> str:
+    """How many ways a block's heads split, in a refusal: over the cp workers, each of which
+    holds a tp-th of them under tensor parallelism."""
+    return f"tp x cp = {tp} x {cp}" if tp > 1 else f"cp = {cp}"
+
+
 @dataclass(frozen=True)
 class SequenceSplit:
     """This worker's part of each row: positions [rank x part, (rank + 1) x part) of a

@@ -117,8 +117,9 @@ class ParallelDims:
         """torch's DeviceMesh of (pp, dp_replicate, dp_shard), and cp and tp where > 1, over the
         default process group (every rank must call it, in the same order). Every group the
         engines use comes from it: `mesh["pp"]`, with cp `mesh["cp"]`, and with tp
-        `mesh["tp"]`; with either, `axis(mesh, "dp")` (both dp axes flattened); the sharding's
-        (`sharding`) and with `sharded_cp` the flattened "dp_shard_cp"; a
+        `mesh["tp"]`; with either, `axis(mesh, "dp")` (both dp axes flattened), with both
+        "dp_cp" (and the cp axis: the ranks holding one share whose gradients DDP sums); the
+        sharding's (`sharding`) and with `sharded_cp` the flattened "dp_shard_cp"; a
         rank's group along an axis holds the ranks that differ from it only there (its dp
         group: those holding the same share of its stage). Each
         group gets the job's collective timeout: torch gives a mesh's groups its default (30
@@ -135,6 +136,9 @@ class ParallelDims:
         if split:  # every dp rank of a stage's share, sharded or not (tp: DDP's group)
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
             axes += ("dp",)
+        if self.cp > 1 and self.tp > 1:  # with their cp workers (tp: DDP's group under cp)
+            mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            axes += ("dp_cp",)
         if self.sharded_cp:  # the workers that split a copy of the state
             mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             axes += ("dp_shard_cp",)

@@ -19,7 +19,7 @@ from torch import nn
 from baton.checkpoint import sharded
 from baton.errors import WorkerError
 from baton.models import build_lazily, build_model, routed, sequential
-from baton.models.documents import Documents, attend_within, attending, sequence_part
+from baton.models.documents import attend_within, attending
 from baton.optim import average_pairs, averages_in
 from baton.parallel import ParallelDims
 from baton.parallel import comm, experts
@@ -152,6 +152,12 @@ def _own_seed(spec: JobSpec, rank: int) -> int:
 
 
 class DataParallelEngine(_Engine):
+    """Data parallel replicas of the whole model (pp = 1), under DDP or sharded (ZeRO), each
+    row's sequence split over parallel.cp workers of a replica where cp > 1
+    (parallel/context.py: each computes its part of the positions, attention over the whole
+    sequence for a cp-th of the heads; the parameters' gradients summed over the replicas' cp
+    workers too)."""
+
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         self.spec, self.device, self.task = spec, device, task
         self.bf16 = spec.train.precision == "bf16"
@@ -166,6 +172,11 @@ class DataParallelEngine(_Engine):
         # its parameters sharded or split (tp), the model starts on the meta device and each
         # unit gets its values as FSDP shards it, or each layer as it is split, so the host
         # never holds the whole model (models/layers.py)
+        self.split = None  # (context parallelism: each row's positions split over cp workers)
+        if dims.cp > 1:
+            group = self.mesh["cp"]
+            self.split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size())
+            self.task = SequencePart(task, self.split)  # (the worker's own scales the loss)
         self.module, fill = (build_lazily(spec.model, spec.train.seed)
                              if "params" in SHARDED_PARTS[level] or dims.tp > 1
                              else (build_model(spec.model, spec.train.seed), None))
@@ -179,19 +190,23 @@ class DataParallelEngine(_Engine):
         self.wrapped, self.optimizer = self.replica.wrapped, self.replica.optimizer
         self.sharded = self.replica.sharded
         self.routed = routed(self.module)  # (a mixture of experts' blocks)
-        self.attending = _attending(self.module, task, spec.model.name)
+        # (under cp every row: each worker is told its part of the positions)
+        self.attending = (attending(self.module) if self.split
+                          else _attending(self.module, task, spec.model.name))
         # a forward waits for no peer where the parameters are whole and unsplit (DDP and
         # ZeRO-1 all-reduce in the backward; FSDP gathers, and tp all-reduces, in the forward)
         self.forwards = (Stopwatch(device) if "params" not in SHARDED_PARTS[level] and dims.tp == 1
                          and dims.cp == 1 else None)  # (cp: attention exchanges, all-to-all)
-        self.averaged_over = self.dp  # the workers DDP and FSDP average the gradients over
+        # the workers DDP and FSDP average the gradients over (a replica's cp workers too)
+        self.averaged_over = self.dp * dims.cp
 
     def compute_s(self) -> Optional[float]:
         return self.forwards.read() if self.forwards else None
 
     def replica_groups(self) -> list:
-        # a replica's tp workers read the same rows: their dp group, one worker of each replica
-        return [axis(self.mesh, "dp").get_group()] if self.tp > 1 else [None]
+        # a replica's tp and cp workers read the same rows: their dp group, one worker of each
+        # replica
+        return [axis(self.mesh, "dp").get_group()] if self.tp > 1 or self.split else [None]
 
     def forget_comm(self) -> None:
         self.replica.forget_comm()
@@ -244,7 +259,7 @@ class DataParallelEngine(_Engine):
         for layer in self.routed:  # (which leave the padding row out too)
             layer.balance(batch[VALID], weight)
         if self.attending:  # (a backward follows at once: a recomputation sees these too)
-            attend_within(self.attending, self._documents(batch))
+            attend_within(self.attending, self.task.documents(batch))
         with watch.timed() if watch else contextlib.nullcontext():
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
                 output = self.wrapped(self.task.inputs(batch))
@@ -253,10 +268,6 @@ class DataParallelEngine(_Engine):
             metrics.update(_routing(self.routed, batch[VALID].sum()))
         sums.add(self.task, ls, metrics, batch)
         return ls
-
-    def _documents(self, batch: dict) -> Optional[Documents]:
-        """What the attending layers are told of a micro-batch (`attend_within`)."""
-        return self.task.documents(batch)
 
     def evaluate(self, micro: list[np.ndarray], batch_fn: BatchFn) -> dict:
         sums = Sums()
@@ -376,31 +387,6 @@ class ExpertParallelEngine(DataParallelEngine):
         return scale_to_norm(grads, (rest + mine).sqrt(), self.spec.train.grad_clip)
 
 
-class ContextParallelEngine(DataParallelEngine):
-    """Data parallel replicas under DDP, each row's sequence split over parallel.cp workers
-    of a replica (parallel/context.py): each computes its part of the positions, attention
-    over the whole sequence for a cp-th of the heads; the parameters whole on every worker,
-    their gradients summed over the whole world (DDP's group: every replica's cp workers)."""
-
-    def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
-        super().__init__(spec, dims, device, task)
-        group = self.mesh["cp"]
-        self.split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size())
-        self.task = SequencePart(task, self.split)  # (the worker's own scales the loss)
-        self.attending = attending(self.module)  # every row: its part of the positions
-        self.averaged_over = self.dp * dims.cp
-
-    def replica_groups(self) -> list:
-        return [axis(self.mesh, "dp").get_group()]  # a replica's cp workers read the same rows
-
-    def _documents(self, batch: dict) -> Documents:
-        docs = self.task.documents(batch)  # (of the whole rows)
-        if docs is not None:
-            return docs.part(self.split)
-        rows, T = self.task.task.inputs(batch).shape
-        return sequence_part(self.split, rows, T, self.device)
-
-
 class TensorParallelEngine(DataParallelEngine):
     """Data parallel replicas (DDP, or FSDP2 over the workers that hold the same share: 2D
     parallelism), each split over parallel.tp workers (parallel/tensor.py). Every worker saves
@@ -419,7 +405,8 @@ class TensorParallelEngine(DataParallelEngine):
                                     self.spec.parallel.sequence_parallel,
                                     getattr(self.task, "split_logits", False),
                                     random=self.own_random)
-        return None, {"group": axis(self.mesh, "dp").get_group()}  # DDP's: every replica of the share
+        # DDP's group: every replica of the share (and their cp workers)
+        return None, {"group": axis(self.mesh, "dp_cp" if self.split else "dp").get_group()}
 
     def load_state_dicts(self, model_state: dict, optim_state: dict) -> None:
         self.replica.load_full(*self.shares.take(model_state, optim_state))

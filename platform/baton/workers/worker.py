@@ -293,8 +293,7 @@ class Worker:
         self.eval_rows = UnitRows(self.shapes)  # and of evaluation's, kept apart
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         self.state_reported = False
-        from baton.workers.engines import (ContextParallelEngine,  # see _sharded
-                                           DataParallelEngine, ExpertParallelEngine,
+        from baton.workers.engines import (DataParallelEngine, ExpertParallelEngine,  # see _sharded
                                            PipelineEngine, TensorParallelEngine)
 
         if self.dims.pp > 1:
@@ -302,8 +301,6 @@ class Worker:
                                          self.task, self.shapes)
         elif self.dims.tp > 1:
             self.engine = TensorParallelEngine(spec, self.dims, self.rank, self.device, self.task)
-        elif self.dims.cp > 1:
-            self.engine = ContextParallelEngine(spec, self.dims, self.device, self.task)
         elif spec.parallel.ep > 1:
             self.engine = ExpertParallelEngine(spec, self.dims, self.device, self.task)
         else:
