@@ -254,6 +254,11 @@ class ParallelSpec:
     # (each embeds and computes the loss of its part; attention gathers the whole sequence
     # for its share of the heads, all-to-all: parallel/context.py)
     cp: int = 1
+    # how a cp worker's attention sees the whole sequence: all_to_all (DeepSpeed-Ulysses: a
+    # cp-th of the heads over every position; tp x cp must divide the heads) or all_gather
+    # (Llama 3's: its own positions' queries over every position's keys and values, gathered;
+    # any number of heads)
+    cp_attention: Literal["all_to_all", "all_gather"] = "all_to_all"
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,8 @@ def check_values(spec: JobSpec, source: str, one_world: bool = False) -> None:
         _check_experts(spec, need)
     if p.cp > 1:
         _check_context(spec, need)
+    need(p.cp > 1 or p.cp_attention == "all_to_all", "parallel.cp_attention", p.cp_attention,
+         "says how context parallelism's workers attend: set parallel.cp > 1, or leave it out")
     if p.pp > 1 or p.schedule == "interleaved-1f1b" or p.chunks or p.partition != "params":
         _check_pipeline(spec, source, need)
 
@@ -516,9 +518,10 @@ def _check_context(spec: JobSpec, need) -> None:
          f"model {m.name!r} has no block whose attention takes a split sequence (the built-in "
          "gpt's and llama's blocks, with a cp_problem method: docs/parallelism.md)")
     problem = next((f"{m.name}'s layer {path}: {why}" for path, layer in blocks
-                    if (why := layer.cp_problem(p.cp, p.tp))), None)
+                    if p.cp_attention == "all_to_all" and (why := layer.cp_problem(p.cp, p.tp))), None)
     need(problem is None, "parallel.cp", p.cp, f"{problem}: each cp worker attends with a "
-         "cp-th of every block's heads" + (" (of its tp worker's share)" if p.tp > 1 else ""))
+         "cp-th of every block's heads" + (" (of its tp worker's share)" if p.tp > 1 else "")
+         + "; parallel.cp_attention: all_gather splits none")
     for ok, key, value, why in (
             (not routed(model), "model.options.experts", (m.options or {}).get("experts"),
              "mixtures of experts (their load-balancing loss is each whole sequence's)"),

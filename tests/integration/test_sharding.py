@@ -198,7 +198,8 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     attention over all 32 for 4 of the llama's 8 query heads and 2 of its 4 key-value heads,
     all-to-all), each line of the rows a document (data.document_mask): dp 1 (2 workers), then
     resumed at dp 2 under ZeRO-3 (4 workers, the state sharded over all of them: dp_shard 2 x
-    cp 2) and at dp 1 x tp 2 x cp 2 under sequence parallelism (4 workers, each with half of
+    cp 2) with keys and values gathered instead (cp_attention: all_gather, every query head
+    over all 32), and at dp 1 x tp 2 x cp 2 under sequence parallelism (4 workers, each with half of
     every layer, half of the positions, a quarter of them in its norms, and 2 query heads
     and 1 key-value head over all 32 in attention): one process's numbers."""
     llama = {**MODELS["mixtral"], "heads": 8, "options": {"kv_heads": 4, "hidden": 32}}
@@ -211,7 +212,8 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     assert result.state == "finished" and len(result.workers) == 2
     assert_like_one_process(spec, data, result, 2)  # measured: 2.7e-6 at most
     wider = spec_from_dict({**raw, "train": {**raw["train"], "steps": 3},
-                            "parallel": {**raw["parallel"], "dp": 2, "shard": "full"}})
+                            "parallel": {**raw["parallel"], "dp": 2, "shard": "full",
+                                         "cp_attention": "all_gather"}})
     result = api.run(wider, show_progress=False)
     assert result.resumed_from == 2 and len(result.workers) == 4
     assert {w["wrapper"] for w in result.workers} == {"FSDPSequential"}

@@ -27,13 +27,13 @@ WINDOW = ModelSpec(name="llama", layers=2, width=16, heads=4, seq_len=8, vocab_s
 
 
 def _worker(rank: int, port: int, base: ModelSpec, masked: bool, out: str,
-            compiled: bool = False) -> None:
+            compiled: bool = False, gather: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
         whole, model = build_model(base, 0), build_model(base, 0)
         blocks = compile_blocks(model, True, "cpu") if compiled else 0
-        split = SequenceSplit(dist.group.WORLD, rank, 2)
+        split = SequenceSplit(dist.group.WORLD, rank, 2, gather)
         eod = 0 if masked else None
         task = LanguageModel(base.seq_len, masked=True, eod=eod)
         part = SequencePart(task, split)
@@ -72,42 +72,50 @@ def _worker(rank: int, port: int, base: ModelSpec, masked: bool, out: str,
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("base,masked", [(GPT, False), (LLAMA, False), (GPT, True), (WINDOW, True)],
-                         ids=["gpt", "llama", "gpt-documents", "llama-window-documents"])
-def test_two_workers_each_on_half_the_sequence_compute_what_the_whole_model_does(tmp_path, base, masked):
+@pytest.mark.parametrize("base,masked,gather", [
+    (GPT, False, False), (LLAMA, False, False), (GPT, True, False), (WINDOW, True, False),
+    (GPT, False, True), (WINDOW, True, True)],
+    ids=["gpt", "llama", "gpt-documents", "llama-window-documents", "gpt-all-gather",
+         "llama-window-documents-all-gather"])
+def test_two_workers_each_on_half_the_sequence_compute_what_the_whole_model_does(tmp_path, base,
+                                                                                 masked, gather):
     """A GPT (4 heads, 2 a worker) and a llama (grouped-query: 4 query heads on 2 key-value
     heads, one of each a worker), plain, with documents kept apart, and with Mistral's
     sliding window: the logits of the two halves are the whole model's, the losses and the
-    targets they count add up to its, and so do the gradients."""
-    _spawn(_worker, 2, base, masked, str(tmp_path))
+    targets they count add up to its, and so do the gradients. The same with keys and
+    values gathered (parallel.cp_attention: all_gather): each worker's queries, every head,
+    over all positions' keys and values."""
+    _spawn(_worker, 2, base, masked, str(tmp_path), False, gather)
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
-        # measured: the logits equal (each position's computed as the whole model does);
-        # the summed loss 3.8e-6 apart (gpt; 0 otherwise) of about 45; gradients 2.5e-7 of
-        # a parameter's largest element (sums in another order); the tensor-parallel tests'
-        # bounds. Attention on each half alone fails all four
+        # measured: the logits equal (each position's computed as the whole model does;
+        # gathered, 7.5e-9 and 1.5e-8 of 0.27 at most); the summed loss 3.8e-6 apart (0 in
+        # some cases) of about 45; gradients 3.3e-7 of a parameter's largest element (sums
+        # in another order); the tensor-parallel tests' bounds. Attention on each half alone
+        # fails every case; gathered, each worker's mask rows as the first worker's fail both
         assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r
-        print(r)
         assert r["count"] == (13, 13)  # 16 targets, 3 of them a prompt's: each counted once
         assert r["block_output"] == [(2, 4, 16)]  # every block on its half of the positions
 
 
-def test_compiled_blocks_exchange_the_sequence_as_eager_ones_do(tmp_path):
-    """train.compile with parallel.cp: each block compiled whole, its all-to-alls torch's
-    functional collectives, which the compiler traces; what the whole model does, within the
-    eager test's bounds (measured: logits 3.0e-8 of 0.24, the loss equal, gradients 3.6e-7
-    of a parameter's largest element), documents kept apart."""
+@pytest.mark.parametrize("gather", [False, True], ids=["all-to-all", "all-gather"])
+def test_compiled_blocks_exchange_the_sequence_as_eager_ones_do(tmp_path, gather):
+    """train.compile with parallel.cp: each block compiled whole, its all-to-alls (or its
+    all-gather) torch's functional collectives, which the compiler traces; what the whole
+    model does, within the eager test's bounds (measured: logits 3.0e-8 of 0.24, the loss
+    equal, gradients 3.6e-7 of a parameter's largest element; gathered: 7.5e-9, 0 and 3.3e-7),
+    documents kept apart."""
     require_cxx()
-    _spawn(_worker, 2, GPT, True, str(tmp_path), True)
+    _spawn(_worker, 2, GPT, True, str(tmp_path), True, gather)
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
         assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r
-        print(r)
         # (the GPT's 4 layers compiled: embedding, 2 blocks, head)
         assert r["count"] == (13, 13) and r["block_output"] == [(2, 4, 16)] and r["compiled"] == 4
 
 
-def _tp_cp_worker(rank: int, port: int, base: ModelSpec, sequence: bool, out: str) -> None:
+def _tp_cp_worker(rank: int, port: int, base: ModelSpec, sequence: bool, out: str,
+                  gather: bool = False) -> None:
     """One of 4 workers of a replica split tp 2 x cp 2 (rank = cp_rank x 2 + tp_rank, as
     `ParallelDims` lays them out): its tp share of every layer, its half of the positions."""
     from baton.parallel.tensor import Shares
@@ -122,7 +130,7 @@ def _tp_cp_worker(rank: int, port: int, base: ModelSpec, sequence: bool, out: st
         tp, cp = tps[cp_rank], cps[tp_rank]
         whole, model = build_model(base, 0), build_model(base, 0)
         shares = Shares(model, tp_rank, 2, tp, sequence=sequence, split_logits=True)
-        split = SequenceSplit(cp, cp_rank, 2)
+        split = SequenceSplit(cp, cp_rank, 2, gather)
         task = LanguageModel(base.seq_len, masked=True, eod=0)
         part = SequencePart(task, split)
         g = torch.Generator().manual_seed(1)
@@ -158,19 +166,23 @@ def _tp_cp_worker(rank: int, port: int, base: ModelSpec, sequence: bool, out: st
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("base,sequence", [(GPT, True), (LLAMA4, False)],
-                         ids=["gpt-sequence-parallel", "llama"])
-def test_tensor_and_context_parallel_workers_compute_what_the_whole_model_does(tmp_path, base, sequence):
+@pytest.mark.parametrize("base,sequence,gather", [(GPT, True, False), (LLAMA4, False, False),
+                                                  (LLAMA, True, True)],
+                         ids=["gpt-sequence-parallel", "llama", "llama-gqa-all-gather"])
+def test_tensor_and_context_parallel_workers_compute_what_the_whole_model_does(tmp_path, base,
+                                                                               sequence, gather):
     """tp 2 x cp 2: each of 4 workers holds half of every layer (each block's heads, the
     vocabulary's logits) and runs half of each row's positions; attention exchanges its heads'
     queries, keys and values over its cp pair (a quarter of the heads each over the whole
     sequence). Documents kept apart; the GPT's under sequence parallelism too (its norms on a
-    quarter of the positions)."""
-    _spawn(_tp_cp_worker, 4, base, sequence, str(tmp_path))
+    quarter of the positions). Keys and values gathered instead (all_gather): the llama's 2
+    key-value heads, one a tp worker, which an exchange of heads over tp x cp = 4 cannot split."""
+    _spawn(_tp_cp_worker, 4, base, sequence, str(tmp_path), gather)
     for rank in range(4):
         r = torch.load(tmp_path / f"{rank}.pt")
-        # measured: logits 3.0e-8 (gpt) and 4.5e-8 (llama) of at most 0.27, the summed loss
-        # 0 and 3.8e-6, gradients 3.4e-7 and 3.0e-7 of a parameter's largest element; the
-        # tensor- and context-parallel tests' bounds. Each worker attending to its own half
-        # alone: logits 0.025 and 0.032 apart, gradients 1.2 and 1.0
+        # measured: logits 3.0e-8 (gpt), 4.5e-8 (llama) and 3.0e-8 (gathered) of at most
+        # 0.27, the summed loss 0, 3.8e-6 and 0, gradients 3.4e-7, 3.0e-7 and 4.0e-7 of a
+        # parameter's largest element; the tensor- and context-parallel tests' bounds. Each
+        # worker attending to its own half alone: logits 0.025 and 0.032 apart, gradients
+        # 1.2 and 1.0
         assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r

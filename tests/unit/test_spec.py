@@ -348,7 +348,7 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
 @pytest.mark.parametrize("model,parallel,message", [
     ({"options": {"kv_heads": 2}}, {"cp": 4}, "parallel.cp: 4 is invalid; llama's layer 1: its "
      "key-value heads (model.options.kv_heads = 2) do not split over cp = 4: each cp worker "
-     "attends with a cp-th of every block's heads"),
+     "attends with a cp-th of every block's heads; parallel.cp_attention: all_gather splits none"),
     ({"name": "gpt", "heads": 2, "options": {}}, {"cp": 4}, "parallel.cp: 4 is invalid; gpt's layer 1: its 2 "
      "heads do not split over cp = 4: each cp worker attends with a cp-th of every block's heads"),
     ({"seq_len": 30}, {"cp": 4}, "parallel.cp: 4 is invalid; splits model.seq_len = 30 into equal "
@@ -364,7 +364,11 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
     ({"seq_len": 36}, {"cp": 2, "tp": 4, "sequence_parallel": True}, "parallel.sequence_parallel: "
      "True is invalid; splits model.seq_len = 36 over tp = 4, each of cp = 2 parts of it: make it "
      "a multiple of 8"),
-    ({}, {"cp": 2, "pp": 2}, "parallel.pp: 2 is invalid; is not built with context parallelism")])
+    ({}, {"cp": 2, "pp": 2}, "parallel.pp: 2 is invalid; is not built with context parallelism"),
+    ({}, {"cp_attention": "all_gather"}, "parallel.cp_attention: 'all_gather' is invalid; says how "
+     "context parallelism's workers attend: set parallel.cp > 1, or leave it out"),
+    ({}, {"cp": 2, "cp_attention": "ring"}, "parallel.cp_attention: 'ring' is not one of "
+     "all_to_all | all_gather")])
 def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
                     parallel={"dp": 1, **parallel},
@@ -409,6 +413,15 @@ def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
             "run and scored there); attention over all 32 for 1 of the 4 query heads on each (two "
             "all-to-alls a block, and two in its backward); a replica's 4 workers read the same "
             "rows, and each tp share's gradients are summed over the 4 workers holding it") in out, out
+    # keys and values gathered: no heads divided (the 2 key-value heads over tp 2 x cp 2 too)
+    job = write_spec(tmp_path / "gather.yaml", {
+        **raw, "parallel": {**raw["parallel"], "tp": 2, "cp_attention": "all_gather"}})
+    assert cli.main(["validate", str(job)]) == 0
+    assert ("  context parallel: each row's 32 positions split over 2 workers (16 each, embedded, "
+            "run and scored there); attention of its positions, 2 query heads, over all 32 "
+            "positions' keys and values (one all-gather a block, a reduce-scatter in its "
+            "backward); a replica's 4 workers read the same rows, and each tp share's gradients "
+            "are summed over the 4 workers holding it") in capsys.readouterr().out.splitlines()
 
 
 @pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,

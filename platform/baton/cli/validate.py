@@ -169,11 +169,16 @@ def _context_line(spec) -> str:
     ways = d.cp * d.tp  # (under tensor parallelism a cp worker holds a tp-th of the heads)
     heads = f"{block.heads // ways} of the {block.heads} query heads" + (
         f" and {kv // ways} of the {kv} key-value heads" if kv != block.heads else "")
+    attend = (f"attention over all {T:,} for {heads} on each (two all-to-alls a block, and two "
+              "in its backward)")
+    if d.cp_attention == "all_gather":
+        mine = f"{block.heads // d.tp} query heads" if d.tp > 1 else "every query head"
+        attend = (f"attention of its positions, {mine}, over all {T:,} positions' keys and "
+                  f"values (one all-gather a block, a reduce-scatter in its backward)")
     held = (f"every parameter's gradient is summed over all {d.dp * d.cp} workers" if d.tp == 1
             else f"each tp share's gradients are summed over the {d.dp * d.cp} workers holding it")
     return (f"context parallel: each row's {T:,} positions split over {d.cp} workers "
-            f"({T // d.cp:,} each, embedded, run and scored there); attention over all {T:,} "
-            f"for {heads} on each (two all-to-alls a block, and two in its backward); a "
+            f"({T // d.cp:,} each, embedded, run and scored there); {attend}; a "
             f"replica's {d.cp * d.tp} workers read the same rows, and {held}")
 
 

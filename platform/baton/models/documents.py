@@ -74,7 +74,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
     (Mistral's sliding window: transformers' `kv_idx > q_idx - sliding_window`). Under
     context parallelism (`docs.split`) q, k and v are this worker's part of the sequence, all
     heads: attention runs over the whole sequence of a cp-th of them, and the output comes back
-    as the part."""
+    as the part; or, where the split gathers (parallel.cp_attention: all_gather), its queries
+    attend over every position's keys and values, gathered."""
+    if docs is not None and docs.split is not None and docs.split.gather:
+        # this worker's queries over every position's keys and values: its rows of the mask
+        # (of the documents', or causal), its positions counted from its part's first
+        t, first = q.shape[2], docs.split.rank * q.shape[2]
+        k, v = docs.split.gathered(k, v)
+        at = torch.arange(first, first + t, device=q.device)[:, None]
+        mask = (docs.mask[:, :, first:first + t] if docs.mask is not None
+                else at >= torch.arange(k.shape[2], device=q.device)[None, :])
+        return attention(q, k, v, Documents(mask, docs.positions), first, dropout, gqa, window)
     if docs is not None and docs.split is not None:
         split = docs.split
         q, k, v = split.whole_sequence(q, k, v)

@@ -33,10 +33,13 @@ def ways(cp: int, tp: int = 1) -> str:
 @dataclass(frozen=True)
 class SequenceSplit:
     """This worker's part of each row: positions [rank x part, (rank + 1) x part) of a
-    sequence of size x part, exchanged over `group` (the replica's cp workers)."""
+    sequence of size x part, exchanged over `group` (the replica's cp workers). `gather`
+    (parallel.cp_attention: all_gather): attention gathers every position's keys and values
+    (`gathered`) instead of exchanging heads (`whole_sequence`, `own_part`)."""
     group: Any
     rank: int
     size: int
+    gather: bool = False
 
     def part(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This worker's contiguous part of `t` along `dim` (the sequence's)."""
@@ -61,6 +64,17 @@ class SequenceSplit:
         send = y.reshape(B, h, self.size, t, d).permute(2, 0, 1, 3, 4).contiguous()
         got = self._exchange(send)  # (cp: whose heads, B, h, t, d)
         return got.transpose(0, 1).reshape(B, h * self.size, t, d)
+
+    def gathered(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, kv heads, T / cp, d) of this worker's part -> of every
+        position (B, kv heads, T, d): one all-gather for both (its backward a reduce-scatter:
+        each worker gets its positions' gradients summed over the workers that attended to
+        them)."""
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+
+        both = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # (t, 2, B, heads, d)
+        whole = all_gather_single_autograd(both, 0, self.group)  # (workers' parts in order)
+        return tuple(whole.permute(1, 2, 3, 0, 4).unbind(0))
 
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
         # (differentiable: its backward is the all-to-all the other way)

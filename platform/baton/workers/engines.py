@@ -175,7 +175,8 @@ class DataParallelEngine(_Engine):
         self.split = None  # (context parallelism: each row's positions split over cp workers)
         if dims.cp > 1:
             group = self.mesh["cp"]
-            self.split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size())
+            self.split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size(),
+                                       spec.parallel.cp_attention == "all_gather")
             self.task = SequencePart(task, self.split)  # (the worker's own scales the loss)
         self.module, fill = (build_lazily(spec.model, spec.train.seed)
                              if "params" in SHARDED_PARTS[level] or dims.tp > 1
