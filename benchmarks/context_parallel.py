@@ -3,7 +3,8 @@
 One row of a long sequence through the built-in llama, its positions split over cp workers
 (gloo groups of cp processes on this machine, the parts baton's engine uses:
 `parallel.context.SequenceSplit`, `tasks.SequencePart`), forward and backward, for each cp
-given. Per worker, measured:
+given and each form of attention (`--attention`: parallel.cp_attention's all_to_all, heads
+exchanged, and all_gather, keys and values gathered). Per worker, measured:
 - activations: the bytes the forward keeps for the backward (every tensor autograd saves,
   through `torch.autograd.graph.saved_tensors_hooks`, each storage counted once, the model's
   own weights left out): what a sequence too long for one worker runs out of;
@@ -13,7 +14,7 @@ given. Per worker, measured:
   row over it. With more workers than cores (cp 4 on 2 cores) the time says nothing of a
   machine with a core (or a GPU) a worker.
 
-    python benchmarks/context_parallel.py --cps 1 2 4 --seq-len 4096
+    python benchmarks/context_parallel.py --cps 1 2 4 --seq-len 4096 --attention all_to_all all_gather
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "platform")]
 
 
-def _worker(rank: int, port: int, cp: int, args, out: dict) -> None:
+def _worker(rank: int, port: int, cp: int, gather: bool, args, out: dict) -> None:
     import resource
 
     import torch
@@ -49,7 +50,7 @@ def _worker(rank: int, port: int, cp: int, args, out: dict) -> None:
                          options={"kv_heads": args.kv_heads})
         model = build_model(spec, 0)
         task = LanguageModel(args.seq_len)
-        split = SequenceSplit(dist.group.WORLD, rank, cp)
+        split = SequenceSplit(dist.group.WORLD, rank, cp, gather)
         part = SequencePart(task, split) if cp > 1 else task
         g = torch.Generator().manual_seed(0)
         batch = {"tokens": torch.randint(0, args.vocab, (1, args.seq_len + 1), generator=g),
@@ -82,17 +83,17 @@ def _worker(rank: int, port: int, cp: int, args, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _run(cp: int, args) -> dict:
+def _run(cp: int, attention: str, args) -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, cp, args, out), nprocs=cp)
+    mp.spawn(_worker, args=(port, cp, attention == "all_gather", args, out), nprocs=cp)
     rows = [out[r] for r in range(cp)]
     step_s = max(r["step_s"] for r in rows)
-    return {"cp": cp, "activations_mib": max(r["activations_mib"] for r in rows),
+    return {"cp": cp, "attention": attention if cp > 1 else "-", "activations_mib": max(r["activations_mib"] for r in rows),
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rows), "step_s": step_s,
             "tokens_per_s": args.seq_len / step_s}
 
@@ -109,16 +110,18 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--attention", nargs="+", default=["all_to_all"],
+                   choices=["all_to_all", "all_gather"])
     p.add_argument("--out", default=str(HERE / "results" / "context_parallel_cpu.json"))
     args = p.parse_args()
-    rows = [_run(cp, args) for cp in args.cps]
+    rows = [_run(cp, a, args) for cp in args.cps for a in (args.attention if cp > 1 else ["-"])]
     base = rows[0]
     print(f"\nllama {args.layers} x {args.width}, {args.heads} heads ({args.kv_heads} key-value), "
           f"one row of {args.seq_len:,} positions")
-    print("| cp | activations MiB a worker | vs first | peak RSS MiB a worker | step s | tokens/s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| cp | attention | activations MiB a worker | vs first | peak RSS MiB a worker | step s | tokens/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['cp']} | {r['activations_mib']:,.1f} | {r['activations_mib'] / base['activations_mib']:.3f} "
+        print(f"| {r['cp']} | {r['attention']} | {r['activations_mib']:,.1f} | {r['activations_mib'] / base['activations_mib']:.3f} "
               f"| {r['peak_rss_mib']:,.0f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} |")
     write_result(args.out, {"args": vars(args), "rows": rows})
     return 0

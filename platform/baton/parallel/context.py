@@ -74,7 +74,9 @@ class SequenceSplit:
 
         both = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # (t, 2, B, heads, d)
         whole = all_gather_single_autograd(both, 0, self.group)  # (workers' parts in order)
-        return tuple(whole.permute(1, 2, 3, 0, 4).unbind(0))
+        # (a copy: torch's collective returns an awaitable wrapper, which autograd would keep
+        # for the backward as it is, unreadable to a saved-tensors hook)
+        return tuple(whole.permute(1, 2, 3, 0, 4).contiguous().unbind(0))
 
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
         # (differentiable: its backward is the all-to-all the other way)
