@@ -502,9 +502,9 @@ def _check_sequence(spec: JobSpec, need) -> None:
 def _check_context(spec: JobSpec, need) -> None:
     """Context parallelism (parallel.cp): this version's, for language modelling with the
     built-in models' blocks (gpt's, llama's, or a builder's made of them: their attention
-    takes the split) under DDP or ZeRO (sharded over dp_shard x cp) and with tensor
-    parallelism, every block's heads split evenly over the cp workers (a tp-th of them
-    each)."""
+    takes the split) under DDP or ZeRO (sharded over dp_shard x cp), with tensor parallelism
+    and in pipeline stages, every block's heads split evenly over the cp workers (a tp-th of
+    them each) unless they gather keys and values."""
     from baton.models import _on_meta, routed
 
     p, m = spec.parallel, spec.model
@@ -522,12 +522,10 @@ def _check_context(spec: JobSpec, need) -> None:
     need(problem is None, "parallel.cp", p.cp, f"{problem}: each cp worker attends with a "
          "cp-th of every block's heads" + (" (of its tp worker's share)" if p.tp > 1 else "")
          + "; parallel.cp_attention: all_gather splits none")
-    for ok, key, value, why in (
-            (not routed(model), "model.options.experts", (m.options or {}).get("experts"),
-             "mixtures of experts (their load-balancing loss is each whole sequence's)"),
-            (p.pp == 1, "parallel.pp", p.pp, "pipeline stages")):
-        need(ok, key, value, f"is not built with context parallelism (parallel.cp = {p.cp}) in "
-             f"this version ({why}): use parallel.cp 1, or leave {key} out")
+    need(not routed(model), "model.options.experts", (m.options or {}).get("experts"),
+         f"is not built with context parallelism (parallel.cp = {p.cp}) in this version "
+         "(mixtures of experts: their load-balancing loss is each whole sequence's): use "
+         "parallel.cp 1, or leave model.options.experts out")
 
 
 def _check_experts(spec: JobSpec, need) -> None:

@@ -201,7 +201,9 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     cp 2) with keys and values gathered instead (cp_attention: all_gather, every query head
     over all 32), and at dp 1 x tp 2 x cp 2 under sequence parallelism (4 workers, each with half of
     every layer, half of the positions, a quarter of them in its norms, and 2 query heads
-    and 1 key-value head over all 32 in attention): one process's numbers."""
+    and 1 key-value head over all 32 in attention), and in 2 pipeline stages of 2 cp
+    workers each (4 workers, each stage's pair exchanging heads, the activations sent between
+    the stages each worker's half of the positions): one process's numbers."""
     llama = {**MODELS["mixtral"], "heads": 8, "options": {"kv_heads": 4, "hidden": 32}}
     raw = tiny_spec(tmp_path, data, name="cp", model=llama, data={"document_mask": True, "eod_token": 10},
                     train={"steps": 2, "global_batch": 8, "micro_batch": 2, "schedule": "constant"},
@@ -223,6 +225,11 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     result = api.run(split, show_progress=False)
     assert result.resumed_from == 3 and len(result.workers) == 4
     assert_like_one_process(split, data, result, 4)  # measured: 2.7e-6 at most
+    staged = spec_from_dict({**raw, "train": {**raw["train"], "steps": 5},
+                             "parallel": {**raw["parallel"], "pp": 2}})
+    result = api.run(staged, show_progress=False)
+    assert result.resumed_from == 4 and len(result.workers) == 4
+    assert_like_one_process(staged, data, result, 5)  # measured: 2.8e-6 at most
 
 
 def test_a_killed_context_parallel_worker_loses_no_completed_step(tmp_path, data):

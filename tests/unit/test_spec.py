@@ -364,7 +364,6 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
     ({"seq_len": 36}, {"cp": 2, "tp": 4, "sequence_parallel": True}, "parallel.sequence_parallel: "
      "True is invalid; splits model.seq_len = 36 over tp = 4, each of cp = 2 parts of it: make it "
      "a multiple of 8"),
-    ({}, {"cp": 2, "pp": 2}, "parallel.pp: 2 is invalid; is not built with context parallelism"),
     ({}, {"cp_attention": "all_gather"}, "parallel.cp_attention: 'all_gather' is invalid; says how "
      "context parallelism's workers attend: set parallel.cp > 1, or leave it out"),
     ({}, {"cp": 2, "cp_attention": "ring"}, "parallel.cp_attention: 'ring' is not one of "

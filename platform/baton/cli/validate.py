@@ -175,8 +175,9 @@ def _context_line(spec) -> str:
         mine = f"{block.heads // d.tp} query heads" if d.tp > 1 else "every query head"
         attend = (f"attention of its positions, {mine}, over all {T:,} positions' keys and "
                   f"values (one all-gather a block, a reduce-scatter in its backward)")
-    held = (f"every parameter's gradient is summed over all {d.dp * d.cp} workers" if d.tp == 1
-            else f"each tp share's gradients are summed over the {d.dp * d.cp} workers holding it")
+    part = " and ".join(name for name, n in (("stage", d.pp), ("tp share", d.tp)) if n > 1)
+    held = (f"each {part}'s gradients are summed over the {d.dp * d.cp} workers holding it" if part
+            else f"every parameter's gradient is summed over all {d.dp * d.cp} workers")
     return (f"context parallel: each row's {T:,} positions split over {d.cp} workers "
             f"({T // d.cp:,} each, embedded, run and scored there); {attend}; a "
             f"replica's {d.cp * d.tp} workers read the same rows, and {held}")

@@ -76,9 +76,10 @@ class ParallelDims:
         gradients."""
         return [self.rank(d, pp_rank, tp_rank) for d in range(self.dp)]
 
-    def pp_group(self, dp_rank: int, tp_rank: int = 0) -> list[int]:
-        """Ranks that form one pipeline (of one share of each stage), first stage first."""
-        return [self.rank(dp_rank, s, tp_rank) for s in range(self.pp)]
+    def pp_group(self, dp_rank: int, tp_rank: int = 0, cp_rank: int = 0) -> list[int]:
+        """Ranks that form one pipeline (of one share of each stage, on one part of each
+        row's positions), first stage first."""
+        return [self.rank(dp_rank, s, tp_rank, cp_rank) for s in range(self.pp)]
 
     def tp_group(self, dp_rank: int, pp_rank: int = 0) -> list[int]:
         """Ranks that split the layers of one replica's stage between them."""
@@ -136,7 +137,8 @@ class ParallelDims:
         if split:  # every dp rank of a stage's share, sharded or not (tp: DDP's group)
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
             axes += ("dp",)
-        if self.cp > 1 and self.tp > 1:  # with their cp workers (tp: DDP's group under cp)
+        if self.cp > 1 and (self.tp > 1 or self.pp > 1):  # with their cp workers: DDP's group
+            # under tp, a pipeline stage's replicas' summing the gradients
             mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             axes += ("dp_cp",)
         if self.sharded_cp:  # the workers that split a copy of the state

@@ -434,7 +434,7 @@ class PipelineEngine(_Engine):
                  stage_layers: list[int], task: Task, shapes: dict):
         self.spec, self.dims, self.device, self.task = spec, dims, device, task
         self.dp_rank, self.pp_rank = dims.coords(rank)
-        tp_rank = dims.tp_rank(rank)
+        tp_rank, cp_rank = dims.tp_rank(rank), dims.cp_rank(rank)
         p, v = dims.pp, spec.chunks
         full, fill = build_lazily(spec.model, spec.train.seed)
         full = sequential(full, spec.model.name)
@@ -450,8 +450,10 @@ class PipelineEngine(_Engine):
         fill(layer for chunk in chunks for layer in chunk)
         self.module = nn.Sequential(OrderedDict(
             (key, layer) for chunk in chunks for key, layer in chunk._modules.items()))
-        # (the whole model's layers refused where none takes documents; this rank's told)
-        self.attending = attending(self.module) if _attending(full, task, spec.model.name) else []
+        # (the whole model's layers refused where none takes documents; this rank's told;
+        # under cp every row: its part of the positions)
+        self.attending = (attending(self.module) if dims.cp > 1 or _attending(full, task, spec.model.name)
+                          else [])
         # this rank's mixture blocks, told each micro-batch's rows that count and the weight
         # of their loss as its attending layers are told; their measures reported at their
         # places among the whole model's (tasks' Counts are summed over the stages)
@@ -466,8 +468,16 @@ class PipelineEngine(_Engine):
         del full
         # every rank builds every group, in one order
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
-        self.dp_group, self.pp_group = mesh["dp_replicate"].get_group(), mesh["pp"].get_group()
-        self.shard_group = mesh["dp_shard"].get_group()
+        # the stage's replicas that sum its gradients (whole stages), with their cp workers
+        self.dp_group = axis(mesh, "dp_cp" if dims.cp > 1 else "dp_replicate").get_group()
+        self.pp_group = mesh["pp"].get_group()
+        self.shard_group = sharding(mesh).get_group(1)  # (with cp under ZeRO: dp_shard x cp)
+        example = example_inputs(spec, shapes, spec.micro_batch)
+        if dims.cp > 1:  # (context parallelism: each row's positions split over cp workers)
+            group = mesh["cp"]
+            split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size(),
+                                  spec.parallel.cp_attention == "all_gather")
+            self.task, example = SequencePart(task, split), split.part(example)
         # each stage's layers split over its tp workers (parallel/tensor.py)
         self.own_random = tensor.OwnRandom(_own_seed(spec, rank), device) if dims.tp > 1 else None
         self.shares = (tensor.Shares(self.module, tp_rank, dims.tp, mesh["tp"].get_group(),
@@ -486,11 +496,12 @@ class PipelineEngine(_Engine):
         self.sharded = self.fsdp or self.shares is not None  # saved through DCP, in pieces
         # whole stages: their replicas sum the gradients here, in a buffer they are views of
         self.replica_grads = (comm.FlatGrads(self.dp_group, spec.parallel.grad_comm)
-                              if dims.dp > 1 and not self.fsdp else None)
-        self.runtime = PipelineRuntime(chunks, self.pp_rank, dims.pp_group(self.dp_rank, tp_rank), v,
+                              if dims.dp * dims.cp > 1 and not self.fsdp else None)
+        self.runtime = PipelineRuntime(chunks, self.pp_rank,
+                                       dims.pp_group(self.dp_rank, tp_rank, cp_rank), v,
                                        device, spec.train.precision == "bf16", self.pp_group,
                                        before_backward=sync)
-        self.runtime.agree_shapes(example_inputs(spec, shapes, spec.micro_batch))
+        self.runtime.agree_shapes(example)
         if self.fsdp:  # the shape probe's forward left ZeRO-2's parameters gathered
             reshard(chunks)
         self.optimizer = make_optimizer(self.module, spec.train)
@@ -512,9 +523,10 @@ class PipelineEngine(_Engine):
         # fixed-size micro-batches (short ones padded, padding ignored by the task), so every
         # message between stages keeps the shape agreed at set-up
         sums = Sums()
-        # FSDP averages gradients over the stage's dp ranks; the scale undoes it
+        # FSDP averages gradients over the stage's dp ranks (and their cp workers); the scale
+        # undoes it
         st = self._run(self.actions, micro, batch_fn, sums,
-                       scale * self.dims.dp if self.fsdp else scale, training=True)
+                       scale * self.dims.dp * self.dims.cp if self.fsdp else scale, training=True)
         if self.replica_grads:  # each stage's replicas sum their gradients
             self.replica_grads.all_reduce([q for q in self.module.parameters() if q.grad is not None])
         self.busy_s = st.busy_s
