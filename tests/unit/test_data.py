@@ -286,6 +286,11 @@ def test_parallel_dims_rank_arithmetic():
     assert z.replica_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     # unsharded over cp, a replica's cp workers are copies: 2 parts, each held by 4 ranks
     assert ParallelDims(dp=4, dp_shard=2, cp=2).replica_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # in pipeline stages: a pipeline is the stages of one part of the positions (and one tp
+    # share), rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+    staged = ParallelDims(dp=1, pp=2, cp=2, tp=2)
+    assert staged.pp_group(0, tp_rank=1, cp_rank=1) == [3, 7] and staged.pp_group(0) == [0, 4]
+    assert staged.replica_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]  # (a stage's tp share)
 
 
 def test_data_prepare_command(tmp_path, capsys):
