@@ -168,16 +168,13 @@ class DataParallelEngine(_Engine):
         # the ranks whose gradients are shards of one replica's (FSDP's levels)
         self.shard_group = (sharding(self.mesh).get_group(1) if "grads" in SHARDED_PARTS[level]
                             else None)
+        self.split = None  # (context parallelism: each row's positions split over cp workers)
+        if dims.cp > 1:
+            self.split, self.task = _sequence_part(self.mesh, spec, task)
         # built on the host; the wrapping puts it on the device (sharded: unit by unit). With
         # its parameters sharded or split (tp), the model starts on the meta device and each
         # unit gets its values as FSDP shards it, or each layer as it is split, so the host
         # never holds the whole model (models/layers.py)
-        self.split = None  # (context parallelism: each row's positions split over cp workers)
-        if dims.cp > 1:
-            group = self.mesh["cp"]
-            self.split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size(),
-                                       spec.parallel.cp_attention == "all_gather")
-            self.task = SequencePart(task, self.split)  # (the worker's own scales the loss)
         self.module, fill = (build_lazily(spec.model, spec.train.seed)
                              if "params" in SHARDED_PARTS[level] or dims.tp > 1
                              else (build_model(spec.model, spec.train.seed), None))
@@ -286,6 +283,16 @@ class DataParallelEngine(_Engine):
 
     def clip(self) -> torch.Tensor:
         return clip_grads(self.module, self.spec.train.grad_clip)
+
+
+def _sequence_part(mesh, spec: JobSpec, task: Task) -> tuple[SequenceSplit, SequencePart]:
+    """Context parallelism: this worker's part of each row's positions, exchanged over the
+    mesh's cp axis, and the task as the worker computes it (its part's inputs, loss and
+    documents: the sums of a replica's cp workers add up to the replica's)."""
+    group = mesh["cp"]
+    split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size(),
+                          spec.parallel.cp_attention == "all_gather")
+    return split, SequencePart(task, split)
 
 
 def _attending(model: nn.Module, task: Task, name: str) -> list[nn.Module]:
@@ -474,10 +481,8 @@ class PipelineEngine(_Engine):
         self.shard_group = sharding(mesh).get_group(1)  # (with cp under ZeRO: dp_shard x cp)
         example = example_inputs(spec, shapes, spec.micro_batch)
         if dims.cp > 1:  # (context parallelism: each row's positions split over cp workers)
-            group = mesh["cp"]
-            split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size(),
-                                  spec.parallel.cp_attention == "all_gather")
-            self.task, example = SequencePart(task, split), split.part(example)
+            split, self.task = _sequence_part(mesh, spec, task)
+            example = split.part(example)
         # each stage's layers split over its tp workers (parallel/tensor.py)
         self.own_random = tensor.OwnRandom(_own_seed(spec, rank), device) if dims.tp > 1 else None
         self.shares = (tensor.Shares(self.module, tp_rank, dims.tp, mesh["tp"].get_group(),
