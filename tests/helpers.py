@@ -587,7 +587,9 @@ class TrackingServer:
              "--port", str(self.port), "--workers", "1", "--artifacts-destination",
              os.path.join(os.path.dirname(os.path.abspath(self.db)), "mlartifacts")],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
+        # (a bound, not a wait: it returns once the server answers. 60 s was too short once,
+        # a restart in the chaos soak while another suite shared the machine's 2 cores)
+        deadline = time.monotonic() + 180
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):

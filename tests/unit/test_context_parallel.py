@@ -114,10 +114,15 @@ def test_compiled_blocks_exchange_the_sequence_as_eager_ones_do(tmp_path, gather
         assert r["count"] == (13, 13) and r["block_output"] == [(2, 4, 16)] and r["compiled"] == 4
 
 
-def _tp_cp_worker(rank: int, port: int, base: ModelSpec, sequence: bool, out: str,
-                  gather: bool = False) -> None:
+# (model, sequence parallelism, keys and values gathered), all run by one spawn of 4 workers
+TP_CP = {"gpt-sequence-parallel": (GPT, True, False), "llama": (LLAMA4, False, False),
+         "llama-gqa-all-gather": (LLAMA, True, True)}
+
+
+def _tp_cp_worker(rank: int, port: int, out: str) -> None:
     """One of 4 workers of a replica split tp 2 x cp 2 (rank = cp_rank x 2 + tp_rank, as
-    `ParallelDims` lays them out): its tp share of every layer, its half of the positions."""
+    `ParallelDims` lays them out): its tp share of every layer, its half of the positions, for
+    each of the cases of TP_CP in turn."""
     from baton.parallel.tensor import Shares
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -128,61 +133,62 @@ def _tp_cp_worker(rank: int, port: int, base: ModelSpec, sequence: bool, out: st
         tps = [dist.new_group([2 * c, 2 * c + 1]) for c in range(2)]
         cps = [dist.new_group([t, 2 + t]) for t in range(2)]
         tp, cp = tps[cp_rank], cps[tp_rank]
-        whole, model = build_model(base, 0), build_model(base, 0)
-        shares = Shares(model, tp_rank, 2, tp, sequence=sequence, split_logits=True)
-        split = SequenceSplit(cp, cp_rank, 2, gather)
-        task = LanguageModel(base.seq_len, masked=True, eod=0)
-        part = SequencePart(task, split)
-        g = torch.Generator().manual_seed(1)
-        batch = {"tokens": torch.randint(1, 32, (2, 9), generator=g),
-                 LOSS_MASK: torch.ones(2, 9, dtype=torch.int64), VALID: torch.ones(2, dtype=torch.bool)}
-        batch[LOSS_MASK][0, :4] = 0  # a prompt: no targets there
-        batch["tokens"][:, 2] = batch["tokens"][:, 5] = 0  # three documents a row
-        attend_within(attending(whole), task.documents(batch))
-        attend_within(attending(model), part.documents(batch))
-        want = whole(task.inputs(batch))
-        ref, _ = task.loss(want, batch)
-        ref.backward()
-        got = model(part.inputs(batch))  # (this worker's positions, its share of the vocabulary)
-        loss, _ = part.loss(got, batch)
-        loss.backward()
 
         def pieces(t: torch.Tensor, group) -> list[torch.Tensor]:
             out = [torch.empty_like(t) for _ in range(2)]
             dist.all_gather(out, t.detach().contiguous(), group=group)
             return out
-        logits = torch.cat(pieces(torch.cat(pieces(got, tp), -1), cp), 1)
-        shares.sum_partial_grads(model)
-        for q in model.parameters():  # each cp worker's: its half of the positions'
-            dist.all_reduce(q.grad, group=cp)
-        grads = {n: shares.splits[n].join(pieces(q.grad, tp)) if n in shares.splits else q.grad
-                 for n, q in model.named_parameters()}
-        dist.all_reduce(loss, group=cp)  # (the same on both tp workers: the vocabulary's loss)
-        torch.save({"logits": (logits - want).abs().max().item(), "scale": want.abs().max().item(),
-                    "loss": abs(loss.item() - ref.item()),
-                    "grads": max(((grads[n] - q.grad).abs().max() / q.grad.abs().max()).item()
-                                 for n, q in whole.named_parameters())}, f"{out}/{rank}.pt")
+        results = {}
+        for case, (base, sequence, gather) in TP_CP.items():
+            whole, model = build_model(base, 0), build_model(base, 0)
+            shares = Shares(model, tp_rank, 2, tp, sequence=sequence, split_logits=True)
+            split = SequenceSplit(cp, cp_rank, 2, gather)
+            task = LanguageModel(base.seq_len, masked=True, eod=0)
+            part = SequencePart(task, split)
+            g = torch.Generator().manual_seed(1)
+            batch = {"tokens": torch.randint(1, 32, (2, 9), generator=g),
+                     LOSS_MASK: torch.ones(2, 9, dtype=torch.int64),
+                     VALID: torch.ones(2, dtype=torch.bool)}
+            batch[LOSS_MASK][0, :4] = 0  # a prompt: no targets there
+            batch["tokens"][:, 2] = batch["tokens"][:, 5] = 0  # three documents a row
+            attend_within(attending(whole), task.documents(batch))
+            attend_within(attending(model), part.documents(batch))
+            want = whole(task.inputs(batch))
+            ref, _ = task.loss(want, batch)
+            ref.backward()
+            got = model(part.inputs(batch))  # (its positions, its share of the vocabulary)
+            loss, _ = part.loss(got, batch)
+            loss.backward()
+            logits = torch.cat(pieces(torch.cat(pieces(got, tp), -1), cp), 1)
+            shares.sum_partial_grads(model)
+            for q in model.parameters():  # each cp worker's: its half of the positions'
+                dist.all_reduce(q.grad, group=cp)
+            grads = {n: shares.splits[n].join(pieces(q.grad, tp)) if n in shares.splits else q.grad
+                     for n, q in model.named_parameters()}
+            dist.all_reduce(loss, group=cp)  # (the same on both tp workers: the vocabulary's)
+            results[case] = {
+                "logits": (logits - want).abs().max().item(), "scale": want.abs().max().item(),
+                "loss": abs(loss.item() - ref.item()),
+                "grads": max(((grads[n] - q.grad).abs().max() / q.grad.abs().max()).item()
+                             for n, q in whole.named_parameters())}
+        torch.save(results, f"{out}/{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("base,sequence,gather", [(GPT, True, False), (LLAMA4, False, False),
-                                                  (LLAMA, True, True)],
-                         ids=["gpt-sequence-parallel", "llama", "llama-gqa-all-gather"])
-def test_tensor_and_context_parallel_workers_compute_what_the_whole_model_does(tmp_path, base,
-                                                                               sequence, gather):
+def test_tensor_and_context_parallel_workers_compute_what_the_whole_model_does(tmp_path):
     """tp 2 x cp 2: each of 4 workers holds half of every layer (each block's heads, the
     vocabulary's logits) and runs half of each row's positions; attention exchanges its heads'
     queries, keys and values over its cp pair (a quarter of the heads each over the whole
     sequence). Documents kept apart; the GPT's under sequence parallelism too (its norms on a
     quarter of the positions). Keys and values gathered instead (all_gather): the llama's 2
     key-value heads, one a tp worker, which an exchange of heads over tp x cp = 4 cannot split."""
-    _spawn(_tp_cp_worker, 4, base, sequence, str(tmp_path), gather)
+    _spawn(_tp_cp_worker, 4, str(tmp_path))
     for rank in range(4):
-        r = torch.load(tmp_path / f"{rank}.pt")
-        # measured: logits 3.0e-8 (gpt), 4.5e-8 (llama) and 3.0e-8 (gathered) of at most
-        # 0.27, the summed loss 0, 3.8e-6 and 0, gradients 3.4e-7, 3.0e-7 and 4.0e-7 of a
-        # parameter's largest element; the tensor- and context-parallel tests' bounds. Each
-        # worker attending to its own half alone: logits 0.025 and 0.032 apart, gradients
-        # 1.2 and 1.0
-        assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r
+        for case, r in torch.load(tmp_path / f"{rank}.pt").items():
+            # measured: logits 3.0e-8 (gpt), 4.5e-8 (llama) and 3.0e-8 (gathered) of at most
+            # 0.27, the summed loss 0, 3.8e-6 and 0, gradients 3.4e-7, 3.0e-7 and 4.0e-7 of a
+            # parameter's largest element; the tensor- and context-parallel tests' bounds.
+            # Each worker attending to its own half alone: logits 0.025 and 0.032 apart,
+            # gradients 1.2 and 1.0
+            assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, (case, r)
