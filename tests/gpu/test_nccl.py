@@ -198,14 +198,16 @@ def test_expert_parallelism_over_nccl_matches_the_cpu_reference(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism over NCCL needs 2 GPUs")
-def test_context_parallelism_over_nccl_matches_the_cpu_reference(tmp_path):
+@pytest.mark.parametrize("attention", ["all_to_all", "all_gather"])
+def test_context_parallelism_over_nccl_matches_the_cpu_reference(tmp_path, attention):
     """parallel.cp 2 on two GPUs: each row's 32 positions split over the two workers, the
-    queries, keys and values (and the output) exchanged all-to-all over NCCL, each line of
-    the rows a document. The bound is the tp test's above: not yet measured (no machine here
-    had two GPUs); on CPU (tests/integration/test_sharding.py) 6.0e-6."""
+    queries, keys and values (and the output) exchanged all-to-all over NCCL (or the keys and
+    values all-gathered: cp_attention), each line of the rows a document. The bound is the tp
+    test's above: not yet measured (no machine here had two GPUs); on CPU
+    (tests/integration/test_sharding.py) 2.8e-6."""
     data = write_dataset(tmp_path / "data", 64, 32)
     spec = spec_from_dict(tiny_spec(
-        tmp_path, data, name="gpu-cp", parallel={"dp": 1, "cp": 2},
+        tmp_path, data, name="gpu-cp", parallel={"dp": 1, "cp": 2, "cp_attention": attention},
         model={"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
                "options": {"kv_heads": 2, "hidden": 32}},
         data={"document_mask": True, "eod_token": 10},
