@@ -522,10 +522,14 @@ def _check_context(spec: JobSpec, need) -> None:
     need(problem is None, "parallel.cp", p.cp, f"{problem}: each cp worker attends with a "
          "cp-th of every block's heads" + (" (of its tp worker's share)" if p.tp > 1 else "")
          + "; parallel.cp_attention: all_gather splits none")
-    need(not routed(model), "model.options.experts", (m.options or {}).get("experts"),
-         f"is not built with context parallelism (parallel.cp = {p.cp}) in this version "
-         "(mixtures of experts: their load-balancing loss is each whole sequence's): use "
-         "parallel.cp 1, or leave model.options.experts out")
+    # a mixture's losses on its routing are each whole row's: the shares of its choices are
+    # summed over the row's cp workers in the block; not built through pipeline stages or
+    # with the experts split (ep)
+    for ok, key, value, why in (
+            (not routed(model) or p.pp == 1, "parallel.pp", p.pp, "a mixture of experts in pipeline stages"),
+            (p.ep == 1, "parallel.ep", p.ep, "expert parallelism")):
+        need(ok, key, value, f"is not built with context parallelism (parallel.cp = {p.cp}) in "
+             f"this version ({why}): use parallel.cp 1, or leave {key} out")
 
 
 def _check_experts(spec: JobSpec, need) -> None:

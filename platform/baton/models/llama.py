@@ -360,13 +360,26 @@ class MoEBlock(Block):
         Each summed over the rows that count, times its coefficient over the blocks (the
         loss is their mean)."""
         B, T, E = probs.shape
+        # context parallelism: this worker's part of each row's tokens. Each loss is linear in
+        # what is averaged over the row's tokens (the probabilities, the squared log-sums) once
+        # the shares of the choices are known: the shares are the whole row's (its workers'
+        # choices summed: no gradient), and each worker adds its own tokens' terms, which the
+        # row's workers' sums add up to the row's loss (and its gradient)
+        split = self.docs.split if self.docs is not None else None
+        whole = T * split.size if split is not None else T
+
+        def mean(x: torch.Tensor) -> torch.Tensor:  # over the row's tokens (B, T, ...) -> (B, ...)
+            return x.mean(dim=1) if split is None else x.sum(dim=1) / whole
         per_row = {}
         if self.mixture.aux:
-            shares = torch.zeros(B, E, device=probs.device).scatter_add_(
-                1, chosen, torch.ones_like(chosen, dtype=torch.float32)) / T
-            per_row["router_aux_loss"] = E * (shares * probs.mean(dim=1)).sum(dim=1)  # (B,)
+            counts = torch.zeros(B, E, device=probs.device).scatter_add_(
+                1, chosen, torch.ones_like(chosen, dtype=torch.float32))
+            if split is not None:
+                torch.distributed.all_reduce(counts, group=split.group)
+            shares = counts / whole
+            per_row["router_aux_loss"] = E * (shares * mean(probs)).sum(dim=1)  # (B,)
         if self.mixture.z:
-            per_row["router_z_loss"] = torch.logsumexp(logits, dim=-1).square().mean(dim=1)
+            per_row["router_z_loss"] = mean(torch.logsumexp(logits, dim=-1).square())
         rows = self.aux_rows if self.aux_rows is not None else torch.ones(B, dtype=torch.bool)
         rows = rows.to(probs.device, probs.dtype)
         sums = {name: (v * rows).sum() for name, v in per_row.items()}

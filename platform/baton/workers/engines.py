@@ -160,6 +160,7 @@ class DataParallelEngine(_Engine):
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         self.spec, self.device, self.task = spec, device, task
+        self.per_row = task.per_sample  # (a whole row's loss terms, under cp too)
         self.bf16 = spec.train.precision == "bf16"
         self.dp, self.tp = spec.parallel.dp, dims.tp
         level = spec.parallel.shard
@@ -239,7 +240,7 @@ class DataParallelEngine(_Engine):
         sums, extra = Sums(), {}
         # a load-balancing loss summed over a micro-batch's rows weighs as its loss sum does,
         # a row as many terms as it has (models.routed)
-        weight = scale * self.dp * self.task.per_sample
+        weight = scale * self.averaged_over * self.per_row
         with profiled(extra) if trace else contextlib.nullcontext():
             for i, rows in enumerate(micro):
                 sync = i == len(micro) - 1
@@ -263,7 +264,10 @@ class DataParallelEngine(_Engine):
                 output = self.wrapped(self.task.inputs(batch))
             ls, metrics = self.task.loss(output, batch)
         if self.routed and weight is not None:  # a training forward's
-            metrics.update(_routing(self.routed, batch[VALID].sum()))
+            rows = batch[VALID].sum()
+            if self.split and self.split.rank:  # (a replica's rows once: its cp workers each
+                rows = torch.zeros_like(rows)   # score a part of the same rows)
+            metrics.update(_routing(self.routed, rows))
         sums.add(self.task, ls, metrics, batch)
         return ls
 
