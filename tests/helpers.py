@@ -595,8 +595,12 @@ class TrackingServer:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
                     return
             except OSError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, "no MLflow server"
-                time.sleep(0.2)
+                if self.proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                if self.proc.poll() is None:  # (not left running past the test: it was once)
+                    self.kill()
+                raise AssertionError("no MLflow server")
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
