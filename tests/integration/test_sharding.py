@@ -162,6 +162,16 @@ def test_a_mixture_of_experts_trains_as_one_process_under_ddp_zero3_and_pipeline
     assert_like_one_process(staged, data, result, 3)  # measured: 2.1e-6 at most
 
 
+def _resumed(raw: dict, steps: int, **parallel):
+    """The job `raw` run on to `steps` at another layout (`parallel` over its own), from its
+    checkpoint of the step before: (its spec, its result)."""
+    spec = spec_from_dict({**raw, "train": {**raw["train"], "steps": steps},
+                           "parallel": {**raw["parallel"], **parallel}})
+    result = api.run(spec, show_progress=False)
+    assert result.resumed_from == steps - 1, result.resumed_from
+    return spec, result
+
+
 def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     """parallel.ep 2: each mixture's 4 experts split over pairs of replicas (2 each), tokens
     sent to their experts' holders and back (all-to-all), at dp 2 (one group), then resumed
@@ -181,15 +191,11 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     routed = sum(q.numel() * 4 for n, q in whole.named_parameters() if ".experts." in n)
     assert [b["params"] for b in result.state_bytes] == [total - routed // 2] * 2
     assert_like_one_process(spec, data, result, 2)  # measured: 2.1e-6 at most
-    wider = spec_from_dict({**raw, "train": {**raw["train"], "steps": 3},
-                            "parallel": {**raw["parallel"], "dp": 4}})
-    result = api.run(wider, show_progress=False)
-    assert result.resumed_from == 2 and len(result.workers) == 4
+    wider, result = _resumed(raw, 3, dp=4)
+    assert len(result.workers) == 4
     assert_like_one_process(wider, data, result, 3)  # measured: 2.1e-6 at most
-    plain = spec_from_dict({**raw, "train": {**raw["train"], "steps": 4},
-                            "parallel": {**raw["parallel"], "ep": 1}})
-    result = api.run(plain, show_progress=False)
-    assert result.resumed_from == 3 and {w["wrapper"] for w in result.workers} == {"DistributedDataParallel"}
+    plain, result = _resumed(raw, 4, ep=1)
+    assert {w["wrapper"] for w in result.workers} == {"DistributedDataParallel"}
     assert_like_one_process(plain, data, result, 4)  # measured: 2.1e-6 at most
 
 
@@ -213,22 +219,14 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     result = api.run(spec, show_progress=False)
     assert result.state == "finished" and len(result.workers) == 2
     assert_like_one_process(spec, data, result, 2)  # measured: 2.7e-6 at most
-    wider = spec_from_dict({**raw, "train": {**raw["train"], "steps": 3},
-                            "parallel": {**raw["parallel"], "dp": 2, "shard": "full",
-                                         "cp_attention": "all_gather"}})
-    result = api.run(wider, show_progress=False)
-    assert result.resumed_from == 2 and len(result.workers) == 4
-    assert {w["wrapper"] for w in result.workers} == {"FSDPSequential"}
+    wider, result = _resumed(raw, 3, dp=2, shard="full", cp_attention="all_gather")
+    assert len(result.workers) == 4 and {w["wrapper"] for w in result.workers} == {"FSDPSequential"}
     assert_like_one_process(wider, data, result, 3)  # measured: 2.7e-6 at most
-    split = spec_from_dict({**raw, "train": {**raw["train"], "steps": 4},
-                            "parallel": {**raw["parallel"], "tp": 2, "sequence_parallel": True}})
-    result = api.run(split, show_progress=False)
-    assert result.resumed_from == 3 and len(result.workers) == 4
+    split, result = _resumed(raw, 4, tp=2, sequence_parallel=True)
+    assert len(result.workers) == 4
     assert_like_one_process(split, data, result, 4)  # measured: 2.7e-6 at most
-    staged = spec_from_dict({**raw, "train": {**raw["train"], "steps": 5},
-                             "parallel": {**raw["parallel"], "pp": 2}})
-    result = api.run(staged, show_progress=False)
-    assert result.resumed_from == 4 and len(result.workers) == 4
+    staged, result = _resumed(raw, 5, pp=2)
+    assert len(result.workers) == 4
     assert_like_one_process(staged, data, result, 5)  # measured: 2.8e-6 at most
 
 

@@ -81,9 +81,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
         # (of the documents', or causal), its positions counted from its part's first
         t, first = q.shape[2], docs.split.rank * q.shape[2]
         k, v = docs.split.gathered(k, v)
-        at = torch.arange(first, first + t, device=q.device)[:, None]
         mask = (docs.mask[:, :, first:first + t] if docs.mask is not None
-                else at >= torch.arange(k.shape[2], device=q.device)[None, :])
+                else torch.arange(first, first + t, device=q.device)[:, None]
+                >= torch.arange(k.shape[2], device=q.device)[None, :])
         return attention(q, k, v, Documents(mask, docs.positions), first, dropout, gqa, window)
     if docs is not None and docs.split is not None:
         split = docs.split

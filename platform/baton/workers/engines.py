@@ -154,9 +154,8 @@ def _own_seed(spec: JobSpec, rank: int) -> int:
 class DataParallelEngine(_Engine):
     """Data parallel replicas of the whole model (pp = 1), under DDP or sharded (ZeRO), each
     row's sequence split over parallel.cp workers of a replica where cp > 1
-    (parallel/context.py: each computes its part of the positions, attention over the whole
-    sequence for a cp-th of the heads; the parameters' gradients summed over the replicas' cp
-    workers too)."""
+    (parallel/context.py: each computes its part of the positions, its attention over the
+    whole sequence; the parameters' gradients summed over the replicas' cp workers too)."""
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         self.spec, self.device, self.task = spec, device, task
