@@ -257,8 +257,9 @@ class ParallelSpec:
     # how a cp worker's attention sees the whole sequence: all_to_all (DeepSpeed-Ulysses: a
     # cp-th of the heads over every position; tp x cp must divide the heads) or all_gather
     # (Llama 3's: its own positions' queries over every position's keys and values, gathered;
-    # any number of heads)
-    cp_attention: Literal["all_to_all", "all_gather"] = "all_to_all"
+    # any number of heads) or ring (keys and values passed around the workers a part at a
+    # time: parallel/ring.py; any number of heads, neither the whole row's keys nor its mask held)
+    cp_attention: Literal["all_to_all", "all_gather", "ring"] = "all_to_all"
 
 
 @dataclass(frozen=True)

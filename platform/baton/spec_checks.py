@@ -504,7 +504,7 @@ def _check_context(spec: JobSpec, need) -> None:
     built-in models' blocks (gpt's, llama's, or a builder's made of them: their attention
     takes the split) under DDP or ZeRO (sharded over dp_shard x cp), with tensor parallelism
     and in pipeline stages, every block's heads split evenly over the cp workers (a tp-th of
-    them each) unless they gather keys and values."""
+    them each) unless they gather keys and values or pass them around a ring."""
     from baton.models import _on_meta, routed
 
     p, m = spec.parallel, spec.model
@@ -521,7 +521,10 @@ def _check_context(spec: JobSpec, need) -> None:
                     if p.cp_attention == "all_to_all" and (why := layer.cp_problem(p.cp, p.tp))), None)
     need(problem is None, "parallel.cp", p.cp, f"{problem}: each cp worker attends with a "
          "cp-th of every block's heads" + (" (of its tp worker's share)" if p.tp > 1 else "")
-         + "; parallel.cp_attention: all_gather splits none")
+         + "; parallel.cp_attention: all_gather or ring splits none")
+    need(p.cp_attention != "ring" or not m.dropout, "model.dropout", m.dropout,
+         "drops attention's probabilities, which ring attention (parallel.cp_attention: ring) "
+         "does not: set it to 0, or take all_to_all or all_gather")
     # a mixture's losses on its routing are each whole row's: the shares of its choices are
     # summed over the row's cp workers in the block; not built through pipeline stages or
     # with the experts split (ep)

@@ -27,13 +27,13 @@ WINDOW = ModelSpec(name="llama", layers=2, width=16, heads=4, seq_len=8, vocab_s
 
 
 def _worker(rank: int, port: int, base: ModelSpec, masked: bool, out: str,
-            compiled: bool = False, gather: bool = False) -> None:
+            compiled: bool = False, how: str = "all_to_all", cp: int = 2) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=cp)
     try:
         whole, model = build_model(base, 0), build_model(base, 0)
         blocks = compile_blocks(model, True, "cpu") if compiled else 0
-        split = SequenceSplit(dist.group.WORLD, rank, 2, gather)
+        split = SequenceSplit(dist.group.WORLD, rank, cp, how)
         eod = 0 if masked else None
         task = LanguageModel(base.seq_len, masked=True, eod=eod)
         part = SequencePart(task, split)
@@ -56,7 +56,7 @@ def _worker(rank: int, port: int, base: ModelSpec, masked: bool, out: str,
         loss, _ = part.loss(got, batch)
         loss.backward()
         count = part.count(batch)
-        pieces = [torch.empty_like(got) for _ in range(2)]
+        pieces = [torch.empty_like(got) for _ in range(cp)]
         dist.all_gather(pieces, got.detach().contiguous())
         for t in [loss.detach(), count] + [q.grad for q in model.parameters()]:
             dist.all_reduce(t)  # each worker's: its half of the positions'
@@ -72,41 +72,62 @@ def _worker(rank: int, port: int, base: ModelSpec, masked: bool, out: str,
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("base,masked,gather", [
-    (GPT, False, False), (LLAMA, False, False), (GPT, True, False), (WINDOW, True, False),
-    (GPT, False, True), (WINDOW, True, True)],
+@pytest.mark.parametrize("base,masked,how", [
+    (GPT, False, "all_to_all"), (LLAMA, False, "all_to_all"), (GPT, True, "all_to_all"),
+    (WINDOW, True, "all_to_all"), (GPT, False, "all_gather"), (WINDOW, True, "all_gather"),
+    (GPT, True, "ring"), (WINDOW, True, "ring"), (LLAMA, False, "ring")],
     ids=["gpt", "llama", "gpt-documents", "llama-window-documents", "gpt-all-gather",
-         "llama-window-documents-all-gather"])
+         "llama-window-documents-all-gather", "gpt-documents-ring", "llama-window-documents-ring",
+         "llama-ring"])
 def test_two_workers_each_on_half_the_sequence_compute_what_the_whole_model_does(tmp_path, base,
-                                                                                 masked, gather):
+                                                                                 masked, how):
     """A GPT (4 heads, 2 a worker) and a llama (grouped-query: 4 query heads on 2 key-value
     heads, one of each a worker), plain, with documents kept apart, and with Mistral's
     sliding window: the logits of the two halves are the whole model's, the losses and the
     targets they count add up to its, and so do the gradients. The same with keys and
     values gathered (parallel.cp_attention: all_gather): each worker's queries, every head,
-    over all positions' keys and values."""
-    _spawn(_worker, 2, base, masked, str(tmp_path), False, gather)
+    over all positions' keys and values; and passed around a ring (ring), each worker's
+    queries over one worker's keys and values at a time, merged by their log-sum-exp."""
+    _spawn(_worker, 2, base, masked, str(tmp_path), False, how)
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
         # measured: the logits equal (each position's computed as the whole model does;
         # gathered, 7.5e-9 and 1.5e-8 of 0.27 at most); the summed loss 3.8e-6 apart (0 in
         # some cases) of about 45; gradients 3.3e-7 of a parameter's largest element (sums
         # in another order); the tensor-parallel tests' bounds. Attention on each half alone
-        # fails every case; gathered, each worker's mask rows as the first worker's fail both
+        # fails every case; gathered, each worker's mask rows as the first worker's fail both.
+        # Ring: logits 3.0e-8, 3.0e-8, 1.5e-8, the loss equal, gradients 6.3e-7, 3.3e-7,
+        # 2.4e-7; each worker's own part alone fails at logits 0.025, and the parts'
+        # gradients left one pass short of home at 1.9 of a parameter's largest element
         assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r
         assert r["count"] == (13, 13)  # 16 targets, 3 of them a prompt's: each counted once
         assert r["block_output"] == [(2, 4, 16)]  # every block on its half of the positions
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["all-to-all", "all-gather"])
-def test_compiled_blocks_exchange_the_sequence_as_eager_ones_do(tmp_path, gather):
+@pytest.mark.parametrize("base", [GPT, WINDOW], ids=["gpt-documents", "llama-window-documents"])
+def test_four_workers_pass_keys_and_values_around_a_ring(tmp_path, base):
+    """Ring attention over 4 workers (2 positions each): each part's keys and values three
+    passes from home, their gradients four; the llama's window of 3 positions leaves some
+    parts unseen by some workers, which skip them."""
+    _spawn(_worker, 4, base, True, str(tmp_path), False, "ring", 4)
+    for rank in range(4):
+        r = torch.load(tmp_path / f"{rank}.pt")
+        # measured: logits 4.5e-8 and 3.0e-8 of 0.24, the loss equal, gradients 5.3e-7 and
+        # 3.3e-7 of a parameter's largest element (the gpt's, the llama's); the bounds above
+        assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r
+        assert r["count"] == (13, 13) and r["block_output"] == [(2, 2, 16)]
+
+
+@pytest.mark.parametrize("how", ["all_to_all", "all_gather", "ring"])
+def test_compiled_blocks_exchange_the_sequence_as_eager_ones_do(tmp_path, how):
     """train.compile with parallel.cp: each block compiled whole, its all-to-alls (or its
     all-gather) torch's functional collectives, which the compiler traces; what the whole
     model does, within the eager test's bounds (measured: logits 3.0e-8 of 0.24, the loss
     equal, gradients 3.6e-7 of a parameter's largest element; gathered: 7.5e-9, 0 and 3.3e-7),
-    documents kept apart."""
+    documents kept apart. The ring's sends are not traced: its attention runs eagerly between
+    two graphs of each block (3.7e-8, 0 and 4.7e-7)."""
     require_cxx()
-    _spawn(_worker, 2, GPT, True, str(tmp_path), True, gather)
+    _spawn(_worker, 2, GPT, True, str(tmp_path), True, how)
     for rank in range(2):
         r = torch.load(tmp_path / f"{rank}.pt")
         assert r["logits"] < 2e-6 * r["scale"] and r["loss"] < 1e-4 and r["grads"] < 5e-5, r
@@ -114,9 +135,9 @@ def test_compiled_blocks_exchange_the_sequence_as_eager_ones_do(tmp_path, gather
         assert r["count"] == (13, 13) and r["block_output"] == [(2, 4, 16)] and r["compiled"] == 4
 
 
-# (model, sequence parallelism, keys and values gathered), all run by one spawn of 4 workers
-TP_CP = {"gpt-sequence-parallel": (GPT, True, False), "llama": (LLAMA4, False, False),
-         "llama-gqa-all-gather": (LLAMA, True, True)}
+# (model, sequence parallelism, cp_attention), all run by one spawn of 4 workers
+TP_CP = {"gpt-sequence-parallel": (GPT, True, "all_to_all"), "llama": (LLAMA4, False, "all_to_all"),
+         "llama-gqa-all-gather": (LLAMA, True, "all_gather"), "llama-gqa-ring": (LLAMA, True, "ring")}
 
 
 def _tp_cp_worker(rank: int, port: int, out: str) -> None:
@@ -139,10 +160,10 @@ def _tp_cp_worker(rank: int, port: int, out: str) -> None:
             dist.all_gather(out, t.detach().contiguous(), group=group)
             return out
         results = {}
-        for case, (base, sequence, gather) in TP_CP.items():
+        for case, (base, sequence, how) in TP_CP.items():
             whole, model = build_model(base, 0), build_model(base, 0)
             shares = Shares(model, tp_rank, 2, tp, sequence=sequence, split_logits=True)
-            split = SequenceSplit(cp, cp_rank, 2, gather)
+            split = SequenceSplit(cp, cp_rank, 2, how)
             task = LanguageModel(base.seq_len, masked=True, eod=0)
             part = SequencePart(task, split)
             g = torch.Generator().manual_seed(1)
@@ -182,12 +203,14 @@ def test_tensor_and_context_parallel_workers_compute_what_the_whole_model_does(t
     queries, keys and values over its cp pair (a quarter of the heads each over the whole
     sequence). Documents kept apart; the GPT's under sequence parallelism too (its norms on a
     quarter of the positions). Keys and values gathered instead (all_gather): the llama's 2
-    key-value heads, one a tp worker, which an exchange of heads over tp x cp = 4 cannot split."""
+    key-value heads, one a tp worker, which an exchange of heads over tp x cp = 4 cannot split;
+    and passed around the cp pair's ring."""
     _spawn(_tp_cp_worker, 4, str(tmp_path))
     for rank in range(4):
         for case, r in torch.load(tmp_path / f"{rank}.pt").items():
-            # measured: logits 3.0e-8 (gpt), 4.5e-8 (llama) and 3.0e-8 (gathered) of at most
-            # 0.27, the summed loss 0, 3.8e-6 and 0, gradients 3.4e-7, 3.0e-7 and 4.0e-7 of a
+            # measured: logits 3.0e-8 (gpt), 4.5e-8 (llama), 3.0e-8 (gathered) and 4.5e-8
+            # (ring) of at most 0.27, the summed loss 0, 3.8e-6, 0 and 0, gradients 3.4e-7,
+            # 3.0e-7, 4.0e-7 and 3.8e-7 of a
             # parameter's largest element; the tensor- and context-parallel tests' bounds.
             # Each worker attending to its own half alone: logits 0.025 and 0.032 apart,
             # gradients 1.2 and 1.0

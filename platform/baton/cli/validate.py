@@ -171,10 +171,14 @@ def _context_line(spec) -> str:
         f" and {kv // ways} of the {kv} key-value heads" if kv != block.heads else "")
     attend = (f"attention over all {T:,} for {heads} on each (two all-to-alls a block, and two "
               "in its backward)")
+    mine = f"{block.heads // d.tp} query heads" if d.tp > 1 else "every query head"
     if d.cp_attention == "all_gather":
-        mine = f"{block.heads // d.tp} query heads" if d.tp > 1 else "every query head"
         attend = (f"attention of its positions, {mine}, over all {T:,} positions' keys and "
                   f"values (one all-gather a block, a reduce-scatter in its backward)")
+    if d.cp_attention == "ring":
+        attend = (f"attention of its positions, {mine}, over each worker's keys and values in "
+                  f"turn, passed around a ring ({d.cp - 1} sends a block, {d.cp} more with their "
+                  f"gradients in its backward)")
     part = " and ".join(name for name, n in (("stage", d.pp), ("tp share", d.tp)) if n > 1)
     held = (f"each {part}'s gradients are summed over the {d.dp * d.cp} workers holding it" if part
             else f"every parameter's gradient is summed over all {d.dp * d.cp} workers")

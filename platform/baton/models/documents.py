@@ -30,16 +30,38 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Documents:
     # (B, 1, T, T) bool: True where a query position may see a key position; None: causal
+    # (or, where `doc` is given, made from it a part at a time: `seen`)
     mask: Optional[torch.Tensor]
     positions: torch.Tensor  # (B, T) int64: each token's position within its document
     # context parallelism (parallel/context.py): the positions are this worker's part of the
     # row's (B, T / cp), and attention exchanges its inputs and output over the cp workers
     split: Optional["SequenceSplit"] = None
+    doc: Optional[torch.Tensor] = None  # (B, T) int64: which document of its row each token is in
 
     def part(self, split: "SequenceSplit") -> "Documents":
-        """These documents as `split`'s worker sees them: its part of the positions, the
-        mask over the whole row (attention runs over it, a cp-th of the heads a worker)."""
-        return Documents(self.mask, split.part(self.positions), split)
+        """These documents as `split`'s worker sees them: its part of the positions; the mask
+        over the whole row where attention runs over it (a cp-th of the heads a worker), else
+        the rows' documents, its rows of the mask made from them where attention needs them."""
+        mask = self.mask if split.exchanges_heads else None
+        return Documents(mask, split.part(self.positions), split, self.doc)
+
+    def seen(self, first: int, t: int, keys: int, n: int, window: Optional[int] = None,
+             ) -> Optional[torch.Tensor]:
+        """Which of the queries at positions [first, first + t) of a row see which of the
+        keys at [keys, keys + n): (B or 1, 1, t, n) bool, causal, within each document, within
+        the window; None where none sees any."""
+        if keys > first + t - 1 or (window is not None and keys + n - 1 <= first - window):
+            return None
+        device = self.positions.device
+        at = torch.arange(first, first + t, device=device)[:, None]
+        seen = torch.arange(keys, keys + n, device=device)[None, :]
+        mask = seen <= at
+        if window is not None:
+            mask = mask & (seen > at - window)
+        if self.doc is not None:
+            mine, theirs = self.doc[:, first:first + t], self.doc[:, keys:keys + n]
+            mask = mask & (mine[:, :, None] == theirs[:, None, :])
+        return mask.expand(self.doc.shape[0] if self.doc is not None else 1, t, n).unsqueeze(1)
 
 
 def sequence_part(split: "SequenceSplit", rows: int, T: int, device) -> Documents:
@@ -48,10 +70,11 @@ def sequence_part(split: "SequenceSplit", rows: int, T: int, device) -> Document
     return Documents(None, split.part(at), split)
 
 
-def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = None) -> Documents:
+def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = None,
+              whole: bool = True) -> Documents:
     """The documents of rows of tokens (B, T), each ending at an `eod` (the row's first ends
     at its first, or is cut by the row's start: a document longer than a row goes on in the
-    next)."""
+    next). `whole`: with the mask over the whole rows (else made a part at a time, `seen`)."""
     tokens = tokens.to(device) if device is not None else tokens
     T = tokens.shape[1]
     at = torch.arange(T, device=tokens.device)
@@ -60,9 +83,11 @@ def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = N
     starts[:, 1:] = tokens[:, :-1] == eod
     doc = starts.long().cumsum(1)  # (B, T): which document of its row each token is in
     first = torch.where(starts, at, 0).cummax(1).values  # where each token's document starts
+    if not whole:
+        return Documents(None, at - first, doc=doc)
     causal = at[:, None] >= at[None, :]
     mask = (doc[:, :, None] == doc[:, None, :]) & causal
-    return Documents(mask.unsqueeze(1), at - first)
+    return Documents(mask.unsqueeze(1), at - first, doc=doc)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None,
@@ -75,18 +100,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
     context parallelism (`docs.split`) q, k and v are this worker's part of the sequence, all
     heads: attention runs over the whole sequence of a cp-th of them, and the output comes back
     as the part; or, where the split gathers (parallel.cp_attention: all_gather), its queries
-    attend over every position's keys and values, gathered."""
-    if docs is not None and docs.split is not None and docs.split.gather:
+    attend over every position's keys and values, gathered; or they pass around a ring
+    (`ring`: parallel/ring.py)."""
+    split = docs.split if docs is not None else None
+    if split is not None and split.attention == "ring":
+        from baton.parallel.ring import ring_attention
+
+        if dropout:
+            raise ValueError("ring attention takes no attention dropout (model.dropout: 0)")
+        t = q.shape[2]
+        return ring_attention(q, k, v, split,
+                              lambda part: docs.seen(split.rank * t, t, part * t, t, window))
+    if split is not None and split.attention == "all_gather":
         # this worker's queries over every position's keys and values: its rows of the mask
         # (of the documents', or causal), its positions counted from its part's first
-        t, first = q.shape[2], docs.split.rank * q.shape[2]
-        k, v = docs.split.gathered(k, v)
-        mask = (docs.mask[:, :, first:first + t] if docs.mask is not None
-                else torch.arange(first, first + t, device=q.device)[:, None]
-                >= torch.arange(k.shape[2], device=q.device)[None, :])
-        return attention(q, k, v, Documents(mask, docs.positions), first, dropout, gqa, window)
-    if docs is not None and docs.split is not None:
-        split = docs.split
+        t, first = q.shape[2], split.rank * q.shape[2]
+        k, v = split.gathered(k, v)
+        mask = docs.seen(first, t, 0, k.shape[2], window)
+        return attention(q, k, v, Documents(mask, docs.positions), first, dropout, gqa, None)
+    if split is not None:
         q, k, v = split.whole_sequence(q, k, v)
         return split.own_part(attention(q, k, v, Documents(docs.mask, docs.positions), start,
                                         dropout, gqa, window))

@@ -7,8 +7,9 @@ them). Attention needs every position: before it, an all-to-all turns each worke
 keys and values of its part of the sequence, all heads, into the whole sequence of a cp-th of
 the heads; attention runs there (causal, a document mask, a sliding window: whatever the
 model's attention does over a whole sequence); a second all-to-all turns the output back
-(DeepSpeed-Ulysses, Jacobs et al. 2023; torchtitan's ring attention is the other form, which
-needs no heads to divide but passes keys and values around a ring, one exchange a worker).
+(DeepSpeed-Ulysses, Jacobs et al. 2023). Two other forms need no heads to divide
+(`parallel.cp_attention`): `all_gather` gathers every position's keys and values to each
+worker (Llama 3's), `ring` passes them around the workers a part at a time (parallel/ring.py).
 Both all-to-alls are differentiable (torch's functional collective, its backward the
 all-to-all the other way), so the backward needs nothing more. The parameters stay whole on
 every worker: their gradients, each worker's of its part of the positions, are summed over
@@ -33,13 +34,19 @@ def ways(cp: int, tp: int = 1) -> str:
 @dataclass(frozen=True)
 class SequenceSplit:
     """This worker's part of each row: positions [rank x part, (rank + 1) x part) of a
-    sequence of size x part, exchanged over `group` (the replica's cp workers). `gather`
-    (parallel.cp_attention: all_gather): attention gathers every position's keys and values
-    (`gathered`) instead of exchanging heads (`whole_sequence`, `own_part`)."""
+    sequence of size x part, exchanged over `group` (the replica's cp workers). `attention`
+    (parallel.cp_attention): how attention sees the whole row: `all_to_all` exchanges heads
+    (`whole_sequence`, `own_part`), `all_gather` gathers every position's keys and values
+    (`gathered`), `ring` passes them around (`pass_on`)."""
     group: Any
     rank: int
     size: int
-    gather: bool = False
+    attention: str = "all_to_all"
+
+    @property
+    def exchanges_heads(self) -> bool:
+        """Whether attention runs over the whole row (a cp-th of the heads), its whole mask."""
+        return self.attention == "all_to_all"
 
     def part(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This worker's contiguous part of `t` along `dim` (the sequence's)."""
@@ -77,6 +84,23 @@ class SequenceSplit:
         # (a copy: torch's collective returns an awaitable wrapper, which autograd would keep
         # for the backward as it is, unreadable to a saved-tensors hook)
         return tuple(whole.permute(1, 2, 3, 0, 4).contiguous().unbind(0))
+
+    def pass_on(self, t: torch.Tensor):
+        """Send `t` to the next worker of the ring and receive the previous one's in its
+        place: returns a function that waits for both and gives what was received."""
+        import torch.distributed as dist
+
+        got = torch.empty_like(t)
+        peer = lambda r: dist.get_global_rank(self.group, r % self.size)  # noqa: E731
+        sent = dist.batch_isend_irecv([  # (one group of both: NCCL's sends wait for receives)
+            dist.P2POp(dist.isend, t.contiguous(), peer(self.rank + 1), self.group),
+            dist.P2POp(dist.irecv, got, peer(self.rank - 1), self.group)])
+
+        def arrived() -> torch.Tensor:
+            for request in sent:
+                request.wait()
+            return got
+        return arrived
 
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
         # (differentiable: its backward is the all-to-all the other way)

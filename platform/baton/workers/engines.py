@@ -294,7 +294,7 @@ def _sequence_part(mesh, spec: JobSpec, task: Task) -> tuple[SequenceSplit, Sequ
     documents: the sums of a replica's cp workers add up to the replica's)."""
     group = mesh["cp"]
     split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size(),
-                          spec.parallel.cp_attention == "all_gather")
+                          spec.parallel.cp_attention)
     return split, SequencePart(task, split)
 
 
