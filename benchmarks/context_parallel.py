@@ -4,7 +4,8 @@ One row of a long sequence through the built-in llama, its positions split over 
 (gloo groups of cp processes on this machine, the parts baton's engine uses:
 `parallel.context.SequenceSplit`, `tasks.SequencePart`), forward and backward, for each cp
 given and each form of attention (`--attention`: parallel.cp_attention's all_to_all, heads
-exchanged, and all_gather, keys and values gathered). Per worker, measured:
+exchanged; all_gather, keys and values gathered; ring, keys and values passed around). Per
+worker, measured:
 - activations: the bytes the forward keeps for the backward (every tensor autograd saves,
   through `torch.autograd.graph.saved_tensors_hooks`, each storage counted once, the model's
   own weights left out): what a sequence too long for one worker runs out of;
@@ -14,7 +15,7 @@ exchanged, and all_gather, keys and values gathered). Per worker, measured:
   row over it. With more workers than cores (cp 4 on 2 cores) the time says nothing of a
   machine with a core (or a GPU) a worker.
 
-    python benchmarks/context_parallel.py --cps 1 2 4 --seq-len 4096 --attention all_to_all all_gather
+    python benchmarks/context_parallel.py --cps 1 2 4 --seq-len 4096 --attention all_to_all all_gather ring
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "platform")]
 
 
-def _worker(rank: int, port: int, cp: int, gather: bool, args, out: dict) -> None:
+def _worker(rank: int, port: int, cp: int, attention: str, args, out: dict) -> None:
     import resource
 
     import torch
@@ -50,7 +51,7 @@ def _worker(rank: int, port: int, cp: int, gather: bool, args, out: dict) -> Non
                          options={"kv_heads": args.kv_heads})
         model = build_model(spec, 0)
         task = LanguageModel(args.seq_len)
-        split = SequenceSplit(dist.group.WORLD, rank, cp, gather)
+        split = SequenceSplit(dist.group.WORLD, rank, cp, attention)
         part = SequencePart(task, split) if cp > 1 else task
         g = torch.Generator().manual_seed(0)
         batch = {"tokens": torch.randint(0, args.vocab, (1, args.seq_len + 1), generator=g),
@@ -90,7 +91,7 @@ def _run(cp: int, attention: str, args) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, cp, attention == "all_gather", args, out), nprocs=cp)
+    mp.spawn(_worker, args=(port, cp, attention, args, out), nprocs=cp)
     rows = [out[r] for r in range(cp)]
     step_s = max(r["step_s"] for r in rows)
     return {"cp": cp, "attention": attention if cp > 1 else "-", "activations_mib": max(r["activations_mib"] for r in rows),
@@ -111,7 +112,7 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--attention", nargs="+", default=["all_to_all"],
-                   choices=["all_to_all", "all_gather"])
+                   choices=["all_to_all", "all_gather", "ring"])
     p.add_argument("--out", default=str(HERE / "results" / "context_parallel_cpu.json"))
     args = p.parse_args()
     rows = [_run(cp, a, args) for cp in args.cps for a in (args.attention if cp > 1 else ["-"])]

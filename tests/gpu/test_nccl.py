@@ -198,11 +198,12 @@ def test_expert_parallelism_over_nccl_matches_the_cpu_reference(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism over NCCL needs 2 GPUs")
-@pytest.mark.parametrize("attention", ["all_to_all", "all_gather"])
+@pytest.mark.parametrize("attention", ["all_to_all", "all_gather", "ring"])
 def test_context_parallelism_over_nccl_matches_the_cpu_reference(tmp_path, attention):
     """parallel.cp 2 on two GPUs: each row's 32 positions split over the two workers, the
     queries, keys and values (and the output) exchanged all-to-all over NCCL (or the keys and
-    values all-gathered: cp_attention), each line of the rows a document. The bound is the tp
+    values all-gathered, or passed around a ring by NCCL's point-to-point sends:
+    cp_attention), each line of the rows a document. The bound is the tp
     test's above: not yet measured (no machine here had two GPUs); on CPU
     (tests/integration/test_sharding.py) 2.8e-6."""
     data = write_dataset(tmp_path / "data", 64, 32)

@@ -206,8 +206,8 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     resumed at dp 2 under ZeRO-3 (4 workers, the state sharded over all of them: dp_shard 2 x
     cp 2) with keys and values gathered instead (cp_attention: all_gather, every query head
     over all 32), and at dp 1 x tp 2 x cp 2 under sequence parallelism (4 workers, each with half of
-    every layer, half of the positions, a quarter of them in its norms, and 2 query heads
-    and 1 key-value head over all 32 in attention), and in 2 pipeline stages of 2 cp
+    every layer, half of the positions, a quarter of them in its norms, and its 4 query heads
+    over its pair's keys and values in turn: cp_attention: ring), and in 2 pipeline stages of 2 cp
     workers each (4 workers, each stage's pair exchanging heads, the activations sent between
     the stages each worker's half of the positions): one process's numbers."""
     llama = {**MODELS["mixtral"], "heads": 8, "options": {"kv_heads": 4, "hidden": 32}}
@@ -222,7 +222,7 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     wider, result = _resumed(raw, 3, dp=2, shard="full", cp_attention="all_gather")
     assert len(result.workers) == 4 and {w["wrapper"] for w in result.workers} == {"FSDPSequential"}
     assert_like_one_process(wider, data, result, 3)  # measured: 2.7e-6 at most
-    split, result = _resumed(raw, 4, tp=2, sequence_parallel=True)
+    split, result = _resumed(raw, 4, tp=2, sequence_parallel=True, cp_attention="ring")
     assert len(result.workers) == 4
     assert_like_one_process(split, data, result, 4)  # measured: 2.7e-6 at most
     staged, result = _resumed(raw, 5, pp=2)

@@ -348,7 +348,8 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
 @pytest.mark.parametrize("model,parallel,message", [
     ({"options": {"kv_heads": 2}}, {"cp": 4}, "parallel.cp: 4 is invalid; llama's layer 1: its "
      "key-value heads (model.options.kv_heads = 2) do not split over cp = 4: each cp worker "
-     "attends with a cp-th of every block's heads; parallel.cp_attention: all_gather splits none"),
+     "attends with a cp-th of every block's heads; parallel.cp_attention: all_gather or ring splits "
+     "none"),
     ({"name": "gpt", "heads": 2, "options": {}}, {"cp": 4}, "parallel.cp: 4 is invalid; gpt's layer 1: its 2 "
      "heads do not split over cp = 4: each cp worker attends with a cp-th of every block's heads"),
     ({"seq_len": 30}, {"cp": 4}, "parallel.cp: 4 is invalid; splits model.seq_len = 30 into equal "
@@ -369,8 +370,11 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
      "a multiple of 8"),
     ({}, {"cp_attention": "all_gather"}, "parallel.cp_attention: 'all_gather' is invalid; says how "
      "context parallelism's workers attend: set parallel.cp > 1, or leave it out"),
-    ({}, {"cp": 2, "cp_attention": "ring"}, "parallel.cp_attention: 'ring' is not one of "
-     "all_to_all | all_gather")])
+    ({"dropout": 0.1}, {"cp": 2, "cp_attention": "ring"}, "model.dropout: 0.1 is invalid; drops "
+     "attention's probabilities, which ring attention (parallel.cp_attention: ring) does not: set "
+     "it to 0, or take all_to_all or all_gather"),
+    ({}, {"cp": 2, "cp_attention": "rings"}, "parallel.cp_attention: 'rings' is not one of "
+     "all_to_all | all_gather | ring")])
 def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
                     parallel={"dp": 1, **parallel},
@@ -424,6 +428,15 @@ def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
             "positions' keys and values (one all-gather a block, a reduce-scatter in its "
             "backward); a replica's 4 workers read the same rows, and each tp share's gradients "
             "are summed over the 4 workers holding it") in capsys.readouterr().out.splitlines()
+    # passed around a ring: no heads divided either
+    job = write_spec(tmp_path / "ring.yaml", {
+        **raw, "parallel": {**raw["parallel"], "cp": 4, "cp_attention": "ring"}})
+    assert cli.main(["validate", str(job)]) == 0
+    assert ("  context parallel: each row's 32 positions split over 4 workers (8 each, embedded, "
+            "run and scored there); attention of its positions, every query head, over each "
+            "worker's keys and values in turn, passed around a ring (3 sends a block, 4 more with "
+            "their gradients in its backward); a replica's 4 workers read the same rows, and "
+            "every parameter's gradient is summed over all 8 workers") in capsys.readouterr().out.splitlines()
 
 
 @pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,

@@ -104,13 +104,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
     (`ring`: parallel/ring.py)."""
     split = docs.split if docs is not None else None
     if split is not None and split.attention == "ring":
-        from baton.parallel.ring import ring_attention
+        from baton.parallel.ring import CAUSAL, ring_attention
 
         if dropout:
             raise ValueError("ring attention takes no attention dropout (model.dropout: 0)")
-        t = q.shape[2]
-        return ring_attention(q, k, v, split,
-                              lambda part: docs.seen(split.rank * t, t, part * t, t, window))
+        t, first = q.shape[2], split.rank * q.shape[2]
+        plain = docs.doc is None and window is None  # (its own part: causal alone)
+        return ring_attention(q, k, v, split, lambda part: CAUSAL if plain and part == split.rank
+                              else docs.seen(first, t, part * t, t, window))
     if split is not None and split.attention == "all_gather":
         # this worker's queries over every position's keys and values: its rows of the mask
         # (of the documents', or causal), its positions counted from its part's first

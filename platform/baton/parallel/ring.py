@@ -13,24 +13,28 @@ kept by the forward (no scores are kept), adds its queries' share of the part's 
 and passes both on; a cp-th pass brings each part's gradient home. Parts that none of a
 worker's queries can see (later ones, under a causal mask) cost no computation.
 
-Scores, probabilities and the running output are float32 whatever the inputs' type; each
-part's are computed by plain matrix products (no fused kernel), so a part's scores are
-`heads x (T / cp)^2` numbers at once."""
+A part's attention runs through torch's fused CPU kernel on a CPU (`FlashCPU`: no scores
+held) and through plain matrix products in float32 elsewhere (`Products`: a part's scores,
+`heads x (T / cp)^2` numbers, held while it is computed; a GPU's fused kernels are not used
+in this version). The running output and log-sum-exp are float32 whatever the inputs' type."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 # a masked score: finite, so that a row that sees nothing of a part has a finite log-sum-exp
 # there, which a part it does see outweighs to exactly 0 (every query sees at least itself)
-MASKED = torch.finfo(torch.float32).min
+MASKED = -1e30
 
 # which of the worker's queries see which of a part's keys: (part index) -> (B or 1, 1, t,
-# t) bool, True where seen; None: none of them sees any (the part is skipped)
-Rows = Callable[[int], Optional[torch.Tensor]]
+# t) bool, True where seen; CAUSAL: the worker's own part under a causal mask alone (query i
+# sees keys 0..i, which a fused kernel computes without a mask); None: none of them sees any
+# (the part is skipped)
+CAUSAL = "causal"
+Rows = Callable[[int], Union[torch.Tensor, str, None]]
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split, rows: Rows,
@@ -40,47 +44,43 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split, row
     parts; query head h uses key-value head h // (heads / kv heads), as
     `scaled_dot_product_attention(enable_gqa=True)` does."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _ring(q, k, v, split, rows, scale)
+    return _ring(q, k, v, split, rows, scale, KERNELS.get(q.device.type, Products))
 
 
 @torch.compiler.disable  # (point-to-point sends: a compiled block breaks its graph here)
-def _ring(q, k, v, split, rows, scale):
-    return _Ring.apply(q, k, v, split, rows, scale)
+def _ring(q, k, v, split, rows, scale, kernels):
+    return _Ring.apply(q, k, v, split, rows, scale, kernels)
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, split, rows, scale):
-        B, H, t, d = q.shape
+    def forward(ctx, q, k, v, split, rows, scale, kernels):
         kv = torch.stack([k, v])  # (2, B, kv heads, t, d): what passes around
-        qg = _grouped(q, k.shape[1]).float()
-        out = qg.new_zeros(qg.shape)
-        lse = qg.new_full(qg.shape[:-1], float("-inf"))
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)  # (B, heads, t)
         for step in range(split.size):
             part = (split.rank - step) % split.size
             arriving = split.pass_on(kv) if step < split.size - 1 else None
             mask = rows(part)
             if mask is not None:
-                p, lse_part = _probabilities(qg, kv[0], mask, scale, None)
+                y, lse_part = kernels.forward(q, *_widened(kv, q.shape[1]), mask, scale)
                 seen = torch.logaddexp(lse, lse_part)
                 out = (out * torch.exp(lse - seen)[..., None]
-                       + (p @ kv[1].float()) * torch.exp(lse_part - seen)[..., None])
+                       + y.float() * torch.exp(lse_part - seen)[..., None])
                 lse = seen
             if arriving is not None:
                 kv = arriving()
-        y = out.to(q.dtype).reshape(B, H, t, d)
+        y = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, y, lse)
-        ctx.split, ctx.rows, ctx.scale = split, rows, scale
+        ctx.split, ctx.rows, ctx.scale, ctx.kernels = split, rows, scale, kernels
         return y
 
     @staticmethod
     def backward(ctx, dy):
         q, k, v, y, lse = ctx.saved_tensors
-        split, rows, scale = ctx.split, ctx.rows, ctx.scale
-        qg = _grouped(q, k.shape[1]).float()
-        dyg = _grouped(dy, k.shape[1]).float()
-        delta = (dyg * _grouped(y, k.shape[1]).float()).sum(-1, keepdim=True)  # (rowsum of dP x P: softmax's backward)
-        dq = torch.zeros_like(qg)
+        split, rows = ctx.split, ctx.rows
+        dy = dy.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # (the part's, so far)
         for step in range(split.size):
@@ -88,32 +88,77 @@ class _Ring(torch.autograd.Function):
             arriving = split.pass_on(kv) if step < split.size - 1 else None
             mask = rows(part)
             if mask is not None:
-                kp, vp = kv[0].float(), kv[1].float()
-                p, _ = _probabilities(qg, kp, mask, scale, lse)
-                dkv[1] += p.transpose(-1, -2) @ dyg
-                ds = p * (dyg @ vp.transpose(-1, -2) - delta)
-                dq += (ds @ kp) * scale
-                dkv[0] += (ds.transpose(-1, -2) @ qg) * scale
+                dq_part, dk, dv = ctx.kernels.backward(dy, q, *_widened(kv, q.shape[1]), y, lse,
+                                                       mask, ctx.scale)
+                dq += dq_part
+                dkv += torch.stack([_narrowed(dk, k.shape[1]), _narrowed(dv, k.shape[1])])
             dkv = split.pass_on(dkv)()  # (on with its part: the cp-th pass brings it home)
             if arriving is not None:
                 kv = arriving()
         dk, dv = dkv.to(k.dtype).unbind(0)
-        return dq.to(q.dtype).reshape(q.shape), dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, heads, t, d) -> (B, kv heads, heads / kv heads x t, d): the query heads that share
-    a key-value head as one block of rows against it."""
-    B, H, t, d = x.shape
-    return x.reshape(B, kv_heads, H // kv_heads * t, d)
+def _widened(kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A part's keys and values, each key-value head repeated for the query heads that use it."""
+    return tuple(t.repeat_interleave(heads // t.shape[1], 1) if t.shape[1] != heads else t
+                 for t in kv.unbind(0))
 
 
-def _probabilities(qg, k, mask, scale, lse):
-    """Softmax probabilities of the grouped queries over one part's keys, masked, and the
-    rows' log-sum-exp: the part's own (forward), or the whole row's given (backward)."""
-    s = (qg @ k.float().transpose(-1, -2)) * scale  # (B, kv heads, groups x t, t)
-    B, kvh, rows, n = s.shape
-    seen = mask.unsqueeze(2).expand(mask.shape[0], 1, rows // mask.shape[-2], *mask.shape[-2:])
-    s = s.masked_fill(~seen.reshape(mask.shape[0], 1, rows, n), MASKED)
-    lse = s.logsumexp(-1) if lse is None else lse
-    return torch.exp(s - lse[..., None]), lse
+def _narrowed(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A widened key's or value's gradient summed back onto its key-value head."""
+    B, H, t, d = grad.shape
+    return grad.float().reshape(B, kv_heads, H // kv_heads, t, d).sum(2)
+
+
+def _bias(mask, dtype) -> dict:
+    """A fused kernel's arguments for `mask`: causal, or a bias of 0 where seen."""
+    if isinstance(mask, str):
+        return {"is_causal": True}
+    return {"attn_mask": torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            .masked_fill(~mask, MASKED)}
+
+
+class FlashCPU:
+    """Each part through torch's fused CPU attention (the kernel `scaled_dot_product_attention`
+    runs on a CPU), which returns the log-sum-exp and whose backward takes the whole row's
+    output and log-sum-exp: no part's scores are held."""
+
+    @staticmethod
+    def forward(q, k, v, mask, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, scale=scale, **_bias(mask, q.dtype))
+
+    @staticmethod
+    def backward(dy, q, k, v, y, lse, mask, scale):
+        causal = _bias(mask, q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, k, v, y, lse, 0.0, causal.pop("is_causal", False), scale=scale, **causal)
+
+
+class Products:
+    """Each part by plain matrix products in float32 (any device): a part's scores, heads x
+    (T / cp)^2 numbers, are held while it is computed."""
+
+    @staticmethod
+    def _probabilities(q, k, mask, scale, lse):
+        if isinstance(mask, str):
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        s = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, MASKED)
+        lse = s.logsumexp(-1) if lse is None else lse
+        return torch.exp(s - lse[..., None]), lse
+
+    @staticmethod
+    def forward(q, k, v, mask, scale):
+        p, lse = Products._probabilities(q, k, mask, scale, None)
+        return p @ v.float(), lse
+
+    @staticmethod
+    def backward(dy, q, k, v, y, lse, mask, scale):
+        p, _ = Products._probabilities(q, k, mask, scale, lse)
+        dy = dy.float()
+        ds = p * (dy @ v.float().transpose(-1, -2) - (dy * y.float()).sum(-1, keepdim=True))
+        return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, p.transpose(-1, -2) @ dy
+
+
+KERNELS = {"cpu": FlashCPU}
