@@ -522,6 +522,9 @@ def _check_context(spec: JobSpec, need) -> None:
     need(problem is None, "parallel.cp", p.cp, f"{problem}: each cp worker attends with a "
          "cp-th of every block's heads" + (" (of its tp worker's share)" if p.tp > 1 else "")
          + "; parallel.cp_attention: all_gather or ring splits none")
+    need(p.cp_attention != "ring" or m.seq_len % (2 * p.cp) == 0, "parallel.cp", p.cp,
+         f"on a ring splits model.seq_len = {m.seq_len} into 2 x cp equal pieces (each worker "
+         f"two, zigzag): make it a multiple of {2 * p.cp}")
     need(p.cp_attention != "ring" or not m.dropout, "model.dropout", m.dropout,
          "drops attention's probabilities, which ring attention (parallel.cp_attention: ring) "
          "does not: set it to 0, or take all_to_all or all_gather")

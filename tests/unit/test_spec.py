@@ -373,6 +373,9 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
     ({"dropout": 0.1}, {"cp": 2, "cp_attention": "ring"}, "model.dropout: 0.1 is invalid; drops "
      "attention's probabilities, which ring attention (parallel.cp_attention: ring) does not: set "
      "it to 0, or take all_to_all or all_gather"),
+    ({"seq_len": 36}, {"cp": 4, "cp_attention": "ring"}, "parallel.cp: 4 is invalid; on a ring "
+     "splits model.seq_len = 36 into 2 x cp equal pieces (each worker two, zigzag): make it a "
+     "multiple of 8"),
     ({}, {"cp": 2, "cp_attention": "rings"}, "parallel.cp_attention: 'rings' is not one of "
      "all_to_all | all_gather | ring")])
 def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, message):

@@ -104,14 +104,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
     (`ring`: parallel/ring.py)."""
     split = docs.split if docs is not None else None
     if split is not None and split.attention == "ring":
-        from baton.parallel.ring import CAUSAL, ring_attention
+        from baton.parallel.ring import ring_attention
 
         if dropout:
             raise ValueError("ring attention takes no attention dropout (model.dropout: 0)")
-        t, first = q.shape[2], split.rank * q.shape[2]
-        plain = docs.doc is None and window is None  # (its own part: causal alone)
-        return ring_attention(q, k, v, split, lambda part: CAUSAL if plain and part == split.rank
-                              else docs.seen(first, t, part * t, t, window))
+        return ring_attention(q, k, v, split, ring_blocks(docs, q.shape[2] * split.size, window))
     if split is not None and split.attention == "all_gather":
         # this worker's queries over every position's keys and values: its rows of the mask
         # (of the documents', or causal), its positions counted from its part's first
@@ -134,6 +131,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
                                               enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                           enable_gqa=gqa)
+
+
+def ring_blocks(docs: Documents, T: int, window: Optional[int] = None):
+    """Which of each part's keys a ring worker's queries see (parallel/ring.py's `Blocks`),
+    a block for each of its pieces of the row and the part's: under a causal mask alone, a
+    piece's own square causal and an earlier piece whole (no mask made), a later one left
+    out; else the block's rows of the document mask and window, left out where none sees any."""
+    from baton.parallel.ring import ALL, CAUSAL
+
+    split, plain = docs.split, docs.doc is None and window is None
+
+    def blocks(part: int) -> list:
+        found, at = [], 0
+        for first, t in split.pieces(T):
+            keys_at = 0
+            for keys, n in split.pieces(T, part):
+                if plain and keys + n <= first:
+                    seen = ALL
+                elif plain and (keys, n) == (first, t):
+                    seen = CAUSAL
+                else:
+                    seen = docs.seen(first, t, keys, n, window)
+                if seen is not None:
+                    found.append((slice(at, at + t), slice(keys_at, keys_at + n), seen))
+                keys_at += n
+            at += t
+        return found
+    return blocks
 
 
 def attending(model: nn.Module) -> list[nn.Module]:

@@ -34,7 +34,8 @@ def ways(cp: int, tp: int = 1) -> str:
 @dataclass(frozen=True)
 class SequenceSplit:
     """This worker's part of each row: positions [rank x part, (rank + 1) x part) of a
-    sequence of size x part, exchanged over `group` (the replica's cp workers). `attention`
+    sequence of size x part (on a ring two pieces of half that: `pieces`), exchanged over
+    `group` (the replica's cp workers). `attention`
     (parallel.cp_attention): how attention sees the whole row: `all_to_all` exchanges heads
     (`whole_sequence`, `own_part`), `all_gather` gathers every position's keys and values
     (`gathered`), `ring` passes them around (`pass_on`)."""
@@ -49,9 +50,23 @@ class SequenceSplit:
         return self.attention == "all_to_all"
 
     def part(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This worker's contiguous part of `t` along `dim` (the sequence's)."""
-        n = t.shape[dim] // self.size
-        return t.narrow(dim, self.rank * n, n)
+        """This worker's part of `t` along `dim` (the sequence's): its pieces, in order."""
+        pieces = self.pieces(t.shape[dim])
+        if len(pieces) == 1:
+            return t.narrow(dim, *pieces[0])
+        return torch.cat([t.narrow(dim, *piece) for piece in pieces], dim)
+
+    def pieces(self, T: int, rank: int | None = None) -> list[tuple[int, int]]:
+        """(start, length) of each piece of a worker's part (this one's, or `rank`'s) of a
+        row of T positions: one contiguous piece; on a ring two, pieces `rank` and
+        `2 x cp - 1 - rank` of 2 x cp (the zigzag order: under a causal mask every worker's
+        queries then see as many keys as every other's, and a ring's step waits for none)."""
+        rank = self.rank if rank is None else rank
+        if self.attention != "ring":
+            n = T // self.size
+            return [(rank * n, n)]
+        n = T // (2 * self.size)
+        return [(rank * n, n), ((2 * self.size - 1 - rank) * n, n)]
 
     def whole_sequence(self, *xs: torch.Tensor) -> list[torch.Tensor]:
         """Each of `xs` (B, heads, T / cp, d): every head of this worker's part of the

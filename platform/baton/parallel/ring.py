@@ -10,8 +10,13 @@ row's keys and values nor its mask is ever held.
 The backward passes the keys and values around again, each part with its gradient so far:
 each worker recomputes its queries' scores against the part it holds from the log-sum-exp
 kept by the forward (no scores are kept), adds its queries' share of the part's gradient,
-and passes both on; a cp-th pass brings each part's gradient home. Parts that none of a
-worker's queries can see (later ones, under a causal mask) cost no computation.
+and passes both on; a cp-th pass brings each part's gradient home.
+
+A worker's part is two pieces of the row (`SequenceSplit.pieces`: pieces i and 2 x cp - 1 - i,
+the zigzag order), so that under a causal mask every worker's queries see as many keys as
+every other's, and each part is computed as blocks, a piece of queries against a piece of
+keys (`Blocks`, made by `models.documents.ring_blocks`): a block none of whose queries sees a
+key costs nothing.
 
 A part's attention runs through torch's fused CPU kernel on a CPU (`FlashCPU`: no scores
 held) and through plain matrix products in float32 elsewhere (`Products`: a part's scores,
@@ -23,62 +28,64 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 # a masked score: finite, so that a row that sees nothing of a part has a finite log-sum-exp
 # there, which a part it does see outweighs to exactly 0 (every query sees at least itself)
 MASKED = -1e30
 
-# which of the worker's queries see which of a part's keys: (part index) -> (B or 1, 1, t,
-# t) bool, True where seen; CAUSAL: the worker's own part under a causal mask alone (query i
-# sees keys 0..i, which a fused kernel computes without a mask); None: none of them sees any
-# (the part is skipped)
-CAUSAL = "causal"
-Rows = Callable[[int], Union[torch.Tensor, str, None]]
+# which of a block's queries see which of its keys: (B or 1, 1, queries, keys) bool, True
+# where seen; CAUSAL: query i sees keys 0..i (a square on the causal mask's diagonal, which a
+# fused kernel computes without a mask); ALL: every query sees every key
+CAUSAL, ALL = "causal", "all"
+Mask = Union[torch.Tensor, str]
+# the blocks of a part that the worker's queries see: (part index) -> [(which of the worker's
+# queries, which of the part's keys, which see which)], the blocks none sees left out
+Blocks = Callable[[int], list[tuple[slice, slice, Mask]]]
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split, rows: Rows,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split, blocks: Blocks,
                    scale: Optional[float] = None) -> torch.Tensor:
-    """softmax(q k^T x scale, masked by `rows`) v over the whole row: q (B, heads, t, d),
+    """softmax(q k^T x scale, masked by `blocks`) v over the whole row: q (B, heads, t, d),
     k and v (B, kv heads, t, d) this worker's part (`split.rank`) of a row of `split.size`
     parts; query head h uses key-value head h // (heads / kv heads), as
     `scaled_dot_product_attention(enable_gqa=True)` does."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _ring(q, k, v, split, rows, scale, KERNELS.get(q.device.type, Products))
+    return _ring(q, k, v, split, blocks, scale, KERNELS.get(q.device.type, Products))
 
 
 @torch.compiler.disable  # (point-to-point sends: a compiled block breaks its graph here)
-def _ring(q, k, v, split, rows, scale, kernels):
-    return _Ring.apply(q, k, v, split, rows, scale, kernels)
+def _ring(q, k, v, split, blocks, scale, kernels):
+    return _Ring.apply(q, k, v, split, blocks, scale, kernels)
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, split, rows, scale, kernels):
+    def forward(ctx, q, k, v, split, blocks, scale, kernels):
         kv = torch.stack([k, v])  # (2, B, kv heads, t, d): what passes around
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)  # (B, heads, t)
         for step in range(split.size):
             part = (split.rank - step) % split.size
             arriving = split.pass_on(kv) if step < split.size - 1 else None
-            mask = rows(part)
-            if mask is not None:
-                y, lse_part = kernels.forward(q, *_widened(kv, q.shape[1]), mask, scale)
-                seen = torch.logaddexp(lse, lse_part)
-                out = (out * torch.exp(lse - seen)[..., None]
-                       + y.float() * torch.exp(lse_part - seen)[..., None])
-                lse = seen
+            keys, values = _widened(kv, q.shape[1])
+            for qs, ks, mask in blocks(part):
+                y, lse_part = kernels.forward(q[:, :, qs], keys[:, :, ks], values[:, :, ks],
+                                              mask, scale)
+                seen = torch.logaddexp(lse[:, :, qs], lse_part)
+                out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - seen)[..., None]
+                                 + y.float() * torch.exp(lse_part - seen)[..., None])
+                lse[:, :, qs] = seen
             if arriving is not None:
                 kv = arriving()
         y = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, y, lse)
-        ctx.split, ctx.rows, ctx.scale, ctx.kernels = split, rows, scale, kernels
+        ctx.split, ctx.blocks, ctx.scale, ctx.kernels = split, blocks, scale, kernels
         return y
 
     @staticmethod
     def backward(ctx, dy):
         q, k, v, y, lse = ctx.saved_tensors
-        split, rows = ctx.split, ctx.rows
+        split, kv_heads = ctx.split, k.shape[1]
         dy = dy.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -86,12 +93,14 @@ class _Ring(torch.autograd.Function):
         for step in range(split.size):
             part = (split.rank - step) % split.size
             arriving = split.pass_on(kv) if step < split.size - 1 else None
-            mask = rows(part)
-            if mask is not None:
-                dq_part, dk, dv = ctx.kernels.backward(dy, q, *_widened(kv, q.shape[1]), y, lse,
-                                                       mask, ctx.scale)
-                dq += dq_part
-                dkv += torch.stack([_narrowed(dk, k.shape[1]), _narrowed(dv, k.shape[1])])
+            keys, values = _widened(kv, q.shape[1])
+            for qs, ks, mask in ctx.blocks(part):
+                dq_block, dk, dv = ctx.kernels.backward(
+                    dy[:, :, qs], q[:, :, qs], keys[:, :, ks], values[:, :, ks], y[:, :, qs],
+                    lse[:, :, qs].contiguous(), mask, ctx.scale)
+                dq[:, :, qs] += dq_block
+                dkv[0, :, :, ks] += _narrowed(dk, kv_heads)
+                dkv[1, :, :, ks] += _narrowed(dv, kv_heads)
             dkv = split.pass_on(dkv)()  # (on with its part: the cp-th pass brings it home)
             if arriving is not None:
                 kv = arriving()
@@ -111,10 +120,10 @@ def _narrowed(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.float().reshape(B, kv_heads, H // kv_heads, t, d).sum(2)
 
 
-def _bias(mask, dtype) -> dict:
-    """A fused kernel's arguments for `mask`: causal, or a bias of 0 where seen."""
+def _bias(mask: Mask, dtype) -> dict:
+    """A fused kernel's arguments for `mask`: causal, none, or a bias of 0 where seen."""
     if isinstance(mask, str):
-        return {"is_causal": True}
+        return {"is_causal": True} if mask == CAUSAL else {}
     return {"attn_mask": torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             .masked_fill(~mask, MASKED)}
 
@@ -142,9 +151,11 @@ class Products:
 
     @staticmethod
     def _probabilities(q, k, mask, scale, lse):
-        if isinstance(mask, str):
+        s = q.float() @ k.float().transpose(-1, -2) * scale
+        if isinstance(mask, str) and mask == CAUSAL:
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        s = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, MASKED)
+        if not isinstance(mask, str):
+            s = s.masked_fill(~mask, MASKED)
         lse = s.logsumexp(-1) if lse is None else lse
         return torch.exp(s - lse[..., None]), lse
 
