@@ -435,7 +435,8 @@ def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
     job = write_spec(tmp_path / "ring.yaml", {
         **raw, "parallel": {**raw["parallel"], "cp": 4, "cp_attention": "ring"}})
     assert cli.main(["validate", str(job)]) == 0
-    assert ("  context parallel: each row's 32 positions split over 4 workers (8 each, embedded, "
+    assert ("  context parallel: each row's 32 positions split over 4 workers (8 each in two pieces "
+            "of 4, the zigzag order, embedded, "
             "run and scored there); attention of its positions, every query head, over each "
             "worker's keys and values in turn, passed around a ring (3 sends a block, 4 more with "
             "their gradients in its backward); a replica's 4 workers read the same rows, and "

@@ -179,11 +179,14 @@ def _context_line(spec) -> str:
         attend = (f"attention of its positions, {mine}, over each worker's keys and values in "
                   f"turn, passed around a ring ({d.cp - 1} sends a block, {d.cp} more with their "
                   f"gradients in its backward)")
+    # (a ring worker's positions: two pieces, i and 2cp - 1 - i, so that each sees as many keys)
+    pieces = (f" in two pieces of {T // (2 * d.cp):,}, the zigzag order" if d.cp_attention == "ring"
+              else "")
     part = " and ".join(name for name, n in (("stage", d.pp), ("tp share", d.tp)) if n > 1)
     held = (f"each {part}'s gradients are summed over the {d.dp * d.cp} workers holding it" if part
             else f"every parameter's gradient is summed over all {d.dp * d.cp} workers")
     return (f"context parallel: each row's {T:,} positions split over {d.cp} workers "
-            f"({T // d.cp:,} each, embedded, run and scored there); {attend}; a "
+            f"({T // d.cp:,} each{pieces}, embedded, run and scored there); {attend}; a "
             f"replica's {d.cp * d.tp} workers read the same rows, and {held}")
 
 
