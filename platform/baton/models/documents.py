@@ -134,17 +134,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
 
 
 def ring_blocks(docs: Documents, T: int, window: Optional[int] = None):
-    """Which of each part's keys a ring worker's queries see (parallel/ring.py's `Blocks`),
-    a block for each of its pieces of the row and the part's: under a causal mask alone, a
-    piece's own square causal and an earlier piece whole (no mask made), a later one left
-    out; else the block's rows of the document mask and window, left out where none sees any."""
+    """Which of each part's keys a ring worker's queries see (parallel/ring.py's `Blocks`):
+    under a causal mask alone, in the zigzag order, one block a part (its own part causal,
+    an earlier worker's early piece seen by all its queries, a later worker's part by its
+    late piece's: torch's own ring attention's load balancing); else a block for each of
+    its pieces of the row and the part's, the block's rows of the document mask and window,
+    left out where none sees any (a piece's own square causal and an earlier piece whole,
+    with no mask made, where the mask is causal alone)."""
     from baton.parallel.ring import ALL, CAUSAL
 
     split, plain = docs.split, docs.doc is None and window is None
+    mine = split.pieces(T)
+    if plain and len(mine) == 2:  # (the zigzag order's two pieces, causal alone: one block a part)
+        t = mine[0][1]
+        both, first, second = slice(0, 2 * t), slice(0, t), slice(t, 2 * t)
+        return lambda part: ([(both, both, CAUSAL)] if part == split.rank  # (its pieces in order)
+                             else [(both, first, ALL)] if part < split.rank  # (the early piece)
+                             else [(second, both, ALL)])  # (seen by its late piece alone)
 
     def blocks(part: int) -> list:
         found, at = [], 0
-        for first, t in split.pieces(T):
+        for first, t in mine:
             keys_at = 0
             for keys, n in split.pieces(T, part):
                 if plain and keys + n <= first:
