@@ -67,7 +67,7 @@ class _Ring(torch.autograd.Function):
         for step in range(split.size):
             part = (split.rank - step) % split.size
             arriving = split.pass_on(kv) if step < split.size - 1 else None
-            keys, values = _widened(kv, q.shape[1])
+            keys, values = kv.unbind(0)
             for qs, ks, mask in blocks(part):
                 y, lse_part = kernels.forward(q[:, :, qs], keys[:, :, ks], values[:, :, ks],
                                               mask, scale)
@@ -85,7 +85,7 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         q, k, v, y, lse = ctx.saved_tensors
-        split, kv_heads = ctx.split, k.shape[1]
+        split = ctx.split
         dy = dy.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -93,31 +93,19 @@ class _Ring(torch.autograd.Function):
         for step in range(split.size):
             part = (split.rank - step) % split.size
             arriving = split.pass_on(kv) if step < split.size - 1 else None
-            keys, values = _widened(kv, q.shape[1])
+            keys, values = kv.unbind(0)
             for qs, ks, mask in ctx.blocks(part):
                 dq_block, dk, dv = ctx.kernels.backward(
                     dy[:, :, qs], q[:, :, qs], keys[:, :, ks], values[:, :, ks], y[:, :, qs],
                     lse[:, :, qs].contiguous(), mask, ctx.scale)
                 dq[:, :, qs] += dq_block
-                dkv[0, :, :, ks] += _narrowed(dk, kv_heads)
-                dkv[1, :, :, ks] += _narrowed(dv, kv_heads)
+                dkv[0, :, :, ks] += dk
+                dkv[1, :, :, ks] += dv
             dkv = split.pass_on(dkv)()  # (on with its part: the cp-th pass brings it home)
             if arriving is not None:
                 kv = arriving()
         dk, dv = dkv.to(k.dtype).unbind(0)
         return dq.to(q.dtype), dk, dv, None, None, None, None
-
-
-def _widened(kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A part's keys and values, each key-value head repeated for the query heads that use it."""
-    return tuple(t.repeat_interleave(heads // t.shape[1], 1) if t.shape[1] != heads else t
-                 for t in kv.unbind(0))
-
-
-def _narrowed(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """A widened key's or value's gradient summed back onto its key-value head."""
-    B, H, t, d = grad.shape
-    return grad.float().reshape(B, kv_heads, H // kv_heads, t, d).sum(2)
 
 
 def _bias(mask: Mask, dtype) -> dict:
@@ -131,7 +119,8 @@ def _bias(mask: Mask, dtype) -> dict:
 class FlashCPU:
     """Each part through torch's fused CPU attention (the kernel `scaled_dot_product_attention`
     runs on a CPU), which returns the log-sum-exp and whose backward takes the whole row's
-    output and log-sum-exp: no part's scores are held."""
+    output and log-sum-exp: no part's scores are held. It takes fewer key-value heads than
+    query heads as they are (grouped-query attention), and gives their gradients so."""
 
     @staticmethod
     def forward(q, k, v, mask, scale):
@@ -147,7 +136,8 @@ class FlashCPU:
 
 class Products:
     """Each part by plain matrix products in float32 (any device): a part's scores, heads x
-    (T / cp)^2 numbers, are held while it is computed."""
+    (T / cp)^2 numbers, are held while it is computed, and each key-value head repeated for
+    the query heads that use it."""
 
     @staticmethod
     def _probabilities(q, k, mask, scale, lse):
@@ -161,15 +151,30 @@ class Products:
 
     @staticmethod
     def forward(q, k, v, mask, scale):
+        k, v = (_widened(t, q.shape[1]) for t in (k, v))
         p, lse = Products._probabilities(q, k, mask, scale, None)
         return p @ v.float(), lse
 
     @staticmethod
     def backward(dy, q, k, v, y, lse, mask, scale):
+        kv_heads = k.shape[1]
+        k, v = (_widened(t, q.shape[1]) for t in (k, v))
         p, _ = Products._probabilities(q, k, mask, scale, lse)
         dy = dy.float()
         ds = p * (dy @ v.float().transpose(-1, -2) - (dy * y.float()).sum(-1, keepdim=True))
-        return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, p.transpose(-1, -2) @ dy
+        dk = (ds.transpose(-1, -2) @ q.float()) * scale
+        return (ds @ k.float()) * scale, _narrowed(dk, kv_heads), _narrowed(p.transpose(-1, -2) @ dy, kv_heads)
+
+
+def _widened(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys or values, each key-value head repeated for the query heads that use it."""
+    return t.repeat_interleave(heads // t.shape[1], 1) if t.shape[1] != heads else t
+
+
+def _narrowed(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A widened key's or value's gradient summed back onto its key-value head."""
+    B, H, t, d = grad.shape
+    return grad.reshape(B, kv_heads, H // kv_heads, t, d).sum(2)
 
 
 KERNELS = {"cpu": FlashCPU}
