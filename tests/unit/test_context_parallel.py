@@ -150,11 +150,14 @@ def _ring_worker(rank: int, port: int, out: str) -> None:
             want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                     enable_gqa=True)
             want.backward(dy)
-            for kernels in (FlashCPU, Products):
+            # (the products a run of 2 query rows at a time: 2 rows x 2 x 4 heads x 16 keys
+            # of 4 bytes)
+            for name, kernels in (("FlashCPU", FlashCPU()), ("Products", Products()),
+                                  ("Products in runs", Products(scores_bytes=1024))):
                 mine = [split.part(t.detach(), 2).requires_grad_() for t in (q, k, v)]
                 y = _ring(*mine, split, ring_blocks(part, 16), 8 ** -0.5, kernels)
                 y.backward(split.part(dy, 2))
-                results[case, kernels.__name__] = [
+                results[case, name] = [
                     (got - split.part(whole, 2)).abs().max().item() for got, whole in
                     [(y, want)] + [(t.grad, w.grad) for t, w in zip(mine, (q, k, v))]]
         torch.save(results, f"{out}/{rank}.pt")
@@ -164,7 +167,7 @@ def _ring_worker(rank: int, port: int, out: str) -> None:
 
 def test_each_ring_kernel_computes_attention_over_the_whole_rows(tmp_path):
     """Both ways a ring computes a part (torch's fused CPU attention, the matrix products of
-    other devices): the output and the gradients of q, k and v (4 query heads on 2 key-value
+    other devices, a part at once and a run of queries at a time): the output and the gradients of q, k and v (4 query heads on 2 key-value
     heads; documents kept apart, a row's three in one, and causal alone, each worker's own
     part without a mask) of each worker's half are the whole rows' attention's."""
     _spawn(_ring_worker, 2, str(tmp_path))

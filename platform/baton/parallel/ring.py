@@ -19,9 +19,9 @@ keys (`Blocks`, made by `models.documents.ring_blocks`): a block none of whose q
 key costs nothing.
 
 A part's attention runs through torch's fused CPU kernel on a CPU (`FlashCPU`: no scores
-held) and through plain matrix products in float32 elsewhere (`Products`: a part's scores,
-`heads x (T / cp)^2` numbers, held while it is computed; a GPU's fused kernels are not used
-in this version). The running output and log-sum-exp are float32 whatever the inputs' type."""
+held) and through plain matrix products in float32 elsewhere (`Products`: a run of queries'
+scores at a time, at most 256 MiB of them; a GPU's fused kernels are not used in this
+version). The running output and log-sum-exp are float32 whatever the inputs' type."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split, blo
     parts; query head h uses key-value head h // (heads / kv heads), as
     `scaled_dot_product_attention(enable_gqa=True)` does."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _ring(q, k, v, split, blocks, scale, KERNELS.get(q.device.type, Products))
+    return _ring(q, k, v, split, blocks, scale, KERNELS.get(q.device.type) or Products())
 
 
 @torch.compiler.disable  # (point-to-point sends: a compiled block breaks its graph here)
@@ -135,35 +135,56 @@ class FlashCPU:
 
 
 class Products:
-    """Each part by plain matrix products in float32 (any device): a part's scores, heads x
-    (T / cp)^2 numbers, are held while it is computed, and each key-value head repeated for
-    the query heads that use it."""
+    """Each part by plain matrix products in float32 (any device), each key-value head
+    repeated for the query heads that use it, a run of queries at a time: the scores held at
+    once are at most `scores_bytes` (the rows of one query at least), whatever the part's
+    length."""
+
+    def __init__(self, scores_bytes: int = 256 * 2**20):
+        self.scores_bytes = scores_bytes
+
+    def _runs(self, q, k):
+        """The runs of query rows (start, stop) whose scores fit the bound together."""
+        B, H, t, _ = q.shape
+        n = max(1, self.scores_bytes // (4 * B * H * k.shape[-2]))
+        return [(i, min(i + n, t)) for i in range(0, t, n)]
 
     @staticmethod
-    def _probabilities(q, k, mask, scale, lse):
-        s = q.float() @ k.float().transpose(-1, -2) * scale
+    def _probabilities(q, k, mask, scale, lse, rows):
+        i, j = rows
+        s = q[:, :, i:j].float() @ k.float().transpose(-1, -2) * scale
         if isinstance(mask, str) and mask == CAUSAL:
-            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            at = torch.arange(i, j, device=q.device)[:, None]
+            mask = at >= torch.arange(k.shape[-2], device=q.device)[None, :]
+        elif not isinstance(mask, str):
+            mask = mask[:, :, i:j]
         if not isinstance(mask, str):
             s = s.masked_fill(~mask, MASKED)
-        lse = s.logsumexp(-1) if lse is None else lse
+        lse = s.logsumexp(-1) if lse is None else lse[:, :, i:j]
         return torch.exp(s - lse[..., None]), lse
 
-    @staticmethod
-    def forward(q, k, v, mask, scale):
+    def forward(self, q, k, v, mask, scale):
         k, v = (_widened(t, q.shape[1]) for t in (k, v))
-        p, lse = Products._probabilities(q, k, mask, scale, None)
-        return p @ v.float(), lse
+        out, lse = [], []
+        for rows in self._runs(q, k):
+            p, lse_rows = self._probabilities(q, k, mask, scale, None, rows)
+            out.append(p @ v.float())
+            lse.append(lse_rows)
+        return torch.cat(out, 2), torch.cat(lse, 2)
 
-    @staticmethod
-    def backward(dy, q, k, v, y, lse, mask, scale):
+    def backward(self, dy, q, k, v, y, lse, mask, scale):
         kv_heads = k.shape[1]
         k, v = (_widened(t, q.shape[1]) for t in (k, v))
-        p, _ = Products._probabilities(q, k, mask, scale, lse)
-        dy = dy.float()
-        ds = p * (dy @ v.float().transpose(-1, -2) - (dy * y.float()).sum(-1, keepdim=True))
-        dk = (ds.transpose(-1, -2) @ q.float()) * scale
-        return (ds @ k.float()) * scale, _narrowed(dk, kv_heads), _narrowed(p.transpose(-1, -2) @ dy, kv_heads)
+        dq, dk, dv = [], torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+        for i, j in self._runs(q, k):
+            p, _ = self._probabilities(q, k, mask, scale, lse, (i, j))
+            g = dy[:, :, i:j].float()
+            ds = p * (g @ v.float().transpose(-1, -2)
+                      - (g * y[:, :, i:j].float()).sum(-1, keepdim=True))
+            dq.append(ds @ k.float() * scale)
+            dk += ds.transpose(-1, -2) @ q[:, :, i:j].float() * scale
+            dv += p.transpose(-1, -2) @ g
+        return torch.cat(dq, 2), _narrowed(dk, kv_heads), _narrowed(dv, kv_heads)
 
 
 def _widened(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -177,4 +198,4 @@ def _narrowed(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.reshape(B, kv_heads, H // kv_heads, t, d).sum(2)
 
 
-KERNELS = {"cpu": FlashCPU}
+KERNELS = {"cpu": FlashCPU()}
