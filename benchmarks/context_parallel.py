@@ -16,6 +16,7 @@ worker, measured:
   machine with a core (or a GPU) a worker.
 
     python benchmarks/context_parallel.py --cps 1 2 4 --seq-len 4096 --attention all_to_all all_gather ring
+    python benchmarks/context_parallel.py --cps 1 2 --document-len 512 --attention all_to_all ring
 """
 
 from __future__ import annotations
@@ -50,13 +51,17 @@ def _worker(rank: int, port: int, cp: int, attention: str, args, out: dict) -> N
                          seq_len=args.seq_len, vocab_size=args.vocab,
                          options={"kv_heads": args.kv_heads})
         model = build_model(spec, 0)
-        task = LanguageModel(args.seq_len)
+        task = LanguageModel(args.seq_len, eod=0 if args.document_len else None)
         split = SequenceSplit(dist.group.WORLD, rank, cp, attention)
         part = SequencePart(task, split) if cp > 1 else task
         g = torch.Generator().manual_seed(0)
-        batch = {"tokens": torch.randint(0, args.vocab, (1, args.seq_len + 1), generator=g),
-                 VALID: torch.ones(1, dtype=torch.bool)}
-        if cp > 1:
+        tokens = torch.randint(1, args.vocab, (1, args.seq_len + 1), generator=g)
+        if args.document_len:  # (documents of --document-len tokens, each ending in token 0)
+            tokens[:, args.document_len - 1::args.document_len] = 0
+        batch = {"tokens": tokens, VALID: torch.ones(1, dtype=torch.bool)}
+        if args.document_len:
+            attend_within(attending(model), part.documents(batch))
+        elif cp > 1:
             attend_within(attending(model), sequence_part(split, 1, args.seq_len, None))
         saved: dict = {}
         weights = {q.untyped_storage().data_ptr() for q in model.parameters()}
@@ -111,6 +116,8 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--document-len", type=int, default=0,
+                   help="documents of this many tokens a row, kept apart (data.document_mask); 0: one")
     p.add_argument("--attention", nargs="+", default=["all_to_all"],
                    choices=["all_to_all", "all_gather", "ring"])
     p.add_argument("--out", default=str(HERE / "results" / "context_parallel_cpu.json"))
@@ -118,7 +125,8 @@ def main() -> int:
     rows = [_run(cp, a, args) for cp in args.cps for a in (args.attention if cp > 1 else ["-"])]
     base = rows[0]
     print(f"\nllama {args.layers} x {args.width}, {args.heads} heads ({args.kv_heads} key-value), "
-          f"one row of {args.seq_len:,} positions")
+          f"one row of {args.seq_len:,} positions"
+          + (f", documents of {args.document_len:,} kept apart" if args.document_len else ""))
     print("| cp | attention | activations MiB a worker | vs first | peak RSS MiB a worker | step s | tokens/s |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:

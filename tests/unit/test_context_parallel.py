@@ -179,6 +179,43 @@ def test_each_ring_kernel_computes_attention_over_the_whole_rows(tmp_path):
             assert max(apart) < 1e-5, (kernels, apart)
 
 
+def test_ring_blocks_leave_out_documents_apart_and_drop_masks_they_do_not_need():
+    """A ring worker's blocks under a document mask (rows of 16, documents ending at 7 in
+    one, at 5 in the other; cp 2, pieces of 4): laid over its rows of the whole row's mask,
+    they give exactly those rows (a block left out where causal or the documents are apart);
+    a block inside one document in every row is computed without a mask (its causal square,
+    or all seen), and only a block with a document's edge in it keeps one. Found once for
+    every layer (the micro-batch's memo), masks made when used."""
+    from baton.models.documents import ring_blocks
+    from baton.parallel.ring import ALL, CAUSAL
+
+    tokens = torch.arange(1, 17).repeat(2, 1)
+    tokens[0, 7] = tokens[1, 5] = 0
+    whole = documents(tokens, 0)
+    kinds = {}
+    for rank in range(2):
+        split = SequenceSplit(None, rank, 2, "ring")
+        docs = documents(tokens, 0, whole=False).part(split)
+        blocks, rows = ring_blocks(docs, 16), split.part(whole.mask[:, 0], 1)  # (B, 8, 16)
+        for part in range(2):
+            keys = SequenceSplit(None, part, 2, "ring").part(torch.arange(16), 0)
+            laid = torch.zeros(2, 8, 8, dtype=torch.bool)
+            for qs, ks, seen in blocks(part):
+                kinds[rank, part, qs.start, ks.start] = seen if isinstance(seen, str) else "mask"
+                square = torch.ones(qs.stop - qs.start, ks.stop - ks.start, dtype=torch.bool)
+                laid[:, qs, ks] = ({ALL: square, CAUSAL: square.tril()}[seen]
+                                   if isinstance(seen, str) else seen[:, 0])
+            assert torch.equal(laid, rows[:, :, keys]), (rank, part)
+        assert list(docs.memo) == [("ring", 16, None)]  # (found once: both parts from it)
+    # worker 0 (pieces 0-3 and 12-15, at 0 and 4 of its part): each piece's own square
+    # causal, inside one document in both rows; positions 12-15 see none of 0-3 (left out),
+    # part of 4-7 (the second row's 6 and 7) and all of 8-11. Worker 1 (4-7 and 8-11): 4-7
+    # hold the second row's first document's edge; 8-11 see none of 0-3 (left out)
+    assert kinds == {(0, 0, 0, 0): CAUSAL, (0, 0, 4, 4): CAUSAL, (0, 1, 4, 0): "mask",
+                     (0, 1, 4, 4): ALL, (1, 1, 0, 0): "mask", (1, 1, 4, 0): "mask",
+                     (1, 1, 4, 4): CAUSAL, (1, 0, 0, 0): "mask"}, kinds
+
+
 @pytest.mark.parametrize("how", ["all_to_all", "all_gather", "ring"])
 def test_compiled_blocks_exchange_the_sequence_as_eager_ones_do(tmp_path, how):
     """train.compile with parallel.cp: each block compiled whole, its all-to-alls (or its

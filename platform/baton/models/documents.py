@@ -16,7 +16,7 @@ the forward then, after other micro-batches' forwards."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -37,6 +37,8 @@ class Documents:
     # row's (B, T / cp), and attention exchanges its inputs and output over the cp workers
     split: Optional["SequenceSplit"] = None
     doc: Optional[torch.Tensor] = None  # (B, T) int64: which document of its row each token is in
+    # what every layer's attention of this micro-batch shares: a ring's blocks (ring_blocks)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def part(self, split: "SequenceSplit") -> "Documents":
         """These documents as `split`'s worker sees them: its part of the positions; the mask
@@ -138,36 +140,50 @@ def ring_blocks(docs: Documents, T: int, window: Optional[int] = None):
     under a causal mask alone, in the zigzag order, one block a part (its own part causal,
     an earlier worker's early piece seen by all its queries, a later worker's part by its
     late piece's: torch's own ring attention's load balancing); else a block for each of
-    its pieces of the row and the part's, the block's rows of the document mask and window,
-    left out where none sees any (a piece's own square causal and an earlier piece whole,
-    with no mask made, where the mask is causal alone)."""
+    its pieces of the row and the part's, left out where none of its queries sees any of its
+    keys (under the document mask too: documents apart), computed without a mask where each
+    sees all or the block is its documents' causal square, else with its rows of the
+    document mask and window. Which block is which is found once for all the micro-batch's
+    layers, forward and backward (one read to the host); a mask is made when used."""
     from baton.parallel.ring import ALL, CAUSAL
 
-    split, plain = docs.split, docs.doc is None and window is None
+    split = docs.split
     mine = split.pieces(T)
-    if plain and len(mine) == 2:  # (the zigzag order's two pieces, causal alone: one block a part)
+    if docs.doc is None and window is None and len(mine) == 2:  # (zigzag, causal alone)
         t = mine[0][1]
         both, first, second = slice(0, 2 * t), slice(0, t), slice(t, 2 * t)
         return lambda part: ([(both, both, CAUSAL)] if part == split.rank  # (its pieces in order)
                              else [(both, first, ALL)] if part < split.rank  # (the early piece)
                              else [(second, both, ALL)])  # (seen by its late piece alone)
 
-    def blocks(part: int) -> list:
-        found, at = [], 0
-        for first, t in mine:
-            keys_at = 0
-            for keys, n in split.pieces(T, part):
-                if plain and keys + n <= first:
-                    seen = ALL
-                elif plain and (keys, n) == (first, t):
-                    seen = CAUSAL
-                else:
+    def sorted_out() -> list[list]:
+        """Each part's blocks: (queries, keys, ALL, CAUSAL or the block's place in the row)."""
+        found, checks = [[] for _ in range(split.size)], []
+        for part in range(split.size):
+            at = 0
+            for first, t in mine:
+                keys_at = 0
+                for keys, n in split.pieces(T, part):
                     seen = docs.seen(first, t, keys, n, window)
-                if seen is not None:
-                    found.append((slice(at, at + t), slice(keys_at, keys_at + n), seen))
-                keys_at += n
-            at += t
-        return found
+                    if seen is not None:
+                        causal = torch.ones(t, n, dtype=torch.bool, device=seen.device).tril()
+                        checks.append(torch.stack([seen.any(), seen.all(), (seen == causal).all()
+                                                   & ((keys, n) == (first, t))]))
+                        found[part].append((slice(at, at + t), slice(keys_at, keys_at + n),
+                                            (first, t, keys, n)))
+                    keys_at += n
+                at += t
+        sorted_ = iter(torch.stack(checks).tolist() if checks else [])
+        return [[(qs, ks, ALL if every else CAUSAL if causal else place)
+                 for qs, ks, place in blocks
+                 for some, every, causal in [next(sorted_)] if some] for blocks in found]
+
+    def blocks(part: int) -> list:
+        key = ("ring", T, window)
+        if key not in docs.memo:
+            docs.memo[key] = sorted_out()
+        return [(qs, ks, seen if isinstance(seen, str) else docs.seen(*seen, window))
+                for qs, ks, seen in docs.memo[key][part]]
     return blocks
 
 

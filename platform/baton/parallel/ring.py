@@ -9,8 +9,9 @@ row's keys and values nor its mask is ever held.
 
 The backward passes the keys and values around again, each part with its gradient so far:
 each worker recomputes its queries' scores against the part it holds from the log-sum-exp
-kept by the forward (no scores are kept), adds its queries' share of the part's gradient,
-and passes both on; a cp-th pass brings each part's gradient home.
+kept by the forward (no scores are kept), computes its queries' share of the part's
+gradient while the gradient so far is on its way from the last worker, adds the two and
+passes the sum on; a cp-th pass brings each part's gradient home.
 
 A worker's part is two pieces of the row (`SequenceSplit.pieces`: pieces i and 2 x cp - 1 - i,
 the zigzag order), so that under a causal mask every worker's queries see as many keys as
@@ -89,11 +90,12 @@ class _Ring(torch.autograd.Function):
         dy = dy.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # (the part's, so far)
+        travelling = None  # the gradient so far of the part held, on its way from the last worker
         for step in range(split.size):
             part = (split.rank - step) % split.size
             arriving = split.pass_on(kv) if step < split.size - 1 else None
             keys, values = kv.unbind(0)
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # (this worker's share)
             for qs, ks, mask in ctx.blocks(part):
                 dq_block, dk, dv = ctx.kernels.backward(
                     dy[:, :, qs], q[:, :, qs], keys[:, :, ks], values[:, :, ks], y[:, :, qs],
@@ -101,10 +103,12 @@ class _Ring(torch.autograd.Function):
                 dq[:, :, qs] += dq_block
                 dkv[0, :, :, ks] += dk
                 dkv[1, :, :, ks] += dv
-            dkv = split.pass_on(dkv)()  # (on with its part: the cp-th pass brings it home)
+            if travelling is not None:  # (waited for only now: it came while this part computed)
+                dkv += travelling()
+            travelling = split.pass_on(dkv)  # (on with its part: the cp-th pass brings it home)
             if arriving is not None:
                 kv = arriving()
-        dk, dv = dkv.to(k.dtype).unbind(0)
+        dk, dv = travelling().to(k.dtype).unbind(0)
         return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
