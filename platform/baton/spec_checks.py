@@ -556,8 +556,7 @@ def _check_experts(spec: JobSpec, need) -> None:
          "every world holds whole groups of ep replicas")
     for ok, key, value, why in (
             (p.shard == "none", "parallel.shard", p.shard, "ZeRO"),
-            (p.pp == 1, "parallel.pp", p.pp, "pipeline stages"),
-            (spec.train.compile is not True, "train.compile", spec.train.compile, "compiled blocks")):
+            (p.pp == 1, "parallel.pp", p.pp, "pipeline stages")):
         need(ok, key, value, f"is not built with expert parallelism (parallel.ep = {p.ep}) in this "
              f"version ({why}): use parallel.ep 1, or leave {key} out")
 

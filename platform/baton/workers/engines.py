@@ -180,8 +180,10 @@ class DataParallelEngine(_Engine):
                              else (build_model(spec.model, spec.train.seed), None))
         fill, wrapping = self._split(self.module, fill)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
-        # (expert parallelism's blocks stay eager: refused with compile: true, "auto" here)
-        compile_blocks(self.module, spec.train.compile if spec.parallel.ep == 1 else False, device.type)
+        # (expert parallelism's blocks compile where asked, not by "auto": unmeasured on a GPU)
+        setting = spec.train.compile
+        compile_blocks(self.module, False if spec.parallel.ep > 1 and setting == "auto" else setting,
+                       device.type)
         self.replica = WRAPPINGS[level](self.module, self.mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
