@@ -505,7 +505,7 @@ def _check_context(spec: JobSpec, need) -> None:
     takes the split) under DDP or ZeRO (sharded over dp_shard x cp), with tensor parallelism
     and in pipeline stages, every block's heads split evenly over the cp workers (a tp-th of
     them each) unless they gather keys and values or pass them around a ring."""
-    from baton.models import _on_meta, routed
+    from baton.models import _on_meta
 
     p, m = spec.parallel, spec.model
     need(spec.task == "language_model", "parallel.cp", p.cp,
@@ -529,13 +529,9 @@ def _check_context(spec: JobSpec, need) -> None:
          "drops attention's probabilities, which ring attention (parallel.cp_attention: ring) "
          "does not: set it to 0, or take all_to_all or all_gather")
     # a mixture's losses on its routing are each whole row's: the shares of its choices are
-    # summed over the row's cp workers in the block; not built through pipeline stages or
-    # with the experts split (ep)
-    for ok, key, value, why in (
-            (not routed(model) or p.pp == 1, "parallel.pp", p.pp, "a mixture of experts in pipeline stages"),
-            (p.ep == 1, "parallel.ep", p.ep, "expert parallelism")):
-        need(ok, key, value, f"is not built with context parallelism (parallel.cp = {p.cp}) in "
-             f"this version ({why}): use parallel.cp 1, or leave {key} out")
+    # summed over the row's cp workers in the block; not built with the experts split (ep)
+    need(p.ep == 1, "parallel.ep", p.ep, f"is not built with context parallelism (parallel.cp = "
+         f"{p.cp}) in this version (expert parallelism): use parallel.cp 1, or leave parallel.ep out")
 
 
 def _check_experts(spec: JobSpec, need) -> None:

@@ -326,7 +326,8 @@ def test_a_load_balancing_loss_trains_as_one_process_under_zero3(tmp_path, data,
     assert z == pytest.approx(routing["train_router_z_loss"], rel=1e-5), z
 
 
-def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp_path):
+@pytest.mark.parametrize("pp,cp", [(3, 1), (2, 2)], ids=["pp3", "pp2-cp2"])
+def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp_path, pp, cp):
     """router_aux_loss at pp 3 (1F1B over 4 micro-batches, blocks checkpointed, so a stage
     recomputes a micro-batch's forward after others' forwards) under a loss mask: each stage
     reads its micro-batches' rows to know which count, and the step's scale (the targets
@@ -334,7 +335,9 @@ def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp
     one process's numbers. Each stage reports its blocks' load at their places among the
     model's, summed over the stages: train_expert_load_max is one process's too. The model is
     Qwen2-MoE's kind (q, k, v biases, weights not renormalised, a gated shared expert), with
-    the router's z-loss too, logged from the stages as one process's figure."""
+    the router's z-loss too, logged from the stages as one process's figure. At pp 2 x cp 2
+    (4 workers) each stage's rows are split over its two cp workers: each weighs its part of
+    a row's loss as the whole row's is weighed, and the rows are counted once."""
     from mlflow.tracking import MlflowClient
 
     masked = write_dataset(tmp_path / "masked", num_samples=11, seq_len=32, loss_mask=True)
@@ -342,16 +345,17 @@ def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp
                     data={"loss_mask_column": "loss_mask"},
                     train={"steps": 2, "global_batch": 8, "micro_batch": None,
                            "activation_checkpointing": "blocks", "schedule": "constant"},
-                    parallel={"dp": 1, "pp": 3, "schedule": "1f1b", "microbatches": 4,
+                    parallel={"dp": 1, "pp": pp, "cp": cp, "schedule": "1f1b", "microbatches": 4,
                               "timeout_s": 60}, resources={"cpus_per_worker": 0.25})
     raw["model"]["options"] = {**raw["model"]["options"], "router_aux_loss": 0.1, "router_z_loss": 0.01,
                                "shared_expert": 24, "qkv_bias": True, "norm_topk": False}
     spec = spec_from_dict(raw)
     result = api.run(spec, show_progress=False)
-    assert result.state == "finished" and result.stage_layers == [2, 1, 2]
+    assert result.state == "finished" and result.stage_layers == {3: [2, 1, 2], 2: [3, 2]}[pp], result.stage_layers
     # measured: 6.3e-6 at most (1.0e-5 with Mixtral's kind, in block 1's experts: few tokens
-    # each, AdamW's step scales up the rounding of a small gradient); the default bound
-    # (rtol 1e-5, atol 4e-5) holds
+    # each, AdamW's step scales up the rounding of a small gradient); pp 2 x cp 2: 1.5e-6
+    # (each cp worker's part of the routing loss weighed as a cp-th of a row's: 3.4e-2). The
+    # default bound (rtol 1e-5, atol 4e-5) holds
     assert_like_one_process(spec, masked, result, 2)
     client = MlflowClient(spec.tracking.uri)
     logged = {key: [m.value for m in sorted(client.get_metric_history(result.run_id, key),

@@ -445,8 +445,10 @@ class PipelineEngine(_Engine):
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
                  stage_layers: list[int], task: Task, shapes: dict):
         self.spec, self.dims, self.device, self.task = spec, dims, device, task
+        self.per_row = task.per_sample  # (a whole row's loss terms, under cp too)
         self.dp_rank, self.pp_rank = dims.coords(rank)
         tp_rank, cp_rank = dims.tp_rank(rank), dims.cp_rank(rank)
+        self.cp_rank = cp_rank
         p, v = dims.pp, spec.chunks
         full, fill = build_lazily(spec.model, spec.train.seed)
         full = sequential(full, spec.model.name)
@@ -560,7 +562,7 @@ class PipelineEngine(_Engine):
                    if self.first or self.last or self.attending or any(self.routed) else None)
         # a load-balancing loss summed over a micro-batch's rows weighs as its loss sum does
         # (the runtime's scale), a row as many terms as it has (models.routed)
-        weight = scale * self.task.per_sample
+        weight = scale * self.per_row
         measured = _Routing(*self.mixtures, self.device) if training and self.mixtures else None
         final = self.dims.pp * self.spec.chunks - 1  # (the model's last stage)
 
@@ -577,8 +579,9 @@ class PipelineEngine(_Engine):
                     layer.balance(batches[mb][VALID].to(self.device), weight)
 
         def forwarded(mb: int, chunk: int) -> None:  # (a chunk's blocks, just run on mb)
-            last = sched.stage_of(self.pp_rank, chunk, self.dims.pp) == final
-            measured.add(self.routed[chunk], batches[mb][VALID].sum() if last else None)
+            # (the rows once: of the last stage's first cp worker, each scoring a part of them)
+            counts = sched.stage_of(self.pp_rank, chunk, self.dims.pp) == final and not self.cp_rank
+            measured.add(self.routed[chunk], batches[mb][VALID].sum() if counts else None)
 
         trace = self.runtime.run(actions, batches and [self.task.inputs(b) for b in batches],
                                  batches, loss_fn, scale,
