@@ -528,10 +528,6 @@ def _check_context(spec: JobSpec, need) -> None:
     need(p.cp_attention != "ring" or not m.dropout, "model.dropout", m.dropout,
          "drops attention's probabilities, which ring attention (parallel.cp_attention: ring) "
          "does not: set it to 0, or take all_to_all or all_gather")
-    # a mixture's losses on its routing are each whole row's: the shares of its choices are
-    # summed over the row's cp workers in the block; not built with the experts split (ep)
-    need(p.ep == 1, "parallel.ep", p.ep, f"is not built with context parallelism (parallel.cp = "
-         f"{p.cp}) in this version (expert parallelism): use parallel.cp 1, or leave parallel.ep out")
 
 
 def _check_experts(spec: JobSpec, need) -> None:

@@ -356,8 +356,6 @@ def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, para
      "parts: make it a multiple of cp"),
     ({"name": "mlp", "context": 4, "options": {}}, {"cp": 2}, "parallel.cp: 2 is invalid; model "
      "'mlp' has no block whose attention takes a split sequence"),
-    ({"options": {"experts": 4}}, {"dp": 2, "cp": 2, "ep": 2}, "parallel.ep: 2 is invalid; is not "
-     "built with context parallelism (parallel.cp = 2) in this version (expert parallelism)"),
     # with tensor parallelism each cp worker holds a tp-th of the heads: tp x cp must divide them
     ({"options": {"kv_heads": 2}}, {"cp": 2, "tp": 2}, "parallel.cp: 2 is invalid; llama's layer 1: "
      "its key-value heads (model.options.kv_heads = 2) do not split over tp x cp = 2 x 2: each cp "

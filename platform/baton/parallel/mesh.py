@@ -167,6 +167,21 @@ def axis(mesh, name: str):
     return flattened[name] if name in flattened else mesh[name]
 
 
+def joined(mesh, names: tuple[str, ...], timeout_s: float):
+    """The ranks that differ only along the axes `names` as one axis (`mesh[name]` where one),
+    its group given the job's collective timeout as `ParallelDims.device_mesh`'s are. Every
+    rank must call it, in the same order."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    joined = mesh[names]._flatten("_".join(names))
+    _set_pg_timeout(timedelta(seconds=timeout_s), joined.get_group())
+    return joined
+
+
 def sharding(mesh):
     """The 2-D mesh (replicas, shards) that a stage's state is sharded over: (dp_replicate,
     dp_shard), or with `sharded_cp` (dp_replicate, dp_shard x cp). Its group along dimension 1

@@ -27,7 +27,7 @@ from baton.parallel import schedule as sched
 from baton.parallel.activations import checkpoint_activations
 from baton.parallel.compiled import compile_blocks
 from baton.parallel.context import SequenceSplit
-from baton.parallel.mesh import axis, sharding
+from baton.parallel.mesh import axis, joined, sharding
 from baton.parallel.partition import bounds
 from baton.parallel.pipeline import PipelineRuntime
 from baton.parallel.sharding import (SHARDED_PARTS, STAGE_WRAPPINGS, WRAPPINGS, load_full, reshard,
@@ -358,16 +358,18 @@ class ExpertParallelEngine(DataParallelEngine):
     """Data parallel replicas under DDP whose mixtures' experts are split over groups of
     parallel.ep of them (parallel/experts.py): each worker holds its group share of the
     experts, whose gradients it sums with the workers of the other groups that hold the same
-    ones, and writes them in sharded checkpoints (DCP: every worker its experts, the rest
-    once)."""
+    ones (and with its replica's other cp workers, under context parallelism: each routes its
+    part of the rows' tokens among the group's workers of its cp rank), and writes them in
+    sharded checkpoints (DCP: every worker its experts, the rest once)."""
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         super().__init__(spec, dims, device, task)
         self.sharded = True  # (no worker holds every expert: checkpoints through DCP)
         # the experts' gradients summed over the workers holding the same ones, in one buffer
-        replicas = self.mesh["dp_replicate"]
-        self.expert_grads = (comm.FlatGrads(replicas.get_group(), spec.parallel.grad_comm)
-                             if replicas.size() > 1 else None)
+        holders = joined(self.mesh, ("dp_replicate", "cp") if dims.cp > 1 else ("dp_replicate",),
+                         spec.parallel.timeout_s)
+        self.expert_grads = (comm.FlatGrads(holders.get_group(), spec.parallel.grad_comm)
+                             if holders.size() > 1 else None)
 
     def _split(self, module: nn.Module, fill) -> tuple:
         group = self.mesh["dp_shard"]
@@ -382,8 +384,9 @@ class ExpertParallelEngine(DataParallelEngine):
         trained = [q for q in self.experts if q.grad is not None]  # (none where frozen)
         if self.expert_grads and trained:
             self.expert_grads.all_reduce(trained)
-        # (averaged over the replicas as DDP averages the rest: the loss's scale undoes it)
-        torch._foreach_div_([q.grad for q in trained], float(self.dp))
+        # (averaged over the replicas' workers as DDP averages the rest: the loss's scale
+        # undoes it)
+        torch._foreach_div_([q.grad for q in trained], float(self.averaged_over))
         return out
 
     def clip(self) -> torch.Tensor:
