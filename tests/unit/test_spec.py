@@ -436,6 +436,15 @@ def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):
             "worker's keys and values in turn, passed around a ring (3 sends a block, 4 more with "
             "their gradients in its backward); a replica's 4 workers read the same rows, and "
             "every parameter's gradient is summed over all 8 workers") in capsys.readouterr().out.splitlines()
+    # experts split over the 2 replicas (ep 2): an expert's gradient over its 2 holders (of its
+    # replica's 2 workers)
+    job = write_spec(tmp_path / "ep.yaml", {
+        **raw, "parallel": {**raw["parallel"], "ep": 2},
+        "model": {**raw["model"], "options": {"kv_heads": 2, "experts": 4}}})
+    assert cli.main(["validate", str(job)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "every parameter's gradient is summed over all 4 workers (each expert's over the 2 "
+        "holding it)")
 
 
 @pytest.mark.parametrize("parallel,message", LAYOUT_ERRORS,

@@ -184,7 +184,8 @@ def _context_line(spec) -> str:
               else "")
     part = " and ".join(name for name, n in (("stage", d.pp), ("tp share", d.tp)) if n > 1)
     held = (f"each {part}'s gradients are summed over the {d.dp * d.cp} workers holding it" if part
-            else f"every parameter's gradient is summed over all {d.dp * d.cp} workers")
+            else f"every parameter's gradient is summed over all {d.dp * d.cp} workers" + (
+                f" (each expert's over the {d.dp // d.ep * d.cp} holding it)" if d.ep > 1 else ""))
     return (f"context parallel: each row's {T:,} positions split over {d.cp} workers "
             f"({T // d.cp:,} each{pieces}, embedded, run and scored there); {attend}; a "
             f"replica's {d.cp * d.tp} workers read the same rows, and {held}")
