@@ -531,7 +531,7 @@ def _check_context(spec: JobSpec, need) -> None:
 
 
 def _check_experts(spec: JobSpec, need) -> None:
-    """Expert parallelism (parallel.ep): this version's, under DDP alone."""
+    """Expert parallelism (parallel.ep): this version's, under DDP or in whole pipeline stages."""
     from baton.models import _on_meta, routed
 
     p = spec.parallel
@@ -546,11 +546,9 @@ def _check_experts(spec: JobSpec, need) -> None:
     need(p.dp % p.ep == 0 and lo % p.ep == 0 and hi % p.ep == 0, "parallel.ep", p.ep,
          f"must divide parallel.dp ({p.dp}) and elastic.min_dp and max_dp ({lo}, {hi}): "
          "every world holds whole groups of ep replicas")
-    for ok, key, value, why in (
-            (p.shard == "none", "parallel.shard", p.shard, "ZeRO"),
-            (p.pp == 1, "parallel.pp", p.pp, "pipeline stages")):
-        need(ok, key, value, f"is not built with expert parallelism (parallel.ep = {p.ep}) in this "
-             f"version ({why}): use parallel.ep 1, or leave {key} out")
+    need(p.shard == "none", "parallel.shard", p.shard, f"is not built with expert parallelism "
+         f"(parallel.ep = {p.ep}) in this version (ZeRO): use parallel.ep 1, or leave "
+         "parallel.shard out")
 
 
 def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:

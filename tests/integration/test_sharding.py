@@ -177,9 +177,11 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     sent to their experts' holders and back (all-to-all), at dp 2 (one group), then resumed
     at dp 4 (two groups: each expert's gradient summed over its two holders), at dp 2 x cp 2
     (each row's positions split over a replica's two workers, each routing its part's tokens
-    among the workers of its cp rank; an expert's gradient summed over its cp pair) and at
-    dp 2 under plain DDP (the sharded checkpoint, each worker's experts written by it, read
-    whole by name): one process's numbers, with the load-balancing loss."""
+    among the workers of its cp rank; an expert's gradient summed over its cp pair), at
+    dp 2 x pp 2 (each stage's experts split over its two replicas, tokens sent between the
+    stage's workers) and at dp 2 under plain DDP (the sharded checkpoint, each worker's
+    experts written by it, read whole by name): one process's numbers, with the
+    load-balancing loss."""
     raw = _spec(tmp_path, data, "ep", 2, "mixtral", schedule="constant").to_dict()
     raw["parallel"]["ep"] = 2
     raw["model"]["options"]["router_aux_loss"] = 0.1
@@ -201,9 +203,12 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     # measured: 2.1e-6 at most (the experts' gradients averaged over the replicas alone, not
     # their cp workers: 3.2e-3)
     assert_like_one_process(long, data, result, 4)
-    plain, result = _resumed(raw, 5, ep=1)
+    staged, result = _resumed(raw, 5, pp=2)
+    assert len(result.workers) == 4
+    assert_like_one_process(staged, data, result, 5)  # measured: 2.1e-6 at most
+    plain, result = _resumed(raw, 6, ep=1)
     assert {w["wrapper"] for w in result.workers} == {"DistributedDataParallel"}
-    assert_like_one_process(plain, data, result, 5)  # measured: 2.1e-6 at most
+    assert_like_one_process(plain, data, result, 6)  # measured: 2.1e-6 at most
 
 
 def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path, data):

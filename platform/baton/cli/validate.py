@@ -155,8 +155,9 @@ def _experts_line(spec) -> str:
     return (f"expert parallel: the {blocks[0].mixture.experts} experts of each of {len(blocks)} "
             f"blocks split over {d.ep} workers ({blocks[0].mixture.experts // d.ep} each"
             + (f"; {groups} groups, each expert's gradient summed over its {groups} holders" if groups > 1 else "")
-            + f"); per worker {mine:,} of the {total:,} parameters: {mib(mine)} of parameters, "
-            f"gradients and optimizer state (DDP: {mib(total)})")
+            + f"); per {'worker' if d.pp == 1 else f'replica (its {d.pp} stages together)'} "
+            f"{mine:,} of the {total:,} parameters: {mib(mine)} of parameters, gradients and "
+            f"optimizer state (DDP: {mib(total)})")
 
 
 def _context_line(spec) -> str:

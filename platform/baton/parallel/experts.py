@@ -58,7 +58,16 @@ class ExpertParallel:
                 for j in range(per)]  # each expert once, on every rank's pairs for it
         parts = [out.split([got[s][j] for s in range(self.size)]) for j, out in enumerate(outs)]
         back = torch.cat([parts[j][s] for s in range(self.size) for j in range(per)])
-        return all_to_all_single_autograd(back, send, recv, self.group)
+        return _waited(all_to_all_single_autograd(back, send, recv, self.group))
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for: a plain tensor (eager, it is torch's
+    `AsyncCollectiveTensor`, which a pipeline stage's count of the activations autograd saves
+    cannot read the storage of; traced, it is plain already), its gradient flowing through."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def split(model: nn.Module, ep: ExpertParallel) -> list[tuple[str, nn.Parameter]]:

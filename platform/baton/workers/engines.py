@@ -180,10 +180,7 @@ class DataParallelEngine(_Engine):
                              else (build_model(spec.model, spec.train.seed), None))
         fill, wrapping = self._split(self.module, fill)
         checkpoint_activations(self.module, spec.train.activation_checkpointing)
-        # (expert parallelism's blocks compile where asked, not by "auto": unmeasured on a GPU)
-        setting = spec.train.compile
-        compile_blocks(self.module, False if spec.parallel.ep > 1 and setting == "auto" else setting,
-                       device.type)
+        compile_blocks(self.module, _compiling(spec), device.type)
         self.replica = WRAPPINGS[level](self.module, self.mesh, spec.train, device,
                                         unit_mib=spec.parallel.shard_unit_mib,
                                         grad_comm=spec.parallel.grad_comm, fill=fill, **wrapping)
@@ -298,6 +295,11 @@ def _sequence_part(mesh, spec: JobSpec, task: Task) -> tuple[SequenceSplit, Sequ
     split = SequenceSplit(group.get_group(), group.get_local_rank(), group.size(),
                           spec.parallel.cp_attention)
     return split, SequencePart(task, split)
+
+
+def _compiling(spec: JobSpec) -> bool | str:
+    """train.compile, but "auto" leaves expert parallelism's blocks eager (unmeasured on a GPU)."""
+    return False if spec.parallel.ep > 1 and spec.train.compile == "auto" else spec.train.compile
 
 
 def _attending(model: nn.Module, task: Task, name: str) -> list[nn.Module]:
@@ -458,7 +460,7 @@ class PipelineEngine(_Engine):
         # sequence parallelism: the layer after which the sequence is split, in the whole model
         marked = tensor.sequence_start(full) if spec.parallel.sequence_parallel else None
         checkpoint_activations(full, spec.train.activation_checkpointing)  # on the whole model
-        compile_blocks(full, spec.train.compile, device.type)
+        compile_blocks(full, _compiling(spec), device.type)
         # Every rank keeps its slices of the model and gives only those their values, exactly
         # as the single-process model has them (a built-in model: the rest stays on the meta
         # device; a user's builder builds the whole, and the rest is freed at once).
@@ -485,8 +487,24 @@ class PipelineEngine(_Engine):
         del full
         # every rank builds every group, in one order
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
+        # expert parallelism: this rank's experts of its stage's mixtures, split over the
+        # stage's workers of its replica group (the mesh's dp_shard), held by name
+        self.experts, self.expert_grads = [], None
+        if spec.parallel.ep > 1:
+            group = mesh["dp_shard"]
+            split = experts.ExpertParallel(group.get_group(), group.get_local_rank(), group.size())
+            self.experts = [q for _, q in experts.split(self.module, split)]
+            self.ep_group = split.group
+            # (an expert's gradient summed over its holders, and their cp workers)
+            holders = joined(mesh, ("dp_replicate", "cp") if dims.cp > 1 else ("dp_replicate",),
+                             spec.parallel.timeout_s)
+            self.expert_grads = (comm.FlatGrads(holders.get_group(), spec.parallel.grad_comm)
+                                 if holders.size() > 1 else None)
         # the stage's replicas that sum its gradients (whole stages), with their cp workers
-        self.dp_group = axis(mesh, "dp_cp" if dims.cp > 1 else "dp_replicate").get_group()
+        # (and with expert parallelism's groups: its mesh's dp_shard)
+        self.dp_group = (axis(mesh, "dp_cp") if dims.cp > 1
+                         else joined(mesh, ("dp_replicate", "dp_shard"), spec.parallel.timeout_s)
+                         if spec.parallel.ep > 1 else mesh["dp_replicate"]).get_group()
         self.pp_group = mesh["pp"].get_group()
         self.shard_group = sharding(mesh).get_group(1)  # (with cp under ZeRO: dp_shard x cp)
         example = example_inputs(spec, shapes, spec.micro_batch)
@@ -508,7 +526,8 @@ class PipelineEngine(_Engine):
                                                     unit_mib=spec.parallel.shard_unit_mib,
                                                     grad_comm=spec.parallel.grad_comm)
         self.fsdp = sync is not None
-        self.sharded = self.fsdp or self.shares is not None  # saved through DCP, in pieces
+        # saved through DCP, in pieces (or each worker its experts)
+        self.sharded = self.fsdp or self.shares is not None or bool(self.experts)
         # whole stages: their replicas sum the gradients here, in a buffer they are views of
         self.replica_grads = (comm.FlatGrads(self.dp_group, spec.parallel.grad_comm)
                               if dims.dp * dims.cp > 1 and not self.fsdp else None)
@@ -542,8 +561,12 @@ class PipelineEngine(_Engine):
         # undoes it
         st = self._run(self.actions, micro, batch_fn, sums,
                        scale * self.dims.dp * self.dims.cp if self.fsdp else scale, training=True)
+        trained = [q for q in self.module.parameters() if q.grad is not None]
+        held = {id(q) for q in self.experts}
         if self.replica_grads:  # each stage's replicas sum their gradients
-            self.replica_grads.all_reduce([q for q in self.module.parameters() if q.grad is not None])
+            self.replica_grads.all_reduce([q for q in trained if id(q) not in held])
+        if self.expert_grads:  # and each expert's holders its
+            self.expert_grads.all_reduce([q for q in trained if id(q) in held])
         self.busy_s = st.busy_s
         return sums, {
                 "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
@@ -630,8 +653,12 @@ class PipelineEngine(_Engine):
         return self.shares.pieces(state) if self.shares else state
 
     def clear_grads(self) -> None:
-        if not (self.replica_grads and self.replica_grads.zero()):
+        flats = [f for f in (self.replica_grads, self.expert_grads) if f]
+        if not (flats and all([f.zero() for f in flats])):  # (views of a buffer stay, zeroed)
             super().clear_grads()
+        elif self.experts and not self.expert_grads:  # (one holder of each: in no buffer)
+            for q in self.experts:
+                q.grad = None
 
     def clip(self) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient, summed over the pipeline's stages
@@ -643,9 +670,16 @@ class PipelineEngine(_Engine):
             self.shares.sum_partial_grads(self.module)  # (sequence parallelism's parts)
             sq = self.shares.grad_sq(self.module, self.device)
         else:
-            sq = torch.zeros((), dtype=torch.float32, device=self.device)
-            for g in grads:
-                sq += torch.linalg.vector_norm(local(g)) ** 2
+            held = {id(q) for q in self.experts}
+
+            def sq_of(gs) -> torch.Tensor:
+                return sum((torch.linalg.vector_norm(local(g)) ** 2 for g in gs),
+                           torch.zeros((), dtype=torch.float32, device=self.device))
+            sq = sq_of(q.grad for q in self.module.parameters() if q.grad is not None and id(q) not in held)
+            if self.experts:  # (the stage's experts: their group holds them between them)
+                mine = sq_of(q.grad for q in self.experts if q.grad is not None)
+                dist.all_reduce(mine, group=self.ep_group)
+                sq = sq + mine
         if self.fsdp:  # a stage's shards together hold its gradient (once per group)
             dist.all_reduce(sq, group=self.shard_group)
         dist.all_reduce(sq, group=self.pp_group)
