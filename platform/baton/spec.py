@@ -412,9 +412,10 @@ class JobSpec:
     @property
     def dp_shard(self) -> int:
         """Replicas that split one copy of the state (1: unsharded): under expert
-        parallelism, the replicas that split each mixture's experts (`parallel.ep`)."""
+        parallelism, the replicas that split each mixture's experts (`parallel.ep`), which
+        shard the rest of it between them under ZeRO."""
         p = self.parallel
-        return p.ep if p.shard == "none" else (p.shard_group or p.dp)
+        return p.ep if p.shard == "none" else (p.shard_group or (p.ep if p.ep > 1 else p.dp))
 
     def dims(self):
         """This job's rank arithmetic (`baton.parallel.ParallelDims`)."""

@@ -531,7 +531,8 @@ def _check_context(spec: JobSpec, need) -> None:
 
 
 def _check_experts(spec: JobSpec, need) -> None:
-    """Expert parallelism (parallel.ep): this version's, under DDP or in whole pipeline stages."""
+    """Expert parallelism (parallel.ep): this version's, under DDP, ZeRO-2 or -3 (the rest of
+    the model sharded over each group of ep replicas) or in whole pipeline stages."""
     from baton.models import _on_meta, routed
 
     p = spec.parallel
@@ -546,9 +547,16 @@ def _check_experts(spec: JobSpec, need) -> None:
     need(p.dp % p.ep == 0 and lo % p.ep == 0 and hi % p.ep == 0, "parallel.ep", p.ep,
          f"must divide parallel.dp ({p.dp}) and elastic.min_dp and max_dp ({lo}, {hi}): "
          "every world holds whole groups of ep replicas")
-    need(p.shard == "none", "parallel.shard", p.shard, f"is not built with expert parallelism "
-         f"(parallel.ep = {p.ep}) in this version (ZeRO): use parallel.ep 1, or leave "
-         "parallel.shard out")
+    need(p.shard != "optimizer", "parallel.shard", p.shard, f"is not built with expert "
+         f"parallelism (parallel.ep = {p.ep}) in this version (ZeRO-1's optimizer splits every "
+         "parameter by its place in the model): use grads or full, which shard the rest over "
+         "each group of ep replicas, or none")
+    need(p.shard == "none" or p.pp == 1, "parallel.shard", p.shard, f"is not built with expert "
+         f"parallelism (parallel.ep = {p.ep}) in pipeline stages in this version: use none "
+         "(whole stages), or parallel.pp 1")
+    need(p.shard == "none" or not p.shard_group or p.shard_group == p.ep, "parallel.shard_group",
+         p.shard_group, f"must equal parallel.ep ({p.ep}) under expert parallelism: the replicas "
+         "that split the experts shard the rest of the model (leave it out: it is ep)")
 
 
 def _check_sharding(spec: JobSpec, need, one_world: bool) -> None:

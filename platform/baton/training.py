@@ -13,12 +13,18 @@ from baton.spec import TrainSpec
 
 
 def param_groups(model: nn.Module, train: TrainSpec) -> list[dict]:
-    """Weight decay on matrices only (not on biases, norms' gains or positions' rows)."""
+    """Weight decay on matrices only (not on biases, norms' gains or positions' rows). A
+    model of sharded (DTensor) and whole parameters both (expert parallelism's experts under
+    ZeRO) has each kind in groups of its own: a fused or foreach update takes one kind a call."""
     trained = [p for p in model.parameters() if p.requires_grad]  # (model.lora: the adapters)
-    decay = [p for p in trained if p.dim() >= 2]
-    no_decay = [p for p in trained if p.dim() < 2]
-    return [{"params": decay, "weight_decay": train.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    groups = []
+    for params, decay in (([p for p in trained if p.dim() >= 2], train.weight_decay),
+                          ([p for p in trained if p.dim() < 2], 0.0)):
+        sharded = [p for p in params if hasattr(p, "to_local")]
+        whole = [p for p in params if not hasattr(p, "to_local")]
+        groups += [{"params": ps, "weight_decay": decay}
+                   for ps in ((sharded, whole) if sharded and whole else (params,))]
+    return groups
 
 
 def optimizer_class(train: TrainSpec) -> tuple[type, dict]:

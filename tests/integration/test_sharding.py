@@ -179,7 +179,8 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     (each row's positions split over a replica's two workers, each routing its part's tokens
     among the workers of its cp rank; an expert's gradient summed over its cp pair), at
     dp 2 x pp 2 (each stage's experts split over its two replicas, tokens sent between the
-    stage's workers) and at dp 2 under plain DDP (the sharded checkpoint, each worker's
+    stage's workers), at dp 4 under ZeRO-3 (the rest of the model sharded over each pair
+    that splits the experts: hybrid, two groups) and at dp 2 under plain DDP (the sharded checkpoint, each worker's
     experts written by it, read whole by name): one process's numbers, with the
     load-balancing loss."""
     raw = _spec(tmp_path, data, "ep", 2, "mixtral", schedule="constant").to_dict()
@@ -206,9 +207,14 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     staged, result = _resumed(raw, 5, pp=2)
     assert len(result.workers) == 4
     assert_like_one_process(staged, data, result, 5)  # measured: 2.1e-6 at most
-    plain, result = _resumed(raw, 6, ep=1)
+    zero3, result = _resumed(raw, 6, dp=4, shard="full")
+    assert len(result.workers) == 4 and {w["wrapper"] for w in result.workers} == {"FSDPSequential"}
+    # each worker: half the experts, and a half shard of the rest (ZeRO-3 over its ep group)
+    assert [b["params"] for b in result.state_bytes] == [total // 2] * 4
+    assert_like_one_process(zero3, data, result, 6)  # measured: 2.1e-6 at most
+    plain, result = _resumed(raw, 7, ep=1)
     assert {w["wrapper"] for w in result.workers} == {"DistributedDataParallel"}
-    assert_like_one_process(plain, data, result, 6)  # measured: 2.1e-6 at most
+    assert_like_one_process(plain, data, result, 7)  # measured: 2.1e-6 at most
 
 
 def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path, data):
@@ -233,6 +239,8 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     assert_like_one_process(spec, data, result, 2)  # measured: 2.7e-6 at most
     wider, result = _resumed(raw, 3, dp=2, shard="full", cp_attention="all_gather")
     assert len(result.workers) == 4 and {w["wrapper"] for w in result.workers} == {"FSDPSequential"}
+    # each worker: half the experts, and a half shard of the rest (ZeRO-3 over its ep group)
+    assert [b["params"] for b in result.state_bytes] == [total // 2] * 4
     assert_like_one_process(wider, data, result, 3)  # measured: 2.7e-6 at most
     split, result = _resumed(raw, 4, tp=2, sequence_parallel=True, cp_attention="ring")
     assert len(result.workers) == 4

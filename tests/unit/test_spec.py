@@ -13,6 +13,7 @@ import pytest
 
 from baton import cli
 from baton.errors import SpecError
+from baton.models import build_model
 from baton.spec import JobSpec, load_spec, spec_from_dict
 from conftest import REPO
 from helpers import tiny_spec, write_dataset, write_spec
@@ -332,9 +333,16 @@ def test_a_llamas_key_value_heads_must_split_over_tp(tmp_path):
      "model.options.experts (3): each replica of a group holds as many"),
     ({"experts": 8}, {"dp": 4, "ep": 8}, "parallel.ep: 8 is invalid; must divide parallel.dp (4) "
      "and elastic.min_dp and max_dp (4, 4): every world holds whole groups of ep replicas"),
-    ({"experts": 4}, {"dp": 2, "ep": 2, "shard": "full"}, "parallel.shard: 'full' is invalid; is "
-     "not built with expert parallelism (parallel.ep = 2) in this version (ZeRO): use "
-     "parallel.ep 1, or leave parallel.shard out")])
+    ({"experts": 4}, {"dp": 2, "ep": 2, "shard": "optimizer"}, "parallel.shard: 'optimizer' is "
+     "invalid; is not built with expert parallelism (parallel.ep = 2) in this version (ZeRO-1's "
+     "optimizer splits every parameter by its place in the model): use grads or full, which "
+     "shard the rest over each group of ep replicas, or none"),
+    ({"experts": 4}, {"dp": 4, "ep": 2, "shard": "full", "shard_group": 4}, "parallel.shard_group: 4 "
+     "is invalid; must equal parallel.ep (2) under expert parallelism: the replicas that split "
+     "the experts shard the rest of the model (leave it out: it is ep)"),
+    ({"experts": 4}, {"dp": 2, "ep": 2, "pp": 2, "shard": "full"}, "parallel.shard: 'full' is "
+     "invalid; is not built with expert parallelism (parallel.ep = 2) in pipeline stages in this "
+     "version: use none (whole stages), or parallel.pp 1")])
 def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
                     parallel={"dp": 1, **parallel},
@@ -381,6 +389,33 @@ def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, 
     with pytest.raises(SpecError) as e:
         spec_from_dict(raw, "job.yaml")
     assert str(e.value).startswith(f"job.yaml: {message}") and "\n" not in str(e.value), str(e.value)
+
+
+def test_validate_says_what_each_worker_holds_of_a_mixture_split_over_replicas(tmp_path, capsys):
+    """parallel.ep 2: half of each block's experts a worker, the rest whole under DDP; under
+    ZeRO-3 (dp 4: two groups) the rest sharded over each pair too, as the sharding line says."""
+    data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
+    raw = tiny_spec(tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
+                    parallel={"dp": 2, "ep": 2}, resources={"cpus_per_worker": 0.25},
+                    model={"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
+                           "options": {"kv_heads": 2, "hidden": 32, "experts": 4}})
+    lines = {}
+    for name, parallel in (("ddp", {}), ("zero3", {"dp": 4, "shard": "full"})):
+        job = write_spec(tmp_path / f"{name}.yaml", {**raw, "parallel": {**raw["parallel"], **parallel}})
+        assert cli.main(["validate", str(job)]) == 0
+        lines[name] = [s for s in capsys.readouterr().out.splitlines() if s.startswith("  expert")]
+    model = build_model(spec_from_dict(raw).model, 0)
+    total = sum(q.numel() for q in model.parameters())
+    routed = sum(q.numel() for n, q in model.named_parameters() if ".experts." in n)
+    assert lines["ddp"] == [f"  expert parallel: the 4 experts of each of 2 blocks split over 2 "
+                            f"workers (2 each); per worker {total - routed // 2:,} of the {total:,} "
+                            "parameters: 0.5 MiB of parameters, gradients and optimizer state "
+                            "(DDP: 0.7 MiB)"], lines
+    assert lines["zero3"] == [f"  expert parallel: the 4 experts of each of 2 blocks split over 2 "
+                              f"workers (2 each; 2 groups, each expert's gradient summed over its 2 "
+                              f"holders); per worker {total // 2:,} of the {total:,} parameters (the "
+                              "rest sharded over 2: ZeRO-3): 0.4 MiB of parameters, gradients and "
+                              "optimizer state (DDP: 0.7 MiB)"], lines
 
 
 def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):

@@ -143,21 +143,26 @@ def _experts_line(spec) -> str:
     """What each worker holds under expert parallelism, next to a whole replica."""
     from baton.models import _on_meta, routed
     from baton.parallel.experts import held
-    from baton.parallel.sharding import estimate_bytes
+    from baton.parallel.sharding import NAMES, estimate_bytes
 
     d, model = spec.parallel, _on_meta(spec.model)
     blocks = routed(model)
     total = sum(q.numel() for q in model.parameters())
     split = sum(q.numel() for _, q in held(model))
-    mine = total - split + split // d.ep
-    mib = lambda n: f"{sum(estimate_bytes(n, 'none', 1).values()) / 2**20:,.1f} MiB"  # noqa: E731
+    # under ZeRO the rest of the model is sharded over the workers that split the experts
+    shards = spec.dims().shards if d.shard != "none" else 1
+    mine = (total - split) // shards + split // d.ep
+    mib = lambda n, level="none", k=1: sum(estimate_bytes(n, level, k).values()) / 2**20  # noqa: E731
+    held_mib = mib(total - split, d.shard, shards) + mib(split // d.ep)
     groups = d.dp // d.ep
     return (f"expert parallel: the {blocks[0].mixture.experts} experts of each of {len(blocks)} "
             f"blocks split over {d.ep} workers ({blocks[0].mixture.experts // d.ep} each"
             + (f"; {groups} groups, each expert's gradient summed over its {groups} holders" if groups > 1 else "")
             + f"); per {'worker' if d.pp == 1 else f'replica (its {d.pp} stages together)'} "
-            f"{mine:,} of the {total:,} parameters: {mib(mine)} of parameters, gradients and "
-            f"optimizer state (DDP: {mib(total)})")
+            f"{mine:,} of the {total:,} parameters"
+            + (f" (the rest sharded over {shards}: {NAMES[d.shard]})" if shards > 1 else "")
+            + f": {held_mib:,.1f} MiB of parameters, gradients and optimizer state "
+            f"(DDP: {mib(total):,.1f} MiB)")
 
 
 def _context_line(spec) -> str:

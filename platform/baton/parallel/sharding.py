@@ -162,7 +162,8 @@ def replicate(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward: bool,
                 unit_mib: float, grad_comm: str = "fp32", backward_follows: bool = True,
-                fill: Optional[Fill] = None) -> Optional[nn.Module]:
+                fill: Optional[Fill] = None,
+                ignore: Optional[Callable[[list], set]] = None) -> Optional[nn.Module]:
     """FSDP2 on each of `module`'s blocks, then on `module` itself as a root, over the dp
     axes of the mesh (of this rank's pipeline stage, when pp > 1).
 
@@ -174,7 +175,9 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     None for a module with no blocks (a pipeline stage may hold only an embedding or a head).
 
     `fill`: for a model on the meta device, gives a unit's layers their values just before it
-    is sharded (models/layers.py): the host holds this worker's shards and one unit whole."""
+    is sharded (models/layers.py): the host holds this worker's shards and one unit whole.
+    `ignore`: the parameters of some modules FSDP is to leave whole and alone (expert
+    parallelism's experts: parallel/experts.py), moved to the device here."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
@@ -183,17 +186,27 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
     # it); gradients reduced in fp32 unless parallel.grad_comm: bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if train.precision == "bf16" else None,
                               reduce_dtype=comm.reduce_dtype(grad_comm))
+    def alone(modules: list) -> Optional[set]:
+        if ignore is None:
+            return None
+        found = ignore(modules)
+        for q in found:  # (FSDP moves what it shards, not what it leaves alone)
+            q.data = q.data.to(dp_mesh.device_type)
+        return found
+
     groups = units(module, unit_mib)
     for i, group in enumerate(groups):
         last = backward_follows and i == len(groups) - 1
         if fill is not None:
             fill(group)
         shard(group if len(group) > 1 else group[0], mesh=dp_mesh,
-              reshard_after_forward=reshard_after_forward and not last, mp_policy=mp)
+              reshard_after_forward=reshard_after_forward and not last, mp_policy=mp,
+              ignored_params=alone(group))
     # the root holds what no unit does; it is needed again at once by the backward
     if fill is not None:
         fill(module.children())
-    shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp,
+          ignored_params=alone([module]))
     if dist.get_backend(dp_mesh.get_group(1)) == "gloo":
         reduce_scatter = comm.fsdp_reduce_scatter()  # stateless: one for every unit
         for unit in [g[0] for g in groups] + [module]:  # a unit's blocks share one FSDP state
@@ -203,14 +216,15 @@ def _shard_root(module: nn.Module, mesh, train: TrainSpec, reshard_after_forward
 
 def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
                 reshard_after_forward: bool, unit_mib: float = UNIT_MIB,
-                grad_comm: str = "fp32", fill: Optional[Fill] = None) -> Replica:
+                grad_comm: str = "fp32", fill: Optional[Fill] = None,
+                ignore: Optional[Callable[[list], set]] = None) -> Replica:
     """`module` as the host built it (or on the meta device, its units given their values by
     `fill` as they are sharded): FSDP2 moves each unit's parameters to the mesh's device as it
     shards that unit, so the device holds this worker's shards and at most one unit whole,
     never the whole model (moved first, as before, a model larger than one device could not be
     sharded across several)."""
     first = _shard_root(module, mesh, train, reshard_after_forward, unit_mib, grad_comm,
-                        fill=fill)
+                        fill=fill, ignore=ignore)
     optimizer = make_optimizer(module, train)
 
     @contextlib.contextmanager
@@ -239,15 +253,16 @@ def fully_shard(module: nn.Module, mesh, train: TrainSpec, device: torch.device,
 
 # `fill` (for the levels that shard parameters): see fully_shard. `group`: DDP's (tensor
 # parallelism: the workers holding the same share); FSDP takes its groups from the mesh.
+# `ignore`: what DDP leaves alone (names), or FSDP (a function of modules: their parameters).
 WRAPPINGS: dict[str, Callable[..., Replica]] = {
     "none": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None, ignore=(): replicate(
         *a, grad_comm=grad_comm, group=group, ignore=ignore),
     "optimizer": lambda *a, unit_mib=None, grad_comm="fp32", fill=None, group=None: replicate(
         *a, shard_optimizer=True, grad_comm=grad_comm, group=group),
-    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None: fully_shard(
-        *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill),
-    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None: fully_shard(
-        *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill),
+    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None, ignore=None: fully_shard(
+        *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill, ignore=ignore),
+    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", fill=None, group=None, ignore=None: fully_shard(
+        *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm, fill=fill, ignore=ignore),
 }
 
 

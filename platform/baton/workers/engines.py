@@ -357,15 +357,17 @@ class _Routing:
 
 
 class ExpertParallelEngine(DataParallelEngine):
-    """Data parallel replicas under DDP whose mixtures' experts are split over groups of
-    parallel.ep of them (parallel/experts.py): each worker holds its group share of the
-    experts, whose gradients it sums with the workers of the other groups that hold the same
-    ones (and with its replica's other cp workers, under context parallelism: each routes its
-    part of the rows' tokens among the group's workers of its cp rank), and writes them in
-    sharded checkpoints (DCP: every worker its experts, the rest once)."""
+    """Data parallel replicas under DDP, or ZeRO-2 or -3, whose mixtures' experts are split
+    over groups of parallel.ep of them (parallel/experts.py): each worker holds its group
+    share of the experts, whose gradients it sums with the workers of the other groups that
+    hold the same ones (and with its replica's other cp workers, under context parallelism:
+    each routes its part of the rows' tokens among the group's workers of its cp rank), and
+    writes them in sharded checkpoints (DCP: every worker its experts, the rest once). Under
+    ZeRO the rest of the model is sharded over each group (FSDP2 leaves the experts alone)."""
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         super().__init__(spec, dims, device, task)
+        self.experts = [q for _, q in experts.held(self.module)]
         self.sharded = True  # (no worker holds every expert: checkpoints through DCP)
         # the experts' gradients summed over the workers holding the same ones, in one buffer
         holders = joined(self.mesh, ("dp_replicate", "cp") if dims.cp > 1 else ("dp_replicate",),
@@ -376,9 +378,17 @@ class ExpertParallelEngine(DataParallelEngine):
     def _split(self, module: nn.Module, fill) -> tuple:
         group = self.mesh["dp_shard"]
         self.ep = experts.ExpertParallel(group.get_group(), group.get_local_rank(), group.size())
-        kept = experts.split(module, self.ep)
-        self.experts = [q for _, q in kept]
-        return fill, {"ignore": tuple(name for name, _ in kept)}
+        if fill is None:  # (DDP: built whole, its experts split before it is wrapped)
+            kept = experts.split(module, self.ep)
+            return fill, {"ignore": tuple(name for name, _ in kept)}
+
+        def fill_and_split(layers) -> None:  # (ZeRO: on the meta device, each FSDP unit given
+            layers = list(layers)            # its values, then its experts split, as sharded)
+            fill(layers)
+            for layer in layers:
+                experts.split(layer, self.ep)
+        return fill_and_split, {"ignore": lambda modules: {
+            q for m in modules for _, q in experts.held(m)}}
 
     def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
                          trace: bool) -> tuple[Sums, dict]:
@@ -392,16 +402,20 @@ class ExpertParallelEngine(DataParallelEngine):
         return out
 
     def clip(self) -> torch.Tensor:
-        """Clip by the whole model's gradient norm: the replicated parameters' (the same on
-        every worker) and the experts' summed over the workers that split them."""
+        """Clip by the whole model's gradient norm: the rest's (the same on every worker, or
+        under ZeRO its shards' summed over the workers that split it) and the experts' summed
+        over the workers that split them."""
         held = {id(q) for q in self.experts}
-        grads = [q.grad for q in self.module.parameters() if q.grad is not None]
+        grads = [local(q.grad) for q in self.module.parameters() if q.grad is not None]
 
-        def sq(gs: list) -> torch.Tensor:
+        def sq(gs) -> torch.Tensor:
             return sum((g.float().square().sum() for g in gs), torch.zeros((), device=self.device))
-        mine = sq([q.grad for q in self.experts if q.grad is not None])
+        mine = sq(q.grad for q in self.experts if q.grad is not None)
         dist.all_reduce(mine, group=self.ep.group)
-        rest = sq([q.grad for q in self.module.parameters() if q.grad is not None and id(q) not in held])
+        rest = sq(local(q.grad) for q in self.module.parameters()
+                  if q.grad is not None and id(q) not in held)
+        if self.shard_group is not None:
+            dist.all_reduce(rest, group=self.shard_group)
         return scale_to_norm(grads, (rest + mine).sqrt(), self.spec.train.grad_clip)
 
 
