@@ -180,9 +180,9 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     among the workers of its cp rank; an expert's gradient summed over its cp pair), at
     dp 2 x pp 2 (each stage's experts split over its two replicas, tokens sent between the
     stage's workers), at dp 4 under ZeRO-3 (the rest of the model sharded over each pair
-    that splits the experts: hybrid, two groups) and at dp 2 under plain DDP (the sharded checkpoint, each worker's
-    experts written by it, read whole by name): one process's numbers, with the
-    load-balancing loss."""
+    that splits the experts: hybrid, two groups) and at dp 2 under plain DDP (the sharded
+    checkpoint, each worker's experts written by it, read whole by name): one process's
+    numbers, with the load-balancing loss."""
     raw = _spec(tmp_path, data, "ep", 2, "mixtral", schedule="constant").to_dict()
     raw["parallel"]["ep"] = 2
     raw["model"]["options"]["router_aux_loss"] = 0.1
@@ -239,8 +239,6 @@ def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path,
     assert_like_one_process(spec, data, result, 2)  # measured: 2.7e-6 at most
     wider, result = _resumed(raw, 3, dp=2, shard="full", cp_attention="all_gather")
     assert len(result.workers) == 4 and {w["wrapper"] for w in result.workers} == {"FSDPSequential"}
-    # each worker: half the experts, and a half shard of the rest (ZeRO-3 over its ep group)
-    assert [b["params"] for b in result.state_bytes] == [total // 2] * 4
     assert_like_one_process(wider, data, result, 3)  # measured: 2.7e-6 at most
     split, result = _resumed(raw, 4, tp=2, sequence_parallel=True, cp_attention="ring")
     assert len(result.workers) == 4
@@ -371,7 +369,8 @@ def test_a_load_balancing_loss_trains_as_one_process_through_pipeline_stages(tmp
                                "shared_expert": 24, "qkv_bias": True, "norm_topk": False}
     spec = spec_from_dict(raw)
     result = api.run(spec, show_progress=False)
-    assert result.state == "finished" and result.stage_layers == {3: [2, 1, 2], 2: [3, 2]}[pp], result.stage_layers
+    assert result.state == "finished"
+    assert result.stage_layers == {3: [2, 1, 2], 2: [3, 2]}[pp], result.stage_layers
     # measured: 6.3e-6 at most (1.0e-5 with Mixtral's kind, in block 1's experts: few tokens
     # each, AdamW's step scales up the rounding of a small gradient); pp 2 x cp 2: 1.5e-6
     # (each cp worker's part of the routing loss weighed as a cp-th of a row's: 3.4e-2). The
