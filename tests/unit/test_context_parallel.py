@@ -31,56 +31,96 @@ def _worker(rank: int, port: int, base: ModelSpec, masked: bool, out: str,
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=cp)
     try:
-        whole, model = build_model(base, 0), build_model(base, 0)
-        blocks = compile_blocks(model, True, "cpu") if compiled else 0
-        split = SequenceSplit(dist.group.WORLD, rank, cp, how)
-        eod = 0 if masked else None
-        task = LanguageModel(base.seq_len, masked=True, eod=eod)
-        part = SequencePart(task, split)
-        g = torch.Generator().manual_seed(1)
-        batch = {"tokens": torch.randint(1, 32, (2, 9), generator=g),
-                 LOSS_MASK: torch.ones(2, 9, dtype=torch.int64), VALID: torch.ones(2, dtype=torch.bool)}
-        batch[LOSS_MASK][0, :4] = 0  # a prompt: no targets there
-        if masked:  # data.document_mask: token 0 ends documents, three in each row
-            batch["tokens"][:, 2] = batch["tokens"][:, 5] = 0
-            attend_within(attending(whole), documents(task.inputs(batch), 0))
-            attend_within(attending(model), task.documents(batch).part(split))
-        else:
-            attend_within(attending(model), sequence_part(split, 2, 8, None))
-        seen = []
-        model[1].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
-        want = whole(task.inputs(batch))
-        ref, _ = task.loss(want, batch)
-        ref.backward()
-        got = model(part.inputs(batch))
-        loss, _ = part.loss(got, batch)
-        loss.backward()
-        count = part.count(batch)
-        apart = (got - split.part(want)).abs().max().detach()
-        dist.all_reduce(apart, dist.ReduceOp.MAX)  # (each worker's logits: its positions')
-        for t in [loss.detach(), count] + [q.grad for q in model.parameters()]:
-            dist.all_reduce(t)  # each worker's: its half of the positions'
-        torch.save({"logits": apart.item(),
-                    "scale": want.abs().max().item(), "loss": abs(loss.item() - ref.item()),
-                    "count": (int(count), int(task.count(batch))), "block_output": seen,
-                    "compiled": blocks,
-                    # each parameter's gradient, apart by at most this part of its largest element
-                    "grads": max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
-                                 for p, q in zip(model.parameters(), whole.parameters()))},
-                   f"{out}/{rank}.pt")
+        _case(rank, base, masked, out, compiled, how, cp)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("base,masked,how", [
-    (GPT, False, "all_to_all"), (LLAMA, False, "all_to_all"), (GPT, True, "all_to_all"),
-    (WINDOW, True, "all_to_all"), (GPT, False, "all_gather"), (WINDOW, True, "all_gather"),
-    (GPT, True, "ring"), (WINDOW, True, "ring"), (LLAMA, False, "ring")],
-    ids=["gpt", "llama", "gpt-documents", "llama-window-documents", "gpt-all-gather",
-         "llama-window-documents-all-gather", "gpt-documents-ring", "llama-window-documents-ring",
-         "llama-ring"])
-def test_two_workers_each_on_half_the_sequence_compute_what_the_whole_model_does(tmp_path, base,
-                                                                                 masked, how):
+def _cases_worker(rank: int, port: int, cases: dict, out: str, cp: int) -> None:
+    """Every case of `cases` ({name: (model, documents, cp_attention)}) in one group of cp
+    processes (a spawn each would pay the processes' start each time), each case's results
+    under out/name."""
+    import os
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=cp)
+    try:
+        for name, (base, masked, how) in cases.items():
+            os.makedirs(f"{out}/{name}", exist_ok=True)
+            _case(rank, base, masked, f"{out}/{name}", False, how, cp)
+    finally:
+        dist.destroy_process_group()
+
+
+def _case(rank: int, base: ModelSpec, masked: bool, out: str, compiled: bool, how: str,
+          cp: int) -> None:
+    whole, model = build_model(base, 0), build_model(base, 0)
+    blocks = compile_blocks(model, True, "cpu") if compiled else 0
+    split = SequenceSplit(dist.group.WORLD, rank, cp, how)
+    eod = 0 if masked else None
+    task = LanguageModel(base.seq_len, masked=True, eod=eod)
+    part = SequencePart(task, split)
+    g = torch.Generator().manual_seed(1)
+    batch = {"tokens": torch.randint(1, 32, (2, 9), generator=g),
+             LOSS_MASK: torch.ones(2, 9, dtype=torch.int64), VALID: torch.ones(2, dtype=torch.bool)}
+    batch[LOSS_MASK][0, :4] = 0  # a prompt: no targets there
+    if masked:  # data.document_mask: token 0 ends documents, three in each row
+        batch["tokens"][:, 2] = batch["tokens"][:, 5] = 0
+        attend_within(attending(whole), documents(task.inputs(batch), 0))
+        attend_within(attending(model), task.documents(batch).part(split))
+    else:
+        attend_within(attending(model), sequence_part(split, 2, 8, None))
+    seen = []
+    model[1].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    want = whole(task.inputs(batch))
+    ref, _ = task.loss(want, batch)
+    ref.backward()
+    got = model(part.inputs(batch))
+    loss, _ = part.loss(got, batch)
+    loss.backward()
+    count = part.count(batch)
+    apart = (got - split.part(want)).abs().max().detach()
+    dist.all_reduce(apart, dist.ReduceOp.MAX)  # (each worker's logits: its positions')
+    for t in [loss.detach(), count] + [q.grad for q in model.parameters()]:
+        dist.all_reduce(t)  # each worker's: its half of the positions'
+    torch.save({"logits": apart.item(),
+                "scale": want.abs().max().item(), "loss": abs(loss.item() - ref.item()),
+                "count": (int(count), int(task.count(batch))), "block_output": seen,
+                "compiled": blocks,
+                # each parameter's gradient, apart by at most this part of its largest element
+                "grads": max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+                             for p, q in zip(model.parameters(), whole.parameters()))},
+               f"{out}/{rank}.pt")
+
+
+# (model, documents kept apart, cp_attention), all run by one spawn of 2 workers
+TWO = {"gpt": (GPT, False, "all_to_all"), "llama": (LLAMA, False, "all_to_all"),
+       "gpt-documents": (GPT, True, "all_to_all"), "llama-window-documents": (WINDOW, True, "all_to_all"),
+       "gpt-all-gather": (GPT, False, "all_gather"),
+       "llama-window-documents-all-gather": (WINDOW, True, "all_gather"),
+       "gpt-documents-ring": (GPT, True, "ring"), "llama-window-documents-ring": (WINDOW, True, "ring"),
+       "llama-ring": (LLAMA, False, "ring")}
+# and of 4 workers, on a ring
+FOUR = {"gpt-documents": (GPT, True, "ring"), "llama-window-documents": (WINDOW, True, "ring"),
+        "llama-causal": (LLAMA, False, "ring")}
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two")
+    _spawn(_cases_worker, 2, TWO, str(out), 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("four")
+    _spawn(_cases_worker, 4, FOUR, str(out), 4)
+    return out
+
+
+@pytest.mark.parametrize("case", list(TWO))
+def test_two_workers_each_on_half_the_sequence_compute_what_the_whole_model_does(two_workers, case):
     """A GPT (4 heads, 2 a worker) and a llama (grouped-query: 4 query heads on 2 key-value
     heads, one of each a worker), plain, with documents kept apart, and with Mistral's
     sliding window: the logits of the two halves are the whole model's, the losses and the
@@ -88,9 +128,8 @@ def test_two_workers_each_on_half_the_sequence_compute_what_the_whole_model_does
     values gathered (parallel.cp_attention: all_gather): each worker's queries, every head,
     over all positions' keys and values; and passed around a ring (ring), each worker's
     queries over one worker's keys and values at a time, merged by their log-sum-exp."""
-    _spawn(_worker, 2, base, masked, str(tmp_path), False, how)
     for rank in range(2):
-        r = torch.load(tmp_path / f"{rank}.pt")
+        r = torch.load(two_workers / case / f"{rank}.pt")
         # measured: the logits equal (each position's computed as the whole model does;
         # gathered, 7.5e-9 and 1.5e-8 of 0.27 at most); the summed loss 3.8e-6 apart (0 in
         # some cases) of about 45; gradients 3.3e-7 of a parameter's largest element (sums
@@ -105,17 +144,15 @@ def test_two_workers_each_on_half_the_sequence_compute_what_the_whole_model_does
         assert r["block_output"] == [(2, 4, 16)]  # every block on its half of the positions
 
 
-@pytest.mark.parametrize("base,masked", [(GPT, True), (WINDOW, True), (LLAMA, False)],
-                         ids=["gpt-documents", "llama-window-documents", "llama-causal"])
-def test_four_workers_pass_keys_and_values_around_a_ring(tmp_path, base, masked):
+@pytest.mark.parametrize("case", list(FOUR))
+def test_four_workers_pass_keys_and_values_around_a_ring(four_workers, case):
     """Ring attention over 4 workers (2 positions each, pieces i and 7 - i of 8): each part's
     keys and values three passes from home, their gradients four; the llama's window of 3
     positions leaves some pieces unseen by some workers' pieces, which skip them; causal
     alone, each part is one block (its own causal, an earlier one's early piece, a later
     one's whole part for its late piece)."""
-    _spawn(_worker, 4, base, masked, str(tmp_path), False, "ring", 4)
     for rank in range(4):
-        r = torch.load(tmp_path / f"{rank}.pt")
+        r = torch.load(four_workers / case / f"{rank}.pt")
         # measured: logits 3.0e-8, 3.0e-8 and 1.9e-8 of at most 0.24, the loss 0, 3.8e-6 and
         # 0, gradients 3.5e-7, 4.2e-7 and 3.7e-7 of a parameter's largest element;
         # the bounds above

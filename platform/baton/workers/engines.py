@@ -297,6 +297,21 @@ def _sequence_part(mesh, spec: JobSpec, task: Task) -> tuple[SequenceSplit, Sequ
     return split, SequencePart(task, split)
 
 
+def _expert_group(mesh) -> experts.ExpertParallel:
+    """The workers that split each mixture's experts between them: the mesh's dp_shard."""
+    group = mesh["dp_shard"]
+    return experts.ExpertParallel(group.get_group(), group.get_local_rank(), group.size())
+
+
+def _expert_grads(mesh, dims: ParallelDims, spec: JobSpec) -> Optional[comm.FlatGrads]:
+    """The experts' gradients summed over the workers holding the same ones (the other
+    groups' workers of this place, and their cp workers), in one buffer; None where none does."""
+    holders = joined(mesh, ("dp_replicate", "cp") if dims.cp > 1 else ("dp_replicate",),
+                     spec.parallel.timeout_s)
+    return (comm.FlatGrads(holders.get_group(), spec.parallel.grad_comm)
+            if holders.size() > 1 else None)
+
+
 def _compiling(spec: JobSpec) -> bool | str:
     """train.compile, but "auto" leaves expert parallelism's blocks eager (unmeasured on a GPU)."""
     return False if spec.parallel.ep > 1 and spec.train.compile == "auto" else spec.train.compile
@@ -369,15 +384,10 @@ class ExpertParallelEngine(DataParallelEngine):
         super().__init__(spec, dims, device, task)
         self.experts = [q for _, q in experts.held(self.module)]
         self.sharded = True  # (no worker holds every expert: checkpoints through DCP)
-        # the experts' gradients summed over the workers holding the same ones, in one buffer
-        holders = joined(self.mesh, ("dp_replicate", "cp") if dims.cp > 1 else ("dp_replicate",),
-                         spec.parallel.timeout_s)
-        self.expert_grads = (comm.FlatGrads(holders.get_group(), spec.parallel.grad_comm)
-                             if holders.size() > 1 else None)
+        self.expert_grads = _expert_grads(self.mesh, dims, spec)
 
     def _split(self, module: nn.Module, fill) -> tuple:
-        group = self.mesh["dp_shard"]
-        self.ep = experts.ExpertParallel(group.get_group(), group.get_local_rank(), group.size())
+        self.ep = _expert_group(self.mesh)
         if fill is None:  # (DDP: built whole, its experts split before it is wrapped)
             kept = experts.split(module, self.ep)
             return fill, {"ignore": tuple(name for name, _ in kept)}
@@ -505,15 +515,10 @@ class PipelineEngine(_Engine):
         # stage's workers of its replica group (the mesh's dp_shard), held by name
         self.experts, self.expert_grads = [], None
         if spec.parallel.ep > 1:
-            group = mesh["dp_shard"]
-            split = experts.ExpertParallel(group.get_group(), group.get_local_rank(), group.size())
+            split = _expert_group(mesh)
             self.experts = [q for _, q in experts.split(self.module, split)]
             self.ep_group = split.group
-            # (an expert's gradient summed over its holders, and their cp workers)
-            holders = joined(mesh, ("dp_replicate", "cp") if dims.cp > 1 else ("dp_replicate",),
-                             spec.parallel.timeout_s)
-            self.expert_grads = (comm.FlatGrads(holders.get_group(), spec.parallel.grad_comm)
-                                 if holders.size() > 1 else None)
+            self.expert_grads = _expert_grads(mesh, dims, spec)
         # the stage's replicas that sum its gradients (whole stages), with their cp workers
         # (and with expert parallelism's groups: its mesh's dp_shard)
         self.dp_group = (axis(mesh, "dp_cp") if dims.cp > 1
