@@ -173,10 +173,14 @@ def ring_blocks(docs: Documents, T: int, window: Optional[int] = None):
                                             (first, t, keys, n)))
                     keys_at += n
                 at += t
-        sorted_ = iter(torch.stack(checks).tolist() if checks else [])
-        return [[(qs, ks, ALL if every else CAUSAL if causal else place)
-                 for qs, ks, place in blocks
-                 for some, every, causal in [next(sorted_)] if some] for blocks in found]
+        flags = iter(torch.stack(checks).tolist() if checks else [])  # (in found's order)
+        kept = [[] for _ in range(split.size)]
+        for part, blocks in enumerate(found):
+            for qs, ks, place in blocks:
+                some, every, causal = next(flags)
+                if some:
+                    kept[part].append((qs, ks, ALL if every else CAUSAL if causal else place))
+        return kept
 
     def blocks(part: int) -> list:
         key = ("ring", T, window)
