@@ -33,6 +33,7 @@ from torch import nn
 from baton.models.documents import Documents, attention
 from baton.models.layers import Layers
 from baton.parallel.context import ways
+from baton.parallel.tensor import Whole
 
 NORM_EPS = 1e-5  # RMSNorm's epsilon when model.options.norm_eps is not given (rms_norm_eps)
 ROPE_THETA = 10_000  # the rotary embedding's base when model.options.rope_theta is not given
@@ -121,10 +122,7 @@ class Block(nn.Module):
     # whole on every worker, used on its own heads: each worker's gradient is its heads' part
     tp_partial = ("q_norm", "k_norm")
     tp_random = tp_sequence_random = contextlib.nullcontext
-
-    @staticmethod
-    def tp_enter(x: torch.Tensor) -> torch.Tensor:  # (under tp: parallel/tensor.py's Enter)
-        return x
+    tp_enter = Whole()  # (under tp: parallel/tensor.py's Enter)
 
     def __init__(self, width: int, heads: int, kv_heads: int, hidden: int, rope: Rope,
                  dropout: float, norm_eps: float = NORM_EPS, qkv_bias: bool = False,
@@ -152,8 +150,8 @@ class Block(nn.Module):
     def add_mlp(self, width: int, hidden: int) -> None:
         add_swiglu(self, width, hidden)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return swiglu(self, h)
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:  # (h: the normed input, as x is held)
+        return swiglu(self, self.tp_enter(h))
 
     def tp_problem(self, tp: int) -> str | None:
         if self.kv_heads % tp:
@@ -196,7 +194,7 @@ class Block(nn.Module):
             y = attention(q, k, v, docs, start, self.dropout if self.training else 0.0,
                           gqa=q.shape[1] != k.shape[1], window=self.window)
         x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
-        return x + self.mlp(self.tp_enter(self.mlp_norm(x)))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 def add_swiglu(module: nn.Module, width: int, hidden: int) -> None:
@@ -212,7 +210,11 @@ def swiglu(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 class Expert(nn.Module):
     """One of a mixture's SwiGLU MLPs (Mixtral's w1, w3 and w2; Qwen3-MoE's gate_proj,
-    up_proj and down_proj)."""
+    up_proj and down_proj). Under tensor parallelism each worker holds its share of its
+    hidden units, as of a block's MLP; its block enters its input and sums the experts'
+    partial products, weighted, once (`MoEBlock.mlp`)."""
+    tp_plan = {"gate": "column", "up": "column", "down": "row"}
+    tp_entered, tp_left = ("gate", "up"), ("down",)
 
     def __init__(self, width: int, hidden: int):
         super().__init__()
@@ -265,8 +267,17 @@ class MoEBlock(Block):
     Every expert runs every step, on the tokens routed to it (none, some or all), so that
     each parameter has a gradient (zero where no token chose it), as DDP and ZeRO reduce
     them; the tokens are grouped by expert once (one sort, one count read to the host a
-    block) and each expert's product is one matrix product. No tensor parallelism: the
-    router would need its input's gradient reduced apart from the experts' (not built)."""
+    block) and each expert's product is one matrix product.
+
+    Under tensor parallelism each worker holds its share of every expert's hidden units (and
+    of the shared expert's), and the router whole: it routes the tokens it holds (its part
+    of the sequence under sequence parallelism), then runs its share of each expert on the
+    whole sequence's pairs (the choices gathered), and one collective sums the weighted
+    partial outputs (`Enter.leave`), as a block's MLP's down layer would. The router's
+    output weights enter the split region as the activations do, their gradient (each
+    worker's from its share of the experts) summed there, apart from the input's: the
+    router's input gradient is whole on every worker (or its part's) and is not summed
+    again with the experts'."""
     tp_plan = {name: style for name, style in Block.tp_plan.items() if name in ("q", "k", "v", "o")}
     tp_entered = ("q", "k", "v")
 
@@ -306,19 +317,19 @@ class MoEBlock(Block):
             self.shared = Expert(width, self.mixture.shared)
             self.shared_gate = nn.Linear(width, 1, bias=False)
 
-    def tp_problem(self, tp: int) -> str | None:
-        return ("its MLP is a mixture of experts (model.options.experts), which tensor "
-                "parallelism does not split: use parallel.tp 1 (dp, ZeRO and pipelines do)")
-
     def mlp(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        k = self.mixture.per_token
-        flat = h.reshape(-1, h.shape[-1])
-        logits = self.router(flat).float()
+        k, tp = self.mixture.per_token, self.tp_enter
+        logits = self.router(h).float()  # (B, T, E): the tokens this worker holds
         probs = F.softmax(logits, dim=-1)
-        weights, chosen = torch.topk(probs, k, dim=-1)  # (N, k): in float32, as transformers'
+        weights, picked = torch.topk(probs, k, dim=-1)  # (B, T, k): in float32, as transformers'
         if self.mixture.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        chosen = chosen.flatten()
+        gate = torch.sigmoid(self.shared_gate(h)) if self.mixture.shared else None
+        # into the split region (under tp; else as they are): the whole sequence's tokens,
+        # choices and weights
+        h, picked, weights = tp(h), tp.indices(picked), tp(weights)
+        flat = h.reshape(-1, h.shape[-1])
+        chosen = picked.flatten()
         order = torch.argsort(chosen, stable=True)  # the (token, choice) pairs, by expert
         load = torch.bincount(chosen, minlength=self.mixture.experts)
         counts = load.tolist()
@@ -331,8 +342,8 @@ class MoEBlock(Block):
         # each token's k outputs summed in the experts' order, as transformers' loop sums them
         out = torch.zeros_like(flat).index_add_(0, tokens, outs.to(flat.dtype))
         if self.mixture.shared:  # (added after the routed experts' sum, as transformers adds it)
-            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-        out = out.view_as(h)
+            out = out + tp(gate).reshape(-1, 1) * self.shared(flat)
+        out = tp.leave(out.view_as(h))
         if self.training and torch.is_grad_enabled():
             if self.aux_rows is not None:  # the choices of the rows that count (a padding
                 # row's not), on the device: train_expert_load_max
@@ -340,8 +351,7 @@ class MoEBlock(Block):
                 load = torch.zeros_like(load).index_add_(0, chosen, counted)
             self.load = load
             if self.balances:
-                out = self._balanced(out, logits.view(*h.shape[:2], -1), probs.view(*h.shape[:2], -1),
-                                     chosen.view(h.shape[0], -1))
+                out = self._balanced(out, logits, probs, picked.flatten(1))
         return out
 
     @torch.compiler.disable  # (its weight changes every step: no graph to guard on it)
@@ -358,18 +368,20 @@ class MoEBlock(Block):
         - the router z-loss: the mean over the row's tokens of the square of the log of the
           sum of exp(each expert's logit) (ST-MoE's), which keeps the router's logits small.
         Each summed over the rows that count, times its coefficient over the blocks (the
-        loss is their mean)."""
+        loss is their mean). `chosen`: the choices of the whole sequence this worker's part
+        of (B, T x tp x k under sequence parallelism), the rest its part's."""
         B, T, E = probs.shape
-        # context parallelism: this worker's part of each row's tokens. Each loss is linear in
-        # what is averaged over the row's tokens (the probabilities, the squared log-sums) once
-        # the shares of the choices are known: the shares are the whole row's (its workers'
-        # choices summed: no gradient), and each worker adds its own tokens' terms, which the
-        # row's workers' sums add up to the row's loss (and its gradient)
-        split = self.docs.split if self.docs is not None else None
-        whole = T * split.size if split is not None else T
+        # context and sequence parallelism: this worker's part of each row's tokens. Each loss
+        # is linear in what is averaged over the row's tokens (the probabilities, the squared
+        # log-sums) once the shares of the choices are known: the shares are the whole row's
+        # (its workers' choices summed: no gradient), and each worker adds its own tokens'
+        # terms, which the row's workers' sums add up to the row's loss (and its gradient:
+        # the router's, summed over the tp workers as sequence parallelism's whole parameters')
+        split, tp = self.docs.split if self.docs is not None else None, self.tp_enter
+        whole = T * (split.size if split is not None else 1) * (tp.size if tp.sequence else 1)
 
         def mean(x: torch.Tensor) -> torch.Tensor:  # over the row's tokens (B, T, ...) -> (B, ...)
-            return x.mean(dim=1) if split is None else x.sum(dim=1) / whole
+            return x.mean(dim=1) if whole == T else x.sum(dim=1) / whole
         per_row = {}
         if self.mixture.aux:
             counts = torch.zeros(B, E, device=probs.device).scatter_add_(
@@ -384,6 +396,9 @@ class MoEBlock(Block):
         rows = rows.to(probs.device, probs.dtype)
         sums = {name: (v * rows).sum() for name, v in per_row.items()}
         self.losses = {name: v.detach() for name, v in sums.items()}
+        if tp.sequence:  # (each tp worker logs its replica's: the parts summed)
+            for v in self.losses.values():
+                torch.distributed.all_reduce(v, group=tp.group)
         loss = sum(self.mixture.terms[name] * v for name, v in sums.items())
         weight = self.aux_weight if self.aux_weight is not None else 1.0 / B
         return _Balance.apply(out, loss, weight / self.mixture.layers)

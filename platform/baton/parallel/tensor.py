@@ -15,7 +15,9 @@ every worker holds its heads' q, k and v. "vocab" splits an nn.Embedding's rows,
 "column" with the outputs gathered whole (a head). Column layers that take one input (the
 llama's separate q, k and v) are named in `tp_entered`, and the module's forward passes
 their input through its `tp_enter` (the identity, whole) before them: one collective for
-them all (`Enter`). A layer it holds whole and uses on its share alone (the llama's query
+them all (`Enter`). Row layers whose partial products the module's user sums itself are named
+in `tp_left` (a mixture's experts: their block weighs them first, then sums them once with
+its `tp_enter`'s `leave`). A layer it holds whole and uses on its share alone (the llama's query
 and key norms, on its heads) is named in `tp_partial`: each worker's gradient of it is its
 share's part, summed over the tp workers before the step. The module's forward must take its widths from its layers' outputs (the
 GPT's block counts its heads from q's width), so that the same code runs whole or split. Sequence parallelism (`sequence_region`) also splits what runs
@@ -256,13 +258,30 @@ class _Share(nn.Module):
             return y + delta(self, x, y.dtype)
 
 
-class Enter:
+class Whole:
+    """A planned module's `tp_enter` without tensor parallelism (`Enter`'s calls, each the
+    identity)."""
+
+    sequence, size = False, 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def indices(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+class Enter(Whole):
     """Into the split region: a column layer's input as it is, its gradient summed over the tp
     workers; under sequence parallelism, the whole sequence gathered from every worker's part,
     its gradient summed and split again. A planned module whose column layers take one input
     (the llama's q, k and v, its gate and up: `tp_entered`) enters it once, by calling its
     `tp_enter` with it, which is one of these under tp: one collective where each layer
-    would have had its own."""
+    would have had its own. A module whose row layers' partial products it sums itself
+    (`tp_left`: a mixture's experts, weighted first) takes them out with `leave`."""
 
     def __init__(self, group, rank: int, size: int, sequence: bool):
         self.group, self.rank, self.size, self.sequence = group, rank, size, sequence
@@ -271,6 +290,18 @@ class Enter:
         if self.sequence:
             return _GatherSequence.apply(x, self.group, self.rank, self.size)
         return _ToSplit.apply(x, self.group)
+
+    def indices(self, t: torch.Tensor) -> torch.Tensor:
+        """Integers of this worker's positions (B, T, ...) for the whole sequence (no gradient):
+        every worker's parts gathered under sequence parallelism, else as they are."""
+        return _all_gather(t, self.group, self.size, 1) if self.sequence else t
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """Out of the split region, as a row layer's output: the partial products summed
+        (this worker keeping its part of the sequence under sequence parallelism)."""
+        if self.sequence:
+            return _ScatterSequence.apply(y, self.group, self.rank, self.size)
+        return _FromSplit.apply(y, self.group)
 
 
 class ColumnParallel(_Share):
@@ -287,12 +318,16 @@ class ColumnParallel(_Share):
 
 class RowParallel(_Share):
     """A linear layer over this worker's share of the inputs: y = sum_r x_r W_r^T, + b. The
-    bias is whole on every worker and added once, after the sum."""
+    bias is whole on every worker and added once, after the sum. `left`: its module's user
+    sums the workers' partial products (`tp_left`; it has no bias), which it returns."""
 
     dim, features, across, names = 1, "in_features", "input features", ("weight",)
+    left = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.adapter(x, F.linear(x, self.weight))
+        if self.left:
+            return y
         y = (_ScatterSequence.apply(y, self.group, self.rank, self.size) if self.sequence
              else _FromSplit.apply(y, self.group))
         return y + self.bias if self.bias is not None else y
@@ -433,6 +468,11 @@ def plan_problem(model: nn.Module, name: str, tp: int) -> Optional[str]:
         if stray is not None:
             return (f"{name}'s {path} names {stray} in tp_entered, which its tp_plan does not "
                     "split column")
+        stray = next((c for c in getattr(module, "tp_left", ())
+                      if styles.get(c, ("",))[0] != "row" or getattr(module, c).bias is not None), None)
+        if stray is not None:
+            return (f"{name}'s {path} names {stray} in tp_left, which its tp_plan does not split "
+                    "row or which has a bias (its partial products are summed by its user)")
         problem = getattr(module, "tp_problem", lambda tp: None)(tp)
         if problem:
             return f"{name}'s layer {path}: {problem}"
@@ -469,6 +509,7 @@ def split_layers(model: nn.Module, rank: int, size: int, group, fill=None,
             split = Split(STYLES[style].dim, parts)
             share = STYLES[style](getattr(module, child), split, rank, size, group, sequence)
             share.entered = child in entered
+            share.left = child in getattr(module, "tp_left", ())
             setattr(module, child, share)
             splits.update({f"{prefix}.{p}": split for p in share.split_names})
     if fill is not None:
