@@ -5,7 +5,8 @@ load-balancing loss) on a local Ray, then compares every parameter with one plai
 (`helpers.reference_run`: the CI tests' reference) and prints the largest difference; the
 `kill` layout SIGKILLs rank 1 after step 3 and also reports where the recovery took its state
 from and whether every sample was trained once. CI runs dp 2, cp 2, pp 2, ZeRO-3 at dp 4 and
-a killed holder under DDP (`tests/integration/test_sharding.py`); these are the rest.
+a killed holder under DDP, dp 4 x pp 2 under ZeRO-2 (`tests/integration/test_sharding.py`);
+these are the rest.
 
     python benchmarks/expert_layouts.py
     python benchmarks/expert_layouts.py --layouts zero2 kill-pp
@@ -32,6 +33,8 @@ LAYOUTS = {
     "zero2": ({"dp": 2, "ep": 2, "shard": "grads"}, 2, 16),
     "zero3-cp2": ({"dp": 2, "ep": 2, "cp": 2, "shard": "full"}, 2, 16),
     "pp2-cp2": ({"dp": 2, "ep": 2, "pp": 2, "cp": 2}, 2, 16),
+    "pp2-zero3": ({"dp": 2, "ep": 2, "pp": 2, "shard": "full"}, 2, 16),
+    "pp2-zero3-dp4": ({"dp": 4, "ep": 2, "pp": 2, "shard": "full"}, 2, 16),
     "kill-pp": ({"dp": 4, "ep": 2, "pp": 2}, 5, 16),
 }
 

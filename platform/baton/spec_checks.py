@@ -532,7 +532,7 @@ def _check_context(spec: JobSpec, need) -> None:
 
 def _check_experts(spec: JobSpec, need) -> None:
     """Expert parallelism (parallel.ep): this version's, under DDP, ZeRO-2 or -3 (the rest of
-    the model sharded over each group of ep replicas) or in whole pipeline stages."""
+    the model, or of each pipeline stage, sharded over each group of ep replicas)."""
     from baton.models import _on_meta, routed
 
     p = spec.parallel
@@ -554,9 +554,6 @@ def _check_experts(spec: JobSpec, need) -> None:
          f"parallelism (parallel.ep = {p.ep}) in this version (ZeRO-1's optimizer splits every "
          "parameter by its place in the model): use grads or full, which shard the rest over "
          "each group of ep replicas, or none")
-    need(p.shard == "none" or p.pp == 1, "parallel.shard", p.shard, f"is not built with expert "
-         f"parallelism (parallel.ep = {p.ep}) in pipeline stages in this version: use none "
-         "(whole stages), or parallel.pp 1")
     need(p.shard == "none" or not p.shard_group or p.shard_group == p.ep, "parallel.shard_group",
          p.shard_group, f"must equal parallel.ep ({p.ep}) under expert parallelism: the replicas "
          "that split the experts shard the rest of the model (leave it out: it is ep)")

@@ -341,10 +341,7 @@ def test_a_llamas_key_value_heads_must_split_over_tp(tmp_path):
      "shard the rest over each group of ep replicas, or none"),
     ({"experts": 4}, {"dp": 4, "ep": 2, "shard": "full", "shard_group": 4}, "parallel.shard_group: 4 "
      "is invalid; must equal parallel.ep (2) under expert parallelism: the replicas that split "
-     "the experts shard the rest of the model (leave it out: it is ep)"),
-    ({"experts": 4}, {"dp": 2, "ep": 2, "pp": 2, "shard": "full"}, "parallel.shard: 'full' is "
-     "invalid; is not built with expert parallelism (parallel.ep = 2) in pipeline stages in this "
-     "version: use none (whole stages), or parallel.pp 1")])
+     "the experts shard the rest of the model (leave it out: it is ep)")])
 def test_a_mixture_of_experts_mistakes_are_one_line_each(tmp_path, options, parallel, message):
     raw = tiny_spec(tmp_path, tmp_path, train={"global_batch": 16, "micro_batch": None},
                     parallel={"dp": 1, **parallel},

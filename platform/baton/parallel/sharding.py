@@ -267,15 +267,16 @@ WRAPPINGS: dict[str, Callable[..., Replica]] = {
 
 
 def shard_stages(chunks: list[nn.Module], mesh, train: TrainSpec, reshard_after_forward: bool,
-                 unit_mib: float = UNIT_MIB, grad_comm: str = "fp32") -> Callable[[int, bool], None]:
+                 unit_mib: float = UNIT_MIB, grad_comm: str = "fp32",
+                 ignore: Optional[Callable[[list], set]] = None) -> Callable[[int, bool], None]:
     """FSDP2 inside pipeline stages, as torchtitan does: each of this rank's chunks (its
-    stages) is a root of its own over the stage's dp axes, its blocks wrapped one by one.
-    Returns `sync(chunk, last)`, which the pipeline runtime calls before each backward:
-    gradients are reduced once per step, at each chunk's last backward, not once per
-    micro-batch (and ZeRO-2 keeps parameters whole until then)."""
+    stages) is a root of its own over the stage's dp axes, its blocks wrapped one by one
+    (`ignore`: as `_shard_root`'s). Returns `sync(chunk, last)`, which the pipeline runtime
+    calls before each backward: gradients are reduced once per step, at each chunk's last
+    backward, not once per micro-batch (and ZeRO-2 keeps parameters whole until then)."""
     for chunk in chunks:
         _shard_root(chunk, mesh, train, reshard_after_forward, unit_mib, grad_comm,
-                    backward_follows=False)
+                    backward_follows=False, ignore=ignore)
 
     def sync(c: int, last: bool) -> None:
         chunks[c].set_requires_gradient_sync(last)
@@ -296,11 +297,11 @@ def reshard(chunks: list[nn.Module]) -> None:
 
 # the levels that compose with pipelines (ZeRO-1's ZeroRedundancyOptimizer steps through DDP)
 STAGE_WRAPPINGS: dict[str, Callable[..., Optional[Callable[[int, bool], None]]]] = {
-    "none": lambda *a, unit_mib=None, grad_comm="fp32": None,
-    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32": shard_stages(
-        *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm),
-    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32": shard_stages(
-        *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm),
+    "none": lambda *a, unit_mib=None, grad_comm="fp32", ignore=None: None,
+    "grads": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", ignore=None: shard_stages(
+        *a, reshard_after_forward=False, unit_mib=unit_mib, grad_comm=grad_comm, ignore=ignore),
+    "full": lambda *a, unit_mib=UNIT_MIB, grad_comm="fp32", ignore=None: shard_stages(
+        *a, reshard_after_forward=True, unit_mib=unit_mib, grad_comm=grad_comm, ignore=ignore),
 }
 
 

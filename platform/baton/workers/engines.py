@@ -541,9 +541,12 @@ class PipelineEngine(_Engine):
         self.module.to(device)
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
         # this engine all-reduces over the stage's replicas
-        sync = STAGE_WRAPPINGS[spec.parallel.shard](chunks, mesh, spec.train,
-                                                    unit_mib=spec.parallel.shard_unit_mib,
-                                                    grad_comm=spec.parallel.grad_comm)
+        # (with expert parallelism FSDP2 leaves the experts alone: each stage's rest sharded
+        # over the workers that split its experts)
+        sync = STAGE_WRAPPINGS[spec.parallel.shard](
+            chunks, mesh, spec.train, unit_mib=spec.parallel.shard_unit_mib,
+            grad_comm=spec.parallel.grad_comm,
+            ignore=(lambda modules: {q for m in modules for _, q in experts.held(m)}) if self.experts else None)
         self.fsdp = sync is not None
         # saved through DCP, in pieces (or each worker its experts)
         self.sharded = self.fsdp or self.shares is not None or bool(self.experts)
@@ -586,6 +589,8 @@ class PipelineEngine(_Engine):
             self.replica_grads.all_reduce([q for q in trained if id(q) not in held])
         if self.expert_grads:  # and each expert's holders its
             self.expert_grads.all_reduce([q for q in trained if id(q) in held])
+        if self.fsdp and self.experts:  # (averaged as FSDP averages the rest: the scale undoes it)
+            torch._foreach_div_([q.grad for q in trained if id(q) in held], float(self.dims.dp * self.dims.cp))
         self.busy_s = st.busy_s
         return sums, {
                 "pipe": {"start": st.first_start, "end": st.last_end, "busy_s": st.busy_s,
@@ -675,9 +680,13 @@ class PipelineEngine(_Engine):
         flats = [f for f in (self.replica_grads, self.expert_grads) if f]
         if not (flats and all([f.zero() for f in flats])):  # (views of a buffer stay, zeroed)
             super().clear_grads()
-        elif self.experts and not self.expert_grads:  # (one holder of each: in no buffer)
-            for q in self.experts:
-                q.grad = None
+            return
+        # what is in no buffer: the experts where one worker holds each, the rest under FSDP
+        held = {id(q) for q in self.experts}
+        loose = (([] if self.expert_grads else self.experts)
+                 + ([] if self.replica_grads else [q for q in self.module.parameters() if id(q) not in held]))
+        for q in loose:
+            q.grad = None
 
     def clip(self) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient, summed over the pipeline's stages
@@ -685,21 +694,21 @@ class PipelineEngine(_Engine):
         GPU the optimizer step is queued without the host waiting for the backward to end
         (the worker reads the norm once, with the loss, after the step)."""
         grads = [q.grad for q in self.module.parameters() if q.grad is not None]
+        held = {id(q) for q in self.experts}
+
+        def sq_of(gs) -> torch.Tensor:
+            return sum((torch.linalg.vector_norm(local(g)) ** 2 for g in gs),
+                       torch.zeros((), dtype=torch.float32, device=self.device))
         if self.shares:  # a stage's tp workers together hold its gradient (this one's shards)
             self.shares.sum_partial_grads(self.module)  # (sequence parallelism's parts)
             sq = self.shares.grad_sq(self.module, self.device)
         else:
-            held = {id(q) for q in self.experts}
-
-            def sq_of(gs) -> torch.Tensor:
-                return sum((torch.linalg.vector_norm(local(g)) ** 2 for g in gs),
-                           torch.zeros((), dtype=torch.float32, device=self.device))
             sq = sq_of(q.grad for q in self.module.parameters() if q.grad is not None and id(q) not in held)
-            if self.experts:  # (the stage's experts: their group holds them between them)
-                mine = sq_of(q.grad for q in self.experts if q.grad is not None)
-                dist.all_reduce(mine, group=self.ep_group)
-                sq = sq + mine
         if self.fsdp:  # a stage's shards together hold its gradient (once per group)
             dist.all_reduce(sq, group=self.shard_group)
+        if self.experts:  # (the stage's experts: their group holds them between them)
+            mine = sq_of(q.grad for q in self.experts if q.grad is not None)
+            dist.all_reduce(mine, group=self.ep_group)
+            sq = sq + mine
         dist.all_reduce(sq, group=self.pp_group)
         return scale_to_norm([local(g) for g in grads], sq.sqrt(), self.spec.train.grad_clip)
