@@ -36,6 +36,7 @@ LAYOUTS = {
     "pp2-zero3": ({"dp": 2, "ep": 2, "pp": 2, "shard": "full"}, 2, 16),
     "pp2-zero3-dp4": ({"dp": 4, "ep": 2, "pp": 2, "shard": "full"}, 2, 16),
     "kill-pp": ({"dp": 4, "ep": 2, "pp": 2}, 5, 16),
+    "kill-pp-zero3": ({"dp": 4, "ep": 2, "pp": 2, "shard": "full"}, 5, 16),
 }
 
 
