@@ -320,9 +320,9 @@ def test_a_llamas_key_value_heads_must_split_over_tp(tmp_path):
 @pytest.mark.parametrize("options,parallel,message", [
     ({"experts": 4, "shared_expert": 33}, {"tp": 2}, "parallel.tp: 2 is invalid; llama's "
      "1.shared.gate has 33 output features, which do not split into 1 x 2 equal pieces"),
-    ({"experts": 4}, {"dp": 2, "ep": 2, "tp": 2}, "parallel.tp: 2 is invalid; is not built with "
-     "expert parallelism (parallel.ep = 2) in this version: each worker of a tp group holds its "
-     "share of every expert already (use parallel.tp alone, or parallel.ep alone)"),
+    ({"experts": 4}, {"dp": 2, "ep": 2, "tp": 2, "shard": "full"}, "parallel.tp: 2 is invalid; "
+     "with expert parallelism (parallel.ep = 2) is built under DDP alone in this version "
+     "(parallel.shard none, pp 1, cp 1)"),
     ({"experts": 4, "experts_per_token": 5}, {}, "model.options.experts_per_token: 5 is invalid; "
      "must be at most model.options.experts (4): each token goes to that many experts"),
     ({"norm_topk": False}, {}, "model.options.norm_topk: False is invalid; routes tokens among a "
@@ -392,14 +392,15 @@ def test_context_parallel_mistakes_are_one_line_each(tmp_path, model, parallel, 
 
 def test_validate_says_what_each_worker_holds_of_a_mixture_split_over_replicas(tmp_path, capsys):
     """parallel.ep 2: half of each block's experts a worker, the rest whole under DDP; under
-    ZeRO-3 (dp 4: two groups) the rest sharded over each pair too, as the sharding line says."""
+    ZeRO-3 (dp 4: two groups) the rest sharded over each pair too, as the sharding line says;
+    at tp 2 half of every layer, each expert's too."""
     data = write_dataset(tmp_path / "data", num_samples=64, seq_len=32)
     raw = tiny_spec(tmp_path, data, name="v", train={"global_batch": 16, "micro_batch": None},
                     parallel={"dp": 2, "ep": 2}, resources={"cpus_per_worker": 0.25},
                     model={"name": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": 32,
                            "options": {"kv_heads": 2, "hidden": 32, "experts": 4}})
     lines = {}
-    for name, parallel in (("ddp", {}), ("zero3", {"dp": 4, "shard": "full"})):
+    for name, parallel in (("ddp", {}), ("zero3", {"dp": 4, "shard": "full"}), ("tp", {"tp": 2})):
         job = write_spec(tmp_path / f"{name}.yaml", {**raw, "parallel": {**raw["parallel"], **parallel}})
         assert cli.main(["validate", str(job)]) == 0
         lines[name] = [s for s in capsys.readouterr().out.splitlines() if s.startswith("  expert")]
@@ -415,6 +416,12 @@ def test_validate_says_what_each_worker_holds_of_a_mixture_split_over_replicas(t
                               f"holders); per worker {total // 2:,} of the {total:,} parameters (the "
                               "rest sharded over 2: ZeRO-3): 0.4 MiB of parameters, gradients and "
                               "optimizer state (DDP: 0.7 MiB)"], lines
+    whole = sum(q.numel() for n, q in model.named_parameters() if "norm" in n or "router" in n)
+    mine = (total - whole - routed) // 2 + routed // 4 + whole
+    assert lines["tp"] == [f"  expert parallel: the 4 experts of each of 2 blocks split over 2 "
+                           "workers (2 each, 1/2 of each one's hidden units on each tp worker); "
+                           f"per worker {mine:,} of the {total:,} parameters: 0.3 MiB of "
+                           "parameters, gradients and optimizer state (DDP: 0.7 MiB)"], lines
 
 
 def test_validate_says_how_context_parallelism_splits_a_row(tmp_path, capsys):

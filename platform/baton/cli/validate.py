@@ -148,15 +148,21 @@ def _experts_line(spec) -> str:
     d, model = spec.parallel, _on_meta(spec.model)
     blocks = routed(model)
     total = sum(q.numel() for q in model.parameters())
+    if d.tp > 1:  # (each worker's share of every layer, of each expert too)
+        from baton.parallel.tensor import split_layers
+
+        split_layers(model, 0, d.tp, None)
+    here = sum(q.numel() for q in model.parameters())
     split = sum(q.numel() for _, q in held(model))
     # under ZeRO the rest of the model is sharded over the workers that split the experts
     shards = spec.dims().shards if d.shard != "none" else 1
-    mine = (total - split) // shards + split // d.ep
+    mine = (here - split) // shards + split // d.ep
     mib = lambda n, level="none", k=1: sum(estimate_bytes(n, level, k).values()) / 2**20  # noqa: E731
-    held_mib = mib(total - split, d.shard, shards) + mib(split // d.ep)
+    held_mib = mib(here - split, d.shard, shards) + mib(split // d.ep)
     groups = d.dp // d.ep
     return (f"expert parallel: the {blocks[0].mixture.experts} experts of each of {len(blocks)} "
             f"blocks split over {d.ep} workers ({blocks[0].mixture.experts // d.ep} each"
+            + (f", 1/{d.tp} of each one's hidden units on each tp worker" if d.tp > 1 else "")
             + (f"; {groups} groups, each expert's gradient summed over its {groups} holders" if groups > 1 else "")
             + f"); per {'worker' if d.pp == 1 else f'replica (its {d.pp} stages together)'} "
             f"{mine:,} of the {total:,} parameters"

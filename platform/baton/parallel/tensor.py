@@ -714,14 +714,15 @@ class Shares:
         for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(summed)
 
-    def grad_sq(self, module: nn.Module, device: torch.device) -> torch.Tensor:
+    def grad_sq(self, module: nn.Module, device: torch.device, leave: set[int] = frozenset()) -> torch.Tensor:
         """The squared norm of the gradient of the part of the model `module` holds: the split
         parameters' squares summed over the tp workers, the whole ones (the same on each)
-        counted once (a collective). Sharded, it is this worker's shards' part of that."""
+        counted once (a collective). Sharded, it is this worker's shards' part of that.
+        `leave`: the ids of parameters left out (counted apart by the caller)."""
         split = torch.zeros((), dtype=torch.float32, device=device)
         whole = torch.zeros((), dtype=torch.float32, device=device)
         for name, q in module.named_parameters():
-            if q.grad is not None:
+            if q.grad is not None and id(q) not in leave:
                 sq = torch.linalg.vector_norm(local(q.grad).float()) ** 2
                 if name in self.splits:
                     split += sq

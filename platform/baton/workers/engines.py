@@ -378,19 +378,25 @@ class ExpertParallelEngine(DataParallelEngine):
     hold the same ones (and with its replica's other cp workers, under context parallelism:
     each routes its part of the rows' tokens among the group's workers of its cp rank), and
     writes them in sharded checkpoints (DCP: every worker its experts, the rest once). Under
-    ZeRO the rest of the model is sharded over each group (FSDP2 leaves the experts alone)."""
+    ZeRO the rest of the model is sharded over each group (FSDP2 leaves the experts alone).
+    Under tensor parallelism (`TensorExpertEngine`) each worker holds its share of its
+    experts' hidden units, and its group is the replicas' workers of its tp rank."""
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, device: torch.device, task: Task):
         super().__init__(spec, dims, device, task)
+        self._hold_experts(dims, spec)
+
+    def _hold_experts(self, dims: ParallelDims, spec: JobSpec) -> None:
         self.experts = [q for _, q in experts.held(self.module)]
         self.sharded = True  # (no worker holds every expert: checkpoints through DCP)
         self.expert_grads = _expert_grads(self.mesh, dims, spec)
 
     def _split(self, module: nn.Module, fill) -> tuple:
+        fill, wrapping = super()._split(module, fill)  # (tp: each layer filled and split)
         self.ep = _expert_group(self.mesh)
         if fill is None:  # (DDP: built whole, its experts split before it is wrapped)
             kept = experts.split(module, self.ep)
-            return fill, {"ignore": tuple(name for name, _ in kept)}
+            return fill, {**wrapping, "ignore": tuple(name for name, _ in kept)}
 
         def fill_and_split(layers) -> None:  # (ZeRO: on the meta device, each FSDP unit given
             layers = list(layers)            # its values, then its experts split, as sharded)
@@ -412,21 +418,30 @@ class ExpertParallelEngine(DataParallelEngine):
         return out
 
     def clip(self) -> torch.Tensor:
-        """Clip by the whole model's gradient norm: the rest's (the same on every worker, or
-        under ZeRO its shards' summed over the workers that split it) and the experts' summed
-        over the workers that split them."""
+        """Clip by the whole model's gradient norm: the rest's (`_rest_sq`) and the experts'
+        summed over the workers that split them (and over the tp workers that split each)."""
         held = {id(q) for q in self.experts}
         grads = [local(q.grad) for q in self.module.parameters() if q.grad is not None]
-
-        def sq(gs) -> torch.Tensor:
-            return sum((g.float().square().sum() for g in gs), torch.zeros((), device=self.device))
-        mine = sq(q.grad for q in self.experts if q.grad is not None)
+        mine = _sq((q.grad for q in self.experts if q.grad is not None), self.device)
         dist.all_reduce(mine, group=self.ep.group)
-        rest = sq(local(q.grad) for q in self.module.parameters()
-                  if q.grad is not None and id(q) not in held)
+        if self.tp > 1:
+            dist.all_reduce(mine, group=self.shares.group)
+        return scale_to_norm(grads, (self._rest_sq(held) + mine).sqrt(), self.spec.train.grad_clip)
+
+    def _rest_sq(self, held: set[int]) -> torch.Tensor:
+        """The squared norm of the gradient of the rest of the model (what is not in `held`):
+        the same on every worker, or under ZeRO its shards' summed over the workers that
+        split it."""
+        rest = _sq((local(q.grad) for q in self.module.parameters()
+                    if q.grad is not None and id(q) not in held), self.device)
         if self.shard_group is not None:
             dist.all_reduce(rest, group=self.shard_group)
-        return scale_to_norm(grads, (rest + mine).sqrt(), self.spec.train.grad_clip)
+        return rest
+
+
+def _sq(grads, device: torch.device) -> torch.Tensor:
+    """The sum of the squares of `grads`' elements, in float32 (0 for none)."""
+    return sum((g.float().square().sum() for g in grads), torch.zeros((), device=device))
 
 
 class TensorParallelEngine(DataParallelEngine):
@@ -468,6 +483,21 @@ class TensorParallelEngine(DataParallelEngine):
             dist.all_reduce(sq, group=self.shard_group)
         grads = [local(q.grad) for q in self.module.parameters() if q.grad is not None]
         return scale_to_norm(grads, sq.sqrt(), self.spec.train.grad_clip)
+
+
+class TensorExpertEngine(ExpertParallelEngine, TensorParallelEngine):
+    """Tensor parallel replicas (under DDP) whose mixtures' experts are split over groups of
+    parallel.ep replicas: each worker holds its tp share of its group share of the experts
+    (`ExpertParallelEngine`, among the replicas' workers of its tp rank)."""
+
+    def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
+                 task: Task):
+        TensorParallelEngine.__init__(self, spec, dims, rank, device, task)
+        self._hold_experts(dims, spec)
+
+    def _rest_sq(self, held: set[int]) -> torch.Tensor:
+        self.shares.sum_partial_grads(self.module)  # (sequence parallelism's parts)
+        return self.shares.grad_sq(self.module, self.device, leave=held)
 
 
 class PipelineEngine(_Engine):

@@ -294,13 +294,14 @@ class Worker:
         self.kept, self.last_step = None, 0  # a model built from the seed: the state at step 0
         self.state_reported = False
         from baton.workers.engines import (DataParallelEngine, ExpertParallelEngine,  # see _sharded
-                                           PipelineEngine, TensorParallelEngine)
+                                           PipelineEngine, TensorExpertEngine, TensorParallelEngine)
 
         if self.dims.pp > 1:
             self.engine = PipelineEngine(spec, self.dims, self.rank, self.device, stage_layers,
                                          self.task, self.shapes)
         elif self.dims.tp > 1:
-            self.engine = TensorParallelEngine(spec, self.dims, self.rank, self.device, self.task)
+            self.engine = (TensorExpertEngine if spec.parallel.ep > 1 else TensorParallelEngine)(
+                spec, self.dims, self.rank, self.device, self.task)
         elif spec.parallel.ep > 1:
             self.engine = ExpertParallelEngine(spec, self.dims, self.device, self.task)
         else:
