@@ -37,6 +37,7 @@ LAYOUTS = {
     "pp2-zero3-dp4": ({"dp": 4, "ep": 2, "pp": 2, "shard": "full"}, 2, 16),
     "kill-pp": ({"dp": 4, "ep": 2, "pp": 2}, 5, 16),
     "kill-pp-zero3": ({"dp": 4, "ep": 2, "pp": 2, "shard": "full"}, 5, 16),
+    "kill-tp2": ({"dp": 4, "ep": 2, "tp": 2, "sequence_parallel": True}, 5, 16),
 }
 
 

@@ -26,9 +26,9 @@ WINDOW = ModelSpec(name="llama", layers=2, width=16, heads=4, seq_len=8, vocab_s
                    options={"kv_heads": 2, "sliding_window": 3})
 
 
-def _worker(rank: int, port: int, base: ModelSpec, masked: bool, out: str,
+def _worker(rank: int, rendezvous: str, base: ModelSpec, masked: bool, out: str,
             compiled: bool = False, how: str = "all_to_all", cp: int = 2) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                             world_size=cp)
     try:
         _case(rank, base, masked, out, compiled, how, cp)
@@ -36,13 +36,13 @@ def _worker(rank: int, port: int, base: ModelSpec, masked: bool, out: str,
         dist.destroy_process_group()
 
 
-def _cases_worker(rank: int, port: int, cases: dict, out: str, cp: int) -> None:
+def _cases_worker(rank: int, rendezvous: str, cases: dict, out: str, cp: int) -> None:
     """Every case of `cases` ({name: (model, documents, cp_attention)}) in one group of cp
     processes (a spawn each would pay the processes' start each time), each case's results
     under out/name."""
     import os
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                             world_size=cp)
     try:
         for name, (base, masked, how) in cases.items():
@@ -160,13 +160,13 @@ def test_four_workers_pass_keys_and_values_around_a_ring(four_workers, case):
         assert r["count"] == (13, 13) and r["block_output"] == [(2, 2, 16)]
 
 
-def _ring_worker(rank: int, port: int, out: str) -> None:
+def _ring_worker(rank: int, rendezvous: str, out: str) -> None:
     """Ring attention alone, each kernel (torch's fused CPU one and the plain products used
     on other devices), against `scaled_dot_product_attention` over the whole rows."""
     from baton.models.documents import ring_blocks
     from baton.parallel.ring import FlashCPU, Products, _ring
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                             world_size=2)
     try:
         g = torch.Generator().manual_seed(3)
@@ -275,13 +275,13 @@ TP_CP = {"gpt-sequence-parallel": (GPT, True, "all_to_all"), "llama": (LLAMA4, F
          "llama-gqa-all-gather": (LLAMA, True, "all_gather"), "llama-gqa-ring": (LLAMA, True, "ring")}
 
 
-def _tp_cp_worker(rank: int, port: int, out: str) -> None:
+def _tp_cp_worker(rank: int, rendezvous: str, out: str) -> None:
     """One of 4 workers of a replica split tp 2 x cp 2 (rank = cp_rank x 2 + tp_rank, as
     `ParallelDims` lays them out): its tp share of every layer, its half of the positions, for
     each of the cases of TP_CP in turn."""
     from baton.parallel.tensor import Shares
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                             world_size=4)
     try:
         cp_rank, tp_rank = divmod(rank, 2)

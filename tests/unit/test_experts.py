@@ -19,10 +19,10 @@ MIXTRAL = ModelSpec(name="llama", layers=2, width=16, heads=4, seq_len=8, vocab_
                     options={"kv_heads": 2, "hidden": 16, "experts": 4, "experts_per_token": 2})
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, rendezvous: str, out: str) -> None:
     """Rank r holds experts 2r and 2r + 1 of each block and computes rows 2r and 2r + 1 of
     each step's 4, in an eager model and a compiled one; the whole model computes all 4."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     try:
         whole = build_model(MIXTRAL, 0)
         models = {how: build_model(MIXTRAL, 0) for how in ("eager", "compiled")}
@@ -86,14 +86,14 @@ MIXTURE_TP = ModelSpec(name="llama", layers=2, width=16, heads=4, seq_len=8, voc
                                 "shared_expert": 8, "router_aux_loss": 0.5, "router_z_loss": 0.1})
 
 
-def _tp_worker(rank: int, port: int, out: str) -> None:
+def _tp_worker(rank: int, rendezvous: str, out: str) -> None:
     """Each rank holds half of every expert's hidden units (and of the shared expert's), plain
     and under sequence parallelism, and computes all 4 rows; the whole model too."""
     from baton.models import routed
     from baton.parallel.tensor import Shares
     from test_tensor_parallel import _pieces
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     try:
         whole, found = build_model(MIXTURE_TP, 0), {}
         for sequence in (False, True):

@@ -7,7 +7,7 @@ workers), and what a block's first norm is given."""
 from __future__ import annotations
 
 import dataclasses
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -25,11 +25,12 @@ SPEC = ModelSpec(name="gpt", layers=2, width=16, heads=4, seq_len=8, vocab_size=
 
 
 def _spawn(worker, nprocs: int, *args) -> None:
-    """`worker(rank, port, *args)` in `nprocs` processes that meet on a free local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, *args), nprocs=nprocs)
+    """`worker(rank, rendezvous, *args)` in `nprocs` processes that meet through a file
+    (`init_method=rendezvous`): no port is picked and let go, which another process could take
+    before they meet (with a port picked so, a worker once aborted at set-up while Ray jobs
+    were starting on the machine)."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(worker, args=(f"file://{folder}/rendezvous", *args), nprocs=nprocs)
 
 
 def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
@@ -38,9 +39,9 @@ def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
     return pieces
 
 
-def _worker(rank: int, port: int, sequence: bool, split_logits: bool, adapted: bool,
+def _worker(rank: int, rendezvous: str, sequence: bool, split_logits: bool, adapted: bool,
             out: str, base: ModelSpec = SPEC, masked: bool = False) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                             world_size=2)
     try:
         spec = dataclasses.replace(base, lora=LoRASpec(rank=2, alpha=4.0)) if adapted else base
@@ -178,10 +179,10 @@ def test_documents_kept_apart_split_over_two_workers_compute_what_the_whole_mode
         assert r["unmasked"] > 1e-3 * r["scale"], r  # (the documents changed the logits)
 
 
-def _dropout_worker(rank: int, port: int, sequence: bool, adapted: bool, out: str) -> None:
+def _dropout_worker(rank: int, rendezvous: str, sequence: bool, adapted: bool, out: str) -> None:
     from baton.parallel.tensor import OwnRandom
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                             world_size=2)
     try:
         spec = ModelSpec(name="gpt", layers=2, width=16, heads=4, seq_len=8, vocab_size=32,
@@ -231,7 +232,7 @@ def test_dropout_on_what_a_worker_alone_holds_draws_from_its_own_stream(tmp_path
     assert not torch.equal(r[0]["own_after"], r[1]["own_after"])
 
 
-def _compiled_worker(rank: int, port: int, out: str) -> None:
+def _compiled_worker(rank: int, rendezvous: str, out: str) -> None:
     import os
 
     import torch._dynamo.utils as dynamo
@@ -239,7 +240,7 @@ def _compiled_worker(rank: int, port: int, out: str) -> None:
     from baton.parallel.compiled import compile_blocks
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                             world_size=2)
     found = {}
     for sequence in (False, True):
@@ -282,13 +283,13 @@ def test_compiled_tp_blocks_compute_what_eager_ones_do(tmp_path):
             assert r[sequence]["loss"] < 1e-4 and r[sequence]["grads"] < 1e-5, r
 
 
-def _mesh_worker(rank: int, port: int, out: str) -> None:
+def _mesh_worker(rank: int, rendezvous: str, out: str) -> None:
     import warnings
 
     from baton.parallel import ParallelDims
     from baton.parallel.mesh import axis
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
                             world_size=4)
     try:
         with warnings.catch_warnings():
