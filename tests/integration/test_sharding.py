@@ -182,10 +182,10 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     summed over its two holders, the rest of the model sharded over each pair that splits
     the experts: hybrid), at dp 4 x pp 2 under ZeRO-2 (each stage's rest sharded over its
     pair that splits the stage's experts, 8 workers) and at dp 2 x tp 2 under sequence
-    parallelism (each worker half of every linear layer, and of the hidden units of the half
-    of the experts its tp rank's pair splits, the router whole; its pieces read from the
-    sharded checkpoint by name): one process's numbers, with the load-balancing loss. (DDP's
-    two groups: the killed expert holder's test below.)"""
+    parallelism and ZeRO-3 (each worker half of every linear layer, and of the hidden units
+    of the half of the experts its tp rank's pair splits, the rest of its share sharded over
+    that pair; its pieces read from the sharded checkpoint by name): one process's numbers,
+    with the load-balancing loss. (DDP's two groups: the killed expert holder's test below.)"""
     raw = _spec(tmp_path, data, "ep", 2, "mixtral", schedule="constant").to_dict()
     raw["parallel"]["ep"] = 2
     raw["model"]["options"]["router_aux_loss"] = 0.1
@@ -217,13 +217,14 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     # measured: 2.1e-6 at most (the rest's gradients, in no buffer under FSDP, kept from the
     # step before when only the experts' were cleared: 5.3e-3)
     assert_like_one_process(staged_zero, data, result, 6)
-    split, result = _resumed(raw, 7, tp=2, sequence_parallel=True)
+    split, result = _resumed(raw, 7, dp=2, tp=2, sequence_parallel=True, shard="full")
     assert len(result.workers) == 4
-    # each worker: half of every linear layer, a quarter of the experts, the norms and routers whole
+    # each worker: a quarter of the experts, and half of its tp share of the rest (half of
+    # every linear layer, the norms and routers whole)
     whole_params = sum(q.numel() * 4 for n, q in whole.named_parameters()
                        if "norm" in n or "router" in n)
     assert [b["params"] for b in result.state_bytes] == [
-        (total - whole_params - routed) // 2 + routed // 4 + whole_params] * 4
+        ((total - whole_params - routed) // 2 + whole_params) // 2 + routed // 4] * 4
     assert_like_one_process(split, data, result, 7)  # measured: 2.2e-6 at most
 
 

@@ -394,9 +394,12 @@ class ExpertParallelEngine(DataParallelEngine):
     def _split(self, module: nn.Module, fill) -> tuple:
         fill, wrapping = super()._split(module, fill)  # (tp: each layer filled and split)
         self.ep = _expert_group(self.mesh)
-        if fill is None:  # (DDP: built whole, its experts split before it is wrapped)
+        if fill is None:  # (DDP, or tp: built whole or split, its experts split before it is wrapped)
             kept = experts.split(module, self.ep)
-            return fill, {**wrapping, "ignore": tuple(name for name, _ in kept)}
+            if self.spec.parallel.shard == "none":
+                return fill, {**wrapping, "ignore": tuple(name for name, _ in kept)}
+            return fill, {**wrapping, "ignore": lambda modules: {
+                q for m in modules for _, q in experts.held(m)}}
 
         def fill_and_split(layers) -> None:  # (ZeRO: on the meta device, each FSDP unit given
             layers = list(layers)            # its values, then its experts split, as sharded)
@@ -486,7 +489,7 @@ class TensorParallelEngine(DataParallelEngine):
 
 
 class TensorExpertEngine(ExpertParallelEngine, TensorParallelEngine):
-    """Tensor parallel replicas (under DDP) whose mixtures' experts are split over groups of
+    """Tensor parallel replicas (under DDP, or ZeRO over each group's workers of a share) whose mixtures' experts are split over groups of
     parallel.ep replicas: each worker holds its tp share of its group share of the experts
     (`ExpertParallelEngine`, among the replicas' workers of its tp rank)."""
 
@@ -497,7 +500,10 @@ class TensorExpertEngine(ExpertParallelEngine, TensorParallelEngine):
 
     def _rest_sq(self, held: set[int]) -> torch.Tensor:
         self.shares.sum_partial_grads(self.module)  # (sequence parallelism's parts)
-        return self.shares.grad_sq(self.module, self.device, leave=held)
+        sq = self.shares.grad_sq(self.module, self.device, leave=held)
+        if self.shard_group is not None:  # (ZeRO: this worker's shards of its share)
+            dist.all_reduce(sq, group=self.shard_group)
+        return sq
 
 
 class PipelineEngine(_Engine):
