@@ -547,9 +547,6 @@ def _check_experts(spec: JobSpec, need) -> None:
     need(p.dp % p.ep == 0 and lo % p.ep == 0 and hi % p.ep == 0, "parallel.ep", p.ep,
          f"must divide parallel.dp ({p.dp}) and elastic.min_dp and max_dp ({lo}, {hi}): "
          "every world holds whole groups of ep replicas")
-    need(p.tp == 1 or (p.pp == 1 and p.cp == 1), "parallel.tp", p.tp,
-         f"with expert parallelism (parallel.ep = {p.ep}) is built without pipelines or "
-         "context parallelism in this version (parallel.pp 1, cp 1)")
     need(p.shard != "optimizer", "parallel.shard", p.shard, f"is not built with expert "
          f"parallelism (parallel.ep = {p.ep}) in this version (ZeRO-1's optimizer splits every "
          "parameter by its place in the model): use grads or full, which shard the rest over "

@@ -177,8 +177,9 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     sent to their experts' holders and back (all-to-all), at dp 2 (one group), then resumed
     at dp 2 x cp 2 (each row's positions split over a replica's two workers, each routing its
     part's tokens among the workers of its cp rank; an expert's gradient summed over its cp
-    pair), at dp 2 x pp 2 (each stage's experts split over its two replicas, tokens sent
-    between the stage's workers), at dp 4 under ZeRO-3 (two groups: each expert's gradient
+    pair), at dp 2 x pp 2 x tp 2 (each stage's experts split over its two replicas, tokens
+    sent between the stage's workers of a tp rank, each holding half of every layer of its
+    stage, its experts' too: 8 workers), at dp 4 under ZeRO-3 (two groups: each expert's gradient
     summed over its two holders, the rest of the model sharded over each pair that splits
     the experts: hybrid), at dp 4 x pp 2 under ZeRO-2 (each stage's rest sharded over its
     pair that splits the stage's experts, 8 workers) and at dp 2 x tp 2 under sequence
@@ -204,9 +205,11 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     # measured: 2.1e-6 at most (the experts' gradients averaged over the replicas alone, not
     # their cp workers: 3.2e-3)
     assert_like_one_process(long, data, result, 3)
-    staged, result = _resumed(raw, 4, pp=2)
-    assert len(result.workers) == 4
-    assert_like_one_process(staged, data, result, 4)  # measured: 2.1e-6 at most
+    staged, result = _resumed(raw, 4, pp=2, tp=2)
+    assert len(result.workers) == 8
+    # measured: 2.1e-6 at most (the experts' gradients taken from before their layers were
+    # split, and so left unsummed: 0.04)
+    assert_like_one_process(staged, data, result, 4)
     zero3, result = _resumed(raw, 5, dp=4, shard="full")
     assert len(result.workers) == 4 and {w["wrapper"] for w in result.workers} == {"FSDPSequential"}
     # each worker: half the experts, and a half shard of the rest (ZeRO-3 over its ep group)

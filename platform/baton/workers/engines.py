@@ -574,6 +574,8 @@ class PipelineEngine(_Engine):
                                      stage_after=int(marked) if marked is not None else None,
                                      random=self.own_random)
                        if dims.tp > 1 else None)
+        if self.experts and self.shares:  # (the experts' layers are shares now)
+            self.experts = [q for _, q in experts.held(self.module)]
         self.module.to(device)
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
         # this engine all-reduces over the stage's replicas
@@ -737,14 +739,16 @@ class PipelineEngine(_Engine):
                        torch.zeros((), dtype=torch.float32, device=self.device))
         if self.shares:  # a stage's tp workers together hold its gradient (this one's shards)
             self.shares.sum_partial_grads(self.module)  # (sequence parallelism's parts)
-            sq = self.shares.grad_sq(self.module, self.device)
+            sq = self.shares.grad_sq(self.module, self.device, leave=held)
         else:
             sq = sq_of(q.grad for q in self.module.parameters() if q.grad is not None and id(q) not in held)
         if self.fsdp:  # a stage's shards together hold its gradient (once per group)
             dist.all_reduce(sq, group=self.shard_group)
-        if self.experts:  # (the stage's experts: their group holds them between them)
-            mine = sq_of(q.grad for q in self.experts if q.grad is not None)
-            dist.all_reduce(mine, group=self.ep_group)
+        if self.experts:  # (the stage's experts: their group holds them between them, and
+            mine = sq_of(q.grad for q in self.experts if q.grad is not None)  # its tp workers
+            dist.all_reduce(mine, group=self.ep_group)  # a share of each)
+            if self.shares:
+                dist.all_reduce(mine, group=self.shares.group)
             sq = sq + mine
         dist.all_reduce(sq, group=self.pp_group)
         return scale_to_norm([local(g) for g in grads], sq.sqrt(), self.spec.train.grad_clip)
