@@ -320,9 +320,6 @@ def test_a_llamas_key_value_heads_must_split_over_tp(tmp_path):
 @pytest.mark.parametrize("options,parallel,message", [
     ({"experts": 4, "shared_expert": 33}, {"tp": 2}, "parallel.tp: 2 is invalid; llama's "
      "1.shared.gate has 33 output features, which do not split into 1 x 2 equal pieces"),
-    ({"experts": 4}, {"dp": 2, "ep": 2, "tp": 2, "pp": 2}, "parallel.tp: 2 is invalid; with "
-     "expert parallelism (parallel.ep = 2) is built without pipelines or context parallelism in "
-     "this version (parallel.pp 1, cp 1)"),
     ({"experts": 4, "experts_per_token": 5}, {}, "model.options.experts_per_token: 5 is invalid; "
      "must be at most model.options.experts (4): each token goes to that many experts"),
     ({"norm_topk": False}, {}, "model.options.norm_topk: False is invalid; routes tokens among a "
