@@ -80,6 +80,11 @@ def split(model: nn.Module, ep: ExpertParallel) -> list[tuple[str, nn.Parameter]
     return held(model)
 
 
+def held_in(modules) -> set[nn.Parameter]:
+    """The experts' parameters of `modules` (what FSDP2 is to leave alone: `ignore`)."""
+    return {q for m in modules for _, q in held(m)}
+
+
 def held(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The experts' parameters `model` holds (a mixture's routed experts, not its router or
     shared expert), by name."""

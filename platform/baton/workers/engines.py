@@ -398,16 +398,14 @@ class ExpertParallelEngine(DataParallelEngine):
             kept = experts.split(module, self.ep)
             if self.spec.parallel.shard == "none":
                 return fill, {**wrapping, "ignore": tuple(name for name, _ in kept)}
-            return fill, {**wrapping, "ignore": lambda modules: {
-                q for m in modules for _, q in experts.held(m)}}
+            return fill, {**wrapping, "ignore": experts.held_in}
 
         def fill_and_split(layers) -> None:  # (ZeRO: on the meta device, each FSDP unit given
             layers = list(layers)            # its values, then its experts split, as sharded)
             fill(layers)
             for layer in layers:
                 experts.split(layer, self.ep)
-        return fill_and_split, {"ignore": lambda modules: {
-            q for m in modules for _, q in experts.held(m)}}
+        return fill_and_split, {"ignore": experts.held_in}
 
     def forward_backward(self, micro: list[np.ndarray], batch_fn: BatchFn, scale: float,
                          trace: bool) -> tuple[Sums, dict]:
@@ -489,9 +487,10 @@ class TensorParallelEngine(DataParallelEngine):
 
 
 class TensorExpertEngine(ExpertParallelEngine, TensorParallelEngine):
-    """Tensor parallel replicas (under DDP, or ZeRO over each group's workers of a share) whose mixtures' experts are split over groups of
-    parallel.ep replicas: each worker holds its tp share of its group share of the experts
-    (`ExpertParallelEngine`, among the replicas' workers of its tp rank)."""
+    """Tensor parallel replicas (under DDP, or ZeRO over each group's workers of a share)
+    whose mixtures' experts are split over groups of parallel.ep replicas: each worker holds
+    its tp share of its group share of the experts (`ExpertParallelEngine`, among the
+    replicas' workers of its tp rank)."""
 
     def __init__(self, spec: JobSpec, dims: ParallelDims, rank: int, device: torch.device,
                  task: Task):
@@ -584,7 +583,7 @@ class PipelineEngine(_Engine):
         sync = STAGE_WRAPPINGS[spec.parallel.shard](
             chunks, mesh, spec.train, unit_mib=spec.parallel.shard_unit_mib,
             grad_comm=spec.parallel.grad_comm,
-            ignore=(lambda modules: {q for m in modules for _, q in experts.held(m)}) if self.experts else None)
+            ignore=experts.held_in if self.experts else None)
         self.fsdp = sync is not None
         # saved through DCP, in pieces (or each worker its experts)
         self.sharded = self.fsdp or self.shares is not None or bool(self.experts)
