@@ -3,10 +3,10 @@
 Each layout trains the tests' small Mixtral-kind llama (2 blocks, 4 experts, 2 a token, the
 load-balancing loss) on a local Ray, then compares every parameter with one plain process
 (`helpers.reference_run`: the CI tests' reference) and prints the largest difference; the
-`kill` layout SIGKILLs rank 1 after step 3 and also reports where the recovery took its state
-from and whether every sample was trained once. CI runs dp 2, cp 2, pp 2, ZeRO-3 at dp 4 and
-a killed holder under DDP, dp 4 x pp 2 under ZeRO-2 (`tests/integration/test_sharding.py`);
-these are the rest.
+`kill` layouts SIGKILL rank 1 after step 3 and also report where the recovery took its state
+from and whether every sample was trained once. CI runs dp 2, cp 2, pp 2 x tp 2, ZeRO-3 at
+dp 4, dp 4 x pp 2 under ZeRO-2, dp 2 x tp 2 under ZeRO-3 and a killed holder under DDP
+(`tests/integration/test_sharding.py`); these are the rest.
 
     python benchmarks/expert_layouts.py
     python benchmarks/expert_layouts.py --layouts zero2 kill-pp
