@@ -548,10 +548,10 @@ class PipelineEngine(_Engine):
         mesh = dims.device_mesh(device.type, spec.parallel.timeout_s)
         # expert parallelism: this rank's experts of its stage's mixtures, split over the
         # stage's workers of its replica group (the mesh's dp_shard), held by name
-        self.experts, self.expert_grads = [], None
+        self.expert_grads = None
         if spec.parallel.ep > 1:
             split = _expert_group(mesh)
-            self.experts = [q for _, q in experts.split(self.module, split)]
+            experts.split(self.module, split)
             self.ep_group = split.group
             self.expert_grads = _expert_grads(mesh, dims, spec)
         # the stage's replicas that sum its gradients (whole stages), with their cp workers
@@ -573,8 +573,8 @@ class PipelineEngine(_Engine):
                                      stage_after=int(marked) if marked is not None else None,
                                      random=self.own_random)
                        if dims.tp > 1 else None)
-        if self.experts and self.shares:  # (the experts' layers are shares now)
-            self.experts = [q for _, q in experts.held(self.module)]
+        # (taken once the stage's layers are split: tp makes its experts' layers shares)
+        self.experts = [q for _, q in experts.held(self.module)] if spec.parallel.ep > 1 else []
         self.module.to(device)
         # FSDP2 inside the stages (shard: grads | full), or whole stages whose gradients
         # this engine all-reduces over the stage's replicas
