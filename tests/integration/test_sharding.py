@@ -185,8 +185,10 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     pair that splits the stage's experts, 8 workers) and at dp 2 x tp 2 under sequence
     parallelism and ZeRO-3 (each worker half of every linear layer, and of the hidden units
     of the half of the experts its tp rank's pair splits, the rest of its share sharded over
-    that pair; its pieces read from the sharded checkpoint by name): one process's numbers,
-    with the load-balancing loss. (DDP's two groups: the killed expert holder's test below.)"""
+    that pair; its pieces read from the sharded checkpoint by name), and at dp 2 under plain
+    DDP without expert parallelism (each worker every expert, read by name): one process's
+    numbers, with the load-balancing loss. (DDP's two groups: the killed expert holder's test
+    below.)"""
     raw = _spec(tmp_path, data, "ep", 2, "mixtral", schedule="constant").to_dict()
     raw["parallel"]["ep"] = 2
     raw["model"]["options"]["router_aux_loss"] = 0.1
@@ -229,6 +231,9 @@ def test_experts_split_over_replicas_train_as_one_process(tmp_path, data):
     assert [b["params"] for b in result.state_bytes] == [
         ((total - whole_params - routed) // 2 + whole_params) // 2 + routed // 4] * 4
     assert_like_one_process(split, data, result, 7)  # measured: 2.2e-6 at most
+    plain, result = _resumed(raw, 8, ep=1)
+    assert {w["wrapper"] for w in result.workers} == {"DistributedDataParallel"}
+    assert_like_one_process(plain, data, result, 8)  # measured: 2.4e-6 at most
 
 
 def test_rows_split_over_context_parallel_workers_train_as_one_process(tmp_path, data):
