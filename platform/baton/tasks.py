@@ -55,16 +55,15 @@ class Task:
     def inputs(self, batch: dict) -> torch.Tensor:
         return batch["inputs"]
 
-    def documents(self, batch: dict, device=None, whole: bool = True):
+    def documents(self, batch: dict, device=None):
         """Where the documents packed into the rows of the batch's inputs (token ids) end,
         for a model whose attention keeps each to itself (models/documents.py); None: the
-        inputs attend as one sequence (no `eod`: not data.document_mask's). `whole`: with the
-        mask over the whole rows."""
+        inputs attend as one sequence (no `eod`: not data.document_mask's)."""
         if self.eod is None:
             return None
         from baton.models.documents import documents
 
-        return documents(self.inputs(batch), self.eod, device, whole)
+        return documents(self.inputs(batch), self.eod, device)
 
     def loss(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
         """(loss sum, {metric: sum}) over the batch's valid rows."""
@@ -132,11 +131,10 @@ class SequencePart(Task):
 
     def documents(self, batch: dict, device=None):
         """What this worker's attending layers are told of a batch: every row's documents
-        (found in the whole row; one a row without data.document_mask) as its part sees them:
-        the mask over the whole rows only where attention runs over them."""
+        (found in the whole row; one a row without data.document_mask) as its part sees them."""
         from baton.models.documents import sequence_part
 
-        docs = self.task.documents(batch, device, self.split.exchanges_heads)
+        docs = self.task.documents(batch, device)
         if docs is not None:
             return docs.part(self.split)
         tokens = self.task.inputs(batch)

@@ -163,7 +163,7 @@ def test_four_workers_pass_keys_and_values_around_a_ring(four_workers, case):
 def _ring_worker(rank: int, rendezvous: str, out: str) -> None:
     """Ring attention alone, each kernel (torch's fused CPU one and the plain products used
     on other devices), against `scaled_dot_product_attention` over the whole rows."""
-    from baton.models.documents import ring_blocks
+    from baton.models.documents import blocks_of
     from baton.parallel.ring import FlashCPU, Products, _ring
 
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank,
@@ -192,7 +192,7 @@ def _ring_worker(rank: int, rendezvous: str, out: str) -> None:
             for name, kernels in (("FlashCPU", FlashCPU()), ("Products", Products()),
                                   ("Products in runs", Products(scores_bytes=1024))):
                 mine = [split.part(t.detach(), 2).requires_grad_() for t in (q, k, v)]
-                y = _ring(*mine, split, ring_blocks(part, 16), 8 ** -0.5, kernels)
+                y = _ring(*mine, split, blocks_of(part, 16), 8 ** -0.5, kernels)
                 y.backward(split.part(dy, 2))
                 results[case, name] = [
                     (got - split.part(whole, 2)).abs().max().item() for got, whole in
@@ -216,14 +216,14 @@ def test_each_ring_kernel_computes_attention_over_the_whole_rows(tmp_path):
             assert max(apart) < 1e-5, (kernels, apart)
 
 
-def test_ring_blocks_leave_out_documents_apart_and_drop_masks_they_do_not_need():
+def test_blocks_of_leave_out_documents_apart_and_drop_masks_they_do_not_need():
     """A ring worker's blocks under a document mask (rows of 16, documents ending at 7 in
     one, at 5 in the other; cp 2, pieces of 4): laid over its rows of the whole row's mask,
     they give exactly those rows (a block left out where causal or the documents are apart);
     a block inside one document in every row is computed without a mask (its causal square,
     or all seen), and only a block with a document's edge in it keeps one. Found once for
     every layer (the micro-batch's memo), masks made when used."""
-    from baton.models.documents import ring_blocks
+    from baton.models.documents import blocks_of
     from baton.parallel.ring import ALL, CAUSAL
 
     tokens = torch.arange(1, 17).repeat(2, 1)
@@ -232,8 +232,8 @@ def test_ring_blocks_leave_out_documents_apart_and_drop_masks_they_do_not_need()
     kinds = {}
     for rank in range(2):
         split = SequenceSplit(None, rank, 2, "ring")
-        docs = documents(tokens, 0, whole=False).part(split)
-        blocks, rows = ring_blocks(docs, 16), split.part(whole.mask[:, 0], 1)  # (B, 8, 16)
+        docs = documents(tokens, 0).part(split)
+        blocks, rows = blocks_of(docs, 16), split.part(whole.mask[:, 0], 1)  # (B, 8, 16)
         for part in range(2):
             keys = SequenceSplit(None, part, 2, "ring").part(torch.arange(16), 0)
             laid = torch.zeros(2, 8, 8, dtype=torch.bool)
@@ -243,7 +243,7 @@ def test_ring_blocks_leave_out_documents_apart_and_drop_masks_they_do_not_need()
                 laid[:, qs, ks] = ({ALL: square, CAUSAL: square.tril()}[seen]
                                    if isinstance(seen, str) else seen[:, 0])
             assert torch.equal(laid, rows[:, :, keys]), (rank, part)
-        assert list(docs.memo) == [("ring", 16, None)]  # (found once: both parts from it)
+        assert list(docs.memo) == [("blocks", 16, None, 2, 4 * rank, 4)]  # (found once: both parts from it)
     # worker 0 (pieces 0-3 and 12-15, at 0 and 4 of its part): each piece's own square
     # causal, inside one document in both rows; positions 12-15 see none of 0-3 (left out),
     # part of 4-7 (the second row's 6 and 7) and all of 8-11. Worker 1 (4-7 and 8-11): 4-7

@@ -44,11 +44,6 @@ class SequenceSplit:
     size: int
     attention: str = "all_to_all"
 
-    @property
-    def exchanges_heads(self) -> bool:
-        """Whether attention runs over the whole row (a cp-th of the heads), its whole mask."""
-        return self.attention == "all_to_all"
-
     def part(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This worker's part of `t` along `dim` (the sequence's): its pieces, in order."""
         pieces = self.pieces(t.shape[dim])

@@ -16,8 +16,10 @@ passes the sum on; a cp-th pass brings each part's gradient home.
 A worker's part is two pieces of the row (`SequenceSplit.pieces`: pieces i and 2 x cp - 1 - i,
 the zigzag order), so that under a causal mask every worker's queries see as many keys as
 every other's, and each part is computed as blocks, a piece of queries against a piece of
-keys (`Blocks`, made by `models.documents.ring_blocks`): a block none of whose queries sees a
-key costs nothing.
+keys (`Blocks`, made by `models.documents.blocks_of`): a block none of whose queries sees a
+key costs nothing. One worker without context parallelism runs as a ring of one
+(`models.documents.Alone`: its row in pieces of 256, nothing passed) where documents or a
+window leave blocks out.
 
 A part's attention runs through torch's fused CPU kernel on a CPU (`FlashCPU`: no scores
 held) and through plain matrix products in float32 elsewhere (`Products`: a run of queries'
