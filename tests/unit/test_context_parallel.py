@@ -131,9 +131,9 @@ def test_two_workers_each_on_half_the_sequence_compute_what_the_whole_model_does
     for rank in range(2):
         r = torch.load(two_workers / case / f"{rank}.pt")
         # measured: the logits equal (each position's computed as the whole model does;
-        # gathered, 7.5e-9 and 1.5e-8 of 0.27 at most); the summed loss 3.8e-6 apart (0 in
-        # some cases) of about 45; gradients 3.3e-7 of a parameter's largest element (sums
-        # in another order); the tensor-parallel tests' bounds. Attention on each half alone
+        # gathered, a block at a time: 3.0e-8 and 1.5e-8 of 0.27 at most); the summed loss
+        # 3.8e-6 apart (0 in some cases) of about 45; gradients 3.5e-7 of a parameter's
+        # largest element (sums in another order); the tensor-parallel tests' bounds. Attention on each half alone
         # fails every case; gathered, each worker's mask rows as the first worker's fail both.
         # Ring (each worker's two zigzag pieces): logits 4.5e-8, 1.5e-8, 1.5e-8, the loss 0,
         # 0 and 0, gradients 2.8e-7, 3.5e-7, 3.2e-7; each worker's own part alone fails
