@@ -132,7 +132,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
     heads: attention runs over the whole sequence of a cp-th of them, and the output comes back
     as the part; or, where the split gathers (parallel.cp_attention: all_gather), its queries
     attend over every position's keys and values, gathered; or they pass around a ring
-    (`ring`: parallel/ring.py)."""
+    (`ring`: parallel/ring.py). On a CPU, where documents or a window leave out more than
+    causality does, a whole row's attention (one worker's, or the exchange's or gathering's)
+    runs a block at a time (`Alone`: a ring of one)."""
     from baton.parallel.ring import ring_attention
 
     split = docs.split if docs is not None else None
