@@ -123,7 +123,7 @@ def test_rows_of_short_documents_skip_the_blocks_between_them(monkeypatch):
     assert "mask" not in docs.memo
     one = documents(torch.randint(1, 9, (2, 32)), EOD)
     module.attention(q, k, v, one, 0, 0.0)
-    assert list(one.memo) == ["causal alone"]
+    assert one.single and not one.memo  # (known from the tokens on the host)
 
 
 def test_a_mask_given_whole_is_taken_as_it_is():

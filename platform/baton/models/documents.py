@@ -39,6 +39,9 @@ class Documents:
     # or one worker's whole row computed a block at a time (`Alone`)
     split: Optional["SequenceSplit"] = None
     doc: Optional[torch.Tensor] = None  # (B, T) int64: which document of its row each token is in
+    # whether every row holds one document (or the end of one and nothing after it), where
+    # known without a read from a device (found from tokens on the host); None: not known
+    single: Optional[bool] = None
     # what every layer's attention of this micro-batch shares: its blocks (blocks_of), the
     # mask once made
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -60,25 +63,19 @@ class Documents:
         """These documents as `split`'s worker sees them: its part of the positions, and the
         whole rows' documents (its rows of the mask made from them where attention needs
         them, or the whole mask where it runs over the whole row: `whole`)."""
-        return Documents(None, split.part(self.positions), split, self.doc)
+        return Documents(None, split.part(self.positions), split, self.doc, self.single)
 
     def whole(self) -> "Documents":
         """These documents over the whole rows, where a worker's attention runs over them (a
         cp-th of the heads): the same for every layer of the micro-batch."""
         if "whole" not in self.memo:
-            self.memo["whole"] = Documents(None, self.positions, doc=self.doc)
+            self.memo["whole"] = Documents(None, self.positions, doc=self.doc, single=self.single)
         return self.memo["whole"]
 
-    @torch.compiler.disable  # (a read to the host: a compiled block breaks its graph here)
     def causal_alone(self) -> bool:
         """Whether these documents ask for nothing but causality: no mask given, and every
-        row one document (or the end of one and nothing after it), read to the host once for
-        all the micro-batch's layers."""
-        if self.given is not None or self.doc is None:
-            return self.given is None
-        if "causal alone" not in self.memo:
-            self.memo["causal alone"] = not bool(self.doc[:, -1].any())
-        return self.memo["causal alone"]
+        row one document where that is known (`single`; not known, the mask is taken)."""
+        return self.given is None and (self.doc is None or bool(self.single))
 
     def seen(self, first: int, t: int, keys: int, n: int, window: Optional[int] = None,
              ) -> Optional[torch.Tensor]:
@@ -110,6 +107,8 @@ def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = N
     """The documents of rows of tokens (B, T), each ending at an `eod` (the row's first ends
     at its first, or is cut by the row's start: a document longer than a row goes on in the
     next). The mask over the whole rows is made only if read (`Documents.mask`)."""
+    # (found on the host where the tokens are there: no read from a device, no graph break)
+    single = not bool((tokens[:, :-1] == eod).any()) if tokens.device.type == "cpu" else None
     tokens = tokens.to(device) if device is not None else tokens
     T = tokens.shape[1]
     at = torch.arange(T, device=tokens.device)
@@ -118,7 +117,7 @@ def documents(tokens: torch.Tensor, eod: int, device: Optional[torch.device] = N
     starts[:, 1:] = tokens[:, :-1] == eod
     doc = starts.long().cumsum(1)  # (B, T): which document of its row each token is in
     first = torch.where(starts, at, 0).cummax(1).values  # where each token's document starts
-    return Documents(None, at - first, doc=doc)
+    return Documents(None, at - first, doc=doc, single=single)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None,
@@ -135,18 +134,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
     (`ring`: parallel/ring.py). On a CPU, where documents or a window leave out more than
     causality does, a whole row's attention (one worker's, or the exchange's or gathering's)
     runs a block at a time (`Alone`: a ring of one)."""
-    from baton.parallel.ring import ring_attention
-
     split = docs.split if docs is not None else None
     if split is None and _in_blocks(q, k, docs, start, dropout, window):
         T = q.shape[2]
         docs = docs or Documents(None, torch.arange(T, device=q.device)[None])
         split = Alone(BLOCK)
-        return ring_attention(q, k, v, split, blocks_of(docs, T, window, split))
+        return _blocks(q, k, v, split, blocks_of(docs, T, window, split))
     if split is not None and split.attention == "ring":
         if dropout:
             raise ValueError("ring attention takes no attention dropout (model.dropout: 0)")
-        return ring_attention(q, k, v, split, blocks_of(docs, q.shape[2] * split.size, window))
+        return _blocks(q, k, v, split, blocks_of(docs, q.shape[2] * split.size, window))
     if split is not None and split.attention == "all_gather":
         # this worker's queries over every position's keys and values: its rows of the mask
         # (of the documents', or causal), its positions counted from its part's first
@@ -154,7 +151,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
         k, v = split.gathered(k, v)
         if q.device.type == "cpu" and not dropout:  # (a block at a time, as one worker's)
             alone = Alone(BLOCK, (first, t))
-            return ring_attention(q, k, v, alone, blocks_of(docs, k.shape[2], window, alone))
+            return _blocks(q, k, v, alone, blocks_of(docs, k.shape[2], window, alone))
         mask = docs.seen(first, t, 0, k.shape[2], window)
         return attention(q, k, v, Documents(mask, docs.positions), first, dropout, gqa, None)
     if split is not None:
@@ -201,6 +198,13 @@ class Alone:
     @staticmethod
     def pass_on(t: torch.Tensor):
         return lambda: t  # (around a ring of one: home at once)
+
+
+def _blocks(q, k, v, split, blocks) -> torch.Tensor:
+    # (imported when first used: parallel/ring.py imports torch's compiler, seconds a start)
+    from baton.parallel.ring import ring_attention
+
+    return ring_attention(q, k, v, split, blocks)
 
 
 def _in_blocks(q, k, docs: Optional[Documents], start: int, dropout: float,
